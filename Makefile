@@ -1,0 +1,57 @@
+# kvrelay developer commands. Every target creates what it needs itself.
+#   make demo   - local demo fleet (1 P + 1 D enginesim, proxy) and a five-turn chat
+#   make test   - ruff, mypy and the test suite (what CI runs)
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvrelay-installed
+export UCX_NET_DEVICES ?= lo
+export UCX_TLS ?= tcp,self,sm
+export PYTHONDONTWRITEBYTECODE := 1
+
+.PHONY: help venv redis lint typecheck test test-fast test-chaos test-vllm demo bench clean
+
+help:
+	@echo "make demo        run the local demo fleet (P + D enginesim + proxy) and a five-turn chat"
+	@echo "make test        ruff + mypy + pytest (the command CI runs)"
+	@echo "make test-chaos  chaos / fault-injection suite"
+	@echo "make bench       benchmarks, rewrites bench/RESULTS.md"
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (Python >= 3.11)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch is pinned to the CPU build (2.13.0); nixl needs torch imported first.
+	$(PY) -m pip install -q -e '.[all]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+redis:
+	@bash scripts/ensure-redis.sh
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: venv
+	$(VENV)/bin/mypy
+
+test: venv redis lint typecheck
+	$(PY) -m pytest -q
+
+test-fast: venv redis
+	$(PY) -m pytest -q -x
+
+test-chaos: venv redis
+	$(PY) -m pytest -q -m chaos
+
+demo: venv
+	$(PY) -m proxy.cli demo
+
+bench: venv redis
+	$(PY) bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""kvrelay connector package."""

@@ -1,0 +1,1 @@
+"""kvrelay kvcache_map package."""
