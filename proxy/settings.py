@@ -1,0 +1,289 @@
+"""Proxy settings: one pydantic-settings model, read from `KVRELAY_*` env vars, an optional
+`.env` file and `kvrelay serve --flag` options (flags win over env, env over `.env`).
+
+Every field here is a documented knob: the Helm chart generates its env-var table from this
+model, and `kvrelay serve --help` lists the same names as flags. List settings accept a JSON
+array or a comma-separated string in the environment. Invalid values stop the proxy at start-up
+with a message that names the setting (`SettingsError`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "KVRELAY_"
+
+LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+class SettingsError(ValueError):
+    """Configuration that cannot run; the message names the offending setting."""
+
+
+def _split_list(value: Any) -> Any:
+    """Env values arrive as one string: accept a JSON array or comma-separated items."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            return json.loads(text)
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return value
+
+
+def _split_mapping(value: Any) -> Any:
+    """`url=host:port,url=host:port` or a JSON object."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return {}
+        if text.startswith("{"):
+            return json.loads(text)
+        out: dict[str, str] = {}
+        for item in text.split(","):
+            if not item.strip():
+                continue
+            key, sep, val = item.partition("=")
+            if not sep:
+                raise ValueError(f"expected URL=HOST:PORT, got {item.strip()!r}")
+            out[key.strip()] = val.strip()
+        return out
+    return value
+
+
+def normalize_backend_url(url: str) -> str:
+    """Validate an engine base URL (`http://host:port`) and drop any trailing slash."""
+    parts = urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s)://host:port URL")
+    try:
+        _ = parts.port
+    except ValueError as exc:
+        raise ValueError(f"{url!r} has an invalid port") from exc
+    return url.strip().rstrip("/")
+
+
+BackendList = Annotated[list[str], NoDecode]
+
+
+class Settings(BaseSettings):
+    """All proxy settings. Field name = CLI flag (`--first-byte-timeout`) = env var
+    (`KVRELAY_FIRST_BYTE_TIMEOUT`)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix=ENV_PREFIX,
+        env_file=".env",
+        env_file_encoding="utf-8",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    # Fleet -----------------------------------------------------------------------------
+    prefill: BackendList = Field(
+        default_factory=list, description="Prefill (P) engine base URLs, e.g. http://p0:8000."
+    )
+    decode: BackendList = Field(
+        default_factory=list, description="Decode (D) engine base URLs, e.g. http://d0:8000."
+    )
+    side_channels: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "Engine URL -> side-channel host:port, for engines whose side channel is not yet "
+            "known from the kv_transfer_params they returned (streamed responses)."
+        ),
+    )
+    # Conversation map ---------------------------------------------------------------------
+    map_url: str = Field(
+        default="memory://",
+        description="Conversation map: memory://?max_entries=N or redis://host:port/db.",
+    )
+    # Listener -----------------------------------------------------------------------------
+    host: str = Field(default="0.0.0.0", description="Listen address.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Listen port.")
+    workers: int = Field(
+        default=1, ge=1, le=256, description="Worker processes sharing the port (SO_REUSEPORT)."
+    )
+    # Security -----------------------------------------------------------------------------
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted client API keys (Bearer); empty = open. Each key is a tenant.",
+    )
+    admin_key: SecretStr | None = Field(
+        default=None, description="Key for /admin endpoints; unset = admin API disabled."
+    )
+    connector_secret: SecretStr | None = Field(
+        default=None,
+        description="Shared HMAC secret of the engines' side channels (release, finished).",
+    )
+    # Timeouts and retries ---------------------------------------------------------------
+    connect_timeout: float = Field(
+        default=2.0, gt=0, description="Seconds to connect to an engine, per leg."
+    )
+    first_byte_timeout: float = Field(
+        default=60.0, gt=0, description="Seconds until an engine's response headers, per leg."
+    )
+    total_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds for a whole leg including the stream."
+    )
+    retries: int = Field(
+        default=1, ge=0, le=10, description="Extra attempts on another engine, per leg."
+    )
+    side_channel_timeout: float = Field(
+        default=2.0, gt=0, description="Seconds for a side-channel call (release, finished)."
+    )
+    body_limit_bytes: int = Field(
+        default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body."
+    )
+    # Reuse --------------------------------------------------------------------------------
+    entry_safety_margin_s: float = Field(
+        default=5.0, ge=0, description="Never use held blocks this close to their expiry."
+    )
+    conversation_ttl_s: float = Field(
+        default=600.0, gt=0, description="How long a conversation's entry stays in the map."
+    )
+    fingerprint_conversations: bool = Field(
+        default=True,
+        description="Match chat requests without a conversation id by message history.",
+    )
+    stock_vllm_reuse: bool = Field(
+        default=False,
+        description=(
+            "Reuse D's blocks from engines without block hashes (stock vLLM); caps pulled "
+            "tokens at the previous turn's prompt tokens."
+        ),
+    )
+    # Health and routing -------------------------------------------------------------------
+    probe_interval_s: float = Field(
+        default=2.0, gt=0, description="Seconds between health probes of each engine."
+    )
+    probe_timeout_s: float = Field(default=1.0, gt=0, description="Timeout of one probe.")
+    eject_after_failures: int = Field(
+        default=3, ge=1, description="Consecutive failures that take an engine out of its pool."
+    )
+    readmit_after_successes: int = Field(
+        default=2, ge=1, description="Consecutive probe successes that bring it back."
+    )
+    decode_overload_inflight: int = Field(
+        default=64,
+        ge=1,
+        description="In-flight requests above which D affinity yields to the least loaded D.",
+    )
+    log_level: LogLevel = Field(default="INFO", description="Log level.")
+
+    @field_validator("prefill", "decode", "api_keys", mode="before")
+    @classmethod
+    def _lists(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("side_channels", mode="before")
+    @classmethod
+    def _mapping(cls, value: Any) -> Any:
+        return _split_mapping(value)
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, value: list[str]) -> list[str]:
+        urls = [normalize_backend_url(u) for u in value]
+        if len(set(urls)) != len(urls):
+            raise ValueError("the same URL is listed twice")
+        return urls
+
+    @field_validator("side_channels")
+    @classmethod
+    def _side_channels(cls, value: dict[str, str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for url, addr in value.items():
+            host, sep, port = addr.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"{addr!r} for {url!r} is not host:port")
+            out[normalize_backend_url(url)] = addr
+        return out
+
+    @field_validator("map_url")
+    @classmethod
+    def _map_url(cls, value: str) -> str:
+        scheme = urlsplit(value).scheme
+        if scheme not in ("memory", "redis", "rediss", "unix"):
+            raise ValueError("must start with memory://, redis://, rediss:// or unix://")
+        return value
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.first_byte_timeout > self.total_timeout:
+            raise ValueError("first_byte_timeout must not exceed total_timeout")
+        if any(not k.get_secret_value() for k in self.api_keys):
+            raise ValueError("api_keys contains an empty key")
+        return self
+
+    @property
+    def uses_shared_map(self) -> bool:
+        """True when the map is shared between processes (Redis)."""
+        return not self.map_url.startswith("memory:")
+
+    def check_runnable(self) -> None:
+        """Checks that only `serve` needs (a fleet to route to, a shared map for workers)."""
+        if not self.decode:
+            raise SettingsError(
+                "setting `decode` (KVRELAY_DECODE / --decode) is empty: give at least one "
+                "decode engine URL"
+            )
+        if not self.prefill:
+            raise SettingsError(
+                "setting `prefill` (KVRELAY_PREFILL / --prefill) is empty: give at least one "
+                "prefill engine URL"
+            )
+        if self.workers > 1 and not self.uses_shared_map:
+            raise SettingsError(
+                f"setting `workers` is {self.workers} but `map_url` is {self.map_url!r}: "
+                "several workers need the shared Redis map (KVRELAY_MAP_URL=redis://...), "
+                "otherwise a conversation's next turn misses on another worker"
+            )
+
+    def public_dict(self) -> dict[str, Any]:
+        """Settings for logs and /admin: secrets reduced to whether they are set."""
+        data = self.model_dump(mode="json")
+        data["api_keys"] = f"{len(self.api_keys)} key(s)"
+        data["admin_key"] = "set" if self.admin_key else "unset"
+        data["connector_secret"] = "set" if self.connector_secret else "unset"
+        return data
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def load_settings(
+    overrides: dict[str, Any] | None = None, env_file: str | None = ".env"
+) -> Settings:
+    """Build settings (CLI overrides > env > env file > defaults) or raise `SettingsError`."""
+    try:
+        return Settings(_env_file=env_file, **(overrides or {}))
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = [str(p) for p in err.get("loc", ()) if not isinstance(p, int)]
+            name = loc[0] if loc else "settings"
+            if name in Settings.model_fields:
+                where = f"`{name}` ({env_name(name)} / {flag_name(name)})"
+            else:
+                where = "settings"
+            msg = str(err.get("msg", "invalid"))
+            problems.append(f"invalid setting {where}: {msg}")
+        raise SettingsError("; ".join(problems)) from None
+    except (json.JSONDecodeError, ValueError) as exc:
+        raise SettingsError(f"invalid settings: {exc}") from None
