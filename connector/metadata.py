@@ -1,0 +1,51 @@
+"""Engine-facing value types and the per-step metadata the scheduler hands to every worker.
+
+Plain dataclasses (picklable: an engine may ship them to worker processes). Torch-free.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestView:
+    """What the connector needs to know about one engine request."""
+
+    request_id: str
+    client_request_id: str | None
+    prompt_token_ids: Sequence[int]
+    all_token_ids: Sequence[int]
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """One pending read: local blocks to fill from a holder's blocks (same positions)."""
+
+    request_id: str
+    local_block_ids: tuple[int, ...]
+    remote_block_ids: tuple[int, ...]
+    remote_engine_id: str
+    remote_request_id: str
+    remote_host: str
+    remote_port: int
+    remote_tp_size: int
+    release_token: str | None
+
+
+@dataclass
+class ConnectorMetadata:
+    """Built once per engine step by the scheduler; passed unchanged to every worker rank.
+
+    `reqs_to_recv`: reads to start. `reqs_to_hold`: requests whose blocks this engine now
+    holds for remote readers (workers count read notifications for them). `reqs_to_free`: held
+    requests the scheduler released/expired/reclaimed; workers report them in
+    `finished_sending` so the engine frees their blocks (the engine frees only through that).
+    """
+
+    reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
+    reqs_to_hold: dict[str, float] = field(default_factory=dict)
+    reqs_to_free: set[str] = field(default_factory=set)
