@@ -1,0 +1,342 @@
+"""Shared helpers for the benchmark scripts in `bench/`.
+
+- `REPO_ROOT` on `sys.path`, so scripts run as `python bench/x.py` can import `tests.harness`
+  (free ports, `ServerProcess`, `RedisServer`) and the project packages.
+- `update_results_section()`: each script rewrites only its own `## name` section of
+  `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
+- `run_header()`: the exact command, date and machine every section starts with.
+- `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
+- `start_engine()`, `start_kvrelay()`, `start_vllm_router()`: the servers the benchmarks run,
+  started and stopped through the shared test harness (bounded readiness, process groups).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import math
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = REPO_ROOT / "bench"
+RESULTS_MD = BENCH_DIR / "RESULTS.md"
+WORK_DIR = BENCH_DIR / ".work"  # git-ignored scratch: JSON results, logs
+ROUTER_VENV = REPO_ROOT / ".venv-router"
+ROUTER_VERSION = "0.1.17"
+
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from tests.harness import (  # noqa: E402  (needs REPO_ROOT on sys.path first)
+    RedisServer,
+    ServerProcess,
+    free_port,
+    http_ready,
+)
+
+# The order sections appear in when RESULTS.md is created from scratch.
+SECTION_ORDER = ("kvmap", "transfer", "proxy overhead", "multiturn")
+
+RESULTS_PREAMBLE = (
+    "# Benchmark results\n\n"
+    "Written by the scripts in `bench/` (`make bench` runs them all); each script rewrites only\n"
+    "its own section. Every comparison is measured side by side in one run on the same backends,\n"
+    "because absolute times on shared machines drift: compare ratios, not absolute numbers\n"
+    "across sections or runs.\n"
+)
+
+
+def bench_env() -> dict[str, str]:
+    """Environment for every server a benchmark starts: NIXL over loopback on CPU."""
+    env = dict(os.environ)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    env.setdefault("UCX_TLS", "tcp,self,sm")
+    env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def machine_description() -> str:
+    """One line naming the machine: CPU model, cores, memory, OS and Python."""
+    cpu = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = ""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                mem = f", {int(line.split()[1]) / 1024 / 1024:.0f} GiB RAM"
+                break
+    return (
+        f"{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} {platform.release()}, "
+        f"Python {platform.python_version()} (host `{platform.node()}`, shared with other jobs)"
+    )
+
+
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The command as typed from the repository root."""
+    args = list(sys.argv if argv is None else argv)
+    script = Path(args[0])
+    with contextlib.suppress(ValueError):
+        script = script.resolve().relative_to(REPO_ROOT)
+    return shlex.join([".venv/bin/python", str(script), *args[1:]])
+
+
+def run_header(argv: Sequence[str] | None = None) -> str:
+    """Markdown lines: command, date (UTC) and machine."""
+    date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"Command: `{command_line(argv)}`  \nDate: {date}  \nMachine: {machine_description()}\n"
+
+
+def update_results_section(name: str, body: str, path: Path = RESULTS_MD) -> None:
+    """Replace the `## name` section of RESULTS.md with `body` (created when missing).
+
+    A section runs from its heading to the next `## ` heading. Other sections are kept byte for
+    byte; a file lock serialises scripts that finish at the same time.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = path.with_suffix(".lock")
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            text = path.read_text() if path.exists() else RESULTS_PREAMBLE
+            new_section = f"## {name}\n\n{body.strip()}\n"
+            sections = _split_sections(text)
+            if name in sections[1]:
+                sections[1][name] = new_section
+            else:
+                sections[1][name] = new_section
+                order = [s for s in SECTION_ORDER if s in sections[1]]
+                order += [s for s in sections[1] if s not in order]
+                sections = (sections[0], {k: sections[1][k] for k in order})
+            preamble, parts = sections
+            out = preamble.rstrip("\n") + "\n\n" + "\n".join(parts.values())
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(out)
+            tmp.replace(path)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    with contextlib.suppress(OSError):
+        lock_path.unlink()
+
+
+def _split_sections(text: str) -> tuple[str, dict[str, str]]:
+    """Split markdown into the text before the first `## ` heading and the sections by name."""
+    matches = list(re.finditer(r"^## (.+?)\s*$", text, flags=re.MULTILINE))
+    if not matches:
+        return text, {}
+    preamble = text[: matches[0].start()]
+    parts: dict[str, str] = {}
+    for i, m in enumerate(matches):
+        end = matches[i + 1].start() if i + 1 < len(matches) else len(text)
+        parts[m.group(1).strip()] = text[m.start() : end].rstrip("\n") + "\n"
+    return preamble, parts
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) by linear interpolation; NaN for no values."""
+    if not values:
+        return math.nan
+    data = sorted(values)
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = math.ceil(pos)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def fmt_ms(seconds: float, digits: int = 2) -> str:
+    """Seconds as milliseconds text, `-` for NaN."""
+    return "-" if math.isnan(seconds) else f"{seconds * 1000:.{digits}f}"
+
+
+def fmt_ratio(value: float) -> str:
+    return "-" if math.isnan(value) or math.isinf(value) else f"{value:.2f}"
+
+
+def write_json(path: Path, data: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def relpath(path: Path) -> str:
+    with contextlib.suppress(ValueError):
+        return str(path.resolve().relative_to(REPO_ROOT))
+    return str(path)
+
+
+# --------------------------------------------------------------------------- servers
+
+
+@dataclass
+class Engine:
+    """A running enginesim: its HTTP URL and its process."""
+
+    url: str
+    engine_id: str
+    process: ServerProcess
+
+
+def start_engine(engine_id: str, extra: Sequence[str] = (), ready_timeout: float = 60.0) -> Engine:
+    """Start `python -m enginesim` on free ports and wait for `GET /health`."""
+    port = free_port()
+    side = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, "-m", "enginesim",
+        "--port", str(port),
+        "--engine-id", engine_id,
+        "--side-channel-port", str(side),
+        *extra,
+    ]  # fmt: skip
+    proc = ServerProcess(
+        argv,
+        http_ready(f"{url}/health"),
+        env=bench_env(),
+        ready_timeout=ready_timeout,
+        name=f"enginesim-{engine_id}",
+    ).start()
+    return Engine(url=url, engine_id=engine_id, process=proc)
+
+
+@dataclass
+class Router:
+    """A running router (kvrelay or vllm-router) in front of the engines."""
+
+    name: str
+    url: str
+    process: ServerProcess
+
+
+def start_kvrelay(
+    name: str,
+    prefill: Sequence[str],
+    decode: Sequence[str],
+    workers: int = 1,
+    map_url: str | None = None,
+    extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> Router:
+    """Start `python -m proxy.cli serve` on a free port and wait for `GET /health`."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += ["--workers", str(workers)]
+    if map_url is not None:
+        argv += ["--map-url", map_url]
+    argv += list(extra)
+    full_env = bench_env()
+    full_env.setdefault("KVRELAY_LOG_LEVEL", "warning")
+    if env:
+        full_env.update(env)
+    url = f"http://127.0.0.1:{port}"
+    proc = ServerProcess(
+        argv, http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name
+    ).start()
+    return Router(name=name, url=url, process=proc)
+
+
+def ensure_router_venv(quiet: bool = True) -> Path:
+    """Install `vllm-router` into its own environment `.venv-router`; return its launcher.
+
+    Kept out of `.venv` so its dependencies never touch the project's pins.
+    """
+    launcher = ROUTER_VENV / "bin" / "vllm-router"
+    stamp = ROUTER_VENV / f".vllm-router-{ROUTER_VERSION}"
+    if launcher.exists() and stamp.exists():
+        return launcher
+    python = shutil.which("python3.11") or sys.executable
+    if not (ROUTER_VENV / "bin" / "python").exists():
+        subprocess.run([python, "-m", "venv", str(ROUTER_VENV)], check=True)
+    pip = [str(ROUTER_VENV / "bin" / "python"), "-m", "pip", "install"]
+    if quiet:
+        pip.append("-q")
+    subprocess.run([*pip, f"vllm-router=={ROUTER_VERSION}"], check=True)
+    stamp.touch()
+    return launcher
+
+
+def start_vllm_router(prefill: Sequence[str], decode: Sequence[str]) -> Router:
+    """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
+
+    `round_robin` keeps it from calling the engines' `/render` endpoint for every request
+    (its `cache_aware` default tokenizes each prompt on P and D first); with one P and one D the
+    policy choice does not change where requests go.
+    """
+    launcher = ensure_router_venv()
+    port = free_port()
+    metrics_port = free_port()
+    argv = [
+        str(launcher),
+        "--vllm-pd-disaggregation",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(metrics_port),
+        "--policy", "round_robin",
+        "--kv-connector", "nixl",
+        "--log-level", "warning",
+        "--max-concurrent-requests", "4096",
+        "--queue-size", "4096",
+        "--worker-startup-check-interval", "1",
+        "--disable-retries",
+    ]  # fmt: skip
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    url = f"http://127.0.0.1:{port}"
+    proc = ServerProcess(
+        argv, http_ready(f"{url}/health"), env=bench_env(), ready_timeout=90, name="vllm-router"
+    ).start()
+    return Router(name="vllm-router", url=url, process=proc)
+
+
+@contextlib.contextmanager
+def redis_for_bench() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port for the multi-worker proxy."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
+    """GET `url/metrics` and sum every sample by metric name (labels folded together)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
+        text = resp.read().decode()
+    totals: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_labels, _, value = line.rpartition(" ")
+        name = name_labels.split("{", 1)[0]
+        with contextlib.suppress(ValueError):
+            totals[name] = totals.get(name, 0.0) + float(value)
+    return totals
+
+
+def stop_all(*procs: ServerProcess | None) -> None:
+    """Stop every given server; one failing to stop does not keep the others running."""
+    for proc in procs:
+        if proc is not None:
+            with contextlib.suppress(Exception):
+                proc.stop()

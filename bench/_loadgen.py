@@ -1,0 +1,163 @@
+"""Closed-loop HTTP load generator, run in its own process by the benchmarks.
+
+Reads one JSON job on stdin, sends a fixed number of chat requests with a fixed number of
+concurrent clients (aiohttp on uvloop, keep-alive connections), and prints one JSON result on
+stdout: per-request latency (send to last byte), time to first byte, errors and wall time.
+
+It runs in a separate process so its CPU time is never mistaken for the server's event loop,
+and request bodies are built before the clock starts so the client costs as little as possible.
+
+`mode`:
+- `single`: POST the body to `url` (a router, or one engine directly).
+- `pd`: the two legs a P/D router makes, done by the client itself against the engines, as
+  the no-router baseline: P with `max_tokens=1` and `do_remote_decode`, then D with the
+  `kv_transfer_params` P returned. Same engine work as a router, no extra hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def build_bodies(job: dict[str, Any], n: int, tag: str) -> list[dict[str, Any]]:
+    """Distinct chat bodies: a unique first message per request so no router finds reuse."""
+    words = " ".join(["lorem"] * int(job.get("prompt_words", 32)))
+    bodies = []
+    for i in range(n):
+        bodies.append(
+            {
+                "model": job.get("model", "kvrelay-sim"),
+                "messages": [{"role": "user", "content": f"request {tag}-{i}: {words}"}],
+                "max_tokens": int(job.get("max_tokens", 8)),
+                "temperature": 0,
+                "stream": bool(job.get("stream", False)),
+            }
+        )
+    return bodies
+
+
+async def one_single(
+    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool
+) -> tuple[float, float]:
+    start = time.perf_counter()
+    first = 0.0
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        async for _chunk in resp.content.iter_any():
+            if not first:
+                first = time.perf_counter()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}")
+    end = time.perf_counter()
+    return end - start, (first or end) - start
+
+
+async def one_pd(
+    session: aiohttp.ClientSession, p_url: str, d_url: str, body: dict[str, Any]
+) -> tuple[float, float]:
+    start = time.perf_counter()
+    p_body = dict(body)
+    p_body.update(stream=False, max_tokens=1, kv_transfer_params=PREFILL_PARAMS)
+    async with session.post(p_url, json=p_body) as resp:
+        p_json = await resp.json()
+        if resp.status != 200:
+            raise RuntimeError(f"P HTTP {resp.status}")
+    params = p_json.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        raise RuntimeError("P returned no kv_transfer_params")
+    d_body = dict(body)
+    d_body["kv_transfer_params"] = {**params, "do_remote_prefill": True, "do_remote_decode": False}
+    first = 0.0
+    async with session.post(d_url, json=d_body) as resp:
+        async for _chunk in resp.content.iter_any():
+            if not first:
+                first = time.perf_counter()
+        if resp.status != 200:
+            raise RuntimeError(f"D HTTP {resp.status}")
+    end = time.perf_counter()
+    return end - start, (first or end) - start
+
+
+async def run(job: dict[str, Any]) -> dict[str, Any]:
+    concurrency = int(job["concurrency"])
+    total = int(job["requests"])
+    warmup = int(job.get("warmup", concurrency))
+    stream = bool(job.get("stream", False))
+    mode = job.get("mode", "single")
+    tag = str(job.get("tag", "x"))
+    dicts = build_bodies(job, warmup + total, tag)
+    raw = [json.dumps(b).encode() for b in dicts]
+    path = job.get("path", "/v1/chat/completions")
+
+    async def send(session: aiohttp.ClientSession, i: int) -> tuple[float, float]:
+        if mode == "pd":
+            return await one_pd(session, job["p_url"] + path, job["d_url"] + path, dicts[i])
+        return await one_single(session, job["url"] + path, raw[i], stream)
+
+    latencies: list[float] = []
+    ttfbs: list[float] = []
+    errors: list[str] = []
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
+    timeout = aiohttp.ClientTimeout(total=float(job.get("timeout_s", 120)))
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        # Warm-up opens the keep-alive connections (and the routers' upstream pools).
+        next_i = 0
+
+        async def worker(limit: int, record: bool) -> None:
+            nonlocal next_i
+            while next_i < limit:
+                i = next_i
+                next_i += 1
+                try:
+                    lat, first = await send(session, i)
+                except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
+                    if record:
+                        errors.append(f"{type(e).__name__}: {e}"[:200])
+                    continue
+                if record:
+                    latencies.append(lat)
+                    ttfbs.append(first)
+
+        await asyncio.gather(*(worker(warmup, False) for _ in range(concurrency)))
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(warmup + total, True) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    return {
+        "latencies": latencies,
+        "ttfbs": ttfbs,
+        "errors": len(errors),
+        "error_samples": errors[:5],
+        "wall_s": wall,
+        "requests": total,
+        "concurrency": concurrency,
+    }
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    try:
+        import uvloop
+    except ImportError:
+        result = asyncio.run(run(job))
+    else:
+        result = uvloop.run(run(job))
+    sys.stdout.write(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
