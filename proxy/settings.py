@@ -209,8 +209,8 @@ class Settings(BaseSettings):
     @classmethod
     def _map_url(cls, value: str) -> str:
         scheme = urlsplit(value).scheme
-        if scheme not in ("memory", "redis", "rediss", "unix"):
-            raise ValueError("must start with memory://, redis://, rediss:// or unix://")
+        if scheme not in ("memory", "redis", "rediss"):
+            raise ValueError("must start with memory://, redis:// or rediss://")
         return value
 
     @field_validator("log_level", mode="before")

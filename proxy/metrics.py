@@ -1,0 +1,92 @@
+"""Prometheus metrics (`kvrelay_` prefix).
+
+With several worker processes the parent sets `PROMETHEUS_MULTIPROC_DIR` before the workers
+start, every worker writes its samples there, and `/metrics` on any worker aggregates all of
+them (prometheus-client multiprocess mode). Gauges declare how they combine across processes.
+Labels never carry API keys, conversation ids or request ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+REQUESTS = Counter(
+    "kvrelay_requests_total", "Client requests by route and outcome.", ["route", "outcome"]
+)
+LEG_LATENCY = Histogram(
+    "kvrelay_leg_latency_seconds",
+    "Time of one engine leg (prefill: whole response; decode: to the last byte).",
+    ["leg", "outcome"],
+    buckets=_LATENCY_BUCKETS,
+)
+TTFT = Histogram(
+    "kvrelay_ttft_seconds",
+    "Time from the client's request to the first byte of D's answer sent to the client.",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
+REUSE = Counter(
+    "kvrelay_reuse_total",
+    "Reuse lookups: hit, miss, refused (history check failed), expired (too close to "
+    "expiry), unverifiable (engine without block hashes), map_unavailable.",
+    ["result"],
+)
+TOKENS_REUSED = Counter(
+    "kvrelay_tokens_reused_total",
+    "Tokens of D's held KV offered to P on hits (P pulls the prefix its hashes confirm).",
+)
+TOKENS_PULLED = Counter(
+    "kvrelay_tokens_pulled_total",
+    "Tokens P reported as loaded from a holder (when the engine reports cached tokens).",
+)
+RELEASES = Counter(
+    "kvrelay_releases_total",
+    "Side-channel releases by holder role and result (released, already_free, failed, "
+    "unsupported = no release token / no secret).",
+    ["holder", "result"],
+)
+RETRIES = Counter("kvrelay_retries_total", "Leg attempts on another engine.", ["leg"])
+FALLBACKS = Counter(
+    "kvrelay_fallbacks_total", "Degraded paths taken (decode_only: no P answered).", ["kind"]
+)
+FINISHED_PARAMS = Counter(
+    "kvrelay_finished_params_total",
+    "Where D's final params came from: response, stream, side_channel, or missing.",
+    ["source"],
+)
+MAP_ERRORS = Counter(
+    "kvrelay_map_unavailable_total", "Map operations that failed (served without reuse).", ["op"]
+)
+BACKEND_HEALTHY = Gauge(
+    "kvrelay_backend_healthy",
+    "1 when the engine is in its pool, 0 when ejected.",
+    ["role", "backend"],
+    multiprocess_mode="max",
+)
+INFLIGHT = Gauge(
+    "kvrelay_inflight_requests",
+    "Client requests being served.",
+    ["route"],
+    multiprocess_mode="livesum",
+)
+
+
+def render() -> tuple[bytes, str]:
+    """The metrics page, aggregated over worker processes when in multiprocess mode."""
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry), CONTENT_TYPE_LATEST
+    return generate_latest(), CONTENT_TYPE_LATEST

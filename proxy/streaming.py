@@ -1,0 +1,81 @@
+"""Server-sent events relay: pass D's events through byte for byte, except the one that
+carries `kv_transfer_params`, which is parsed, stripped and re-encoded (the only event the
+proxy re-encodes). Events are split on the blank line that ends each SSE event.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+KV_MARKER = b'"kv_transfer_params"'
+DONE = b"[DONE]"
+
+
+@dataclass
+class SSEFilter:
+    """Feed upstream bytes, get bytes to send on; collects the params events carried."""
+
+    params: dict[str, Any] | None = None
+    saw_done: bool = False
+    saw_error: bool = False
+    events: int = 0
+    _buffer: bytearray = field(default_factory=bytearray)
+
+    def feed(self, chunk: bytes) -> bytes:
+        self._buffer += chunk
+        end = self._buffer.rfind(b"\n\n")
+        if end < 0:
+            return b""
+        complete = bytes(self._buffer[: end + 2])
+        del self._buffer[: end + 2]
+        return self._process(complete)
+
+    def flush(self) -> bytes:
+        """What is left when the upstream stream ends (an unterminated last event)."""
+        rest = bytes(self._buffer)
+        self._buffer.clear()
+        return self._process(rest) if rest.strip() else b""
+
+    def _process(self, data: bytes) -> bytes:
+        self.events += data.count(b"\n\n")
+        if DONE in data:
+            self.saw_done = True
+        if b'"error"' in data and data.lstrip().startswith(b'data: {"error"'):
+            self.saw_error = True
+        if KV_MARKER not in data:
+            return data  # the fast path: no parsing, no re-encoding
+        out = bytearray()
+        for event in data.split(b"\n\n"):
+            if not event:
+                continue
+            out += self._strip_event(event) + b"\n\n"
+        return bytes(out)
+
+    def _strip_event(self, event: bytes) -> bytes:
+        if KV_MARKER not in event:
+            return event
+        lines = event.split(b"\n")
+        kept: list[bytes] = []
+        for line in lines:
+            if line.startswith(b"data:") and KV_MARKER in line:
+                payload = line[5:].strip()
+                try:
+                    obj = json.loads(payload)
+                except ValueError:
+                    kept.append(line)
+                    continue
+                if isinstance(obj, dict):
+                    params = obj.pop("kv_transfer_params", None)
+                    if isinstance(params, dict):
+                        self.params = params
+                    line = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+            kept.append(line)
+        return b"\n".join(kept)
+
+
+def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
+    """An OpenAI-style error event for failures after the stream has started."""
+    payload = {"error": {"message": message, "type": type, "param": None, "code": code}}
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
