@@ -1,0 +1,72 @@
+"""Prometheus `/metrics` for one engine, rendered from the engine thread's latest snapshot."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+_GAUGES = {
+    "blocks_total": "KV blocks in the pool",
+    "blocks_free": "KV blocks free in the pool",
+    "blocks_held_for_remote": "KV blocks of finished requests held for a remote reader",
+    "requests_held": "finished requests whose blocks are held for a remote reader",
+    "requests_waiting": "requests waiting for admission",
+    "requests_loading": "requests waiting for remote KV to arrive",
+    "requests_running": "requests prefilling or decoding",
+}
+_COUNTERS = {
+    "prompt_tokens_computed": "prompt tokens whose KV was computed locally",
+    "prompt_tokens_loaded": "prompt tokens whose KV was loaded from a remote engine",
+    "generation_tokens": "generated tokens",
+    "preemptions": "running requests preempted for lack of blocks",
+    "reclaim_requests": "times the engine asked the connector to reclaim holds",
+}
+_OUTCOMES = ("finished", "failed", "aborted", "rejected")
+_NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
+
+
+class _SnapshotCollector:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        for name, doc in _GAUGES.items():
+            yield GaugeMetricFamily(f"enginesim_{name}", doc, value=snap.get(name, 0))
+        for name, doc in _COUNTERS.items():
+            yield CounterMetricFamily(f"enginesim_{name}", doc, value=snap.get(name, 0))
+        total = CounterMetricFamily("enginesim_requests", "requests by outcome")
+        # A plain total plus per-outcome series.
+        requests = CounterMetricFamily(
+            "enginesim_requests_by_outcome", "requests by outcome", labels=["outcome"]
+        )
+        count = 0
+        for outcome in _OUTCOMES:
+            value = snap.get(f"requests_{outcome}", 0)
+            count += value
+            requests.add_metric([outcome], value)
+        total.add_metric([], count)
+        yield total
+        yield requests
+        connector: dict[str, int] = snap.get("connector", {})
+        yield CounterMetricFamily(
+            "enginesim_kv_transfers", "KV transfers reported by the connector",
+            value=connector.get("transfers", 0),
+        )  # fmt: skip
+        for key, value in sorted(connector.items()):
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                yield GaugeMetricFamily(
+                    f"enginesim_connector_{_NAME_OK.sub('_', key)}", f"connector stat {key}",
+                    value=value,
+                )  # fmt: skip
+
+
+def render_metrics(snapshot: Callable[[], dict[str, Any]]) -> Callable[[], bytes]:
+    """A function producing the Prometheus text for the current snapshot."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_SnapshotCollector(snapshot))
+    return lambda: bytes(generate_latest(registry))

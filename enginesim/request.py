@@ -1,0 +1,94 @@
+"""One engine request: sampling settings, progress through the scheduler, and its outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class ReqState(Enum):
+    """Where a request is in the engine (vLLM's states, minus the ones a sim does not need)."""
+
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling settings the simulated model honours (greedy, deterministic)."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineError:
+    """A request that ended in an error (OpenAI error fields)."""
+
+    status: int
+    message: str
+    type: str = "InternalServerError"
+
+
+@dataclass
+class Output:
+    """One increment of a request's result, delivered to its sink on the engine thread."""
+
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    error: EngineError | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    loaded_tokens: int = 0
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """Engine-internal state of one request; `all_token_ids` grows as tokens are generated."""
+
+    request_id: str
+    client_request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    kv_transfer_params: dict[str, Any] | None
+    sink: Callable[[Output], None]
+    all_token_ids: list[int] = field(init=False)
+    state: ReqState = ReqState.WAITING
+    block_ids: list[int] = field(default_factory=list)
+    # Positions whose KV is in this request's blocks.
+    num_computed: int = 0
+    # Prefix hashes of every token position (the model's KV seeds).
+    hashes: list[int] = field(default_factory=list)
+    digest: bytes | None = None
+    external: tuple[int, bool] | None = None
+    loaded_tokens: int = 0
+    text: str = ""
+    emitted_chars: int = 0
+    aborted: bool = False
+    preempted: bool = False
+    connector_view: Any = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def wants_remote_prefill(self) -> bool:
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_prefill"))
