@@ -44,6 +44,7 @@ class HoldEntry:
     release_token: str
     created_at: float = field(default_factory=time.monotonic)
     pinned_until: float = 0.0
+    claimed_by: str | None = None
     release_requested: bool = False
     freeing: FreeReason | None = None
 
@@ -78,7 +79,9 @@ class HoldTable:
             self._counters.inc("holds_started")
             self._update_gauges()
 
-    def claim(self, request_id: str, now: float | None = None) -> HoldEntry | None:
+    def claim(
+        self, request_id: str, reader: str | None = None, now: float | None = None
+    ) -> HoldEntry | None:
         """Pin a live hold for a read; None ("gone") when freed, freeing or expired."""
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -91,13 +94,21 @@ class HoldTable:
                 self._counters.inc("claims_gone")
                 return None
             entry.pinned_until = now + self._claim_timeout_s
+            entry.claimed_by = reader
             self._counters.inc("claims_held")
             return HoldEntry(**entry.__dict__)
 
     def release(
-        self, request_id: str, token: str | None, now: float | None = None
+        self,
+        request_id: str,
+        token: str | None,
+        reader: str | None = None,
+        now: float | None = None,
     ) -> ReleaseOutcome:
-        """Free a hold now; with `token=None` the caller is trusted (engine-internal)."""
+        """Free a hold now; with `token=None` the caller is trusted (engine-internal).
+
+        `reader` = the engine that claimed it and now gives up: its pin ends with the release.
+        """
         now = time.monotonic() if now is None else now
         with self._lock:
             entry = self._entries.get(request_id)
@@ -108,6 +119,8 @@ class HoldTable:
                 return ReleaseOutcome.FORBIDDEN
             if entry.freeing is not None or entry.release_requested:
                 return ReleaseOutcome.UNKNOWN
+            if reader is not None and entry.claimed_by == reader:
+                entry.pinned_until = 0.0
             if entry.pinned_until > now:
                 # A claimed read may be copying these blocks right now: free when it ends
                 # (its notification) or when the claim times out, never under it.

@@ -133,6 +133,8 @@ class ReleaseRequest(BaseModel):
 
     request_id: str = Field(min_length=1, max_length=512)
     release_token: str = Field(min_length=1, max_length=512)
+    # Set by a reader giving up after its own claim: ends that claim's pin, frees at once.
+    reader_engine_id: str | None = Field(default=None, max_length=512)
 
 
 class ReleaseResponse(BaseModel):

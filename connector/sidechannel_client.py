@@ -125,8 +125,17 @@ class SideChannelClient:
             *self._call(host, port, "POST", PATH_CLAIM, body.model_dump_json().encode())
         )
 
-    def release(self, host: str, port: int, request_id: str, release_token: str) -> bool:
-        body = ReleaseRequest(request_id=request_id, release_token=release_token)
+    def release(
+        self,
+        host: str,
+        port: int,
+        request_id: str,
+        release_token: str,
+        reader_engine_id: str | None = None,
+    ) -> bool:
+        body = ReleaseRequest(
+            request_id=request_id, release_token=release_token, reader_engine_id=reader_engine_id
+        )
         return _parse_release(
             *self._call(host, port, "POST", PATH_RELEASE, body.model_dump_json().encode())
         ).released

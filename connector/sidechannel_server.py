@@ -153,7 +153,7 @@ class SideChannelServer:
             msg = ClaimRequest.model_validate_json(request["body"])
         except ValidationError:
             return self._malformed("claim")
-        entry = self._holds.claim(msg.request_id)
+        entry = self._holds.claim(msg.request_id, msg.reader_engine_id)
         if entry is None:
             gone = ClaimResponse(status="gone", instance_id=self.instance_id)
             return web.json_response(gone.model_dump(), status=410)
@@ -170,7 +170,7 @@ class SideChannelServer:
             msg = ReleaseRequest.model_validate_json(request["body"])
         except ValidationError:
             return self._malformed("release")
-        outcome = self._holds.release(msg.request_id, msg.release_token)
+        outcome = self._holds.release(msg.request_id, msg.release_token, msg.reader_engine_id)
         if outcome is ReleaseOutcome.FORBIDDEN:
             return _error(403, "wrong release token")
         released = outcome is ReleaseOutcome.RELEASED

@@ -117,7 +117,8 @@ class NixlTransport:
 
     def add_remote(self, metadata: bytes) -> str:
         try:
-            return str(self._agent.add_remote_agent(metadata))
+            name = self._agent.add_remote_agent(metadata)
+            return name.decode() if isinstance(name, bytes) else str(name)
         except Exception as exc:
             raise TransportError(f"cannot load remote agent metadata: {exc}") from exc
 

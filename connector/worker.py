@@ -406,7 +406,11 @@ class ConnectorWorker:
         assert spec.release_token is not None
         try:
             self._side_channel().release(
-                spec.remote_host, spec.remote_port, spec.remote_request_id, spec.release_token
+                spec.remote_host,
+                spec.remote_port,
+                spec.remote_request_id,
+                spec.release_token,
+                reader_engine_id=self.config.engine_id,
             )
         except SideChannelError as exc:  # a dead holder has nothing left to free
             log.info("release after failure not delivered: %s", exc)
