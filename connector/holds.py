@@ -117,13 +117,15 @@ class HoldTable:
             if token is not None and not hmac.compare_digest(entry.release_token, token):
                 self._counters.inc("release_forbidden")
                 return ReleaseOutcome.FORBIDDEN
-            if entry.freeing is not None or entry.release_requested:
+            if entry.freeing is not None:
                 return ReleaseOutcome.UNKNOWN
             if reader is not None and entry.claimed_by == reader:
                 entry.pinned_until = 0.0
             if entry.pinned_until > now:
                 # A claimed read may be copying these blocks right now: free when it ends
                 # (its notification) or when the claim times out, never under it.
+                if entry.release_requested:
+                    return ReleaseOutcome.UNKNOWN
                 entry.release_requested = True
             else:
                 self._mark(entry, FreeReason.RELEASE)

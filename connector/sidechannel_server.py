@@ -33,6 +33,8 @@ from connector.stats import Counters
 
 log = logging.getLogger(__name__)
 
+_BODY = web.RequestKey("body", bytes)
+
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
@@ -132,7 +134,7 @@ class SideChannelServer:
             self._counters.inc("auth_rejected")
             self._counters.inc(f"auth_rejected_{failure.value}")
             return _error(401, "unauthenticated")
-        request["body"] = body
+        request[_BODY] = body
         response: web.StreamResponse = await handler(request)
         return response
 
@@ -150,7 +152,7 @@ class SideChannelServer:
 
     async def _on_claim(self, request: web.Request) -> web.Response:
         try:
-            msg = ClaimRequest.model_validate_json(request["body"])
+            msg = ClaimRequest.model_validate_json(request[_BODY])
         except ValidationError:
             return self._malformed("claim")
         entry = self._holds.claim(msg.request_id, msg.reader_engine_id)
@@ -167,7 +169,7 @@ class SideChannelServer:
 
     async def _on_release(self, request: web.Request) -> web.Response:
         try:
-            msg = ReleaseRequest.model_validate_json(request["body"])
+            msg = ReleaseRequest.model_validate_json(request[_BODY])
         except ValidationError:
             return self._malformed("release")
         outcome = self._holds.release(msg.request_id, msg.release_token, msg.reader_engine_id)

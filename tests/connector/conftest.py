@@ -1,0 +1,48 @@
+"""Connector fixtures: an in-process scheduler with its side channel, and peer engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from connector.config import ConnectorConfig
+from connector.scheduler import ConnectorScheduler
+from tests.connector.peer import SECRET, Peer, PeerSpec
+
+
+@pytest.fixture
+def make_scheduler() -> Iterator[Callable[..., ConnectorScheduler]]:
+    """Start ConnectorSchedulers (side channel on a free port); all are shut down afterwards."""
+    started: list[ConnectorScheduler] = []
+
+    def make(**overrides: object) -> ConnectorScheduler:
+        cfg = {"engine_id": "holder", "secret": SECRET, "block_size": 4, "model": "m"}
+        cfg.update(overrides)
+        sched = ConnectorScheduler(ConnectorConfig(**cfg))  # type: ignore[arg-type]
+        sched.start()
+        started.append(sched)
+        return sched
+
+    try:
+        yield make
+    finally:
+        for sched in started:
+            sched.shutdown()
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[[PeerSpec], Peer]]:
+    """Start peer engine processes; every one is stopped (or killed) after the test."""
+    started: list[Peer] = []
+
+    def start(spec: PeerSpec) -> Peer:
+        peer = Peer.start(spec)
+        started.append(peer)
+        return peer
+
+    try:
+        yield start
+    finally:
+        for peer in started:
+            peer.stop()
