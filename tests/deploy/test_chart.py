@@ -58,11 +58,11 @@ def test_default_render_is_one_hardened_proxy(helm: Helm) -> None:
     assert sc["capabilities"] == {"drop": ["ALL"]}
     assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
     assert container["args"] == ["serve"]
-    # Writable scratch only where needed: /tmp and the metrics multiprocess directory.
+    # The one writable path is /tmp (scratch, and the metrics multiprocess files), an emptyDir.
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    assert set(mounts) == {"/tmp", "/var/run/kvrelay/metrics"}
+    assert set(mounts) == {"/tmp"}
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    assert volumes[mounts["/tmp"]]["emptyDir"] == {"sizeLimit": "128Mi"}
     # No secret is ever rendered by default, and nothing references one.
     assert out.all("Secret") == []
     assert "env" not in container
@@ -163,7 +163,8 @@ def test_ha_values_render_redis_hpa_pdb_servicemonitor_networkpolicy(helm: Helm)
     out.one("Service", "rel-kvrelay-redis")
     env = {e["name"]: e for e in out.proxy_container()["env"]}
     assert env["KVRELAY_MAP_URL"]["value"] == "redis://rel-kvrelay-redis:6379/0"
-    assert env["PROMETHEUS_MULTIPROC_DIR"]["value"] == "/var/run/kvrelay/metrics"
+    # The proxy makes a fresh multiprocess directory under /tmp itself at every start.
+    assert "PROMETHEUS_MULTIPROC_DIR" not in env
     monitor = out.one("ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prometheus"
     assert monitor["spec"]["endpoints"][0]["path"] == "/metrics"
@@ -197,7 +198,7 @@ def test_values_cover_every_proxy_setting_with_its_default() -> None:
     assert secret == set(SECRET_FIELDS) == set(values["secrets"])
     plain = {n: f for n, f in Settings.model_fields.items() if n not in secret}
     assert set(values["config"]) == set(plain)
-    defaults = Settings(_env_file=None).model_dump(mode="json")
+    defaults = Settings.model_construct().model_dump(mode="json")
     for name in plain:
         assert values["config"][name] == defaults[name], name
     schema = json.loads((CHART / "values.schema.json").read_text())

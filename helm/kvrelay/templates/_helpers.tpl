@@ -120,11 +120,6 @@ true
 - name: KVRELAY_MAP_URL
   value: "redis://{{ include "kvrelay.redis.fullname" . }}:6379/0"
 {{- end }}
-{{- if gt (int .Values.config.workers) 1 }}
-# Worker processes share one /metrics through prometheus_client's multiprocess mode.
-- name: PROMETHEUS_MULTIPROC_DIR
-  value: /var/run/kvrelay/metrics
-{{- end }}
 {{- with .Values.extraEnv }}
 {{- toYaml . | nindent 0 }}
 {{- end }}
