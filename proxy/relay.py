@@ -143,10 +143,15 @@ class Turn:
 
     async def run(self) -> web.StreamResponse:
         try:
-            return await self._run()
+            response = await self._run()
         except BaseException:
             self._cleanup_after_failure()
             raise
+        if self.p_params is not None:
+            # D normally freed P's blocks by reading them; if D fell back to computing
+            # (a failed read), this release is what frees them. After a read it is a no-op.
+            self.fleet.releaser.release_soon_params("prefill", self.p_params)
+        return response
 
     async def _run(self) -> web.StreamResponse:
         store_key = self._store_key()
@@ -386,8 +391,10 @@ class Turn:
         if isinstance(params, dict):
             metrics.FINISHED_PARAMS.labels("response").inc()
             await self._store(params, backend, store_key)
-        else:
+        elif self.hold:
             self._no_params()
+        else:
+            self.d_params_handled = True
         metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
         return web.Response(
             body=json.dumps(data, separators=(",", ":")).encode(),
@@ -451,7 +458,7 @@ class Turn:
             else:
                 self._no_params()
         else:
-            self._no_params()
+            self.d_params_handled = True
         await out.write_eof()
         return out
 

@@ -1,0 +1,157 @@
+"""The proxy in front of real enginesim P and D (real NIXL): answers equal a single,
+non-disaggregated engine; later turns pull KV from D; nothing stays held afterwards."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+from enginesim.reference import reference_chat, reference_completion
+from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
+from tests.proxy_server import Fleet
+
+LONG_SYSTEM = (
+    "You are a careful assistant. Answer briefly. " * 6
+)  # a prefix of several full blocks, so reuse has something to pull
+
+
+def _turns(fleet: Fleet, questions: list[str], conversation: str | None,
+           streamed: bool = False) -> list[tuple[str, str]]:  # fmt: skip
+    """Run a conversation; returns (proxy answer, reference answer) per turn."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": LONG_SYSTEM}]
+    headers = {"X-Conversation-Id": conversation} if conversation else {}
+    out = []
+    for question in questions:
+        messages.append({"role": "user", "content": question})
+        body = chat_body(messages)
+        if streamed:
+            status, events, raw = stream(fleet.proxy.url, "/v1/chat/completions", body, headers)
+            assert status == 200, raw
+            assert b"kv_transfer_params" not in raw
+            answer = streamed_text(events, chat=True)
+        else:
+            resp = post(fleet.proxy.url, "/v1/chat/completions", body, headers)
+            assert "kv_transfer_params" not in resp.json()
+            answer = reply_of(resp)
+        out.append((answer, reference_chat(messages, 12)))
+        messages.append({"role": "assistant", "content": answer})
+    return out
+
+
+def test_single_turn_chat_and_completion_match_reference(pd_fleet: Fleet) -> None:
+    url = pd_fleet.proxy.url
+    resp = post(url, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi"}]),
+                headers={"X-Request-Id": "req-abc-1"})  # fmt: skip
+    assert resp.headers["X-Request-Id"] == "req-abc-1"
+    data = resp.json()
+    assert reply_of(resp) == reference_chat([{"role": "user", "content": "Hi"}], 12)
+    assert data["usage"]["completion_tokens"] > 0 and "id" in data and "created" in data
+    resp = post(url, "/v1/completions", {"model": MODEL, "prompt": "The sky is", "max_tokens": 9})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == reference_completion("The sky is", 9)
+    assert "kv_transfer_params" not in resp.json()
+    status, events, raw = stream(
+        url, "/v1/completions",
+        {"model": MODEL, "prompt": "The sky is", "max_tokens": 9,
+         "stream_options": {"include_usage": True}},
+    )  # fmt: skip
+    assert status == 200 and raw.rstrip().endswith(b"data: [DONE]")
+    assert streamed_text(events, chat=False) == reference_completion("The sky is", 9)
+    assert events[-1]["usage"]["completion_tokens"] == 9
+    assert b"kv_transfer_params" not in raw
+    pd_fleet.finish()
+
+
+def test_multi_turn_reuses_decode_kv_and_matches_reference(pd_fleet: Fleet) -> None:
+    questions = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
+    loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
+    for answer, expected in _turns(pd_fleet, questions, conversation="conv-1"):
+        assert answer == expected
+    loaded = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") - loaded_before
+    assert loaded > 0, "turns 2+ should pull the previous turn's KV from D"
+    m = pd_fleet.proxy.metrics()
+    assert m['kvrelay_reuse_total{result="hit"}'] == len(questions) - 1
+    # D holds the last turn for a next one; ending the conversation frees it.
+    assert pd_fleet.decode.metric("enginesim_blocks_held_for_remote") > 0
+    status, _, _ = pd_fleet.proxy.call("DELETE", "/v1/conversations/conv-1")
+    assert status == 200
+    pd_fleet.wait_clean()
+
+
+def test_streamed_turns_reuse_via_side_channel_params(pd_fleet: Fleet) -> None:
+    questions = ["Tell me about rivers.", "Which is longest?", "And the widest?"]
+    loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
+    for answer, expected in _turns(pd_fleet, questions, conversation="s-1", streamed=True):
+        assert answer == expected
+    assert pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
+    assert pd_fleet.proxy.call("DELETE", "/v1/conversations/s-1")[0] == 200
+    pd_fleet.wait_clean()
+
+
+def test_history_fingerprint_gives_reuse_without_an_id(pd_fleet: Fleet) -> None:
+    loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
+    for answer, expected in _turns(pd_fleet, ["One?", "Two?", "Three?"], conversation=None):
+        assert answer == expected
+    assert pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
+    pd_fleet.finish()
+
+
+def test_edited_history_is_not_reused_and_stays_correct(pd_fleet: Fleet) -> None:
+    url = pd_fleet.proxy.url
+    headers = {"X-Conversation-Id": "edit-1"}
+    messages = [{"role": "system", "content": LONG_SYSTEM},
+                {"role": "user", "content": "Name a colour."}]  # fmt: skip
+    first = reply_of(post(url, "/v1/chat/completions", chat_body(messages), headers))
+    edited = [{"role": "system", "content": LONG_SYSTEM.upper()},
+              {"role": "user", "content": "Name a colour."},
+              {"role": "assistant", "content": first},
+              {"role": "user", "content": "Another one?"}]  # fmt: skip
+    loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
+    answer = reply_of(post(url, "/v1/chat/completions", chat_body(edited), headers))
+    assert answer == reference_chat(edited, 12)
+    assert pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") == loaded_before
+    assert pd_fleet.proxy.metrics()['kvrelay_reuse_total{result="refused"}'] == 1
+    assert pd_fleet.proxy.call("DELETE", "/v1/conversations/edit-1")[0] == 200
+    pd_fleet.wait_clean()
+
+
+def test_concurrent_turns_of_one_conversation_are_both_correct(pd_fleet: Fleet) -> None:
+    url = pd_fleet.proxy.url
+    headers = {"X-Conversation-Id": "race-1"}
+    base = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Start."}]
+    first = reply_of(post(url, "/v1/chat/completions", chat_body(base), headers))
+    branches = [
+        [*base, {"role": "assistant", "content": first}, {"role": "user", "content": q}]
+        for q in ("Left branch?", "Right branch, please?")
+    ]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(
+            lambda msgs: reply_of(post(url, "/v1/chat/completions", chat_body(msgs), headers)),
+            branches,
+        ))  # fmt: skip
+    assert results == [reference_chat(b, 12) for b in branches]
+    assert pd_fleet.proxy.call("DELETE", "/v1/conversations/race-1")[0] == 200
+    pd_fleet.wait_clean()
+
+
+def test_tenants_cannot_reach_each_other(pd_engines: Any, proxy_factory: Any) -> None:
+    prefill, decode = pd_engines
+    proxy = proxy_factory([prefill], [decode], ready_path="/ready", api_keys="key-a,key-b")
+    a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
+    msgs = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Secret?"}]
+    status, body, _ = proxy.call("POST", "/v1/chat/completions", chat_body(msgs))
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    first = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(msgs),
+                          {**a, "X-Conversation-Id": "shared-name"}))  # fmt: skip
+    # Tenant b uses the same conversation id: it must not see a's entry.
+    assert proxy.call("DELETE", "/v1/conversations/shared-name", headers=b)[0] == 404
+    follow = [*msgs, {"role": "assistant", "content": first}, {"role": "user", "content": "More"}]
+    loaded_before = prefill.metric("enginesim_prompt_tokens_loaded_total")
+    answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(follow),
+                           {**b, "X-Conversation-Id": "shared-name"}))  # fmt: skip
+    assert answer == reference_chat(follow, 12)
+    assert prefill.metric("enginesim_prompt_tokens_loaded_total") == loaded_before
+    assert proxy.call("DELETE", "/v1/conversations/shared-name", headers=a)[0] == 200
+    assert proxy.call("DELETE", "/v1/conversations/shared-name", headers=b)[0] == 200
+    prefill.wait_idle()
+    decode.wait_idle()

@@ -1,0 +1,202 @@
+"""Unit tests of the proxy's pure parts: settings, conversation identity, SSE filtering, leg
+bodies and pool decisions. No servers; the behaviour through real HTTP is in the other files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from proxy.cli import serve_parser, settings_from_args
+from proxy.conversation import (
+    chat_shape,
+    chat_store_key_id,
+    completion_shape,
+    conversation_id_from,
+    request_id_from,
+    tenant_of,
+)
+from proxy.errors import ProxyError
+from proxy.legs import capped_num_tokens, decode_body, prefill_body
+from proxy.pools import Pool
+from proxy.settings import Settings, SettingsError, load_settings
+from proxy.streaming import SSEFilter
+
+
+def test_settings_from_env_lists_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_PREFILL", "http://p0:8000, http://p1:8000/")
+    monkeypatch.setenv("KVRELAY_DECODE", '["http://d0:8000"]')
+    monkeypatch.setenv("KVRELAY_API_KEYS", "k1,k2")
+    monkeypatch.setenv("KVRELAY_FIRST_BYTE_TIMEOUT", "7.5")
+    s = load_settings(env_file=None)
+    assert s.prefill == ["http://p0:8000", "http://p1:8000"]
+    assert s.decode == ["http://d0:8000"]
+    assert s.first_byte_timeout == 7.5
+    shown = json.dumps(s.public_dict())
+    assert "k1" not in shown and "2 key(s)" in shown
+
+
+def test_cli_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVRELAY_PORT", "9000")
+    args = serve_parser().parse_args(
+        ["--env-file", "", "--port", "9100", "--prefill", "http://a:1", "http://b:2",
+         "--decode", "http://c:3", "--no-fingerprint-conversations",
+         "--side-channels", "http://c:3=127.0.0.1:4000"]
+    )  # fmt: skip
+    s = settings_from_args(args)
+    assert s.port == 9100
+    assert s.prefill == ["http://a:1", "http://b:2"]
+    assert s.fingerprint_conversations is False
+    assert s.side_channels == {"http://c:3": "127.0.0.1:4000"}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"port": "x"}, "KVRELAY_PORT"),
+        ({"decode": ["ftp://d"]}, "KVRELAY_DECODE"),
+        ({"map_url": "mysql://x"}, "KVRELAY_MAP_URL"),
+        ({"connect_timeout": "-1"}, "KVRELAY_CONNECT_TIMEOUT"),
+        ({"log_level": "LOUD"}, "KVRELAY_LOG_LEVEL"),
+        ({"side_channels": "http://d:1=nohost"}, "KVRELAY_SIDE_CHANNELS"),
+    ],
+)
+def test_invalid_settings_name_the_setting(overrides: dict[str, object], named: str) -> None:
+    with pytest.raises(SettingsError, match=named):
+        load_settings(overrides, env_file=None)
+
+
+def test_runnable_needs_fleet_and_shared_map_for_workers() -> None:
+    with pytest.raises(SettingsError, match="decode"):
+        Settings(prefill=["http://p:1"]).check_runnable()
+    with pytest.raises(SettingsError, match="workers"):
+        Settings(prefill=["http://p:1"], decode=["http://d:1"], workers=2).check_runnable()
+    Settings(
+        prefill=["http://p:1"], decode=["http://d:1"], workers=2, map_url="redis://r:6379/0"
+    ).check_runnable()
+
+
+def test_tenants_hash_keys() -> None:
+    assert tenant_of("secret-key") != tenant_of("other-key")
+    assert "secret" not in tenant_of("secret-key")
+    assert tenant_of(None) == "anonymous"
+
+
+def test_request_id_accepted_or_generated() -> None:
+    assert request_id_from("abc-123") == "abc-123"
+    assert request_id_from("bad id with spaces").startswith("kvr-")
+    assert request_id_from(None) != request_id_from(None)
+
+
+def test_conversation_id_header_wins_and_body_field_is_removed() -> None:
+    body = {"conversation_id": "from-body", "messages": []}
+    assert conversation_id_from("from-header", body) == "from-header"
+    assert "conversation_id" not in body
+    with pytest.raises(ProxyError) as err:
+        conversation_id_from(None, {"conversation_id": 5})
+    assert err.value.status == 400
+    with pytest.raises(ProxyError):
+        conversation_id_from("fp:abc", {})
+
+
+def _chat(*contents: str) -> dict[str, object]:
+    roles = ["user", "assistant"]
+    return {
+        "model": "m",
+        "messages": [{"role": roles[i % 2], "content": c} for i, c in enumerate(contents)],
+    }
+
+
+def test_chat_fingerprints_link_turns() -> None:
+    turn1 = chat_shape(_chat("hello"))
+    turn2 = chat_shape(_chat("hello", "hi!", "more"))
+    # Turn 2 looks up the key turn 1 was stored under, and extends its prompt.
+    assert turn1.lookup_key_id is None
+    assert turn2.lookup_key_id == chat_store_key_id(turn1)
+    assert turn1.store_fingerprint is not None
+    assert turn2.extends(turn1.store_fingerprint)
+    # Edited history does not extend, nor does the same prompt again.
+    edited = chat_shape(_chat("HELLO", "hi!", "more"))
+    assert not edited.extends(turn1.store_fingerprint)
+    assert not turn1.extends(turn1.store_fingerprint)
+    # Another model renders another prompt.
+    other = chat_shape({**_chat("hello", "hi!", "more"), "model": "other"})
+    assert not other.extends(turn1.store_fingerprint)
+
+
+def test_completion_fingerprints() -> None:
+    first = completion_shape({"prompt": "Once upon a time"})
+    assert first.store_fingerprint is not None
+    assert completion_shape({"prompt": "Once upon a time, there"}).extends(first.store_fingerprint)
+    assert not completion_shape({"prompt": "Twice upon a time"}).extends(first.store_fingerprint)
+    tokens = completion_shape({"prompt": [1, 2, 3]})
+    assert tokens.store_fingerprint is not None
+    assert completion_shape({"prompt": [1, 2, 3, 4]}).extends(tokens.store_fingerprint)
+    assert completion_shape({"prompt": ["a", "b"]}).store_fingerprint is None
+
+
+def test_sse_filter_passes_bytes_through_and_strips_params() -> None:
+    plain = b'data: {"choices":[{"text":"a"}]}\n\n'
+    tail = {"choices": [], "usage": {"prompt_tokens": 3}, "kv_transfer_params": {"x": 1}}
+    with_params = b"data: " + json.dumps(tail).encode() + b"\n\n"
+    stream = plain + with_params + b"data: [DONE]\n\n"
+    sse = SSEFilter()
+    out = b"".join(sse.feed(stream[i : i + 7]) for i in range(0, len(stream), 7)) + sse.flush()
+    assert out.startswith(plain)  # untouched bytes
+    assert b"kv_transfer_params" not in out
+    assert sse.params == {"x": 1}
+    assert sse.saw_done
+    events = [e for e in out.split(b"\n\n") if e]
+    assert json.loads(events[1][6:]) == {"choices": [], "usage": {"prompt_tokens": 3}}
+
+
+def test_prefill_body_is_one_token_without_streaming() -> None:
+    body = {"model": "m", "prompt": "x", "stream": True, "max_tokens": 50,
+            "max_completion_tokens": 50, "stream_options": {"include_usage": True},
+            "min_tokens": 3}  # fmt: skip
+    p = prefill_body(body, None)
+    assert p["stream"] is False and p["max_tokens"] == 1 and p["max_completion_tokens"] == 1
+    assert "stream_options" not in p and "min_tokens" not in p
+    assert p["kv_transfer_params"]["do_remote_decode"] is True
+    assert p["kv_transfer_params"]["remote_block_ids"] is None
+    assert body["max_tokens"] == 50  # the client's body is not modified
+    hit = prefill_body(body, {"remote_engine_id": "D", "do_remote_decode": False})
+    assert hit["kv_transfer_params"]["remote_engine_id"] == "D"
+    assert hit["kv_transfer_params"]["do_remote_decode"] is True
+
+
+def test_decode_body_carries_p_params_and_hold() -> None:
+    d = decode_body({"prompt": "x"}, {"remote_engine_id": "P", "do_remote_decode": True},
+                    "http://p", hold=True)  # fmt: skip
+    params = d["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["hold_blocks"] is True
+    assert "kv_transfer_params" not in decode_body({"prompt": "x"}, None, None, hold=False)
+    assert capped_num_tokens({"remote_num_tokens": 90}, 40) == 40
+
+
+def test_pool_ejects_and_readmits_by_probe() -> None:
+    pool = Pool("prefill", eject_after=2, readmit_after=2)
+    a, b = pool.add("http://a"), pool.add("http://b")
+    a.outstanding_work = 10
+    assert pool.pick_least_work(set()) is b
+    pool.record_failure(b, "x")
+    assert b.healthy
+    pool.record_failure(b, "x")
+    assert not b.healthy
+    assert pool.pick_least_work(set()) is a
+    pool.record_success(b, probe=False)
+    pool.record_success(b, probe=True)
+    assert not b.healthy
+    pool.record_success(b, probe=True)
+    assert b.healthy
+
+
+def test_decode_affinity_yields_when_overloaded() -> None:
+    pool = Pool("decode", eject_after=1, readmit_after=1)
+    a, b = pool.add("http://a"), pool.add("http://b")
+    assert pool.pick_with_affinity("http://b", set(), overload=2) is b
+    b.inflight = 2
+    assert pool.pick_with_affinity("http://b", set(), overload=2) is a
+    pool.drain("http://a")
+    assert pool.pick_with_affinity(None, set(), overload=2) is b
