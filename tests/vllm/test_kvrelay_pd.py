@@ -1,0 +1,190 @@
+"""Real vLLM P and D loading kvrelay's connector, behind the kvrelay proxy.
+
+Greedy outputs through the proxy must equal a plain vLLM server's; turn 2 and later must load
+the previous turn's KV from D (P's connector counters say so); a request D refuses before
+admission must free P's held blocks within a second, not at lease expiry.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.harness import wait_until
+from tests.vllm.conftest import PDFleet
+from tests.vllm.servers import LEASE_SECONDS, MAX_MODEL_LEN, MODEL_NAME, VLLMServer
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
+HELD_BLOCKS = "vllm:kvrelay_held_blocks"
+EARLY_RELEASES = "vllm:kvrelay_early_releases_total"
+
+SYSTEM = (
+    "You are a relay engine. Each turn of the conversation is a request that the decode engine "
+    "answers after the prefill engine computed the cache blocks of the prompt. Keep every reply "
+    "short, and when a user asks about a block, say which model and which turn it came from."
+)
+USER_TURNS = [
+    "Tell me about the first block of the cache.",
+    "And what did the decode engine do with it?",
+    "Write one more sentence about the next turn.",
+]
+
+
+def completion_body(prompt: str, max_tokens: int = 24) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+
+
+def chat_body(messages: list[dict[str, str]], max_tokens: int = 24) -> dict[str, Any]:
+    return {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+
+
+def reference_text(reference: VLLMServer, path: str, body: dict[str, Any]) -> str:
+    status, out = reference.post(path, body)
+    assert status == 200, out
+    return text_of(out)
+
+
+def text_of(out: dict[str, Any]) -> str:
+    choice = out["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def proxy_post(
+    fleet: PDFleet, path: str, body: dict[str, Any], headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
+    status, out, _ = fleet.proxy.call("POST", path, body, headers=headers, timeout=120)
+    return status, out
+
+
+def test_single_turn_completion_matches_reference(
+    kvrelay_fleet: PDFleet, reference: VLLMServer
+) -> None:
+    prompt = SYSTEM + " Now describe the prefill engine in one line:"
+    body = completion_body(prompt)
+    loaded_before = kvrelay_fleet.decode.metric(TOKENS_LOADED)
+
+    status, out = proxy_post(kvrelay_fleet, "/v1/completions", body)
+
+    assert status == 200, out
+    assert text_of(out) == reference_text(reference, "/v1/completions", body)
+    assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
+    # D computed nothing of the prompt it could read from P: its connector loaded the blocks.
+    wait_until(
+        lambda: kvrelay_fleet.decode.metric(TOKENS_LOADED) > loaded_before,
+        30,
+        what="D's connector to report tokens loaded from P",
+    )
+
+
+def test_single_turn_chat_matches_reference(kvrelay_fleet: PDFleet, reference: VLLMServer) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
+    body = chat_body(messages)
+
+    status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body)
+
+    assert status == 200, out
+    assert text_of(out) == reference_text(reference, "/v1/chat/completions", body)
+
+
+def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet, reference: VLLMServer) -> None:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[1]}]
+    body = {**chat_body(messages), "stream": True}
+
+    status, raw, _ = kvrelay_fleet.proxy.call("POST", "/v1/chat/completions", body, timeout=120)
+
+    assert status == 200
+    text = ""
+    for line in str(raw).splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            delta = json.loads(line[len("data: ") :])["choices"]
+            if delta:
+                text += delta[0]["delta"].get("content") or ""
+    assert text == reference_text(reference, "/v1/chat/completions", chat_body(messages))
+
+
+def test_multi_turn_loads_previous_turn_from_decode(
+    kvrelay_fleet: PDFleet, reference: VLLMServer
+) -> None:
+    headers = {"X-Conversation-Id": f"conv-{uuid.uuid4().hex[:8]}"}
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+    loaded = [kvrelay_fleet.prefill.metric(TOKENS_LOADED)]
+    for turn, user in enumerate(USER_TURNS):
+        messages.append({"role": "user", "content": user})
+        body = chat_body(messages)
+
+        status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body, headers)
+
+        assert status == 200, out
+        reply = text_of(out)
+        assert reply == reference_text(reference, "/v1/chat/completions", body), f"turn {turn}"
+        messages.append({"role": "assistant", "content": reply})
+        if turn == 0:
+            loaded.append(kvrelay_fleet.prefill.metric(TOKENS_LOADED))
+            assert loaded[-1] == loaded[0], "turn 1 has nothing to load from D"
+            continue
+        # P pulled the history D holds (at least the system prompt's full blocks).
+        wait_until(
+            lambda: kvrelay_fleet.prefill.metric(TOKENS_LOADED) > loaded[-1],
+            30,
+            what=f"P to load turn {turn}'s history from D",
+        )
+        loaded.append(kvrelay_fleet.prefill.metric(TOKENS_LOADED))
+    conversation = headers["X-Conversation-Id"]
+    status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{conversation}")
+    assert status in (200, 204)
+
+
+def _held_blocks(server: VLLMServer) -> float:
+    return server.metric(HELD_BLOCKS)
+
+
+def _wait_nothing_held(server: VLLMServer, timeout: float) -> None:
+    wait_until(lambda: _held_blocks(server) == 0, timeout, what=f"{server.name} to hold nothing")
+
+
+def test_decode_rejection_frees_prefill_blocks_through_proxy(kvrelay_fleet: PDFleet) -> None:
+    prefill = kvrelay_fleet.prefill
+    _wait_nothing_held(prefill, LEASE_SECONDS + 30)
+    prompt = SYSTEM + " A request whose output cannot fit:"
+    # P accepts it (the proxy sends P max_tokens=1); D refuses it before admission.
+    body = completion_body(prompt, max_tokens=MAX_MODEL_LEN * 4)
+
+    status, out = proxy_post(kvrelay_fleet, "/v1/completions", body)
+
+    assert 400 <= status < 500, out
+    assert "error" in out
+    wait_until(lambda: _held_blocks(prefill) == 0, 1.0, what="P's held blocks to be freed")
+
+
+def test_decode_rejection_frees_prefill_blocks_by_connector(kvrelay_fleet: PDFleet) -> None:
+    """Without the proxy: D's connector itself releases P's blocks (vLLM's rejection hook)."""
+    prefill, decode = kvrelay_fleet.prefill, kvrelay_fleet.decode
+    _wait_nothing_held(prefill, LEASE_SECONDS + 30)
+    early_before = decode.metric(EARLY_RELEASES)
+    prompt = SYSTEM + " Another request that D will refuse:"
+    request_id = f"rej-{uuid.uuid4().hex[:8]}"
+    p_body = {
+        **completion_body(prompt, max_tokens=1),
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
+    }
+    status, p_out = prefill.post("/v1/completions", p_body, {"X-Request-Id": request_id})
+    assert status == 200, p_out
+    params = p_out["kv_transfer_params"]
+    assert params["remote_block_ids"] and params["release_token"]
+    wait_until(lambda: _held_blocks(prefill) > 0, 10, what="P to report its held blocks")
+
+    d_body = {**completion_body(prompt, max_tokens=MAX_MODEL_LEN * 4), "kv_transfer_params": params}
+    status, d_out = decode.post("/v1/completions", d_body, {"X-Request-Id": request_id})
+
+    assert 400 <= status < 500, d_out
+    wait_until(lambda: _held_blocks(prefill) == 0, 1.0, what="P's held blocks to be freed")
+    wait_until(
+        lambda: decode.metric(EARLY_RELEASES) > early_before,
+        10,
+        what="D's connector to count the early release",
+    )
