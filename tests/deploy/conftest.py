@@ -25,13 +25,21 @@ CHART = REPO_ROOT / "helm" / "kvrelay"
 HELM_VENV = REPO_ROOT / ".venv-helm"
 HELM_TOOL = Path(__file__).with_name("helm_tool.py")
 HELM_REQUIREMENTS = Path(__file__).with_name("helm-requirements.txt")
-PY312_CANDIDATES = ("python3.12", "/root/.pyenv/versions/3.12.1/bin/python3.12")
+PY312_CANDIDATES = ("/root/.pyenv/versions/3.12.1/bin/python3.12", "python3.12")
 
 
 def _find_python312() -> str:
+    # A pyenv shim is on PATH even when it cannot run 3.12, so each candidate is tried.
     for candidate in PY312_CANDIDATES:
         found = shutil.which(candidate)
-        if found:
+        if not found:
+            continue
+        probe = subprocess.run(
+            [found, "-c", "import sys; assert sys.version_info[:2] == (3, 12)"],
+            capture_output=True,
+            timeout=60,
+        )
+        if probe.returncode == 0:
             return found
     raise RuntimeError(f"the Helm tests need Python 3.12 for helm-sdkpy; tried {PY312_CANDIDATES}")
 
