@@ -19,6 +19,7 @@ import math
 import os
 import platform
 import re
+import secrets
 import shlex
 import shutil
 import subprocess
@@ -40,11 +41,14 @@ if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
 from tests.harness import (  # noqa: E402  (needs REPO_ROOT on sys.path first)
-    RedisServer,
-    ServerProcess,
-    free_port,
-    http_ready,
+    RedisServer as RedisServer,
 )
+from tests.harness import (  # noqa: E402
+    ServerProcess as ServerProcess,
+)
+from tests.harness import free_port, http_ready  # noqa: E402
+
+_RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = ("kvmap", "transfer", "proxy overhead", "multiturn")
@@ -64,6 +68,8 @@ def bench_env() -> dict[str, str]:
     env.setdefault("UCX_NET_DEVICES", "lo")
     env.setdefault("UCX_TLS", "tcp,self,sm")
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
+    # Engines' side channels and the proxy share one HMAC secret, fresh for each run.
+    env.setdefault("KVRELAY_CONNECTOR_SECRET", _RUN_SECRET)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -188,6 +194,7 @@ class Engine:
 
     url: str
     engine_id: str
+    side_channel_port: int
     process: ServerProcess
 
 
@@ -210,7 +217,7 @@ def start_engine(engine_id: str, extra: Sequence[str] = (), ready_timeout: float
         ready_timeout=ready_timeout,
         name=f"enginesim-{engine_id}",
     ).start()
-    return Engine(url=url, engine_id=engine_id, process=proc)
+    return Engine(url=url, engine_id=engine_id, side_channel_port=side, process=proc)
 
 
 @dataclass
@@ -224,20 +231,26 @@ class Router:
 
 def start_kvrelay(
     name: str,
-    prefill: Sequence[str],
-    decode: Sequence[str],
+    prefill: Sequence[Engine],
+    decode: Sequence[Engine],
     workers: int = 1,
     map_url: str | None = None,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Router:
-    """Start `python -m proxy.cli serve` on a free port and wait for `GET /health`."""
+    """Start `python -m proxy.cli serve` on a free port and wait for `GET /ready`.
+
+    The engines' side channels are configured (`--side-channels`) as an operator would: that
+    is how the proxy fetches D's params after a stream, so streamed turns can be reused too.
+    """
     port = free_port()
     argv = [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    for url in prefill:
-        argv += ["--prefill", url]
-    for url in decode:
-        argv += ["--decode", url]
+    argv += ["--prefill", *(e.url for e in prefill)]
+    argv += ["--decode", *(e.url for e in decode)]
+    argv += [
+        "--side-channels",
+        *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (*prefill, *decode)),
+    ]
     argv += ["--workers", str(workers)]
     if map_url is not None:
         argv += ["--map-url", map_url]
@@ -273,7 +286,7 @@ def ensure_router_venv(quiet: bool = True) -> Path:
     return launcher
 
 
-def start_vllm_router(prefill: Sequence[str], decode: Sequence[str]) -> Router:
+def start_vllm_router(prefill: Sequence[Engine], decode: Sequence[Engine]) -> Router:
     """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
 
     `round_robin` keeps it from calling the engines' `/render` endpoint for every request
@@ -298,10 +311,10 @@ def start_vllm_router(prefill: Sequence[str], decode: Sequence[str]) -> Router:
         "--worker-startup-check-interval", "1",
         "--disable-retries",
     ]  # fmt: skip
-    for url in prefill:
-        argv += ["--prefill", url]
-    for url in decode:
-        argv += ["--decode", url]
+    for engine in prefill:
+        argv += ["--prefill", engine.url]
+    for engine in decode:
+        argv += ["--decode", engine.url]
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess(
         argv, http_ready(f"{url}/health"), env=bench_env(), ready_timeout=90, name="vllm-router"
@@ -332,6 +345,31 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
         with contextlib.suppress(ValueError):
             totals[name] = totals.get(name, 0.0) + float(value)
     return totals
+
+
+def process_group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system) used so far by the live processes of process group `pgid`.
+
+    Every server here starts in its own session (`ServerProcess`), so its group holds it and its
+    workers. CPU time per request is far steadier on a shared machine than wall time.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        fields = text[text.rfind(")") + 2 :].split()
+        # fields: state ppid pgrp session tty tpgid flags minflt cminflt majflt cmajflt utime stime
+        if len(fields) > 12 and int(fields[2]) == pgid:
+            total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def server_cpu_s(proc: ServerProcess) -> float:
+    """CPU seconds used so far by a started server and its children."""
+    return process_group_cpu_s(proc.proc.pid) if proc.proc is not None else math.nan
 
 
 def stop_all(*procs: ServerProcess | None) -> None:

@@ -1,0 +1,349 @@
+"""Multi-turn reuse: prefill tokens computed on P and TTFT per turn, reuse on vs off.
+
+N conversations x T turns (default 32 x 10) run through one kvrelay in front of one P and one D
+enginesim with a simulated prefill cost. Every turn sends the whole history back (system
+prompt, earlier user messages, the assistant replies exactly as received) plus one new user
+message, so prompts grow the way chat clients make them. Reuse covers the history up to where
+the previous reply starts (DESIGN section 1), so the new reply and the new user message are
+what P must compute each turn.
+
+Variants, run one after another on the same engines and proxy:
+- `off`: a fresh `X-Conversation-Id` every turn, so the proxy never finds held blocks
+  and P prefills the whole prompt (what a router without reuse does);
+- `on`: one `X-Conversation-Id` per conversation;
+- `fingerprint` (optional): no conversation id at all; the proxy matches the message history.
+
+Turns run in lock step (every conversation's turn t, then t+1) so P's counters
+(`enginesim_prompt_tokens_computed_total`, `..._loaded_total` from its /metrics) can be read per
+turn. Reports tokens computed and loaded on P, TTFT per turn and total time; rewrites the
+`## multiturn` section of bench/RESULTS.md and draws bench/multiturn.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import _common as c
+import aiohttp
+
+SECTION = "multiturn"
+VARIANTS = ("off", "on", "fingerprint")
+AIM_RATIO = 0.20
+COMPUTED = "enginesim_prompt_tokens_computed_total"
+LOADED = "enginesim_prompt_tokens_loaded_total"
+
+# Short made-up words: prompts that look like text to a tokenizer, reproducible from a seed.
+VOCAB = tuple(
+    a + b
+    for a in ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
+    for b in ("n", "ro", "ve", "li", "sa", "to", "m", "del")
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Example: .venv/bin/python bench/multiturn.py --conversations 32 --turns 10",
+    )
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-words", type=int, default=120, help="words in the system prompt")
+    p.add_argument("--user-words", type=int, default=40, help="words in each user message")
+    p.add_argument("--max-tokens", type=int, default=24, help="reply length in tokens")
+    p.add_argument(
+        "--prefill-us-per-token",
+        type=int,
+        default=100,
+        help="simulated prefill cost on the engines (microseconds per computed token)",
+    )
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["off", "on"])
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra argument for both enginesim processes (repeatable)",
+    )
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn.json")
+    p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "multiturn.png")
+    p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 conversations x 3 turns")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.conversations = 4
+        args.turns = 3
+    return args
+
+
+def words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+class Conversation:
+    """One chat: its history and the id it sends (per turn or per conversation)."""
+
+    def __init__(self, index: int, variant: str, system: str, rng: random.Random) -> None:
+        self.index = index
+        self.variant = variant
+        self.rng = rng
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}]
+        self.base_id = f"bench-{variant}-{index}-{uuid.uuid4().hex[:8]}"
+        self.ids_used: list[str] = []
+
+    def conversation_id(self, turn: int) -> str | None:
+        if self.variant == "on":
+            return self.base_id
+        if self.variant == "off":
+            return f"{self.base_id}-t{turn}"
+        return None
+
+    async def turn(
+        self, session: aiohttp.ClientSession, url: str, turn: int, args: argparse.Namespace
+    ) -> dict[str, float]:
+        user = f"turn {turn} of conversation {self.index}: {words(self.rng, args.user_words)}"
+        self.messages.append({"role": "user", "content": user})
+        body = {
+            "model": "kvrelay-sim",
+            "messages": self.messages,
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "stream": True,
+        }
+        headers = {"Content-Type": "application/json"}
+        conv_id = self.conversation_id(turn)
+        if conv_id is not None:
+            headers["X-Conversation-Id"] = conv_id
+            if conv_id not in self.ids_used:
+                self.ids_used.append(conv_id)
+        start = time.perf_counter()
+        ttft = math.nan
+        reply: list[str] = []
+        async with session.post(
+            f"{url}/v1/chat/completions", data=json.dumps(body), headers=headers
+        ) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                raise RuntimeError(f"turn {turn} HTTP {resp.status}: {text[:300]}")
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.split(b"\n"):
+                        if not line.startswith(b"data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == b"[DONE]":
+                            continue
+                        obj = json.loads(data)
+                        if "error" in obj:
+                            raise RuntimeError(f"turn {turn} stream error: {obj['error']}")
+                        for choice in obj.get("choices", []):
+                            piece = (choice.get("delta") or {}).get("content")
+                            if piece:
+                                if math.isnan(ttft):
+                                    ttft = time.perf_counter() - start
+                                reply.append(piece)
+        total = time.perf_counter() - start
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        return {"ttft": ttft, "latency": total}
+
+
+async def run_variant(
+    variant: str, router_url: str, p_url: str, args: argparse.Namespace
+) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    system = "You are a helpful assistant. " + words(rng, args.system_words)
+    convs = [
+        Conversation(i, variant, system, random.Random(args.seed * 1000 + i))
+        for i in range(args.conversations)
+    ]
+    turns: list[dict[str, Any]] = []
+    timeout = aiohttp.ClientTimeout(total=300)
+    connector = aiohttp.TCPConnector(limit=0)
+    before_all = c.scrape_metrics(p_url)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        for t in range(1, args.turns + 1):
+            before = c.scrape_metrics(p_url)
+            t0 = time.perf_counter()
+            results = await asyncio.gather(
+                *(conv.turn(session, router_url, t, args) for conv in convs)
+            )
+            wall = time.perf_counter() - t0
+            after = c.scrape_metrics(p_url)
+            ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
+            turns.append(
+                {
+                    "turn": t,
+                    "computed": after.get(COMPUTED, 0.0) - before.get(COMPUTED, 0.0),
+                    "loaded": after.get(LOADED, 0.0) - before.get(LOADED, 0.0),
+                    "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else math.nan,
+                    "ttft_p50": c.percentile(ttfts, 50),
+                    "ttft_p99": c.percentile(ttfts, 99),
+                    "wall_s": wall,
+                }
+            )
+            last = turns[-1]
+            print(
+                f"{variant:11s} turn {t:2d}: P computed {last['computed']:8.0f} "
+                f"loaded {last['loaded']:8.0f} TTFT p50 {c.fmt_ms(last['ttft_p50'])} ms "
+                f"wall {wall:.2f}s",
+                flush=True,
+            )
+        elapsed = time.perf_counter() - started
+        # End the conversations: the proxy releases the blocks D holds for them, so the next
+        # variant starts with D's pool as free as this one did.
+        for conv in convs:
+            for conv_id in conv.ids_used:
+                async with session.delete(f"{router_url}/v1/conversations/{conv_id}") as resp:
+                    await resp.read()
+    after_all = c.scrape_metrics(p_url)
+    return {
+        "variant": variant,
+        "turns": turns,
+        "computed": after_all.get(COMPUTED, 0.0) - before_all.get(COMPUTED, 0.0),
+        "loaded": after_all.get(LOADED, 0.0) - before_all.get(LOADED, 0.0),
+        "total_s": elapsed,
+        "ttft_mean": sum(x["ttft_mean"] for x in turns) / len(turns),
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    # Enough blocks that D can hold every conversation's KV between turns (reuse measures
+    # the mechanism, not eviction under pressure).
+    engine_args = [
+        "--prefill-us-per-token", str(args.prefill_us_per_token),
+        "--num-blocks", "16384",
+        "--max-model-len", "8192",
+        "--log-level", "WARNING",
+        *args.engine_arg,
+    ]  # fmt: skip
+    p_eng = d_eng = None
+    router = None
+    try:
+        p_eng = c.start_engine("mt-p", engine_args)
+        d_eng = c.start_engine("mt-d", engine_args)
+        router = c.start_kvrelay("kvrelay", [p_eng], [d_eng], workers=1)
+        variants = [asyncio.run(run_variant(v, router.url, p_eng.url, args)) for v in args.variants]
+        return {"variants": variants, "engine_args": engine_args}
+    finally:
+        c.stop_all(
+            router.process if router else None,
+            p_eng.process if p_eng else None,
+            d_eng.process if d_eng else None,
+        )
+
+
+def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
+    variants = {v["variant"]: v for v in data["variants"]}
+    lines = [c.run_header(), ""]
+    lines.append(
+        f"{args.conversations} conversations x {args.turns} turns in lock step through one "
+        "kvrelay (`--workers 1`) in front of 1 P + 1 D enginesim "
+        f"(`{' '.join(data['engine_args'])}`). "
+        f"System prompt {args.system_words} words, each turn adds a {args.user_words}-word user "
+        f"message after the previous reply (`max_tokens={args.max_tokens}`, streamed). "
+        "`off` = a new `X-Conversation-Id` every turn (no held blocks found), `on` = one id per "
+        "conversation, `fingerprint` = no id (history match). Tokens are P's "
+        f"`{COMPUTED}` / `{LOADED}` deltas."
+    )
+    lines.append("")
+    lines.append(
+        "| variant | P tokens computed | P tokens loaded (NIXL) | computed vs off "
+        "| TTFT mean ms | total s |"
+    )
+    lines.append("|---|---:|---:|---:|---:|---:|")
+    off = variants.get("off")
+    for v in data["variants"]:
+        ratio = v["computed"] / off["computed"] if off and off["computed"] else math.nan
+        lines.append(
+            f"| {v['variant']} | {v['computed']:.0f} | {v['loaded']:.0f} "
+            f"| {'-' if math.isnan(ratio) else f'{ratio * 100:.1f}%'} "
+            f"| {c.fmt_ms(v['ttft_mean'], 1)} | {v['total_s']:.1f} |"
+        )
+    lines.append("")
+    names = [v["variant"] for v in data["variants"]]
+    header = "| turn | " + " | ".join(f"{n} computed | {n} TTFT p50 ms" for n in names) + " |"
+    lines.append("Per turn (P tokens computed over all conversations, TTFT p50):")
+    lines.append("")
+    lines.append(header)
+    lines.append("|---:|" + "---:|---:|" * len(names))
+    for i in range(args.turns):
+        cells = []
+        for v in data["variants"]:
+            t = v["turns"][i]
+            cells.append(f"{t['computed']:.0f} | {c.fmt_ms(t['ttft_p50'], 1)}")
+        lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines.append("Aim: with reuse, P computes at most 20% of the tokens it computes without.")
+    lines.append("")
+    for name in ("on", "fingerprint"):
+        v = variants.get(name)
+        if v is None or off is None or not off["computed"]:
+            continue
+        ratio = v["computed"] / off["computed"]
+        verdict = (
+            "met" if ratio <= AIM_RATIO else f"MISSED by {(ratio - AIM_RATIO) * 100:.1f} points"
+        )
+        speed = off["total_s"] / v["total_s"] if v["total_s"] else math.nan
+        lines.append(
+            f"- `{name}`: P computed {ratio * 100:.1f}% of `off` ({verdict}); "
+            f"total time {speed:.2f}x faster, mean TTFT "
+            f"{c.fmt_ms(off['ttft_mean'], 1)} -> {c.fmt_ms(v['ttft_mean'], 1)} ms"
+        )
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for v in data["variants"]:
+        turns = [t["turn"] for t in v["turns"]]
+        ax1.plot(turns, [t["ttft_p50"] * 1000 for t in v["turns"]], marker="o", label=v["variant"])
+        ax2.plot(turns, [t["computed"] for t in v["turns"]], marker="o", label=v["variant"])
+    ax1.set_title("TTFT p50 per turn")
+    ax1.set_ylabel("ms")
+    ax2.set_title("prefill tokens computed on P per turn")
+    ax2.set_ylabel("tokens (all conversations)")
+    for ax in (ax1, ax2):
+        ax.set_xlabel("turn")
+        ax.grid(True, alpha=0.3)
+        ax.legend(title="reuse")
+    fig.suptitle("Multi-turn reuse through kvrelay (one run, same engines)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    data = measure(args)
+    data["elapsed_s"] = time.monotonic() - started
+    c.write_json(args.json, data)
+    plot(data, args.plot)
+    text = render_markdown(data, args)
+    if not args.no_results:
+        link = f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
+        c.update_results_section(SECTION, text + link)
+    print(text)
+    print(f"\nwrote {c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

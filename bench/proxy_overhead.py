@@ -1,0 +1,420 @@
+"""Proxy overhead: kvrelay vs vllm-router vs no router, side by side on the same engines.
+
+One P and one D enginesim with zero simulated compute (so the routers' own cost is what
+differs) serve the same closed-loop load (non-streaming and streaming chat, concurrency 1, 64,
+256 by default) sent:
+
+- `direct`: by the load generator itself to the engines, doing the two legs a P/D router does
+  (P with max_tokens=1, then D with P's kv_transfer_params): the same engine work, no hop;
+- `kvrelay-w1`: through `kvrelay serve --workers 1` (in-memory conversation map);
+- `kvrelay-w2`: through `kvrelay serve --workers 2` (shared Redis map, real redis-server);
+- `vllm-router`: through `vllm-router --vllm-pd-disaggregation` (PyPI `vllm-router`, installed
+  into `.venv-router`).
+
+Every case runs all targets back to back (order rotated per case) so drift hits all alike.
+Reports requests/s, latency p50/p99, added latency (target minus `direct` at the same
+concurrency), streaming time to first byte, and the kvrelay/vllm-router ratios; rewrites the
+`## proxy overhead` section of bench/RESULTS.md and draws bench/proxy_overhead.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+from _common import ServerProcess
+
+SECTION = "proxy overhead"
+TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
+MODES = ("non-stream", "stream")
+AIM_ADDED_P50_S = 0.001
+AIM_CONCURRENCY = 64
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Example: .venv/bin/python bench/proxy_overhead.py --concurrency 1 64 256",
+    )
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=6,
+        help="measured requests per concurrent client; count = clamp(C x this, min, max)",
+    )
+    p.add_argument("--min-requests", type=int, default=200, help="lower bound per case")
+    p.add_argument("--max-requests", type=int, default=768, help="upper bound per case")
+    p.add_argument(
+        "--rounds", type=int, default=2, help="interleaved rounds the requests are split over"
+    )
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--prompt-words", type=int, default=32, help="words in each prompt")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        help="extra argument for both enginesim processes (repeatable)",
+    )
+    p.add_argument("--json", type=Path, default=c.WORK_DIR / "proxy_overhead.json")
+    p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "proxy_overhead.png")
+    p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: concurrency 1 and 8, 40 requests"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.concurrency = [1, 8]
+        args.min_requests = 40
+        args.max_requests = 40
+        args.requests_per_client = 5
+        args.rounds = 1
+    return args
+
+
+def case_requests(args: argparse.Namespace, conc: int) -> int:
+    """Measured requests of one case (all rounds): C x per-client, clamped to [min, max]."""
+    per_client = int(args.requests_per_client) * conc
+    return max(int(args.min_requests), min(int(args.max_requests), per_client))
+
+
+def run_loadgen(job: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
+    """Run bench/_loadgen.py in its own process on one job; return its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, str(c.BENCH_DIR / "_loadgen.py")],
+        input=json.dumps(job).encode(),
+        capture_output=True,
+        timeout=timeout,
+        env=c.bench_env(),
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    lat = result["latencies"]
+    ttfb = result["ttfbs"]
+    return {
+        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
+        "p50": c.percentile(lat, 50),
+        "p99": c.percentile(lat, 99),
+        "ttfb_p50": c.percentile(ttfb, 50),
+        "ttfb_p99": c.percentile(ttfb, 99),
+        "errors": float(result["errors"]),
+        "ok": float(len(lat)),
+    }
+
+
+def _empty_acc() -> dict[str, Any]:
+    return {
+        "latencies": [],
+        "ttfbs": [],
+        "errors": 0,
+        "error_samples": [],
+        "wall_s": 0.0,
+        "d_loaded_tokens": 0.0,
+        "router_cpu_s": 0.0,
+        "engine_cpu_s": 0.0,
+    }
+
+
+def _accumulate(acc: dict[str, Any], result: dict[str, Any]) -> None:
+    """Pool one round's result into the case: latencies joined, walls and counts added."""
+    acc["latencies"].extend(result["latencies"])
+    acc["ttfbs"].extend(result["ttfbs"])
+    acc["errors"] += result["errors"]
+    acc["error_samples"].extend(result["error_samples"])
+    acc["wall_s"] += result["wall_s"]
+    acc["d_loaded_tokens"] += result["d_loaded_tokens"]
+    acc["router_cpu_s"] += result["router_cpu_s"]
+    acc["engine_cpu_s"] += result["engine_cpu_s"]
+
+
+def loaded_tokens(d_url: str) -> float:
+    return c.scrape_metrics(d_url).get("enginesim_prompt_tokens_loaded_total", math.nan)
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Start engines and routers, run every case, stop everything; return raw summaries."""
+    p_eng = d_eng = None
+    routers: list[c.Router] = []
+    stack = contextlib.ExitStack()
+    # Zero simulated compute: what differs between targets is the routers' own cost. Enough
+    # sequences and blocks that the engines never queue on admission at concurrency 256.
+    engine_args = [
+        "--prefill-us-per-token", "0",
+        "--decode-us-per-step", "0",
+        "--max-num-seqs", str(max(256, max(args.concurrency))),
+        "--num-blocks", "8192",
+        "--log-level", "WARNING",
+        *args.engine_arg,
+    ]  # fmt: skip
+    try:
+        p_eng = c.start_engine("bench-p", engine_args)
+        d_eng = c.start_engine("bench-d", engine_args)
+        urls: dict[str, str] = {}
+        procs: dict[str, ServerProcess] = {}
+        if "kvrelay-w1" in args.targets:
+            r = c.start_kvrelay("kvrelay-w1", [p_eng], [d_eng], workers=1)
+            routers.append(r)
+            urls["kvrelay-w1"] = r.url
+            procs["kvrelay-w1"] = r.process
+        if "kvrelay-w2" in args.targets:
+            redis = stack.enter_context(c.redis_for_bench())
+            r = c.start_kvrelay("kvrelay-w2", [p_eng], [d_eng], workers=2, map_url=redis.url)
+            routers.append(r)
+            urls["kvrelay-w2"] = r.url
+            procs["kvrelay-w2"] = r.process
+        if "vllm-router" in args.targets:
+            r = c.start_vllm_router([p_eng], [d_eng])
+            routers.append(r)
+            urls["vllm-router"] = r.url
+            procs["vllm-router"] = r.process
+
+        # Rounds interleave all cases so slow drift of the shared machine spreads evenly.
+        raw: dict[tuple[str, int, str], dict[str, Any]] = {}
+        case_no = 0
+        for rnd in range(args.rounds):
+            for mode in args.modes:
+                for conc in args.concurrency:
+                    n = case_requests(args, conc) // args.rounds
+                    targets = list(args.targets)
+                    shift = case_no % len(targets)
+                    targets = targets[shift:] + targets[:shift]
+                    case_no += 1
+                    for target in targets:
+                        job: dict[str, Any] = {
+                            "concurrency": conc,
+                            "requests": n,
+                            "warmup": max(conc, 20),
+                            "stream": mode == "stream",
+                            "max_tokens": args.max_tokens,
+                            "prompt_words": args.prompt_words,
+                            "tag": f"{target}-{mode}-{conc}-{time.time_ns()}",
+                        }
+                        if target == "direct":
+                            job.update(mode="pd", p_url=p_eng.url, d_url=d_eng.url)
+                        else:
+                            job.update(mode="single", url=urls[target])
+                        before = loaded_tokens(d_eng.url)
+                        router_proc = procs.get(target)
+                        cpu0 = c.server_cpu_s(router_proc) if router_proc else 0.0
+                        eng0 = c.server_cpu_s(p_eng.process) + c.server_cpu_s(d_eng.process)
+                        result = run_loadgen(job)
+                        cpu1 = c.server_cpu_s(router_proc) if router_proc else 0.0
+                        eng1 = c.server_cpu_s(p_eng.process) + c.server_cpu_s(d_eng.process)
+                        result["d_loaded_tokens"] = loaded_tokens(d_eng.url) - before
+                        result["router_cpu_s"] = cpu1 - cpu0
+                        result["engine_cpu_s"] = eng1 - eng0
+                        acc = raw.setdefault((mode, conc, target), _empty_acc())
+                        _accumulate(acc, result)
+                        s = summarize(result)
+                        print(
+                            f"round {rnd + 1} {mode:10s} c={conc:<4d} {target:12s} "
+                            f"{s['rps']:8.1f} req/s p50 {c.fmt_ms(s['p50'])} ms "
+                            f"p99 {c.fmt_ms(s['p99'])} ms ttfb {c.fmt_ms(s['ttfb_p50'])} ms "
+                            f"err {int(s['errors'])}",
+                            flush=True,
+                        )
+        cases: list[dict[str, Any]] = []
+        for (mode, conc, target), acc in raw.items():
+            case = {"mode": mode, "concurrency": conc, "target": target, **summarize(acc)}
+            case["d_loaded_tokens"] = acc["d_loaded_tokens"]
+            ok = max(len(acc["latencies"]), 1)
+            case["router_cpu_us"] = acc["router_cpu_s"] / ok * 1e6
+            case["engine_cpu_us"] = acc["engine_cpu_s"] / ok * 1e6
+            case["error_samples"] = acc["error_samples"][:5]
+            cases.append(case)
+        order = {t: i for i, t in enumerate(TARGETS)}
+        cases.sort(key=lambda x: (MODES.index(x["mode"]), x["concurrency"], order[x["target"]]))
+        return {"cases": cases, "engine_args": engine_args}
+    finally:
+        c.stop_all(*(r.process for r in routers))
+        stack.close()
+        c.stop_all(
+            p_eng.process if p_eng else None,
+            d_eng.process if d_eng else None,
+        )
+
+
+def find(cases: list[dict[str, Any]], mode: str, conc: int, target: str) -> dict[str, Any] | None:
+    for case in cases:
+        if case["mode"] == mode and case["concurrency"] == conc and case["target"] == target:
+            return case
+    return None
+
+
+def add_derived(data: dict[str, Any]) -> None:
+    """Added latency vs `direct` at the same mode and concurrency; ratios vs vllm-router."""
+    cases = data["cases"]
+    for case in cases:
+        base = find(cases, case["mode"], case["concurrency"], "direct")
+        for key in ("p50", "p99", "ttfb_p50"):
+            case[f"added_{key}"] = case[key] - base[key] if base else math.nan
+    for case in cases:
+        ref = find(cases, case["mode"], case["concurrency"], "vllm-router")
+        if ref is None or not case["target"].startswith("kvrelay"):
+            continue
+        case["rps_ratio"] = case["rps"] / ref["rps"] if ref["rps"] else math.nan
+        for key in ("added_p50", "added_p99", "ttfb_p50", "router_cpu_us"):
+            case[f"{key}_ratio"] = case[key] / ref[key] if ref[key] > 0 else math.nan
+
+
+def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
+    cases = data["cases"]
+    lines = [c.run_header(), ""]
+    lines.append(
+        "1 P + 1 D enginesim with zero simulated compute "
+        f"(`{' '.join(data['engine_args'])}`); chat requests with a unique {args.prompt_words}"
+        f"-word prompt each (no reuse possible), `max_tokens={args.max_tokens}`; closed-loop "
+        "aiohttp client in its own process; fixed request count per case "
+        f"({', '.join(f'c={x}: {case_requests(args, x)}' for x in args.concurrency)}), split over "
+        f"{args.rounds} interleaved rounds (target order rotated). `direct` = the "
+        "client itself does the P leg then the D leg against the engines (same engine work, no "
+        "router hop); added latency = target minus `direct` in the same run. vllm-router "
+        f"{c.ROUTER_VERSION} runs `--vllm-pd-disaggregation --policy round_robin`. "
+        "All processes share the machine's cores. 'D pulled' = prompt tokens D loaded over NIXL "
+        "during the case (both routers really disaggregate)."
+    )
+    lines.append("")
+    lines.append(
+        "| mode | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        "| TTFB p50 ms | router CPU us/req | engines CPU us/req | D pulled tok | errors |"
+    )
+    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for case in cases:
+        stream = case["mode"] == "stream"
+        added = case["target"] != "direct"
+        lines.append(
+            f"| {case['mode']} | {case['concurrency']} | {case['target']} | {case['rps']:.0f} "
+            f"| {c.fmt_ms(case['p50'])} | {c.fmt_ms(case['p99'])} "
+            f"| {c.fmt_ms(case['added_p50']) if added else '-'} "
+            f"| {c.fmt_ms(case['added_p99']) if added else '-'} "
+            f"| {c.fmt_ms(case['ttfb_p50']) if stream else '-'} "
+            f"| {case['router_cpu_us']:.0f} | {case['engine_cpu_us']:.0f} "
+            f"| {case['d_loaded_tokens']:.0f} | {int(case['errors'])} |"
+        )
+    lines.append("")
+    lines.append(
+        "Ratios kvrelay / vllm-router (same mode and concurrency; throughput > 1 is "
+        "better, latency < 1 is better):"
+    )
+    lines.append("")
+    lines.append(
+        "| mode | conc | kvrelay | req/s ratio | added p50 ratio | added p99 ratio "
+        "| TTFB p50 ratio | router CPU/req ratio |"
+    )
+    lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
+    for case in cases:
+        if "rps_ratio" not in case:
+            continue
+        stream = case["mode"] == "stream"
+        lines.append(
+            f"| {case['mode']} | {case['concurrency']} | {case['target']} "
+            f"| {c.fmt_ratio(case['rps_ratio'])} | {c.fmt_ratio(case['added_p50_ratio'])} "
+            f"| {c.fmt_ratio(case['added_p99_ratio'])} "
+            f"| {c.fmt_ratio(case['ttfb_p50_ratio']) if stream else '-'} "
+            f"| {c.fmt_ratio(case['router_cpu_us_ratio'])} |"
+        )
+    lines.append("")
+    lines.extend(aim_lines(cases))
+    return "\n".join(lines)
+
+
+def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
+    """Aims: added p50 <= 1 ms at concurrency 64; throughput >= vllm-router's."""
+    out = ["Aims:", ""]
+    for case in cases:
+        if not case["target"].startswith("kvrelay"):
+            continue
+        if case["concurrency"] == AIM_CONCURRENCY and not math.isnan(case["added_p50"]):
+            added = case["added_p50"]
+            verdict = (
+                "met"
+                if added <= AIM_ADDED_P50_S
+                else f"MISSED by {c.fmt_ms(added - AIM_ADDED_P50_S)} ms"
+            )
+            out.append(
+                f"- added p50 <= 1 ms at concurrency {AIM_CONCURRENCY}, {case['mode']}, "
+                f"{case['target']}: {c.fmt_ms(added)} ms, {verdict}"
+            )
+        if "rps_ratio" in case and not math.isnan(case["rps_ratio"]):
+            ratio = case["rps_ratio"]
+            verdict = "met" if ratio >= 1.0 else f"MISSED by {(1 - ratio) * 100:.0f}%"
+            out.append(
+                f"- throughput >= vllm-router, {case['mode']}, c={case['concurrency']}, "
+                f"{case['target']}: {ratio:.2f}x, {verdict}"
+            )
+    return out
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = data["cases"]
+    modes = [m for m in MODES if any(x["mode"] == m for x in cases)]
+    targets = [t for t in TARGETS if any(x["target"] == t for x in cases)]
+    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), squeeze=False)
+    for col, mode in enumerate(modes):
+        for target in targets:
+            pts = sorted(
+                (x["concurrency"], x) for x in cases if x["mode"] == mode and x["target"] == target
+            )
+            concs = [p[0] for p in pts]
+            if target != "direct":
+                axes[0][col].plot(
+                    concs, [p[1]["added_p50"] * 1000 for p in pts], marker="o", label=target
+                )
+            axes[1][col].plot(concs, [p[1]["rps"] for p in pts], marker="o", label=target)
+        axes[0][col].axhline(AIM_ADDED_P50_S * 1000, color="grey", ls="--", lw=1, label="aim 1 ms")
+        axes[0][col].set_title(f"{mode}: added latency p50 vs direct")
+        axes[0][col].set_ylabel("ms")
+        axes[1][col].set_title(f"{mode}: throughput")
+        axes[1][col].set_ylabel("requests/s")
+        for row in (0, 1):
+            axes[row][col].set_xscale("log", base=2)
+            axes[row][col].set_xlabel("concurrency")
+            axes[row][col].grid(True, alpha=0.3)
+            axes[row][col].legend(fontsize=8)
+    fig.suptitle("Proxy overhead, same P/D enginesim, zero compute (one run)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    started = time.monotonic()
+    data = measure(args)
+    data["elapsed_s"] = time.monotonic() - started
+    add_derived(data)
+    c.write_json(args.json, data)
+    plot(data, args.plot)
+    text = render_markdown(data, args)
+    if not args.no_results:
+        body = text + f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
+        c.update_results_section(SECTION, body)
+    print(text)
+    print(f"\nwrote {c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
