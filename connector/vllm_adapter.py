@@ -46,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.request import RequestStatus
 
 from connector.metadata import ConnectorMetadata
 from connector.scheduler import ConnectorScheduler
@@ -67,6 +68,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
+
+# Finished with every computed token's KV in place: the only requests whose blocks are held.
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
 
 __all__ = ["KVRelayConnector"]
 
@@ -240,6 +244,10 @@ class KVRelayConnector(KVConnectorBase_V1):
                 params.get("remote_engine_id"),
             )
             return False, None
+        if request.status not in _COMPLETED:
+            # Aborted or failed (possibly mid-prefill): its KV may be incomplete, so nothing is
+            # held or advertised. The core still ends any load or pending pull of it.
+            view.kv_transfer_params = None
         delay_free, out = sched.request_finished(view, [list(block_ids)])
         if delay_free and out is not None:
             logger.debug(

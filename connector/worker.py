@@ -112,7 +112,7 @@ class ConnectorWorker:
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self.counters = Counters(
             "transfers", "blocks_read", "bytes_read", "failures", "notifs_received",
-            "notifs_ignored", "freed_reported", "read_reported",
+            "notifs_ignored", "freed_reported", "read_reported", "handshakes", "descs_posted",
         )  # fmt: skip
         self._transport: NixlTransport | None = None
         self._geometry: CacheGeometry | None = None
@@ -236,6 +236,7 @@ class ConnectorWorker:
         for attempt in range(self.config.handshake_retries):
             try:
                 hs = client.handshake(spec.remote_host, spec.remote_port)
+                self.counters.inc("handshakes")
             except SideChannelError as exc:
                 last = exc
                 time.sleep(min(0.05 * 2**attempt, 1.0))  # retry backoff, not synchronisation
@@ -335,6 +336,7 @@ class ConnectorWorker:
                 agent = remote.agents[piece.remote_rank]
                 handles.append(transport.read(agent, l_descs, r_descs, message))
                 self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
+                self.counters.inc("descs_posted", len(l_descs))
         except BaseException:
             for handle in handles:
                 transport.release(handle)

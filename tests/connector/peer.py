@@ -72,7 +72,7 @@ class _Engine:
             "num_layers": spec.num_layers,
             "dtype": "float32",
             "model": "peer-test",
-            "kv_layout": spec.layout.replace("_hnd", ""),
+            "kv_layout": spec.layout,
             "use_mla": spec.layout == "mla",
             "tp_size": spec.tp_size,
         }
@@ -110,7 +110,13 @@ class _Engine:
         self.from_rejects: dict[str, Any] = {}
 
     # --- blocks -----------------------------------------------------------------------------
-    def alloc(self, rid: str, num_tokens: int) -> list[int]:
+    def alloc(self, rid: str, num_tokens: int, exact: list[int] | None = None) -> list[int]:
+        if exact is not None:
+            if not set(exact) <= set(self.free_blocks):
+                raise RuntimeError("requested blocks are not free")
+            self.free_blocks = [b for b in self.free_blocks if b not in exact]
+            self.req_blocks[rid] = list(exact)
+            return list(exact)
         n = max(1, math.ceil(num_tokens / self.spec.block_size))
         if n > len(self.free_blocks):
             raise RuntimeError("out of blocks")
@@ -168,7 +174,7 @@ class _Engine:
         if cmd == "hold":
             rid = args["rid"]
             tokens = args["all_tokens"]
-            blocks = self.alloc(rid, len(tokens))
+            blocks = self.alloc(rid, len(tokens), args.get("blocks"))
             view = RequestView(rid, args.get("client_rid"), args["prompt"], tokens, args["params"])
             delay, params = self.sched.request_finished(view, [blocks])
             if not delay:
@@ -206,6 +212,16 @@ class _Engine:
             })  # fmt: skip
         elif cmd == "reclaim":
             self.reply(cid, self.sched.reclaim_holds(args["num_blocks"]))
+        elif cmd == "free_all":
+            # Finish every request this engine ran locally (not holds, not loads in flight).
+            for rid in list(self.req_blocks):
+                if not self.sched.holds.is_held(rid) and rid not in self.loads:
+                    self.free(rid)
+            self.reply(cid, True)
+        elif cmd == "coalesce":
+            for w in self.workers:
+                w.config = w.config.model_copy(update={"coalesce": bool(args["on"])})
+            self.reply(cid, True)
         elif cmd == "polling":
             self.polling = bool(args["on"])
             self.reply(cid, True)
