@@ -9,6 +9,7 @@ collects this directory (and deselects its tests by marker) with no vLLM install
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.vllm.servers import (
     CONNECTOR_SECRET,
+    START_TIMEOUT_S,
     VLLMServer,
     kvrelay_pair,
     side_channels_setting,
@@ -32,31 +34,56 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
+class Reference:
+    """The plain (non-disaggregated) vLLM server, started in the background once per session
+    so its start overlaps the first pair's; `server()` waits for it (bounded)."""
+
+    def __init__(self, model_dir: Path) -> None:
+        self._server = VLLMServer("reference", model_dir, cpu=0)
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future: Future[VLLMServer] = self._pool.submit(self._server.start)
+
+    def server(self) -> VLLMServer:
+        return self._future.result(timeout=START_TIMEOUT_S + 60)
+
+    def close(self) -> None:
+        try:
+            # A start still in progress finishes (or fails) before we stop the process.
+            self._future.exception(timeout=START_TIMEOUT_S + 60)
+        finally:
+            self._server.stop()
+            self._pool.shutdown()
+
+
 @pytest.fixture(scope="session")
-def reference(tiny_model: Path) -> Iterator[VLLMServer]:
-    """A plain (non-disaggregated) vLLM server: the greedy output every path must match."""
-    server = VLLMServer("reference", tiny_model, cpu=0)
+def reference_launch(tiny_model: Path) -> Iterator[Reference]:
+    ref = Reference(tiny_model)
     try:
-        start_all(server)
-        yield server
+        yield ref
     finally:
-        server.stop()
+        ref.close()
 
 
 class PDFleet:
-    """A vLLM P and D and a kvrelay proxy in front of them."""
+    """A vLLM P and D, a kvrelay proxy in front of them, and the reference server."""
 
-    def __init__(self, prefill: VLLMServer, decode: VLLMServer, proxy: ProxyServer) -> None:
+    def __init__(
+        self, prefill: VLLMServer, decode: VLLMServer, proxy: ProxyServer, reference: VLLMServer
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.proxy = proxy
+        self.reference = reference
 
 
-def _fleet(pair: tuple[VLLMServer, VLLMServer], **settings: str) -> Iterator[PDFleet]:
+def _fleet(
+    pair: tuple[VLLMServer, VLLMServer], reference: Reference, **settings: str
+) -> Iterator[PDFleet]:
     prefill, decode = pair
     proxies = ProxyFactory()
     try:
         start_all(prefill, decode)
+        ref = reference.server()
         proxy = proxies(
             [prefill.url],
             [decode.url],
@@ -64,20 +91,22 @@ def _fleet(pair: tuple[VLLMServer, VLLMServer], **settings: str) -> Iterator[PDF
             connector_secret=CONNECTOR_SECRET,
             **settings,
         )
-        yield PDFleet(prefill, decode, proxy)
+        yield PDFleet(prefill, decode, proxy, ref)
     finally:
         proxies.close()
         stop_all(prefill, decode)
 
 
 @pytest.fixture(scope="module")
-def kvrelay_fleet(tiny_model: Path, reference: VLLMServer) -> Iterator[PDFleet]:
-    """vLLM P/D loading kvrelay's connector, and the proxy (reference server already up)."""
+def kvrelay_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
+    """vLLM P/D loading kvrelay's connector, and the proxy. P runs without a local prefix
+    cache, as a P that did not serve the previous turn would: its history must come from D."""
     pair = kvrelay_pair(tiny_model)
-    yield from _fleet(pair, side_channels=side_channels_setting(*pair))
+    pair[0].extra_args = ["--no-enable-prefix-caching"]
+    yield from _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
 
 
 @pytest.fixture(scope="module")
-def stock_fleet(tiny_model: Path, reference: VLLMServer) -> Iterator[PDFleet]:
+def stock_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
     """vLLM P/D with stock NixlConnector, and the proxy in compatibility mode."""
-    yield from _fleet(stock_pair(tiny_model))
+    yield from _fleet(stock_pair(tiny_model), reference_launch)

@@ -86,6 +86,7 @@ class VLLMServer:
     transfer_config: dict[str, Any] | None = None
     side_channel_port: int | None = None
     extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
     process: ServerProcess | None = None
 
@@ -104,7 +105,7 @@ class VLLMServer:
         ]  # fmt: skip
         if self.transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
-        return argv
+        return argv + self.extra_args
 
     def start(self) -> VLLMServer:
         env = {**vllm_env(self.cpu), **self.extra_env}

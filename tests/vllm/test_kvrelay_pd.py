@@ -61,9 +61,7 @@ def proxy_post(
     return status, out
 
 
-def test_single_turn_completion_matches_reference(
-    kvrelay_fleet: PDFleet, reference: VLLMServer
-) -> None:
+def test_single_turn_completion_matches_reference(kvrelay_fleet: PDFleet) -> None:
     prompt = SYSTEM + " Now describe the prefill engine in one line:"
     body = completion_body(prompt)
     loaded_before = kvrelay_fleet.decode.metric(TOKENS_LOADED)
@@ -71,7 +69,7 @@ def test_single_turn_completion_matches_reference(
     status, out = proxy_post(kvrelay_fleet, "/v1/completions", body)
 
     assert status == 200, out
-    assert text_of(out) == reference_text(reference, "/v1/completions", body)
+    assert text_of(out) == reference_text(kvrelay_fleet.reference, "/v1/completions", body)
     assert "kv_transfer_params" not in out or out["kv_transfer_params"] is None
     # D computed nothing of the prompt it could read from P: its connector loaded the blocks.
     wait_until(
@@ -81,17 +79,17 @@ def test_single_turn_completion_matches_reference(
     )
 
 
-def test_single_turn_chat_matches_reference(kvrelay_fleet: PDFleet, reference: VLLMServer) -> None:
+def test_single_turn_chat_matches_reference(kvrelay_fleet: PDFleet) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
     body = chat_body(messages)
 
     status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body)
 
     assert status == 200, out
-    assert text_of(out) == reference_text(reference, "/v1/chat/completions", body)
+    assert text_of(out) == reference_text(kvrelay_fleet.reference, "/v1/chat/completions", body)
 
 
-def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet, reference: VLLMServer) -> None:
+def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[1]}]
     body = {**chat_body(messages), "stream": True}
 
@@ -104,12 +102,12 @@ def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet, reference: VLLM
             delta = json.loads(line[len("data: ") :])["choices"]
             if delta:
                 text += delta[0]["delta"].get("content") or ""
-    assert text == reference_text(reference, "/v1/chat/completions", chat_body(messages))
+    assert text == reference_text(
+        kvrelay_fleet.reference, "/v1/chat/completions", chat_body(messages)
+    )
 
 
-def test_multi_turn_loads_previous_turn_from_decode(
-    kvrelay_fleet: PDFleet, reference: VLLMServer
-) -> None:
+def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> None:
     headers = {"X-Conversation-Id": f"conv-{uuid.uuid4().hex[:8]}"}
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     loaded = [kvrelay_fleet.prefill.metric(TOKENS_LOADED)]
@@ -121,7 +119,9 @@ def test_multi_turn_loads_previous_turn_from_decode(
 
         assert status == 200, out
         reply = text_of(out)
-        assert reply == reference_text(reference, "/v1/chat/completions", body), f"turn {turn}"
+        assert reply == reference_text(kvrelay_fleet.reference, "/v1/chat/completions", body), (
+            f"turn {turn}"
+        )
         messages.append({"role": "assistant", "content": reply})
         if turn == 0:
             loaded.append(kvrelay_fleet.prefill.metric(TOKENS_LOADED))

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.vllm.conftest import PDFleet
-from tests.vllm.servers import VLLMServer
 from tests.vllm.test_kvrelay_pd import (
     SYSTEM,
     USER_TURNS,
@@ -23,16 +22,16 @@ from tests.vllm.test_kvrelay_pd import (
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
-def test_stock_completion_matches_reference(stock_fleet: PDFleet, reference: VLLMServer) -> None:
+def test_stock_completion_matches_reference(stock_fleet: PDFleet) -> None:
     body = completion_body(SYSTEM + " The stock decode engine says:")
     status, out = proxy_post(stock_fleet, "/v1/completions", body)
     assert status == 200, out
-    assert text_of(out) == reference_text(reference, "/v1/completions", body)
+    assert text_of(out) == reference_text(stock_fleet.reference, "/v1/completions", body)
 
 
-def test_stock_chat_matches_reference(stock_fleet: PDFleet, reference: VLLMServer) -> None:
+def test_stock_chat_matches_reference(stock_fleet: PDFleet) -> None:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[2]}]
     body = chat_body(messages)
     status, out = proxy_post(stock_fleet, "/v1/chat/completions", body)
     assert status == 200, out
-    assert text_of(out) == reference_text(reference, "/v1/chat/completions", body)
+    assert text_of(out) == reference_text(stock_fleet.reference, "/v1/chat/completions", body)

@@ -1,0 +1,88 @@
+"""The vLLM adapter's vLLM-free helpers (run in the main suite: no vLLM needed).
+
+`connector.vllm.requests` recovers the client's X-Request-Id from vLLM's engine request ids;
+`connector.vllm.layout` finds the block dimension and memory order of vLLM's cache tensors.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from connector.vllm.layout import UnsupportedCacheError, physical_view, prepare_caches
+from connector.vllm.requests import client_request_id, request_view
+
+
+@pytest.mark.parametrize(
+    ("engine_id", "client_id"),
+    [
+        (
+            "chatcmpl-kvr-2b20cd1bd3cd4744a49c9e24e8a2edc9-abc5d3a4",
+            "kvr-2b20cd1bd3cd4744a49c9e24e8a2edc9",
+        ),
+        ("cmpl-req-1-0-a7414993", "req-1"),
+        ("cmpl-req-1-3-a7414993", "req-1"),
+        ("b790b765887fefe9", "b790b765887fefe9"),
+    ],
+)
+def test_client_request_id(engine_id: str, client_id: str) -> None:
+    assert client_request_id(engine_id) == client_id
+
+
+def test_request_view_copies_what_the_core_needs() -> None:
+    req = SimpleNamespace(
+        request_id="cmpl-abc-0-12345678",
+        prompt_token_ids=[1, 2, 3],
+        all_token_ids=[1, 2, 3, 4],
+        kv_transfer_params={"do_remote_decode": True},
+    )
+    view = request_view(req)
+    assert view.client_request_id == "abc"
+    assert list(view.prompt_token_ids) == [1, 2, 3]
+    assert list(view.all_token_ids) == [1, 2, 3, 4]
+    assert view.kv_transfer_params == {"do_remote_decode": True}
+
+
+def test_cpu_attention_layout_is_blocks_first() -> None:
+    # vLLM CPU attention: [num_blocks, kv_heads, block_size, 2 * head_size] per layer.
+    caches = {f"layer{i}": torch.zeros(10, 2, 32, 128) for i in range(2)}
+    prepared = prepare_caches(caches, num_blocks=10, block_size=32, num_kv_heads=2, name="x")
+    assert prepared.layout.block_dim == 0
+    assert prepared.layout.head_major
+    assert all(t.is_contiguous() for t in prepared.tensors.values())
+
+
+def test_permuted_view_is_read_in_memory_order() -> None:
+    # FlashAttention-style logical shape (2, blocks, block_size, heads, dim) over an HND buffer.
+    physical = torch.zeros(2, 7, 4, 16, 8)  # (2, blocks, heads, block_size, dim)
+    logical = physical.permute(0, 1, 3, 2, 4)
+    assert not logical.is_contiguous()
+    prepared = prepare_caches(
+        {"l0": logical}, num_blocks=7, block_size=16, num_kv_heads=4, name="x"
+    )
+    view = prepared.tensors["l0"]
+    assert view.data_ptr() == physical.data_ptr()
+    assert tuple(view.shape) == (2, 7, 4, 16, 8)
+    assert prepared.layout.block_dim == 1
+    assert prepared.layout.head_major
+
+
+def test_shared_layers_are_registered_once() -> None:
+    shared = torch.zeros(5, 1, 32, 64)
+    prepared = prepare_caches(
+        {"a": shared, "b": shared}, num_blocks=5, block_size=32, num_kv_heads=1, name="x"
+    )
+    assert list(prepared.tensors) == ["a"]
+
+
+def test_strided_cache_is_refused() -> None:
+    padded = torch.zeros(6, 2, 32, 80)[..., :64]
+    with pytest.raises(UnsupportedCacheError, match="not a permutation"):
+        physical_view(padded)
+
+
+def test_missing_block_dimension_is_refused() -> None:
+    with pytest.raises(UnsupportedCacheError, match="block dimension"):
+        prepare_caches({"l": torch.zeros(3, 32, 64)}, 9, 32, 1, name="x")
