@@ -48,7 +48,9 @@ def _helm_venv_ready(python: Path) -> bool:
     if not python.exists():
         return False
     probe = subprocess.run(
-        [str(python), "-c", "import helm_sdkpy, yaml"], capture_output=True, timeout=60
+        [str(python), "-c", "import helm_sdkpy, kubernetes_validate, yaml"],
+        capture_output=True,
+        timeout=60,
     )
     return probe.returncode == 0
 
@@ -69,10 +71,13 @@ def helm_python() -> Path:
 
 @dataclass
 class Rendered:
-    """What one `helm install` rendered: manifests (as dicts) and NOTES.txt."""
+    """What one `helm install` rendered: manifests (as dicts), NOTES.txt, schema findings."""
 
     manifests: list[dict[str, Any]]
     notes: str
+    # Kubernetes API schema violations, and kinds without a bundled schema (CRDs).
+    invalid: list[str]
+    unvalidated: list[str]
 
     def all(self, kind: str) -> list[dict[str, Any]]:
         return [m for m in self.manifests if m["kind"] == kind]
@@ -139,7 +144,10 @@ class Helm:
     ) -> Rendered:
         out = self.install(values_files, set_values)
         assert out["ok"], out.get("error")
-        return Rendered(out["manifests"], out["notes"])
+        rendered = Rendered(out["manifests"], out["notes"], out["invalid"], out["unvalidated"])
+        assert rendered.invalid == [], "\n".join(rendered.invalid)
+        assert set(rendered.unvalidated) <= {"ServiceMonitor/rel-kvrelay"}, rendered.unvalidated
+        return rendered
 
     def refusal(self, set_values: dict[str, Any], skip_schema: bool = False) -> str:
         """The error Helm gives for values the chart must refuse."""

@@ -9,7 +9,8 @@ Runs inside `.venv-helm` (Python 3.12, helm-sdkpy + PyYAML), never in the projec
 Values are deep-merged over the chart's values.yaml in order (files, then --set-json), like
 `helm -f ... --set-json`. `lint` lints a copy of the chart whose values.yaml holds the merged
 values (helm-sdkpy's lint takes no values). `render` installs into the (fake) cluster named by
-the kubeconfig with the in-memory release driver and prints the rendered manifests and NOTES.
+the kubeconfig with the in-memory release driver and prints the rendered manifests, NOTES and
+the result of validating every manifest against the Kubernetes API schemas.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+# Oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest with schemas.
+KUBE_VERSIONS = ("1.25.0", "1.37.0")
 
 
 def merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -104,7 +108,38 @@ def render(args: argparse.Namespace) -> dict[str, Any]:
         return {"ok": False, "error": str(exc)}
     manifests = [d for d in yaml.safe_load_all(release.get("manifest", "")) if d]
     notes = (release.get("info") or {}).get("notes", "")
-    return {"ok": True, "manifests": manifests, "notes": notes}
+    invalid, unvalidated = validate(manifests)
+    return {
+        "ok": True,
+        "manifests": manifests,
+        "notes": notes,
+        "invalid": invalid,
+        "unvalidated": unvalidated,
+    }
+
+
+def validate(manifests: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    """Check each manifest against the Kubernetes API schemas (strict: unknown fields fail).
+
+    Both ends of the chart's supported range (Chart.yaml kubeVersion) are checked. Kinds with
+    no bundled schema (CRDs such as ServiceMonitor) are listed as unvalidated.
+    """
+    import kubernetes_validate
+
+    invalid: list[str] = []
+    unvalidated: list[str] = []
+    for manifest in manifests:
+        name = f"{manifest.get('kind')}/{manifest.get('metadata', {}).get('name')}"
+        for version in KUBE_VERSIONS:
+            try:
+                kubernetes_validate.validate(manifest, version, strict=True)
+            except kubernetes_validate.SchemaNotFoundError:
+                unvalidated.append(name)
+                break
+            except kubernetes_validate.ValidationError as exc:
+                path = ".".join(str(p) for p in exc.path)
+                invalid.append(f"{name} (Kubernetes {version}) at {path}: {exc.message}")
+    return invalid, sorted(set(unvalidated))
 
 
 def main() -> int:

@@ -231,3 +231,11 @@ def test_rendered_configmap_is_read_back_by_the_settings_model(
     for name, value in chosen.items():
         assert loaded[name] == value, name
     settings.check_runnable()
+
+
+def test_manifests_are_checked_against_the_kubernetes_api_schemas(helm: Helm) -> None:
+    # Every render above is validated (Helm.render); this shows the check bites on a typo
+    # that Helm itself and the chart's schema (free-form podSecurityContext) let through.
+    out = helm.install(set_values={"podSecurityContext": {"runAsUsr": 1000}})
+    assert out["ok"]
+    assert any("'runAsUsr' was unexpected" in finding for finding in out["invalid"])
