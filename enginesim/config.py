@@ -48,10 +48,10 @@ class EngineConfig:
     def validate(self) -> None:
         if self.max_model_len < 2:
             raise ValueError("max_model_len must be at least 2")
-        if self.num_blocks * self.block_size < self.max_model_len + 1:
+        if self.num_blocks * self.block_size < self.max_model_len:
             # A single request of max_model_len tokens must always fit the pool.
             raise ValueError(
-                f"num_blocks * block_size ({self.num_blocks * self.block_size}) must exceed "
+                f"num_blocks * block_size ({self.num_blocks * self.block_size}) must be at least "
                 f"max_model_len ({self.max_model_len})"
             )
         if self.max_num_seqs < 1:

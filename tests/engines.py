@@ -1,0 +1,131 @@
+"""Start enginesim processes for tests: free ports, real NIXL on loopback, bounded readiness.
+
+Used through the fixtures in `tests/conftest.py` (`engine_factory`, `pd_engines`); the proxy
+and chaos suites use the same engines.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tests.harness import ServerProcess, free_port, http_ready, wait_until
+
+CONNECTOR_SECRET = "kvrelay-test-connector-secret"
+ENGINE_ENV = {
+    "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
+    "UCX_NET_DEVICES": "lo",
+    "UCX_TLS": "tcp,self,sm",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text → {series: value} (series keep their labels, e.g. `x{a="b"}`)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        out[name] = float(value)
+    return out
+
+
+@dataclass
+class EngineSim:
+    """One running `python -m enginesim` process."""
+
+    name: str
+    args: Sequence[str] = ()
+    connector: bool = True
+    port: int = field(default_factory=free_port)
+    side_channel_port: int = field(default_factory=free_port)
+    process: ServerProcess | None = None
+    # /metrics right after start: the state every test must return the pool to.
+    baseline: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> EngineSim:
+        argv = [sys.executable, "-m", "enginesim", "--port", str(self.port), "--engine-id",
+                self.name, "--log-level", "WARNING"]  # fmt: skip
+        if self.connector:
+            argv += ["--side-channel-port", str(self.side_channel_port)]
+        argv += list(self.args)
+        self.process = ServerProcess(
+            argv, http_ready(f"{self.url}/health"), env=ENGINE_ENV, ready_timeout=60,
+            name=f"enginesim-{self.name}",
+        ).start()  # fmt: skip
+        self.baseline = self.metrics()
+        return self
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def kill(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.stop()
+            self.process = None
+
+    def request(
+        self, path: str, body: Any = None, headers: dict[str, str] | None = None,
+        timeout: float = 30.0,
+    ) -> tuple[int, Any]:  # fmt: skip
+        """POST JSON (GET when `body` is None); returns (status, parsed JSON body)."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"Content-Type": "application/json",
+                                                 **(headers or {})},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as err:
+            return err.code, json.loads(err.read() or b"null")
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
+            return parse_metrics(resp.read().decode())
+
+    def metric(self, name: str) -> float:
+        return self.metrics().get(name, 0.0)
+
+    def pool_idle(self) -> bool:
+        """Every block free, nothing held, nothing in flight (the starting state)."""
+        m = self.metrics()
+        return (
+            m["enginesim_blocks_free"] == m["enginesim_blocks_total"]
+            and m["enginesim_blocks_held_for_remote"] == 0
+            and m["enginesim_requests_running"] == 0
+            and m["enginesim_requests_waiting"] == 0
+            and m["enginesim_requests_loading"] == 0
+        )
+
+    def wait_idle(self, timeout: float = 10.0) -> None:
+        wait_until(self.pool_idle, timeout, what=f"{self.name}'s block pool to be idle")
+
+
+class EngineFactory:
+    """Starts engines for one test and stops them all afterwards."""
+
+    def __init__(self) -> None:
+        self.engines: list[EngineSim] = []
+
+    def __call__(self, name: str, *args: str, connector: bool = True) -> EngineSim:
+        engine = EngineSim(name, args, connector=connector)
+        self.engines.append(engine)
+        return engine.start()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.stop()

@@ -1,0 +1,289 @@
+"""P and D enginesim processes moving real KV over real NIXL (UCX on loopback).
+
+Every test compares against the in-process single-engine reference and ends with every
+engine's block pool back to its starting state (read from /metrics).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from connector.sidechannel_client import SideChannelClient
+from enginesim.reference import reference_chat, reference_completion
+from tests.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
+from tests.harness import free_port, wait_until
+
+pytestmark = pytest.mark.nixl
+
+PROMPT = (
+    "The kv cache of the model is a block of tokens that we would like to reuse every turn, "
+    "and it should never be wrong or stale, not even once in a long conversation."
+)
+MISS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def shared_pd() -> Iterator[tuple[EngineSim, EngineSim]]:
+    """One P and one D (default flags) shared by this module's tests: start-up is slow."""
+    factory = EngineFactory()
+    try:
+        yield factory("P"), factory("D")
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def pd(shared_pd: tuple[EngineSim, EngineSim]) -> Iterator[tuple[EngineSim, EngineSim]]:
+    """The shared P and D with faults cleared; both must end with an idle block pool."""
+    for engine in shared_pd:
+        engine.request("/admin/faults", {"refuse_admission": False, "fail_next_n": 0})
+    yield shared_pd
+    for engine in shared_pd:
+        engine.wait_idle(timeout=10)
+        engine.request("/admin/faults", {"refuse_admission": False, "fail_next_n": 0})
+
+
+@pytest.fixture
+def idle_after(engine_factory: EngineFactory) -> Iterator[EngineFactory]:
+    """`engine_factory`, plus: every engine still running ends with an idle block pool."""
+    yield engine_factory
+    for engine in engine_factory.engines:
+        if engine.process is not None and engine.process.alive:
+            engine.wait_idle(timeout=10)
+
+
+class Delta:
+    """Metric changes on one engine since construction."""
+
+    def __init__(self, engine: EngineSim) -> None:
+        self.engine, self.start = engine, engine.metrics()
+
+    def __call__(self, name: str) -> float:
+        return self.engine.metric(name) - self.start.get(name, 0.0)
+
+
+def prefill(p: EngineSim, rid: str, body: dict[str, Any], chat: bool = False) -> dict[str, Any]:
+    """The proxy's P leg: max_tokens=1, do_remote_decode; returns P's params for D."""
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    leg = {**body, "max_tokens": 1, "stream": False}
+    leg.setdefault("kv_transfer_params", MISS)
+    status, resp = p.request(path, leg, headers={"X-Request-Id": rid})
+    assert status == 200, resp
+    params: dict[str, Any] = resp["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_engine_id"] == p.name
+    return params
+
+
+def decode(
+    d: EngineSim, rid: str, body: dict[str, Any], params: dict[str, Any], chat: bool = False
+) -> tuple[int, dict[str, Any]]:
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    return d.request(path, {**body, "kv_transfer_params": params},
+                     headers={"X-Request-Id": rid})  # fmt: skip
+
+
+def text_of(resp: dict[str, Any]) -> str:
+    choice = resp["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def test_p_to_d_output_equals_single_engine(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    dd = Delta(d)
+    body = {"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True}
+    params = prefill(p, "r1", body)
+    assert p.metric("enginesim_blocks_held_for_remote") == len(params["remote_block_ids"][0])
+    status, resp = decode(d, "r1", body, params)
+    assert status == 200, resp
+    assert text_of(resp) == reference_completion(PROMPT, 30, ignore_eos=True)
+    # D computed only the last prompt token; everything else came over NIXL.
+    prompt_len = resp["usage"]["prompt_tokens"]
+    assert dd("enginesim_prompt_tokens_loaded_total") == prompt_len - 1
+    assert dd("enginesim_prompt_tokens_computed_total") == 1
+    assert dd("enginesim_kv_transfers_total") >= 1
+    assert resp["kv_transfer_params"] is None  # D holds nothing unless asked (hold_blocks)
+    # P's blocks are freed by the read notification.
+    p.wait_idle(timeout=5)
+
+
+def test_corrupted_block_changes_output(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    dd = Delta(d)
+    body = {"prompt": PROMPT, "max_tokens": 30, "ignore_eos": True}
+    params = prefill(p, "r-bad", body)
+    # Damage one block in the middle of P's held prompt KV, then let D read it.
+    status, _ = p.request(
+        "/admin/corrupt_blocks", {"block_ids": [params["remote_block_ids"][0][1]]}
+    )
+    assert status == 200
+    status, resp = decode(d, "r-bad", body, params)
+    assert status == 200
+    assert text_of(resp) != reference_completion(PROMPT, 30, ignore_eos=True)
+    assert dd("enginesim_prompt_tokens_loaded_total") > 0
+
+
+def test_streaming_carries_params_in_final_chunk(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    msgs = [{"role": "user", "content": PROMPT}]
+    params = prefill(p, "s1", {"messages": msgs}, chat=True)
+    body = {"messages": msgs, "max_tokens": 20, "stream": True, "ignore_eos": True,
+            "kv_transfer_params": {**params, "hold_blocks": True}}  # fmt: skip
+    resp = httpx.post(d.url + "/v1/chat/completions", json=body,
+                      headers={"X-Request-Id": "s1"}, timeout=30)  # fmt: skip
+    chunks = [json.loads(b[6:]) for b in resp.text.split("\n\n") if b.startswith("data: {")]
+    assert resp.text.rstrip().endswith("data: [DONE]")
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == reference_chat(msgs, 20, ignore_eos=True)
+    assert all("kv_transfer_params" not in c for c in chunks[:-1])
+    d_params = chunks[-1]["kv_transfer_params"]
+    assert d_params["remote_engine_id"] == "D" and d_params["release_token"]
+    assert d.metric("enginesim_blocks_held_for_remote") == len(d_params["remote_block_ids"][0])
+    # The same params are published on D's side channel under the client request id.
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        assert client.finished("127.0.0.1", d.side_channel_port, "s1") == d_params
+        # The proxy ends the conversation: D's held blocks come back at once.
+        assert client.release("127.0.0.1", d.side_channel_port, d_params["remote_request_id"],
+                              d_params["release_token"])  # fmt: skip
+    finally:
+        client.close()
+
+
+def test_stock_style_stream_has_no_params(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+) -> None:
+    p, d = pd[0], idle_after("D-stock", "--no-params-in-stream")
+    params = prefill(p, "s2", {"prompt": PROMPT})
+    body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": params}
+    resp = httpx.post(d.url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200 and "kv_transfer_params" not in resp.text
+    assert "data: [DONE]" in resp.text
+
+
+def _turn(
+    p: EngineSim, d: EngineSim, rid: str, msgs: list[dict[str, str]],
+    previous: dict[str, Any] | None, max_tokens: int = 24,
+) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """One proxy-style turn: P (pulling D's previous KV if given), then D (holding for next)."""
+    p_params = dict(MISS)
+    if previous is not None:
+        p_params = {**previous, "do_remote_decode": True, "do_remote_prefill": False}
+    params = prefill(p, rid, {"messages": msgs, "kv_transfer_params": p_params}, chat=True)
+    body = {"messages": msgs, "max_tokens": max_tokens, "ignore_eos": True}
+    status, resp = decode(d, rid, body, {**params, "hold_blocks": True}, chat=True)
+    assert status == 200, resp
+    return text_of(resp), resp["kv_transfer_params"]
+
+
+def test_bidirectional_turn_two_pulls_from_d(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    msgs = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "first question"}]
+    reply1, d_params = _turn(p, d, "t1", msgs, None)
+    assert reply1 == reference_chat(msgs, 24, ignore_eos=True)
+    msgs2 = [*msgs, {"role": "assistant", "content": reply1},
+             {"role": "user", "content": "and a second one"}]  # fmt: skip
+    loaded_before = p.metric("enginesim_prompt_tokens_loaded_total")
+    reply2, d_params2 = _turn(p, d, "t2", msgs2, d_params)
+    assert reply2 == reference_chat(msgs2, 24, ignore_eos=True)
+    pulled = p.metric("enginesim_prompt_tokens_loaded_total") - loaded_before
+    # P pulled the turn-1 history from D: whole blocks, at most what D held.
+    assert 0 < pulled <= d_params["remote_num_tokens"] and pulled % 16 == 0
+    # Turn 1's hold on D was read by P and freed; turn 2's hold is released by "the proxy".
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        assert client.release("127.0.0.1", d.side_channel_port, d_params2["remote_request_id"],
+                              d_params2["release_token"])  # fmt: skip
+    finally:
+        client.close()
+
+
+def test_diverged_history_pulls_only_the_matching_prefix(
+    pd: tuple[EngineSim, EngineSim],
+) -> None:
+    p, d = pd
+    msgs = [{"role": "system", "content": PROMPT},
+            {"role": "user", "content": "the original question"}]  # fmt: skip
+    reply1, d_params = _turn(p, d, "v1", msgs, None)
+    # The client edits its first user message: only the system prompt's blocks still match.
+    msgs2 = [msgs[0], {"role": "user", "content": "an edited question instead"},
+             {"role": "assistant", "content": reply1},
+             {"role": "user", "content": "next"}]  # fmt: skip
+    loaded_before = p.metric("enginesim_prompt_tokens_loaded_total")
+    reply2, d_params2 = _turn(p, d, "v2", msgs2, d_params)
+    assert reply2 == reference_chat(msgs2, 24, ignore_eos=True)
+    pulled = p.metric("enginesim_prompt_tokens_loaded_total") - loaded_before
+    from enginesim.chat import render_chat
+    from enginesim.tokenizer import get_tokenizer
+
+    tok = get_tokenizer()
+    old, new = tok.encode(render_chat(msgs)), tok.encode(render_chat(msgs2))
+    common = next(i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b)
+    assert pulled == (common // 16) * 16 and pulled > 0
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        client.release("127.0.0.1", d.side_channel_port, d_params2["remote_request_id"],
+                       d_params2["release_token"])  # fmt: skip
+    finally:
+        client.close()
+
+
+def test_d_rejection_before_admission_frees_p_quickly(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    dd = Delta(d)
+    body = {"prompt": PROMPT}
+    params = prefill(p, "rej", body)
+    assert p.metric("enginesim_blocks_held_for_remote") > 0
+    status, err = decode(d, "rej", {**body, "max_tokens": -3}, params)
+    assert status == 400 and err["error"]["param"] == "max_tokens"
+    p.wait_idle(timeout=2)
+    # The same for an engine refusing admission (fault), not only for validation.
+    params = prefill(p, "rej2", body)
+    d.request("/admin/faults", {"refuse_admission": True})
+    assert decode(d, "rej2", body, params)[0] == 503
+    p.wait_idle(timeout=2)
+    assert dd('enginesim_requests_by_outcome_total{outcome="rejected"}') == 2
+
+
+def test_d_killed_after_p_finished_frees_on_lease(idle_after: EngineFactory) -> None:
+    p, d = idle_after("P", "--lease-seconds", "2"), idle_after("D")
+    params = prefill(p, "lease", {"prompt": PROMPT})
+    assert params["remote_blocks_expiry_time"] > 0
+    d.kill()
+    assert p.metric("enginesim_blocks_held_for_remote") > 0
+    p.wait_idle(timeout=10)
+    assert p.metric("enginesim_connector_freed_by_expiry") >= 1
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_handshake_failure_follows_policy(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory, policy: str
+) -> None:
+    p, d = pd
+    if policy == "fail":
+        d = idle_after("D-fail", "--kv-load-failure-policy", "fail")
+    dd = Delta(d)
+    body = {"prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    params = prefill(p, "hs", body)
+    # Nothing listens on this side-channel port: the handshake/claim fails.
+    broken = {**params, "remote_port": free_port()}
+    status, resp = decode(d, "hs", body, broken)
+    if policy == "recompute":
+        assert status == 200
+        assert text_of(resp) == reference_completion(PROMPT, 12, ignore_eos=True)
+        assert dd("enginesim_prompt_tokens_loaded_total") == 0
+    else:
+        assert status >= 500 and resp["error"]["code"] == status
+    # D could not reach P to release; the proxy does it with the release token.
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        client.release("127.0.0.1", p.side_channel_port, params["remote_request_id"],
+                       params["release_token"])  # fmt: skip
+    finally:
+        client.close()
+    wait_until(p.pool_idle, 5, what="P idle after release")
