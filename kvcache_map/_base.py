@@ -139,3 +139,17 @@ class EvictionNotifier:
         """Wait until every callback started so far (and any they trigger) has finished."""
         while self._tasks:
             await asyncio.wait(set(self._tasks))
+
+
+async def stop_task(task: asyncio.Task[None]) -> None:
+    """Cancel `task` and wait until it has finished.
+
+    Re-cancels until done: a cancellation that lands while a library converts it (an
+    `asyncio.timeout` expiring in the same loop iteration, a client's own clean-up) must not
+    leave a background loop running and `close()` waiting forever.
+    """
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.1)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("background task failed: %r", task.exception())

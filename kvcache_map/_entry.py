@@ -241,7 +241,7 @@ def _part(value: object, what: str, limit: int) -> bytes:
         raise InvalidKeyError(f"{what} must be a string")
     # Lone surrogates cannot be strict UTF-8; surrogatepass keeps the mapping total and
     # injective (distinct strings give distinct bytes).
-    raw = value.encode("utf-8", "surrogatepass")
+    raw = _raw(value)
     if len(raw) > limit:
         raise KeyTooLongError(f"{what} is {len(raw)} bytes; the limit is {limit}")
     return raw
@@ -265,6 +265,13 @@ def validate_key(key: ConversationKey) -> None:
     _part(tenant, "tenant", MAX_TENANT_BYTES)
     if not _part(conv, "conversation id", MAX_CONVERSATION_ID_BYTES):
         raise InvalidKeyError("conversation id must not be empty")
+
+
+_B64_RE = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def _raw(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
 
 
 def _b64(raw: bytes) -> str:
@@ -292,9 +299,16 @@ def encode_key(key: ConversationKey) -> str:
 def decode_key(encoded: str) -> ConversationKey:
     """Inverse of `encode_key`; raises `InvalidKeyError` for text it did not produce."""
     tenant, sep, conv = encoded.partition(".")
-    if not sep:
+    if not sep or not _B64_RE.fullmatch(tenant) or not _B64_RE.fullmatch(conv):
         raise InvalidKeyError("not an encoded conversation key")
     try:
-        return ConversationKey(_unb64(tenant), _unb64(conv))
+        key = ConversationKey(_unb64(tenant), _unb64(conv))
     except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
         raise InvalidKeyError("not an encoded conversation key") from exc
+    # Only canonical encodings count (no stray padding bits, no empty conversation id).
+    if (
+        not key.conversation_id
+        or f"{_b64(_raw(key.tenant))}.{_b64(_raw(key.conversation_id))}" != encoded
+    ):
+        raise InvalidKeyError("not an encoded conversation key")
+    return key

@@ -9,7 +9,6 @@ entry nobody touches again is still reported (and its blocks released) soon afte
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import itertools
 import time
@@ -24,6 +23,7 @@ from kvcache_map._base import (
     EvictionReason,
     MapStats,
     check_ttl,
+    stop_task,
 )
 from kvcache_map._entry import ConversationKey, KVEntry, validate_key
 
@@ -154,9 +154,7 @@ class MemoryMap:
             return
         self._closed = True
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await stop_task(self._sweeper)
         if self._report_on_close:
             now = self._clock()
             for key, slot in self._data.items():
@@ -208,7 +206,7 @@ class MemoryMap:
         return slot.entry
 
     async def _sweep_forever(self) -> None:
-        while True:
+        while not self._closed:
             # A periodic timer, not synchronisation: expiry is checked on every access too.
             await asyncio.sleep(self.sweep_interval)
             self.sweep_once()

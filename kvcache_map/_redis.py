@@ -46,6 +46,7 @@ from kvcache_map._base import (
     EvictionReason,
     MapStats,
     check_ttl,
+    stop_task,
 )
 from kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
 from kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
@@ -302,9 +303,7 @@ class RedisMap:
             return
         self._closed = True
         if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+            await stop_task(self._sweeper)
         await self._notifier.drain()
         if self._owns_client:
             await self._r.aclose()
@@ -422,7 +421,7 @@ class RedisMap:
     async def _sweep_forever(self) -> None:
         # Stagger replicas so they do not all try the lock at the same instant.
         await asyncio.sleep(self.sweep_interval * (0.5 + secrets.randbelow(1000) / 1000))
-        while True:
+        while not self._closed:
             try:
                 await self.sweep_once()
             except MapUnavailableError:

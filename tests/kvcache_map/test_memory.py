@@ -1,0 +1,133 @@
+"""`MemoryMap` specifics: the LRU bound, expiry on an injected clock, close() reporting."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvcache_map import EvictionReason, MemoryMap
+from tests.kvcache_map.helpers import Recorder, key, make_entry
+
+
+class Clock:
+    """A manual clock, so TTL tests do not depend on the machine's speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_lru_bound_evicts_least_recently_used(recorder: Recorder) -> None:
+    m = MemoryMap(max_entries=3, on_evict=recorder)
+    try:
+        entries = {name: make_entry(request_id=name) for name in "abcde"}
+        for name in "abc":
+            await m.put(key(name), entries[name], ttl=60)
+        assert await m.get(key("a")) is not None  # a is now the most recent
+        await m.put(key("d"), entries["d"], ttl=60)  # evicts b
+        await m.put(key("e"), entries["e"], ttl=60)  # evicts c
+        await m.drain()
+        assert recorder.events == [
+            (key("b"), entries["b"], EvictionReason.EVICTED),
+            (key("c"), entries["c"], EvictionReason.EVICTED),
+        ]
+        assert len(m) == 3
+        for name in "ade":
+            assert await m.get(key(name)) == entries[name]
+        assert (await m.stats()).evicted == 2
+    finally:
+        await m.close()
+
+
+async def test_ttl_on_manual_clock(recorder: Recorder) -> None:
+    clock = Clock()
+    m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=3600)
+    try:
+        await m.put(key("a"), make_entry(request_id="a"), ttl=10)
+        await m.put(key("b"), make_entry(request_id="b"), ttl=20)
+        clock.now += 9.999
+        assert m.sweep_once() == 0
+        assert await m.get(key("a")) is not None
+        clock.now += 0.001
+        assert await m.get(key("a")) is None  # expired on access, reported once
+        assert m.sweep_once() == 0
+        clock.now += 10
+        assert m.sweep_once() == 1
+        await m.drain()
+        assert [(k, r) for k, _, r in recorder.events] == [
+            (key("a"), EvictionReason.EXPIRED),
+            (key("b"), EvictionReason.EXPIRED),
+        ]
+    finally:
+        await m.close()
+
+
+async def test_put_over_expired_reports_expired_not_replaced(recorder: Recorder) -> None:
+    clock = Clock()
+    m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=3600)
+    try:
+        await m.put(key("a"), make_entry(request_id="old"), ttl=1)
+        clock.now += 2
+        await m.put(key("a"), make_entry(request_id="new"), ttl=1)
+        assert m.sweep_once() == 0  # the new entry is not due, the old one is gone
+        await m.drain()
+        assert [(e.request_id, r) for _, e, r in recorder.events] == [
+            ("old", EvictionReason.EXPIRED)
+        ]
+    finally:
+        await m.close()
+
+
+async def test_many_replacements_keep_heap_bounded_and_correct(recorder: Recorder) -> None:
+    clock = Clock()
+    m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=3600)
+    try:
+        for i in range(5000):
+            await m.put(key(f"c{i % 10}"), make_entry(request_id=f"r{i}"), ttl=5 + i % 3)
+        assert len(m._heap) <= 2 * len(m) + 1024 + 1
+        clock.now += 100
+        assert m.sweep_once() == 10
+        assert len(m) == 0
+        await m.drain()
+        assert recorder.reasons() == {EvictionReason.REPLACED: 4990, EvictionReason.EXPIRED: 10}
+    finally:
+        await m.close()
+
+
+async def test_close_reports_what_is_left_as_deleted(recorder: Recorder) -> None:
+    m = MemoryMap(on_evict=recorder)
+    await m.put(key("a"), make_entry(), ttl=60)
+    await m.put(key("b"), make_entry(), ttl=60)
+    taken = key("t")
+    await m.put(taken, make_entry(), ttl=60)
+    assert await m.take(taken) is not None
+    await m.close()
+    assert recorder.keys(EvictionReason.DELETED) == {key("a"): 1, key("b"): 1}
+    assert len(recorder.events) == 2
+    with pytest.raises(RuntimeError, match="closed"):
+        await m.get(key("a"))
+
+
+async def test_close_without_reporting(recorder: Recorder) -> None:
+    m = MemoryMap(on_evict=recorder, report_on_close=False)
+    await m.put(key("a"), make_entry(), ttl=60)
+    await m.close()
+    assert recorder.events == []
+
+
+def test_bad_options_rejected() -> None:
+    for bad in (0, -1, True):
+        with pytest.raises(ValueError):
+            MemoryMap(max_entries=bad)
+    with pytest.raises(ValueError):
+        MemoryMap(sweep_interval=0)
+
+
+async def test_put_requires_an_entry() -> None:
+    m = MemoryMap()
+    try:
+        with pytest.raises(TypeError):
+            await m.put(key("a"), {"engine_id": "x"}, ttl=1)  # type: ignore[arg-type]
+    finally:
+        await m.close()
