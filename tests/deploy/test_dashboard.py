@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -11,6 +13,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 import proxy.metrics
 from tests.deploy.conftest import CHART
+from tests.harness import REPO_ROOT
 
 DASHBOARD = CHART / "dashboards" / "kvrelay.json"
 METRIC = re.compile(r"\b(kvrelay_[a-zA-Z0-9_]+)\b(?:\{([^}]*)\})?")
@@ -94,3 +97,13 @@ def test_dashboard_is_well_formed_for_grafana() -> None:
         if panel["type"] != "row":
             assert panel["datasource"]["uid"] == "${datasource}"
             assert all('job=~"$job"' in t["expr"] for t in panel["targets"]), panel["title"]
+
+
+def test_committed_dashboard_is_the_generated_one() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "deploy" / "grafana_dashboard.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
