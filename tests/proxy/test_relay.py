@@ -155,3 +155,22 @@ def test_tenants_cannot_reach_each_other(pd_engines: Any, proxy_factory: Any) ->
     assert proxy.call("DELETE", "/v1/conversations/shared-name", headers=b)[0] == 200
     prefill.wait_idle()
     decode.wait_idle()
+
+
+def test_openai_client_works_streaming_and_not(pd_fleet: Fleet) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=pd_fleet.proxy.url + "/v1", api_key="any", max_retries=0)
+    msgs: list[Any] = [{"role": "user", "content": "Hello from the SDK"}]
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10,
+                                          extra_headers={"X-Conversation-Id": "sdk"})  # fmt: skip
+    assert full.choices[0].message.content == reference_chat(msgs, 10)
+    assert full.usage is not None and full.usage.completion_tokens == 10
+    parts = []
+    for chunk in client.completions.create(model=MODEL, prompt="Streams are", max_tokens=7,
+                                           stream=True):  # fmt: skip
+        parts.extend(c.text for c in chunk.choices)
+    assert "".join(parts) == reference_completion("Streams are", 7)
+    pd_fleet.finish()
