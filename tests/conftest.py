@@ -8,6 +8,7 @@ import pytest
 
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import RedisServer, redis_server
+from tests.proxy_server import Fleet, ProxyFactory
 
 
 @pytest.fixture
@@ -33,3 +34,21 @@ def engine_factory() -> Iterator[EngineFactory]:
 def pd_engines(engine_factory: EngineFactory) -> tuple[EngineSim, EngineSim]:
     """A prefill engine and a decode engine (enginesim, real NIXL), stopped after the test."""
     return engine_factory("P", "--role", "prefill"), engine_factory("D", "--role", "decode")
+
+
+@pytest.fixture
+def proxy_factory() -> Iterator[ProxyFactory]:
+    """Start kvrelay proxies (`proxy_factory([p], [d], map_url=...)`, settings as keyword
+    arguments → `KVRELAY_*` env); all stopped afterwards."""
+    factory = ProxyFactory()
+    try:
+        yield factory
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def pd_fleet(pd_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> Fleet:
+    """One prefill and one decode enginesim and a proxy (in-memory map) in front of them."""
+    prefill, decode = pd_engines
+    return Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
