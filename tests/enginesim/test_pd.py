@@ -287,3 +287,42 @@ def test_handshake_failure_follows_policy(
     finally:
         client.close()
     wait_until(p.pool_idle, 5, what="P idle after release")
+
+
+def test_holds_are_reclaimed_under_block_pressure(idle_after: EngineFactory) -> None:
+    # 24 blocks; every prefill leaves a 3-block hold that nobody reads.
+    p = idle_after("P-small", "--num-blocks", "24", "--max-model-len", "256")
+    held: list[dict[str, Any]] = []
+    for i in range(12):
+        held.append(prefill(p, f"fill-{i}", {"prompt": f"{i} {PROMPT[:150]}"}))
+    # Nothing was refused: the oldest holds were given back instead.
+    assert p.metric("enginesim_connector_freed_by_reclaim") >= 4
+    assert p.metric("enginesim_reclaim_requests_total") >= 1
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        released = sum(
+            client.release("127.0.0.1", p.side_channel_port, h["remote_request_id"],
+                           h["release_token"])
+            for h in held
+        )  # fmt: skip
+    finally:
+        client.close()
+    assert 0 < released < len(held)  # reclaimed holds were already gone
+
+
+def test_dropped_nixl_agent_falls_back_to_recompute(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+) -> None:
+    p, d = idle_after("P-drop"), pd[1]
+    body = {"prompt": PROMPT, "max_tokens": 16, "ignore_eos": True}
+    expected = reference_completion(PROMPT, 16, ignore_eos=True)
+    status, resp = decode(d, "drop-1", body, prefill(p, "drop-1", body))
+    assert status == 200 and text_of(resp) == expected
+    dd = Delta(d)
+    params = prefill(p, "drop-2", body)
+    assert p.request("/admin/faults", {"drop_nixl_agent": True})[0] == 200
+    status, resp = decode(d, "drop-2", body, params)
+    # D knew P's old agent: the read fails, D recomputes (policy recompute), output intact.
+    assert status == 200 and text_of(resp) == expected
+    assert dd("enginesim_connector_failures") == 1
+    assert dd("enginesim_prompt_tokens_loaded_total") == 0
