@@ -174,3 +174,36 @@ def test_openai_client_works_streaming_and_not(pd_fleet: Fleet) -> None:
         parts.extend(c.text for c in chunk.choices)
     assert "".join(parts) == reference_completion("Streams are", 7)
     pd_fleet.finish()
+
+
+def test_streams_without_params_fetch_them_from_the_side_channel(
+    engine_factory: Any, proxy_factory: Any
+) -> None:
+    # Like stock vLLM, this D puts no params in its stream; the proxy asks D's side channel.
+    prefill = engine_factory("P", "--role", "prefill")
+    decode = engine_factory("D", "--role", "decode", "--no-params-in-stream")
+    fleet = Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
+    loaded_before = prefill.metric("enginesim_prompt_tokens_loaded_total")
+    for answer, expected in _turns(fleet, ["Stream one.", "Stream two."], "fs-1", streamed=True):
+        assert answer == expected
+    assert prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
+    assert fleet.proxy.metrics()['kvrelay_finished_params_total{source="side_channel"}'] == 2
+    fleet.finish()
+
+
+def test_workers_share_the_port_and_aggregate_metrics(
+    pd_engines: Any, proxy_factory: Any, redis: Any
+) -> None:
+    prefill, decode = pd_engines
+    proxy = proxy_factory([prefill], [decode], ready_path="/ready", workers="2",
+                          map_url=redis.url)  # fmt: skip
+    fleet = Fleet(prefill, decode, proxy)
+    answers = _turns(fleet, ["First?", "Second?", "Third?", "Fourth?"], "w-1")
+    assert all(answer == expected for answer, expected in answers)
+    # Whichever worker answers /metrics reports every worker's requests.
+    for _ in range(4):
+        m = proxy.metrics()
+        assert m['kvrelay_requests_total{outcome="ok",route="chat"}'] == len(answers)
+    assert prefill.metric("enginesim_prompt_tokens_loaded_total") > 0
+    assert proxy.call("DELETE", "/v1/conversations/w-1")[0] == 200
+    fleet.finish()
