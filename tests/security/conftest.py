@@ -1,0 +1,71 @@
+"""One secured fleet for the whole security suite: P + D enginesim and a proxy with two tenant
+keys and an admin key, everything logging at INFO so the log tests see the chattiest output.
+
+Package-scoped to keep the suite fast (engines start once); tests that need a clean state
+wait for the pools to go idle themselves. Built from the shared `EngineFactory` and
+`ProxyFactory` (tests/engines.py, tests/proxy_server.py), not copied set-up.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.engines import EngineFactory, EngineSim
+from tests.proxy_server import ProxyFactory, ProxyServer
+
+
+@dataclass
+class SecureFleet:
+    prefill: EngineSim
+    decode: EngineSim
+    proxy: ProxyServer
+    key_a: str
+    key_b: str
+    admin_key: str
+
+    def auth(self, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    @property
+    def a(self) -> dict[str, str]:
+        return self.auth(self.key_a)
+
+    @property
+    def b(self) -> dict[str, str]:
+        return self.auth(self.key_b)
+
+    def wait_clean(self, timeout: float = 20.0) -> None:
+        self.prefill.wait_idle(timeout)
+        self.decode.wait_idle(timeout)
+
+    def logs(self) -> dict[str, str]:
+        """The full log of every process so far (not only the tail `output()` keeps)."""
+        out = {}
+        for name, server in (("proxy", self.proxy.process), ("prefill", self.prefill.process),
+                             ("decode", self.decode.process)):  # fmt: skip
+            assert server is not None and server.log_path is not None
+            out[name] = Path(server.log_path).read_text(errors="replace")
+        return out
+
+
+@pytest.fixture(scope="package")
+def secure_fleet() -> Iterator[SecureFleet]:
+    engines, proxies = EngineFactory(), ProxyFactory()
+    try:
+        prefill = engines("SP", "--role", "prefill", "--log-level", "INFO", "--lease-seconds", "30")
+        decode = engines("SD", "--role", "decode", "--log-level", "INFO", "--lease-seconds", "30")
+        key_a, key_b = "sk-a-" + secrets.token_hex(12), "sk-b-" + secrets.token_hex(12)
+        admin_key = "adm-" + secrets.token_hex(12)
+        proxy = proxies(
+            [prefill], [decode], ready_path="/ready",
+            api_keys=f"{key_a},{key_b}", admin_key=admin_key, log_level="INFO",
+        )  # fmt: skip
+        yield SecureFleet(prefill, decode, proxy, key_a, key_b, admin_key)
+    finally:
+        proxies.close()
+        engines.close()
