@@ -107,7 +107,7 @@ class _Engine:
         self.req_blocks: dict[str, list[int]] = {}
         self.loads: dict[str, tuple[int, Any, int]] = {}  # rid -> (cid, view, n)
         self.polling = True
-        self.from_rejects: dict[str, Any] = {}
+        self.freed_at: dict[str, float] = {}
 
     # --- blocks -----------------------------------------------------------------------------
     def alloc(self, rid: str, num_tokens: int, exact: list[int] | None = None) -> list[int]:
@@ -154,6 +154,7 @@ class _Engine:
         self.sched.update_connector_output(sending, recving, invalid)
         for rid in sending:
             self.free(rid)
+            self.freed_at[rid] = time.time()
         failed = set(self.sched.failed_requests())
         for rid in recving:
             if rid in self.loads:
@@ -218,6 +219,8 @@ class _Engine:
                 if not self.sched.holds.is_held(rid) and rid not in self.loads:
                     self.free(rid)
             self.reply(cid, True)
+        elif cmd == "freed_at":
+            self.reply(cid, self.freed_at.get(args["rid"]))
         elif cmd == "coalesce":
             for w in self.workers:
                 w.config = w.config.model_copy(update={"coalesce": bool(args["on"])})
