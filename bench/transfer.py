@@ -81,8 +81,10 @@ def bandwidth(
     proc.start()
     rows: list[dict[str, Any]] = []
     try:
-        if not parent.poll(60) or not proc.is_alive() and not parent.poll(0):
-            raise TimeoutError("target process did not start")
+        deadline = time.monotonic() + 120
+        while not parent.poll(0.5):
+            if not proc.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("target process failed to start (see its output above)")
         metadata, remote_base, checksum = parent.recv()
         local_buf = torch.zeros(total, dtype=torch.uint8)
         transport = NixlTransport(f"bench-reader-{os.getpid()}")
