@@ -25,6 +25,7 @@ from proxy.conversation import (
     conversation_id_from,
     request_id_from,
     tenant_of,
+    upstream_request_id,
 )
 from proxy.errors import ProxyError, json_response
 from proxy.keys import FLEET, HEALTH, SETTINGS
@@ -89,7 +90,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     metrics.INFLIGHT.labels(route).inc()
     outcome = "error"
-    request_id = request_id_from(request.headers.get("X-Request-Id"))
+    supplied = request.headers.get("X-Request-Id")
+    request_id = request_id_from(supplied)
     try:
         tenant = authenticate(request)
         body = await read_json_body(request, fleet.settings.body_limit_bytes)
@@ -104,7 +106,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             request=request,
             route=route,
             body=body,
-            request_id=request_id,
+            request_id=upstream_request_id(request_id, supplied == request_id),
+            client_request_id=request_id,
             tenant=tenant,
             conversation_id=conversation_id,
             shape=shape,

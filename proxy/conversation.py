@@ -44,6 +44,18 @@ def request_id_from(header: str | None) -> str:
     return "kvr-" + uuid.uuid4().hex
 
 
+def upstream_request_id(client_request_id: str, supplied: bool) -> str:
+    """The id sent to P and D (the same on both legs).
+
+    A client-chosen id gets a random suffix: D publishes finished params under this id, and a
+    client must not be able to make the proxy fetch another request's params by reusing its
+    id. The client's id stays a prefix, so engine logs still correlate.
+    """
+    if not supplied:
+        return client_request_id
+    return f"{client_request_id}-{uuid.uuid4().hex[:8]}"
+
+
 def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None:
     """Explicit conversation id (header wins); pops `conversation_id` from the body."""
     from_body = body.pop("conversation_id", None)

@@ -40,7 +40,8 @@ TTFT = Histogram(
 REUSE = Counter(
     "kvrelay_reuse_total",
     "Reuse lookups: hit, miss, refused (history check failed), expired (too close to "
-    "expiry), unverifiable (engine without block hashes), map_unavailable.",
+    "expiry), unverifiable (engine without block hashes), holder_unavailable (the D that "
+    "holds the blocks is ejected or gone), map_unavailable.",
     ["result"],
 )
 TOKENS_REUSED = Counter(

@@ -105,10 +105,11 @@ class Turn:
     request: web.Request
     route: str  # "chat" | "completions"
     body: dict[str, Any]
-    request_id: str
+    request_id: str  # upstream id, on both legs
     tenant: str
     conversation_id: str | None
     shape: PromptShape
+    client_request_id: str = ""  # what the client sees in X-Request-Id
     started: float = field(default_factory=time.monotonic)
     entry: KVEntry | None = None
     p_backend: Backend | None = None
@@ -197,6 +198,12 @@ class Turn:
             return
         if entry.block_hashes is None and not settings.stock_vllm_reuse:
             metrics.REUSE.labels("unverifiable").inc()
+            self.fleet.releaser.release_soon_entry(entry)
+            return
+        holder = self.fleet.decode.get(entry.url)
+        if holder is None or not holder.healthy:
+            # P's pull would only wait for a handshake timeout; a draining holder still serves.
+            metrics.REUSE.labels("holder_unavailable").inc()
             self.fleet.releaser.release_soon_entry(entry)
             return
         metrics.REUSE.labels("hit").inc()
@@ -400,7 +407,7 @@ class Turn:
             body=json.dumps(data, separators=(",", ":")).encode(),
             status=resp.status,
             content_type="application/json",
-            headers={"X-Request-Id": self.request_id},
+            headers={"X-Request-Id": self.client_request_id or self.request_id},
         )
 
     async def _relay_stream(
@@ -415,7 +422,7 @@ class Turn:
             headers={
                 "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
                 "Cache-Control": "no-cache",
-                "X-Request-Id": self.request_id,
+                "X-Request-Id": self.client_request_id or self.request_id,
             },
         )
         await out.prepare(self.request)

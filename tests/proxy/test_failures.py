@@ -178,3 +178,23 @@ def test_redis_stopping_mid_run_serves_without_reuse(
     proxy.stop()
     p.wait_idle(20)
     d.wait_idle(20)
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(
+    engine_factory: EngineFactory, proxy_factory: ProxyFactory
+) -> None:
+    p = engine_factory("P", "--role", "prefill")
+    d = engine_factory("D", "--role", "decode", "--decode-us-per-step", "30000", "--eos-period",
+                       "100000")  # fmt: skip
+    proxy = proxy_factory([p], [d], ready_path="/ready")
+    body = {**chat_body([{"role": "user", "content": PROMPT}], max_tokens=400), "stream": True}
+    received = b""
+    with httpx.stream("POST", proxy.url + "/v1/chat/completions", json=body,
+                      headers={"X-Conversation-Id": "crash"}, timeout=30) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        for chunk in resp.iter_bytes():
+            received += chunk
+            if b"content" in chunk and d.process is not None:
+                d.kill()
+    assert b'"error"' in received and b"decode_failed" in received
+    p.wait_idle()

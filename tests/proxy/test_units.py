@@ -200,3 +200,11 @@ def test_decode_affinity_yields_when_overloaded() -> None:
     assert pool.pick_with_affinity("http://b", set(), overload=2) is a
     pool.drain("http://a")
     assert pool.pick_with_affinity(None, set(), overload=2) is b
+
+
+def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
+    from proxy.conversation import upstream_request_id
+
+    assert upstream_request_id("kvr-abc", supplied=False) == "kvr-abc"
+    one, two = upstream_request_id("mine", True), upstream_request_id("mine", True)
+    assert one.startswith("mine-") and one != two
