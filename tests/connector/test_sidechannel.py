@@ -17,25 +17,10 @@ from connector.scheduler import ConnectorScheduler
 from connector.sidechannel_client import AsyncSideChannelClient, SideChannelClient, SideChannelError
 from connector.stats import Counters
 from tests.connector.peer import SECRET
+from tests.connector.sidechannel_helpers import drain, hold_params
 from tests.harness import wait_until
 
 MakeScheduler = Callable[..., ConnectorScheduler]
-
-
-def _hold(sched: ConnectorScheduler, rid: str, n_tokens: int = 10, client: str | None = None):  # type: ignore[no-untyped-def]
-    tokens = list(range(n_tokens + 1))
-    view = RequestView(rid, client, tokens[:n_tokens], tokens, {"do_remote_decode": True})
-    blocks = list(range(100, 100 + (n_tokens + 3) // 4 + 1))
-    delay, params = sched.request_finished(view, [blocks])
-    assert delay and params is not None
-    return params
-
-
-def _drain(sched: ConnectorScheduler) -> set[str]:
-    """One engine step as a holder with no readers: free what the scheduler ordered freed."""
-    frees = sched.build_connector_meta().reqs_to_free
-    sched.update_connector_output(frees, set(), set())
-    return frees
 
 
 @pytest.fixture
@@ -45,11 +30,11 @@ def client() -> SideChannelClient:
 
 def test_release_frees_once_and_counts(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler()
-    params = _hold(sched, "r1")
+    params = hold_params(sched, "r1")
     assert params["remote_num_tokens"] == 10 and params["remote_block_ids"] == [[100, 101, 102]]
     assert len(params["remote_block_hashes"]) == 2
     assert client.release("127.0.0.1", sched.side_channel_port, "r1", params["release_token"])
-    assert _drain(sched) == {"r1"}
+    assert drain(sched) == {"r1"}
     assert (
         client.release("127.0.0.1", sched.side_channel_port, "r1", params["release_token"]) is False
     )
@@ -59,7 +44,7 @@ def test_release_frees_once_and_counts(make_scheduler: MakeScheduler, client) ->
 
 def test_unauthenticated_and_wrong_token_refused(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler()
-    params = _hold(sched, "r1")
+    params = hold_params(sched, "r1")
     url = f"http://127.0.0.1:{sched.side_channel_port}{PATH_RELEASE}"
     body = json.dumps({"request_id": "r1", "release_token": params["release_token"]}).encode()
     missing = httpx.post(url, content=body)
@@ -71,11 +56,11 @@ def test_unauthenticated_and_wrong_token_refused(make_scheduler: MakeScheduler, 
     with pytest.raises(SideChannelError) as err:
         client.release("127.0.0.1", sched.side_channel_port, "r1", "wrong-token")
     assert err.value.status == 403
-    assert _drain(sched) == set() and sched.stats()["held"] == 1  # nothing acted on
+    assert drain(sched) == set() and sched.stats()["held"] == 1  # nothing acted on
     stats = sched.stats()
     assert stats["auth_rejected"] == 2 and stats["auth_rejected_missing_auth"] == 1
     assert client.release("127.0.0.1", sched.side_channel_port, "r1", params["release_token"])
-    assert _drain(sched) == {"r1"} and sched.stats()["held"] == 0
+    assert drain(sched) == {"r1"} and sched.stats()["held"] == 0
 
 
 def test_bounded_and_malformed_bodies(make_scheduler: MakeScheduler) -> None:
@@ -103,12 +88,12 @@ def test_bounded_and_malformed_bodies(make_scheduler: MakeScheduler) -> None:
 
 def test_claim_after_expiry_is_gone(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler(lease_seconds=0.2)
-    params = _hold(sched, "r1")
+    params = hold_params(sched, "r1")
     deadline = time.monotonic() + 0.2
     wait_until(lambda: time.monotonic() > deadline, 5, what="lease to pass")
     claim = client.claim("127.0.0.1", sched.side_channel_port, "r1", "reader")
     assert claim.status == "gone"
-    assert _drain(sched) == {"r1"}
+    assert drain(sched) == {"r1"}
     assert sched.stats()["freed_by_expiry"] == 1 and sched.stats()["held"] == 0
     assert not client.release("127.0.0.1", sched.side_channel_port, "r1", params["release_token"])
 
@@ -116,10 +101,10 @@ def test_claim_after_expiry_is_gone(make_scheduler: MakeScheduler, client) -> No
 def test_lease_reaper_frees_every_expired_entry_at_once(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(lease_seconds=0.3)
     for i in range(4):
-        _hold(sched, f"r{i}")
+        hold_params(sched, f"r{i}")
 
     def all_freed() -> bool:
-        _drain(sched)
+        drain(sched)
         return sched.stats()["held"] == 0
 
     wait_until(all_freed, 10, what="every hold to expire")
@@ -142,36 +127,36 @@ def test_reaper_is_not_a_queue_head_scan() -> None:
 
 def test_claim_pins_until_the_claimer_gives_up(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler()
-    params = _hold(sched, "r1")
+    params = hold_params(sched, "r1")
     port = sched.side_channel_port
     held = client.claim("127.0.0.1", port, "r1", "reader-a")
     assert held.status == "held" and held.block_ids == [[100, 101, 102]] and held.num_tokens == 10
     # A release by someone else (the proxy) cannot free blocks a claimed read may be copying.
     assert client.release("127.0.0.1", port, "r1", params["release_token"])
-    assert _drain(sched) == set()
+    assert drain(sched) == set()
     assert client.claim("127.0.0.1", port, "r1", "reader-b").status == "gone"
     # The claimer itself giving up ends the pin: freed now.
     client.release("127.0.0.1", port, "r1", params["release_token"], reader_engine_id="reader-a")
-    assert _drain(sched) == {"r1"} and sched.stats()["held"] == 0
+    assert drain(sched) == {"r1"} and sched.stats()["held"] == 0
 
 
 def test_reclaim_frees_oldest_unclaimed_holds(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler()
     for i in range(3):
-        _hold(sched, f"r{i}", n_tokens=8)  # 2 blocks each
+        hold_params(sched, f"r{i}", n_tokens=8)  # 2 blocks each
     assert client.claim("127.0.0.1", sched.side_channel_port, "r0", "reader").status == "held"
     assert sched.reclaim_holds(3) == 4  # r0 is claimed: r1 and r2 go
-    assert _drain(sched) == {"r1", "r2"}
+    assert drain(sched) == {"r1", "r2"}
     assert sched.stats()["freed_by_reclaim"] == 2
     assert sched.release_hold("r0")  # claimed: freed when the claim's pin ends
-    assert _drain(sched) == set()
+    assert drain(sched) == set()
     assert sched.holds.reap(now=time.monotonic() + 60) == ["r0"]
-    assert _drain(sched) == {"r0"} and sched.stats()["held"] == 0
+    assert drain(sched) == {"r0"} and sched.stats()["held"] == 0
 
 
 async def test_finished_params_by_client_request_id(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler()
-    params = _hold(sched, "r1", client="client/req 1")
+    params = hold_params(sched, "r1", client="client/req 1")
     aclient = AsyncSideChannelClient(SECRET.encode())
     try:
         got = await aclient.finished("127.0.0.1", sched.side_channel_port, "client/req 1")
@@ -186,7 +171,7 @@ async def test_finished_params_by_client_request_id(make_scheduler: MakeSchedule
         )
     finally:
         await aclient.close()
-    assert _drain(sched) == {"r1"}
+    assert drain(sched) == {"r1"}
 
 
 def test_requests_that_did_not_ask_hold_nothing(make_scheduler: MakeScheduler) -> None:

@@ -297,3 +297,30 @@ def test_restarted_holder_is_handshaken_again(
     assert same_tp_equal(second, params["remote_block_ids"][0][:2], reader, out["blocks"][:2])
     assert reader.stats()["workers"][0]["handshakes"] == handshakes + 1
     assert_idle(second)
+
+
+def test_bidirectional_multi_turn(idle_pair: tuple[Peer, Peer]) -> None:
+    """P holds turn 1's prompt, D reads it and keeps its own blocks (hold_blocks), P pulls them
+    for turn 2 after verifying the prefix: both directions over the same connector."""
+    p_engine, d_engine = idle_pair
+    prompt1 = toks(2 * BS + 3)
+    p_params = hold(p_engine, "p-turn1", prompt1)
+    d_params = {**p_params, "hold_blocks": True}
+    out = d_engine.call("load", rid="d-turn1", prompt=prompt1, params=d_params)
+    # The same request's tail block comes too (every full block matched): all but the last token.
+    assert out["n"] == len(prompt1) - 1 and out["loaded"] == len(prompt1) - 1
+    assert same_tp_equal(p_engine, p_params["remote_block_ids"][0][:3], d_engine, out["blocks"][:3])
+    wait_until(lambda: p_engine.stats()["sched"]["held"] == 0, 20, what="P freed after D's read")
+    reply = toks(12, base=5000)
+    finished = d_engine.call(
+        "finish", rid="d-turn1", prompt=prompt1, all_tokens=[*prompt1, *reply], params=d_params
+    )
+    held = finished["params"]
+    assert held["remote_engine_id"] == "reader" and held["remote_num_tokens"] == len(prompt1) + 11
+    assert len(held["remote_block_hashes"]) == (len(prompt1) + 11) // BS
+    # Turn 2 on P: history + reply + new user tokens; P pulls D's matching whole blocks.
+    prompt2 = [*prompt1, *reply, 1, 2, 3]
+    out2 = p_engine.call("load", rid="p-turn2", prompt=prompt2, params=for_p(held))
+    assert out2["loaded"] == 2 * BS
+    assert same_tp_equal(d_engine, held["remote_block_ids"][0][:2], p_engine, out2["blocks"][:2])
+    wait_until(lambda: d_engine.stats()["sched"]["held"] == 0, 20, what="D freed after P's read")
