@@ -198,3 +198,18 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(
                 d.kill()
     assert b'"error"' in received and b"decode_failed" in received
     p.wait_idle()
+
+
+def test_decode_down_releases_prefill_blocks_through_the_side_channel(pd_fleet: Fleet) -> None:
+    # No D can tell P anything: only the proxy's release frees P's blocks before the lease.
+    pd_fleet.decode.kill()
+    resp = _complete(pd_fleet.proxy.url)
+    assert resp.status_code in (502, 503)
+    assert "decode engine" in resp.json()["error"]["message"]
+    assert pd_fleet.prefill.metric("enginesim_prompt_tokens_computed_total") > 0
+    pd_fleet.prefill.wait_idle(10)  # the lease is 120 s: this is the proxy's release
+    wait_until(
+        lambda: pd_fleet.proxy.metrics().get(
+            'kvrelay_releases_total{holder="prefill",result="released"}', 0) >= 1,
+        10, what="the proxy's release of P's blocks",
+    )  # fmt: skip
