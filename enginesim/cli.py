@@ -114,5 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"enginesim: {exc}", file=sys.stderr)
         return 2
+    # The engine thread runs Python between steps; a short GIL switch interval keeps the HTTP
+    # event loop responsive next to it.
+    sys.setswitchinterval(0.0005)
     asyncio.run(_amain(config, args.host, args.port))
     return 0

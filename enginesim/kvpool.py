@@ -5,8 +5,9 @@ Layouts (per layer tensor):
   ``[2, blocks, block_size, heads, head]``
 - ``blocks_first``: ``[blocks, 2, block_size, heads, head]``
 
-The engine reads and writes through canonical ``[N, layers, 2, heads, head]`` tensors, so the
-model's results do not depend on the layout or the block size; NIXL moves the raw tensors.
+The engine reads and writes canonical ``[N, layers, 2, heads, head]`` arrays of raw bit
+patterns through numpy views of the same memory (cheap per token, any dtype), so the model's
+results do not depend on the layout or the block size; NIXL moves the torch tensors' bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from enum import StrEnum
+from typing import Any
 
+import numpy as np
 import torch
 
 from enginesim.model import ModelGeometry
@@ -53,7 +56,8 @@ class BlockPool:
             f"model.layers.{i}.self_attn": torch.zeros(shape, dtype=g.torch_dtype)
             for i in range(g.num_layers)
         }
-        self._layers = list(self.caches.values())
+        # Integer views sharing the tensors' memory: what the engine reads and writes.
+        self._layers = [t.view(g.storage_torch_dtype).numpy() for t in self.caches.values()]
         self._free: deque[int] = deque(range(num_blocks))
         self._is_free = [True] * num_blocks
 
@@ -83,34 +87,36 @@ class BlockPool:
             self._is_free[block] = True
             self._free.append(block)
 
-    def _slots(self, block_ids: Sequence[int], start: int, end: int) -> tuple[torch.Tensor, ...]:
-        pos = torch.arange(start, end)
-        table = torch.as_tensor(list(block_ids), dtype=torch.long)
+    def _slots(
+        self, block_ids: Sequence[int], start: int, end: int
+    ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        pos = np.arange(start, end)
+        table = np.asarray(block_ids, dtype=np.int64)
         return table[pos // self.block_size], pos % self.block_size
 
-    def write(self, block_ids: Sequence[int], start: int, kv: torch.Tensor) -> None:
+    def write(self, block_ids: Sequence[int], start: int, kv: np.ndarray[Any, Any]) -> None:
         """Store canonical KV ``[N, layers, 2, heads, head]`` at positions start..start+N-1."""
         blocks, offsets = self._slots(block_ids, start, start + kv.shape[0])
         for layer, cache in enumerate(self._layers):
             values = kv[:, layer]  # [N, 2, heads, head]
             if self.layout is KVLayout.KV_FIRST:
-                cache[:, blocks, offsets] = values.transpose(0, 1)
+                cache[:, blocks, offsets] = values.transpose(1, 0, 2, 3)
             else:
                 cache[blocks, :, offsets] = values
 
-    def read(self, block_ids: Sequence[int], start: int, end: int) -> torch.Tensor:
+    def read(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray[Any, Any]:
         """Canonical KV of positions start..end-1 as stored in the pool."""
         blocks, offsets = self._slots(block_ids, start, end)
         per_layer = []
         for cache in self._layers:
             if self.layout is KVLayout.KV_FIRST:
-                per_layer.append(cache[:, blocks, offsets].transpose(0, 1))
+                per_layer.append(cache[:, blocks, offsets].transpose(1, 0, 2, 3))
             else:
                 per_layer.append(cache[blocks, :, offsets])
-        return torch.stack(per_layer, dim=1)
+        return np.stack(per_layer, axis=1)
 
     def corrupt(self, block_id: int) -> None:
-        """Overwrite one block with noise (tests prove the output depends on KV)."""
+        """Flip bits in one block (tests prove the output depends on KV)."""
         for cache in self._layers:
             target = cache[:, block_id] if self.layout is KVLayout.KV_FIRST else cache[block_id]
-            target.add_(1.0)
+            target ^= 0x5A5A

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,15 @@ class ModelGeometry:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def storage_dtype(self) -> type[np.signedinteger[Any]]:
+        """Integer type of the same width: the pool is read and written as raw bit patterns."""
+        return np.int32 if self.dtype == "float32" else np.int16
+
+    @property
+    def storage_torch_dtype(self) -> torch.dtype:
+        return torch.int32 if self.dtype == "float32" else torch.int16
 
     @property
     def values_per_token(self) -> int:
@@ -81,8 +91,9 @@ class SimModel:
             out.append(h)
         return out
 
-    def kv_for(self, hashes: Sequence[int]) -> torch.Tensor:
-        """KV of positions with these prefix hashes: ``[N, layers, 2, heads, head_size]``."""
+    def kv_for(self, hashes: Sequence[int]) -> np.ndarray[Any, Any]:
+        """KV of positions with these prefix hashes: ``[N, layers, 2, heads, head_size]``,
+        as the raw bit patterns of `dtype` (numpy has no bfloat16; bits are exact anyway)."""
         g = self.geometry
         x = np.asarray(hashes, dtype=np.uint64)[:, None] ^ self._lane[None, :]
         # Vectorised splitmix64 (uint64 arithmetic wraps, as intended).
@@ -90,22 +101,29 @@ class SimModel:
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x = x ^ (x >> np.uint64(31))
         values = (x >> np.uint64(40)).astype(np.float32) / np.float32(1 << 23) - np.float32(1.0)
-        kv = torch.from_numpy(values).to(g.torch_dtype)
-        return kv.reshape(len(hashes), g.num_layers, 2, g.num_kv_heads, g.head_size)
+        if g.dtype == "float16":
+            bits = values.astype(np.float16).view(np.int16)
+        elif g.dtype == "bfloat16":
+            bits = (values.view(np.uint32) >> np.uint32(16)).astype(np.uint16).view(np.int16)
+        else:
+            bits = values.view(np.int32)
+        shaped: np.ndarray[Any, Any] = bits.reshape(
+            len(hashes), g.num_layers, 2, g.num_kv_heads, g.head_size
+        )
+        return shaped
 
     @staticmethod
-    def kv_bytes(kv: torch.Tensor) -> bytes:
-        """Raw bytes of a KV tensor (canonical layout), whatever its dtype."""
-        flat = kv.contiguous().reshape(-1)
-        return bytes(flat.view(torch.uint8).numpy().tobytes())
+    def kv_bytes(kv: np.ndarray[Any, Any]) -> bytes:
+        """Raw bytes of KV in canonical layout."""
+        return np.ascontiguousarray(kv).tobytes()
 
-    def prompt_digest(self, prompt_kv: torch.Tensor) -> bytes:
+    def prompt_digest(self, prompt_kv: np.ndarray[Any, Any]) -> bytes:
         """The request state after prefill: a digest of every prompt position's KV."""
         h = hashlib.blake2b(digest_size=16, person=b"kvrelay-sim")
         h.update(self.kv_bytes(prompt_kv))
         return h.digest()
 
-    def step_digest(self, previous: bytes, window_kv: torch.Tensor) -> bytes:
+    def step_digest(self, previous: bytes, window_kv: np.ndarray[Any, Any]) -> bytes:
         """The state after one decode step: the previous state plus recent KV read back."""
         h = hashlib.blake2b(previous, digest_size=16)
         h.update(self.kv_bytes(window_kv))

@@ -137,8 +137,22 @@ class EngineServer:
             raise ApiError(400, "request body is not valid JSON") from None
 
     @staticmethod
-    def _deliver(loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Output], out: Output) -> None:
-        loop.call_soon_threadsafe(q.put_nowait, out)
+    def _sink(
+        loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Output], stream: bool
+    ) -> Callable[[Output], None]:
+        """Deliver outputs to the handler's loop; non-streaming requests only cross threads
+        once, at the end (per-token hops cost the engine thread and the loop alike)."""
+        pending: list[str] = []
+
+        def deliver(out: Output) -> None:
+            if not stream:
+                pending.append(out.text)
+                if not out.finished:
+                    return
+                out.text = "".join(pending)
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        return deliver
 
     def _reject(self, client_id: str, body: Any, prompt_ids: list[int]) -> None:
         """Tell the connector about a refused request that would have read remote KV."""
@@ -182,7 +196,7 @@ class EngineServer:
             request_id=f"{client_id}-{next(self._ids):x}", client_request_id=client_id,
             prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
             kv_transfer_params=parsed.kv_transfer_params,
-            sink=lambda out: self._deliver(loop, outputs, out),
+            sink=self._sink(loop, outputs, parsed.stream),
         )  # fmt: skip
         response_id = ("chatcmpl-" if chat else "cmpl-") + client_id
         finished = False
