@@ -332,8 +332,9 @@ def redis_for_bench() -> Iterator[RedisServer]:
         server.stop()
 
 
-def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
-    """GET `url/metrics` and sum every sample by metric name (labels folded together)."""
+def scrape_metrics(url: str, timeout: float = 5.0, labels: bool = False) -> dict[str, float]:
+    """GET `url/metrics`; sum every sample by metric name (labels folded together), or with
+    `labels=True` keep each sample apart under its full `name{labels}` key."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
         text = resp.read().decode()
     totals: dict[str, float] = {}
@@ -341,7 +342,7 @@ def scrape_metrics(url: str, timeout: float = 5.0) -> dict[str, float]:
         if not line or line.startswith("#"):
             continue
         name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
+        name = name_labels if labels else name_labels.split("{", 1)[0]
         with contextlib.suppress(ValueError):
             totals[name] = totals.get(name, 0.0) + float(value)
     return totals

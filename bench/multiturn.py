@@ -56,15 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--system-words", type=int, default=120, help="words in the system prompt")
-    p.add_argument("--user-words", type=int, default=40, help="words in each user message")
+    p.add_argument("--user-words", type=int, default=20, help="words in each user message")
     p.add_argument("--max-tokens", type=int, default=24, help="reply length in tokens")
     p.add_argument(
         "--prefill-us-per-token",
         type=int,
-        default=100,
+        default=50,
         help="simulated prefill cost on the engines (microseconds per computed token)",
     )
-    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=["off", "on"])
+    p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument(
         "--engine-arg",
         action="append",
@@ -174,12 +174,14 @@ async def run_variant(
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         for t in range(1, args.turns + 1):
             before = c.scrape_metrics(p_url)
+            reuse_before = reuse_counts(router_url)
             t0 = time.perf_counter()
             results = await asyncio.gather(
                 *(conv.turn(session, router_url, t, args) for conv in convs)
             )
             wall = time.perf_counter() - t0
             after = c.scrape_metrics(p_url)
+            reuse_after = reuse_counts(router_url)
             ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
             turns.append(
                 {
@@ -190,12 +192,16 @@ async def run_variant(
                     "ttft_p50": c.percentile(ttfts, 50),
                     "ttft_p99": c.percentile(ttfts, 99),
                     "wall_s": wall,
+                    "hits": reuse_after["hit"] - reuse_before["hit"],
+                    "misses": reuse_after["miss"] - reuse_before["miss"],
+                    "other": reuse_after["other"] - reuse_before["other"],
                 }
             )
             last = turns[-1]
             print(
                 f"{variant:11s} turn {t:2d}: P computed {last['computed']:8.0f} "
-                f"loaded {last['loaded']:8.0f} TTFT p50 {c.fmt_ms(last['ttft_p50'])} ms "
+                f"loaded {last['loaded']:8.0f} hits {last['hits']:3.0f} "
+                f"TTFT p50 {c.fmt_ms(last['ttft_p50'])} ms "
                 f"wall {wall:.2f}s",
                 flush=True,
             )
@@ -213,8 +219,27 @@ async def run_variant(
         "computed": after_all.get(COMPUTED, 0.0) - before_all.get(COMPUTED, 0.0),
         "loaded": after_all.get(LOADED, 0.0) - before_all.get(LOADED, 0.0),
         "total_s": elapsed,
+        "hits": sum(x["hits"] for x in turns),
+        "misses": sum(x["misses"] for x in turns),
+        "other": sum(x["other"] for x in turns),
         "ttft_mean": sum(x["ttft_mean"] for x in turns) / len(turns),
     }
+
+
+def reuse_counts(router_url: str) -> dict[str, float]:
+    """The proxy's `kvrelay_reuse_total` by result: hit, miss, and everything else (rejected
+    by verification, expired, map unavailable...)."""
+    out = {"hit": 0.0, "miss": 0.0, "other": 0.0}
+    for key, value in c.scrape_metrics(router_url, labels=True).items():
+        if not key.startswith("kvrelay_reuse_total"):
+            continue
+        if 'result="hit"' in key:
+            out["hit"] += value
+        elif 'result="miss"' in key:
+            out["miss"] += value
+        else:
+            out["other"] += value
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,15 +284,16 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append("")
     lines.append(
         "| variant | P tokens computed | P tokens loaded (NIXL) | computed vs off "
-        "| TTFT mean ms | total s |"
+        "| proxy reuse hit / miss / other | TTFT mean ms | total s |"
     )
-    lines.append("|---|---:|---:|---:|---:|---:|")
+    lines.append("|---|---:|---:|---:|---|---:|---:|")
     off = variants.get("off")
     for v in data["variants"]:
         ratio = v["computed"] / off["computed"] if off and off["computed"] else math.nan
         lines.append(
             f"| {v['variant']} | {v['computed']:.0f} | {v['loaded']:.0f} "
             f"| {'-' if math.isnan(ratio) else f'{ratio * 100:.1f}%'} "
+            f"| {v['hits']:.0f} / {v['misses']:.0f} / {v['other']:.0f} "
             f"| {c.fmt_ms(v['ttft_mean'], 1)} | {v['total_s']:.1f} |"
         )
     lines.append("")

@@ -370,6 +370,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     cases = data["cases"]
     modes = [m for m in MODES if any(x["mode"] == m for x in cases)]
     targets = [t for t in TARGETS if any(x["target"] == t for x in cases)]
+    concs_all = sorted({int(x["concurrency"]) for x in cases})
     fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), squeeze=False)
     for col, mode in enumerate(modes):
         for target in targets:
@@ -389,6 +390,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         axes[1][col].set_ylabel("requests/s")
         for row in (0, 1):
             axes[row][col].set_xscale("log", base=2)
+            axes[row][col].set_xticks(concs_all, [str(x) for x in concs_all])
             axes[row][col].set_xlabel("concurrency")
             axes[row][col].grid(True, alpha=0.3)
             axes[row][col].legend(fontsize=8)
