@@ -225,7 +225,7 @@ def _make_state(
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def state(app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        session = aiohttp.ClientSession(connector=connector)
         secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
         releaser = Releaser(secret, session, settings.side_channel_timeout)
         if not releaser.enabled:

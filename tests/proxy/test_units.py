@@ -208,3 +208,16 @@ def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
     assert upstream_request_id("kvr-abc", supplied=False) == "kvr-abc"
     one, two = upstream_request_id("mine", True), upstream_request_id("mine", True)
     assert one.startswith("mine-") and one != two
+
+
+def test_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
+    from proxy.cli import main
+
+    assert main([]) == 2
+    assert main(["bogus"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    with pytest.raises(SystemExit) as exit_info:
+        main(["sim", "--help"])  # delegated to enginesim's own parser
+    assert exit_info.value.code == 0
+    assert "--side-channel-port" in capsys.readouterr().out
