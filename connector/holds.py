@@ -161,6 +161,10 @@ class HoldTable:
                 freed += entry.num_blocks
         return freed
 
+    @property
+    def claim_timeout_s(self) -> float:
+        return self._claim_timeout_s
+
     def take_frees(self) -> list[str]:
         with self._lock:
             out, self._to_free = self._to_free, []

@@ -124,6 +124,8 @@ class ClaimResponse(BaseModel):
     block_ids: list[list[int]] = Field(default_factory=list)
     num_tokens: int = 0
     instance_id: str = ""
+    # How long the claim pins the blocks (additive); a reader must finish well within it.
+    pinned_for_s: float = 0.0
 
 
 class ReleaseRequest(BaseModel):

@@ -89,6 +89,9 @@ class ConnectorScheduler:
         self._new_holds: dict[str, float] = {}
         self._extra_frees: set[str] = set()
         self._free_after_load: set[str] = set()
+        # Requests whose remote hold was dealt with (load started or holder released), so
+        # `request_finished` knows whether it still owes the holder a release.
+        self._settled: set[str] = set()
         self._releases: queue.Queue[_Release | None] = queue.Queue()
         self._release_thread: threading.Thread | None = None
         self._client: SideChannelClient | None = None
@@ -163,6 +166,7 @@ class ConnectorScheduler:
         n = end - num_computed_tokens
         if n <= 0 or n < self.config.kv_recompute_threshold:
             self.counters.inc("loads_skipped")
+            self._settled.add(req.request_id)
             self._release(params)
             return 0, False
         self._pending[req.request_id] = _PendingLoad(params, num_computed_tokens, end)
@@ -205,6 +209,7 @@ class ConnectorScheduler:
         pending = self._pending.pop(req.request_id, None)
         if pending is None:
             return
+        self._settled.add(req.request_id)
         params = pending.params
         if num_external_tokens <= 0:
             self._release(params)
@@ -302,9 +307,15 @@ class ConnectorScheduler:
             self._free_after_load.add(rid)
             return True, None
         pending = self._pending.pop(rid, None)
+        params = self._params(req)
         if pending is not None:
             self._release(pending.params)
-        params = self._params(req)
+        elif rid not in self._settled and params is not None and params.has_remote_blocks:
+            # Finished (aborted, errored) before the connector was asked about it: the holder
+            # would otherwise wait for its lease.
+            self.counters.inc("early_releases")
+            self._release(params)
+        self._settled.discard(rid)
         if params is None or not (params.do_remote_decode or params.hold_blocks):
             return False, None
         bs = self.config.block_size
@@ -350,6 +361,7 @@ class ConnectorScheduler:
     def request_rejected(self, req: RequestView) -> None:
         """Refused before admission: the holder it would have read from is released now."""
         self._pending.pop(req.request_id, None)
+        self._settled.discard(req.request_id)
         params = self._params(req)
         if params is not None and params.has_remote_blocks:
             self.counters.inc("early_releases")

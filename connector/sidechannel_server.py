@@ -164,6 +164,7 @@ class SideChannelServer:
             block_ids=entry.block_ids,
             num_tokens=entry.num_tokens,
             instance_id=self.instance_id,
+            pinned_for_s=self._holds.claim_timeout_s,
         )
         return web.json_response(held.model_dump())
 

@@ -81,6 +81,7 @@ class _Prepared:
     spec: RecvSpec
     claim: ClaimResponse
     handshake: HandshakeResponse | None
+    claimed_at: float
 
 
 @dataclass
@@ -90,6 +91,7 @@ class _Read:
     notify_agents: list[str]
     message: bytes
     deadline: float
+    pin_deadline: float
     num_blocks: int
 
 
@@ -209,6 +211,7 @@ class ConnectorWorker:
     def _prepare(self, spec: RecvSpec) -> None:
         try:
             client = self._side_channel()
+            claimed_at = time.monotonic()  # before the holder starts the pin: conservative
             try:
                 claim = client.claim(
                     spec.remote_host, spec.remote_port, spec.remote_request_id,
@@ -224,7 +227,7 @@ class ConnectorWorker:
             handshake = None
             if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
                 handshake = self._handshake(spec)
-            self._prepared.put(_Prepared(spec, claim, handshake))
+            self._prepared.put(_Prepared(spec, claim, handshake, claimed_at))
         except LoadFailure as exc:
             self._failures.put((spec.request_id, exc))
         except Exception as exc:  # anything else still ends in the one failure handler
@@ -347,6 +350,12 @@ class ConnectorWorker:
             notify_agents=[remote.agents[r] for r in plan.notify_only_ranks],
             message=message,
             deadline=time.monotonic() + self.config.transfer_timeout_s,
+            # Past the claim's pin the holder may reuse the blocks: such a read is worthless.
+            pin_deadline=(
+                prep.claimed_at + 0.9 * prep.claim.pinned_for_s
+                if prep.claim.pinned_for_s > 0
+                else float("inf")
+            ),
             num_blocks=len(spec.local_block_ids),
         )
 
@@ -359,6 +368,8 @@ class ConnectorWorker:
             states = [transport.state(h) for h in read.handles]
             if "ERR" in states:
                 self._fail(rid, LoadFailure("transfer", "NIXL READ failed"))
+            elif now > read.pin_deadline:
+                self._fail(rid, LoadFailure("timeout", "READ outlasted the holder's claim pin"))
             elif all(s == "DONE" for s in states):
                 for handle in read.handles:
                     transport.release(handle)

@@ -61,3 +61,16 @@ def test_abort_during_load_frees_only_after_the_read(make_scheduler: MakeSchedul
     assert reader.build_connector_meta().reqs_to_free == {"r1"}
     holder.release_hold("h1")
     assert drain(holder) == {"h1"}
+
+
+def test_finished_without_ever_being_scheduled_releases_the_holder(
+    make_scheduler: MakeScheduler,
+) -> None:
+    holder = make_scheduler(engine_id="holder")
+    reader = make_scheduler(engine_id="reader")
+    params = hold_params(holder, "h1", n_tokens=10)
+    view = _reader_view("r1", [*range(10), 99], params)
+    # Aborted while waiting: the engine never asked how many tokens to load.
+    assert reader.request_finished(view, [[]]) == (False, None)
+    wait_until(lambda: drain(holder) == {"h1"}, 10, what="release to reach the holder")
+    assert holder.stats()["freed_by_release"] == 1
