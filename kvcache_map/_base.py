@@ -19,6 +19,9 @@ from kvcache_map._entry import ConversationKey, KVEntry
 
 log = logging.getLogger("kvcache_map")
 
+# How long `close()` waits for pending `on_evict` callbacks before cancelling them.
+CLOSE_DRAIN_TIMEOUT = 30.0
+
 
 class EvictionReason(StrEnum):
     """Why an entry left the map without being taken."""
@@ -135,10 +138,24 @@ class EvictionNotifier:
     def pending(self) -> int:
         return len(self._tasks)
 
-    async def drain(self) -> None:
-        """Wait until every callback started so far (and any they trigger) has finished."""
+    async def drain(self, within: float | None = None) -> None:
+        """Wait until every callback started so far has finished.
+
+        With `within`, callbacks still running after that many seconds are cancelled (and
+        counted as errors): a map's `close()` must not hang on a release that never returns.
+        """
+        deadline = None if within is None else asyncio.get_running_loop().time() + within
         while self._tasks:
-            await asyncio.wait(set(self._tasks))
+            left = None if deadline is None else deadline - asyncio.get_running_loop().time()
+            if left is not None and left <= 0:
+                stuck = list(self._tasks)
+                self.errors += len(stuck)
+                log.error("cancelling %d on_evict callbacks still running at close", len(stuck))
+                for task in stuck:
+                    task.cancel()
+                await asyncio.wait(stuck)
+                return
+            await asyncio.wait(set(self._tasks), timeout=left)
 
 
 async def stop_task(task: asyncio.Task[None]) -> None:

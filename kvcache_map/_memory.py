@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from kvcache_map._base import (
+    CLOSE_DRAIN_TIMEOUT,
     Counters,
     EvictionCallback,
     EvictionNotifier,
@@ -54,6 +55,7 @@ class MemoryMap:
         on_evict: EvictionCallback | None = None,
         sweep_interval: float = DEFAULT_SWEEP_INTERVAL,
         report_on_close: bool = True,
+        close_timeout: float = CLOSE_DRAIN_TIMEOUT,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
@@ -62,6 +64,7 @@ class MemoryMap:
             raise ValueError("sweep_interval must be positive")
         self.max_entries = max_entries
         self.sweep_interval = sweep_interval
+        self.close_timeout = close_timeout
         self._report_on_close = report_on_close
         self._clock = clock
         self._data: OrderedDict[ConversationKey, _Slot] = OrderedDict()
@@ -162,7 +165,7 @@ class MemoryMap:
                 self._notifier.notify(key, slot.entry, reason)
         self._data.clear()
         self._heap.clear()
-        await self._notifier.drain()
+        await self._notifier.drain(within=self.close_timeout)
 
     # -- extras ------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvcache_map._base import (
+    CLOSE_DRAIN_TIMEOUT,
     Counters,
     EvictionCallback,
     EvictionNotifier,
@@ -179,6 +180,7 @@ class RedisMap:
         sweep_batch: int = DEFAULT_SWEEP_BATCH,
         sweep: bool = True,
         owns_client: bool = True,
+        close_timeout: float = CLOSE_DRAIN_TIMEOUT,
     ) -> None:
         if not _PREFIX_RE.fullmatch(prefix):
             raise ValueError("prefix must be 1-64 characters of [A-Za-z0-9_.:-]")
@@ -193,6 +195,7 @@ class RedisMap:
         self.prefix = prefix
         self.timeout = timeout
         self.sweep_interval = sweep_interval
+        self.close_timeout = close_timeout
         self._r = client
         self._owns_client = owns_client
         self._grace_ms = math.ceil(shadow_grace * 1000)
@@ -304,7 +307,7 @@ class RedisMap:
         self._closed = True
         if self._sweeper is not None:
             await stop_task(self._sweeper)
-        await self._notifier.drain()
+        await self._notifier.drain(within=self.close_timeout)
         if self._owns_client:
             await self._r.aclose()
 

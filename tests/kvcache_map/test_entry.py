@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -191,6 +191,7 @@ _blocks = st.lists(
 )
 
 
+@settings(deadline=None)
 @given(
     blocks=_blocks,
     extra_tokens=st.integers(min_value=0, max_value=1000),

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import redis.asyncio as aioredis
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvcache_map import (
@@ -33,6 +33,7 @@ nasty = st.sampled_from(
 )
 
 
+@settings(deadline=None)
 @given(tenants, conversations)
 def test_encoding_is_safe_and_reversible(tenant: str, conversation: str) -> None:
     k = ConversationKey(tenant, conversation)
@@ -41,6 +42,7 @@ def test_encoding_is_safe_and_reversible(tenant: str, conversation: str) -> None
     assert decode_key(encoded) == k  # a left inverse: distinct keys never share an encoding
 
 
+@settings(deadline=None)
 @given(
     st.lists(nasty, max_size=4).map("".join),
     st.lists(nasty, min_size=1, max_size=4).map("".join).filter(bool),
@@ -52,6 +54,7 @@ def test_distinct_keys_never_collide(t1: str, c1: str, t2: str, c2: str) -> None
     assert encode_key(ConversationKey(t1, c1)) != encode_key(ConversationKey(t2, c2))
 
 
+@settings(deadline=None)
 @given(tenants, conversations)
 def test_raw_user_text_never_appears_in_the_key(tenant: str, conversation: str) -> None:
     encoded = encode_key(ConversationKey(tenant, conversation))

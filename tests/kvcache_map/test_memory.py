@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from kvcache_map import EvictionReason, MemoryMap
@@ -131,3 +133,19 @@ async def test_put_requires_an_entry() -> None:
             await m.put(key("a"), {"engine_id": "x"}, ttl=1)  # type: ignore[arg-type]
     finally:
         await m.close()
+
+
+async def test_close_does_not_hang_on_a_stuck_callback() -> None:
+    started = asyncio.Event()
+
+    async def stuck(*_: object) -> None:
+        started.set()
+        await asyncio.Event().wait()  # a release that never returns
+
+    m = MemoryMap(on_evict=stuck, close_timeout=0.2)
+    await m.put(key("a"), make_entry(), ttl=60)
+    await m.put(key("a"), make_entry(request_id="2"), ttl=60)  # REPLACED → stuck callback
+    await asyncio.wait_for(started.wait(), 10)
+    await asyncio.wait_for(m.close(), 10)
+    stats = await m.stats()
+    assert stats.callback_errors == 2  # the replaced one and the one dropped at close
