@@ -283,6 +283,27 @@ async def test_redis_paused_times_out_then_answers_correctly(redis: RedisServer)
         await m.close()
 
 
+async def test_paused_redis_with_a_small_pool_fails_every_caller_fast(redis: RedisServer) -> None:
+    m = open_map(f"{redis.url}?max_connections=4")  # callers beyond 4 wait for the pool
+    assert redis.process is not None and redis.process.proc is not None
+    pid = redis.process.proc.pid
+    try:
+        await m.put(key("c"), make_entry(), ttl=60)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            results = await asyncio.gather(
+                *(m.get(key("c")) for _ in range(20)), return_exceptions=True
+            )
+            elapsed = time.monotonic() - t0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert all(isinstance(r, MapUnavailableError) for r in results), results
+        assert elapsed < FAIL_FAST_BOUND
+    finally:
+        await m.close()
+
+
 async def test_sweeper_survives_an_outage(recorder: Recorder) -> None:
     with redis_server() as server:
         m = redis_map(server, recorder, sweep_interval=0.01)
