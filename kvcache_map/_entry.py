@@ -212,9 +212,9 @@ class KVEntry(BaseModel):
             "port": params["remote_port"],
             "url": url,
             "request_id": params["remote_request_id"],
-            "block_ids": params["remote_block_ids"],
+            "block_ids": _lists(params["remote_block_ids"]),
             "num_tokens": params["remote_num_tokens"],
-            "block_hashes": params.get("remote_block_hashes"),
+            "block_hashes": _list(params.get("remote_block_hashes")),
             "fingerprint": fingerprint,
             "expires_at": params["remote_blocks_expiry_time"],
             "release_token": params.get("release_token"),
@@ -222,6 +222,19 @@ class KVEntry(BaseModel):
         if params.get("tp_size") is not None:
             fields["tp_size"] = params["tp_size"]
         return cls.model_validate(fields)
+
+
+def _list(value: Any) -> Any:
+    """Tuples → lists (engines written in Python may hand over tuples); anything else as is,
+    so strict validation still rejects it."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _lists(value: Any) -> Any:
+    value = _list(value)
+    if isinstance(value, list):
+        return [_list(group) for group in value]
+    return value
 
 
 @dataclass(frozen=True, slots=True)

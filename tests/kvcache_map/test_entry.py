@@ -177,6 +177,12 @@ def test_bad_params_raise_value_error(overrides: dict[str, Any]) -> None:
         )
 
 
+def test_tuples_from_python_engines_are_accepted() -> None:
+    params = d_params(remote_block_ids=([10, 11, 12], (4, 5)), remote_block_hashes=("ab" * 8,))
+    entry = KVEntry.from_kv_transfer_params(params, url="http://d0:8000", fingerprint="fp")
+    assert entry.block_ids == [[10, 11, 12], [4, 5]] and entry.block_hashes == ["ab" * 8]
+
+
 def test_missing_params_are_named() -> None:
     params = d_params()
     del params["remote_host"]
