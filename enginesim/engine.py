@@ -51,6 +51,9 @@ class EngineCore:
         # Finished requests whose blocks the connector holds for a remote reader, oldest first.
         self.held: OrderedDict[str, list[int]] = OrderedDict()
         self._reclaim_pending = 0
+        # Outputs of the current step, delivered by `deliver_outputs()` after the step so that
+        # a client never sees a result before the engine's published state includes it.
+        self._outbox: list[tuple[SimRequest, Output]] = []
         self.counters: dict[str, int] = {
             "requests_finished": 0,
             "requests_failed": 0,
@@ -108,6 +111,12 @@ class EngineCore:
         self.kv.start_step()
         self._compute()
         self._process_connector(self.kv.finish_step())
+
+    def deliver_outputs(self) -> None:
+        """Hand this step's outputs to their requests' sinks."""
+        outbox, self._outbox = self._outbox, []
+        for req, out in outbox:
+            req.sink(out)
 
     def _allocate(self, n: int) -> list[int] | None:
         blocks = self.pool.allocate(n)
@@ -258,20 +267,19 @@ class EngineCore:
             upto = max(req.emitted_chars, len(req.text) - holdback)
             delta = req.text[req.emitted_chars : upto]
             req.emitted_chars = upto
-            req.sink(Output(text=delta, token_ids=[token]))
+            self._outbox.append((req, Output(text=delta, token_ids=[token])))
             return
         delta = req.text[req.emitted_chars :]
         req.emitted_chars = len(req.text)
         del self.running[req.request_id]
         params = self._release(req, hold=True)
         self.counters["requests_finished"] += 1
-        req.sink(
-            Output(
-                text=delta, token_ids=[token], finished=True, finish_reason=reason,
-                kv_transfer_params=params, prompt_tokens=req.num_prompt_tokens,
-                completion_tokens=req.num_output_tokens, loaded_tokens=req.loaded_tokens,
-            )
+        final = Output(
+            text=delta, token_ids=[token], finished=True, finish_reason=reason,
+            kv_transfer_params=params, prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens, loaded_tokens=req.loaded_tokens,
         )  # fmt: skip
+        self._outbox.append((req, final))
 
     def _release(self, req: SimRequest, *, hold: bool) -> dict[str, object] | None:
         """Tell the connector the request finished; free its blocks now or keep them held."""
@@ -319,7 +327,9 @@ class EngineCore:
     def _fail(self, req: SimRequest, error: EngineError) -> None:
         self.counters["requests_failed"] += 1
         self._release(req, hold=False)
-        req.sink(Output(text="", token_ids=[], finished=True, finish_reason=None, error=error))
+        self._outbox.append(
+            (req, Output(text="", token_ids=[], finished=True, finish_reason=None, error=error))
+        )
 
 
 def run_to_completion(core: EngineCore, done: Callable[[], bool], max_steps: int = 10**7) -> None:
@@ -328,4 +338,5 @@ def run_to_completion(core: EngineCore, done: Callable[[], bool], max_steps: int
         if done():
             return
         core.step()
+        core.deliver_outputs()
     raise RuntimeError("engine did not finish the request")

@@ -75,6 +75,7 @@ class EngineRunner:
                     command()
                 self.core.step()
                 self._publish()
+                self.core.deliver_outputs()
                 busy = bool(self.core.waiting or self.core.loading or self.core.running)
                 if busy and self._ready_to_run():
                     continue

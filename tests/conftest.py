@@ -33,7 +33,8 @@ def engine_factory() -> Iterator[EngineFactory]:
 @pytest.fixture
 def pd_engines(engine_factory: EngineFactory) -> tuple[EngineSim, EngineSim]:
     """A prefill engine and a decode engine (enginesim, real NIXL), stopped after the test."""
-    return engine_factory("P", "--role", "prefill"), engine_factory("D", "--role", "decode")
+    p, d = engine_factory.many(("P", ["--role", "prefill"]), ("D", ["--role", "decode"]))
+    return p, d
 
 
 @pytest.fixture

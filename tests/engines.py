@@ -11,6 +11,7 @@ import sys
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +126,14 @@ class EngineFactory:
         engine = EngineSim(name, args, connector=connector)
         self.engines.append(engine)
         return engine.start()
+
+    def many(self, *specs: tuple[str, Sequence[str]], connector: bool = True) -> list[EngineSim]:
+        """Start several engines at once (start-up is mostly imports: overlap them)."""
+        engines = [EngineSim(name, args, connector=connector) for name, args in specs]
+        self.engines.extend(engines)
+        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+            list(pool.map(EngineSim.start, engines))
+        return engines
 
     def close(self) -> None:
         for engine in self.engines:

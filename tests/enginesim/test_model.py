@@ -108,6 +108,7 @@ def _run_with_corruption(corrupt: bool) -> str:
     )  # fmt: skip
     core.add_request(req)
     core.step()  # admission, prefill and the first token
+    core.deliver_outputs()
     if corrupt:
         core.pool.corrupt(req.block_ids[1])
     run_to_completion(core, lambda: bool(outputs) and outputs[-1].finished)
@@ -128,6 +129,7 @@ def test_output_depends_on_the_kv_read_back_from_the_pool() -> None:
                      outputs.append)  # fmt: skip
     core.add_request(req)
     core.step()
+    core.deliver_outputs()
     core.pool.corrupt(req.block_ids[len(req.all_token_ids) // 4])
     run_to_completion(core, lambda: bool(outputs) and outputs[-1].finished)
     assert "".join(o.text for o in outputs) != clean
@@ -199,3 +201,21 @@ def test_preemption_recomputes_and_keeps_output() -> None:
         ids = TOK.encode(f"request {name} wants many blocks")
         assert text == reference_completion(ids, 25, config, ignore_eos=True)
     assert core.pool.num_free == config.num_blocks
+
+
+def test_concurrency_limit_queues_the_rest() -> None:
+    core = EngineCore(EngineConfig(max_num_seqs=2))
+    done: list[Output] = []
+    for i in range(5):
+        core.add_request(SimRequest(
+            f"q{i}", f"q{i}", TOK.encode(f"queued {i}"),
+            SamplingParams(max_tokens=6, ignore_eos=True), None,
+            lambda o: done.append(o) if o.finished else None,
+        ))  # fmt: skip
+    most = 0
+    while len(done) < 5:
+        core.step()
+        core.deliver_outputs()
+        most = max(most, len(core.running))
+        assert len(core.running) + len(core.waiting) + len(done) == 5
+    assert most == 2 and core.pool.num_free == core.pool.num_blocks

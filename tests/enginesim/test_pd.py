@@ -33,7 +33,8 @@ def shared_pd() -> Iterator[tuple[EngineSim, EngineSim]]:
     """One P and one D (default flags) shared by this module's tests: start-up is slow."""
     factory = EngineFactory()
     try:
-        yield factory("P"), factory("D")
+        p, d = factory.many(("P", []), ("D", []))
+        yield p, d
     finally:
         factory.close()
 
