@@ -194,6 +194,17 @@ def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespac
             f"| {r['block_kib']} KiB | {'on' if r['coalesce'] else 'off'} | {r['descs']} | "
             f"{r['nixl_gbps']:.2f} | {r['copy_gbps']:.2f} | {r['ratio']:.0%} |"
         )
+    big = [r["ratio"] for r in rows if r["block_kib"] >= 256]
+    if big:
+        verdict = "met" if min(big) >= 0.8 else "NOT met"
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        lines += [
+            "",
+            f"Aim: NIXL >= 80% of the copy from 256 KiB per block — {verdict} in this run "
+            f"(worst {min(big):.0%}, best {max(big):.0%}). Load average at the end of the run: "
+            f"{load} on {os.cpu_count()} cores; the target process must keep polling for UCX "
+            "progress over TCP loopback, so on a saturated machine it competes with the reader.",
+        ]
     if rej:
         lines += [
             "",

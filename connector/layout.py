@@ -114,7 +114,7 @@ def geometry_from_tensors(caches: Mapping[str, torch.Tensor], layout: CacheLayou
         strips=tuple(strips),
         num_blocks=int(first.shape[layout.block_dim]),
         mem_type="VRAM" if is_cuda else "DRAM",
-        device_id=first.device.index or 0 if is_cuda else 0,
+        device_id=(first.device.index or 0) if is_cuda else 0,
         dtype=str(first.dtype).removeprefix("torch."),
         head_major=layout.head_major,
         layout_name=layout.name,
