@@ -69,6 +69,10 @@ class FaultProxy:
             started.set()
             loop.run_forever()
             loop.run_until_complete(self._close_all())
+            tasks = asyncio.all_tasks(loop)
+            for task in tasks:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=run, name="faultproxy", daemon=True)

@@ -45,6 +45,10 @@ FOLLOW_UPS = ["Why?", "And then?", "Give an example.", "Shorter, please.", "What
               "Is that always true?", "How so?", "Explain like I am five."]  # fmt: skip
 
 
+# Reports of finished chaos runs, shown in pytest's terminal summary (tests/chaos/conftest.py).
+SUMMARIES: list[tuple[str, str]] = []
+
+
 # -- process memory -----------------------------------------------------------------------------
 
 
@@ -379,8 +383,11 @@ class Chaos:
     period_s: float = 4.0
     injected: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+    events: list[tuple[float, str]] = field(default_factory=list)  # (monotonic time, action)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+    # An engine restart (a minute under load) runs beside the other faults, one at a time.
+    _restart: threading.Thread | None = None
 
     def start(self) -> Chaos:
         self._thread = threading.Thread(target=self._run, name="chaos", daemon=True)
@@ -393,6 +400,10 @@ class Chaos:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 raise TimeoutError("the chaos thread did not stop")
+        if self._restart is not None:
+            self._restart.join(timeout)
+            if self._restart.is_alive():
+                raise TimeoutError("an engine restart did not finish")
 
     def _run(self) -> None:
         rng = random.Random(self.seed)
@@ -403,23 +414,37 @@ class Chaos:
             (self._drop, 3),
             (self._refuse, 2),
             (self._engine_fails, 2),
+            (self._decode_outage, 2),
         ]
         population = [a for a, weight in actions for _ in range(weight)]
         while not self._stop.wait(self.period_s * rng.uniform(0.5, 1.5)):
             action = rng.choice(population)
+            self.events.append((time.monotonic(), action.__name__.lstrip("_")))
             try:
                 action(rng)
             except Exception as exc:  # a fault that could not be injected is reported, not fatal
                 self.errors.append(f"{action.__name__}: {type(exc).__name__}: {exc}")
 
     def _kill_restart_engine(self, rng: random.Random) -> None:
+        if self._restart is not None and self._restart.is_alive():
+            self._drop(rng)  # one engine down at a time; do something else meanwhile
+            return
         engine = self.fleet.engine(rng.choice(self.fleet.engine_names))
         engine.kill()
         self.injected["engine_killed"] += 1
-        # Down for a moment so in-flight legs and probes see it gone.
-        self._stop.wait(rng.uniform(0.5, 2.0))
-        engine.start()
-        self.injected["engine_restarted"] += 1
+        down_for = rng.uniform(0.5, 2.0)
+
+        def restart() -> None:
+            # Down for a moment so in-flight legs and probes see it gone, then back.
+            self._stop.wait(down_for)
+            try:
+                engine.start()
+                self.injected["engine_restarted"] += 1
+            except Exception as exc:
+                self.errors.append(f"restart {engine.name}: {type(exc).__name__}: {exc}")
+
+        self._restart = threading.Thread(target=restart, name="chaos-restart", daemon=True)
+        self._restart.start()
 
     def _restart_redis(self, rng: random.Random) -> None:
         self.fleet.redis.kill()
@@ -455,6 +480,16 @@ class Chaos:
         if code == 200:
             self.injected["engine_fail_next"] += 1
 
+    def _decode_outage(self, rng: random.Random) -> None:
+        """Every decode engine fails its next requests: clients must get a clear error."""
+        for name in self.fleet.engine_names:
+            if name.startswith("D"):
+                with contextlib.suppress(OSError):
+                    self.fleet.engine(name).request(
+                        "/admin/faults", {"fail_next_n": 2, "fail_status": 503}
+                    )
+        self.injected["decode_outage"] += 1
+
 
 # -- sampling memory and latency ----------------------------------------------------------------
 
@@ -478,7 +513,7 @@ class Sampler:
     samples: list[Sample] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
-    _t0: float = field(default_factory=time.monotonic)
+    t0: float = field(default_factory=time.monotonic)
 
     def start(self) -> Sampler:
         self._thread = threading.Thread(target=self._run, name="sampler", daemon=True)
@@ -499,7 +534,7 @@ class Sampler:
             p50 = statistics.median(fresh) if fresh else None
             p95 = sorted(fresh)[int(0.95 * (len(fresh) - 1))] if fresh else None
             with contextlib.suppress(OSError, AssertionError):
-                self.samples.append(Sample(time.monotonic() - self._t0, self.fleet.proxy_rss(),
+                self.samples.append(Sample(time.monotonic() - self.t0, self.fleet.proxy_rss(),
                                            len(records), p50, p95))  # fmt: skip
             if self._stop.wait(self.period_s):
                 return

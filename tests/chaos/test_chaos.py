@@ -20,6 +20,7 @@ import os
 import pytest
 
 from tests.chaos.load import (
+    SUMMARIES,
     Chaos,
     ChaosFleet,
     LoadRunner,
@@ -44,7 +45,7 @@ def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks() -> N
         fleet.wait_ready()
         load = LoadRunner(fleet.proxy.url, seed=SEED, clients=4, turns=5).start()
         sampler = Sampler(fleet, load).start()
-        chaos = Chaos(fleet, seed=SEED, period_s=4.0)
+        chaos = Chaos(fleet, seed=SEED, period_s=2.5)
         stopped = False
         try:
             # Let the load warm up (first turns, connection pools) before faults start.
@@ -97,7 +98,9 @@ def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks() -> N
                               "max": round(max(s.rss_bytes for s in samples) / 2**20, 1)},
             "relays": {n: vars(r.counters) for n, r in fleet.relays.items()},
         }  # fmt: skip
-        print("\nCHAOS SUMMARY " + json.dumps(report, indent=1, sort_keys=True))
+        text = json.dumps(report, indent=1, sort_keys=True)
+        print("\nCHAOS SUMMARY " + text)
+        SUMMARIES.append(("chaos summary", text))
 
         # The run exercised what it claims to.
         assert summary["outcomes"].get("ok", 0) >= 20, report

@@ -1,0 +1,13 @@
+"""Chaos suite hooks: the run's counts go to pytest's terminal summary (visible without -s)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.chaos.load import SUMMARIES
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for title, text in SUMMARIES:
+        terminalreporter.write_sep("=", title)
+        terminalreporter.write_line(text)
