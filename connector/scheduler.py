@@ -316,6 +316,7 @@ class ConnectorScheduler:
             self.counters.inc("early_releases")
             self._release(params)
         self._settled.discard(rid)
+        self._loaded.pop(rid, None)
         if params is None or not (params.do_remote_decode or params.hold_blocks):
             return False, None
         bs = self.config.block_size
