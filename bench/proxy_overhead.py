@@ -50,11 +50,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--requests-per-client",
         type=int,
-        default=6,
+        default=3,
         help="measured requests per concurrent client; count = clamp(C x this, min, max)",
     )
-    p.add_argument("--min-requests", type=int, default=200, help="lower bound per case")
-    p.add_argument("--max-requests", type=int, default=768, help="upper bound per case")
+    p.add_argument("--min-requests", type=int, default=80, help="lower bound per case")
+    p.add_argument("--max-requests", type=int, default=384, help="upper bound per case")
     p.add_argument(
         "--rounds", type=int, default=2, help="interleaved rounds the requests are split over"
     )
@@ -199,7 +199,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         job: dict[str, Any] = {
                             "concurrency": conc,
                             "requests": n,
-                            "warmup": max(conc, 20),
+                            # Opens (most of) the keep-alive connections and the routers'
+                            # upstream pools before the clock starts.
+                            "warmup": min(max(conc, 10), 64),
                             "stream": mode == "stream",
                             "max_tokens": args.max_tokens,
                             "prompt_words": args.prompt_words,
@@ -358,10 +360,40 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
                 f"- throughput >= vllm-router, {case['mode']}, c={case['concurrency']}, "
                 f"{case['target']}: {ratio:.2f}x, {verdict}"
             )
+    out += ["", *cost_lines(cases)]
     return out
 
 
+def cost_lines(cases: list[dict[str, Any]]) -> list[str]:
+    """Where the time goes: CPU per request of each router and of the engines behind it.
+
+    On a machine whose cores the engines already saturate, every CPU microsecond a router spends
+    per request is taken from the engines, so throughput and queueing latency follow CPU cost.
+    """
+    out = ["Cost per request at the highest concurrency (CPU is steadier than wall time here):", ""]
+    top = max((int(x["concurrency"]) for x in cases), default=0)
+    for mode in MODES:
+        ref = find(cases, mode, top, "vllm-router")
+        direct = find(cases, mode, top, "direct")
+        for target in ("kvrelay-w1", "kvrelay-w2"):
+            case = find(cases, mode, top, target)
+            if case is None or ref is None or direct is None:
+                continue
+            out.append(
+                f"- {mode}, c={top}, {target}: router {case['router_cpu_us']:.0f} us CPU/request "
+                f"vs vllm-router {ref['router_cpu_us']:.0f} us; engines "
+                f"{case['engine_cpu_us']:.0f} us/request vs {ref['engine_cpu_us']:.0f} us behind "
+                f"vllm-router and {direct['engine_cpu_us']:.0f} us with no router"
+            )
+    return out
+
+
+COLORS = {"direct": "tab:blue", "kvrelay-w1": "tab:orange", "kvrelay-w2": "tab:green",
+          "vllm-router": "tab:red"}  # fmt: skip
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
+    """Per mode: added p50 latency, throughput and router CPU per request by concurrency."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -371,33 +403,44 @@ def plot(data: dict[str, Any], path: Path) -> None:
     modes = [m for m in MODES if any(x["mode"] == m for x in cases)]
     targets = [t for t in TARGETS if any(x["target"] == t for x in cases)]
     concs_all = sorted({int(x["concurrency"]) for x in cases})
-    fig, axes = plt.subplots(2, len(modes), figsize=(5.5 * len(modes), 8), squeeze=False)
+    rows = (
+        ("added_p50", 1000.0, "added latency p50 vs direct", "ms"),
+        ("rps", 1.0, "throughput", "requests/s"),
+        ("router_cpu_us", 1.0, "router CPU per request", "CPU us / request"),
+    )
+    fig, axes = plt.subplots(
+        len(rows), len(modes), figsize=(5.5 * len(modes), 3.6 * len(rows)), squeeze=False
+    )
     for col, mode in enumerate(modes):
         for target in targets:
             pts = sorted(
                 (x["concurrency"], x) for x in cases if x["mode"] == mode and x["target"] == target
             )
             concs = [p[0] for p in pts]
-            if target != "direct":
-                axes[0][col].plot(
-                    concs, [p[1]["added_p50"] * 1000 for p in pts], marker="o", label=target
+            for row, (key, scale, _, _) in enumerate(rows):
+                if target == "direct" and key != "rps":
+                    continue  # the baseline adds nothing and has no router
+                axes[row][col].plot(
+                    concs,
+                    [p[1][key] * scale for p in pts],
+                    marker="o",
+                    color=COLORS[target],
+                    label=target,
                 )
-            axes[1][col].plot(concs, [p[1]["rps"] for p in pts], marker="o", label=target)
         axes[0][col].axhline(AIM_ADDED_P50_S * 1000, color="grey", ls="--", lw=1, label="aim 1 ms")
-        axes[0][col].set_title(f"{mode}: added latency p50 vs direct")
-        axes[0][col].set_ylabel("ms")
-        axes[1][col].set_title(f"{mode}: throughput")
-        axes[1][col].set_ylabel("requests/s")
-        for row in (0, 1):
-            axes[row][col].set_xscale("log", base=2)
-            axes[row][col].set_xticks(concs_all, [str(x) for x in concs_all])
-            axes[row][col].set_xlabel("concurrency")
-            axes[row][col].grid(True, alpha=0.3)
-            axes[row][col].legend(fontsize=8)
-    fig.suptitle("Proxy overhead, same P/D enginesim, zero compute (one run)")
+        for row, (_, _, title, unit) in enumerate(rows):
+            ax = axes[row][col]
+            ax.set_title(f"{mode}: {title}")
+            ax.set_ylabel(unit)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(concs_all, [str(x) for x in concs_all])
+            ax.set_xlabel("concurrency")
+            ax.grid(True, alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle("Proxy overhead on the same zero-compute P/D enginesim pair (one run)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
