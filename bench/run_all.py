@@ -38,7 +38,8 @@ def script_help(path: Path) -> str:
     """The script's --help text ('' when it cannot say): which options it offers."""
     try:
         proc = subprocess.run(
-            [sys.executable, str(path), "--help"],
+            [sys.executable, c.relpath(path), "--help"],
+            cwd=c.REPO_ROOT,
             capture_output=True,
             text=True,
             timeout=60,
@@ -52,12 +53,12 @@ def script_help(path: Path) -> str:
 
 def script_argv(name: str, path: Path, args: argparse.Namespace) -> list[str]:
     help_text = script_help(path)
-    argv = [sys.executable, str(path)]
+    argv = [sys.executable, c.relpath(path)]
     if args.quick and "--quick" in help_text:
         argv.append("--quick")
     json_path = _plots.json_path(name)
     if "--json" in help_text:
-        argv += ["--json", str(json_path)]
+        argv += ["--json", c.relpath(json_path)]
     return argv
 
 
@@ -80,7 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.monotonic()
         try:
-            proc = subprocess.run(cmd, env=c.bench_env(), timeout=args.timeout, check=False)
+            proc = subprocess.run(
+                cmd, env=c.bench_env(), timeout=args.timeout, check=False, cwd=c.REPO_ROOT
+            )
             status = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
         except subprocess.TimeoutExpired:
             status = f"timed out after {args.timeout:.0f}s"
