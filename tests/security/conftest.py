@@ -1,5 +1,6 @@
-"""One secured fleet for the whole security suite: P + D enginesim and a proxy with two tenant
-keys and an admin key, everything logging at INFO so the log tests see the chattiest output.
+"""One secured fleet for the whole security suite: P + D enginesim, Redis and a proxy (Redis
+map) with two tenant keys and an admin key, everything logging at INFO so the log tests see
+the chattiest output.
 
 Package-scoped to keep the suite fast (engines start once); tests that need a clean state
 wait for the pools to go idle themselves. Built from the shared `EngineFactory` and
@@ -8,6 +9,7 @@ wait for the pools to go idle themselves. Built from the shared `EngineFactory` 
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,7 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from kvcache_map import ConversationKey, KVEntry, open_map
+from proxy.conversation import tenant_of
 from tests.engines import EngineFactory, EngineSim
+from tests.harness import RedisServer
 from tests.proxy_server import ProxyFactory, ProxyServer
 
 
@@ -27,6 +32,7 @@ class SecureFleet:
     key_a: str
     key_b: str
     admin_key: str
+    redis: RedisServer
 
     def auth(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
@@ -43,6 +49,19 @@ class SecureFleet:
         self.prefill.wait_idle(timeout)
         self.decode.wait_idle(timeout)
 
+    def entry(self, key: str, conversation_id: str) -> KVEntry | None:
+        """The proxy's stored entry of a tenant's conversation, read from the Redis map (how a
+        test learns a hold's request id and release token without trusting the proxy)."""
+
+        async def read() -> KVEntry | None:
+            kvmap = open_map(self.redis.url)
+            try:
+                return await kvmap.get(ConversationKey(tenant_of(key), conversation_id))
+            finally:
+                await kvmap.close()
+
+        return asyncio.run(read())
+
     def logs(self) -> dict[str, str]:
         """The full log of every process so far (not only the tail `output()` keeps)."""
         out = {}
@@ -55,8 +74,9 @@ class SecureFleet:
 
 @pytest.fixture(scope="package")
 def secure_fleet() -> Iterator[SecureFleet]:
-    engines, proxies = EngineFactory(), ProxyFactory()
+    engines, proxies, redis = EngineFactory(), ProxyFactory(), RedisServer()
     try:
+        redis.start()
         prefill = engines("SP", "--role", "prefill", "--log-level", "INFO", "--lease-seconds", "30")
         decode = engines("SD", "--role", "decode", "--log-level", "INFO", "--lease-seconds", "30")
         key_a, key_b = "sk-a-" + secrets.token_hex(12), "sk-b-" + secrets.token_hex(12)
@@ -64,8 +84,10 @@ def secure_fleet() -> Iterator[SecureFleet]:
         proxy = proxies(
             [prefill], [decode], ready_path="/ready",
             api_keys=f"{key_a},{key_b}", admin_key=admin_key, log_level="INFO",
+            map_url=redis.url,
         )  # fmt: skip
-        yield SecureFleet(prefill, decode, proxy, key_a, key_b, admin_key)
+        yield SecureFleet(prefill, decode, proxy, key_a, key_b, admin_key, redis)
     finally:
         proxies.close()
         engines.close()
+        redis.stop()

@@ -100,17 +100,18 @@ def _side(fleet: SecureFleet) -> str:
     return f"http://127.0.0.1:{fleet.decode.side_channel_port}"
 
 
-def _held_turn(fleet: SecureFleet, conversation: str) -> str:
-    """Run one turn that leaves D holding blocks; returns its X-Request-Id."""
-    request_id = f"req-{conversation}"
+def _held_turn(fleet: SecureFleet, conversation: str) -> dict[str, str]:
+    """Run one turn that leaves D holding blocks; returns the hold's id and release token."""
     body = {**CHAT, "messages": [{"role": "system", "content": "Hold this. " * 30},
                                  {"role": "user", "content": "Hi"}]}  # fmt: skip
-    headers = {**fleet.a, "X-Conversation-Id": conversation, "X-Request-Id": request_id}
+    headers = {**fleet.a, "X-Conversation-Id": conversation}
     resp = httpx.post(fleet.proxy.url + "/v1/chat/completions", json=body, headers=headers,
                       timeout=60)  # fmt: skip
     assert resp.status_code == 200, resp.text
     assert fleet.decode.metric("enginesim_blocks_held_for_remote") > 0
-    return request_id
+    entry = fleet.entry(fleet.key_a, conversation)
+    assert entry is not None and entry.release_token is not None
+    return {"request_id": entry.request_id, "release_token": entry.release_token}
 
 
 def _signed(secret: bytes, method: str, path: str, body: bytes = b"",
@@ -122,12 +123,9 @@ def test_side_channel_refuses_claims_and_releases_without_the_secret(
     secure_fleet: SecureFleet,
 ) -> None:
     fleet = secure_fleet
-    request_id = _held_turn(fleet, "side-1")
+    hold = _held_turn(fleet, "side-1")
     right = CONNECTOR_SECRET.encode()
-    # The test knows the secret: read the hold's identity the way the proxy would.
-    path = f"/v1/finished/{request_id}"
-    params = httpx.get(_side(fleet) + path, headers=_signed(right, "GET", path), timeout=10).json()
-    hold = {"request_id": params["remote_request_id"], "release_token": params["release_token"]}
+    path = f"/v1/finished/{hold['request_id']}"
     held = fleet.decode.metric("enginesim_blocks_held_for_remote")
     rejected = fleet.decode.metric("enginesim_connector_auth_rejected")
 

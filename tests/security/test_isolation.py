@@ -8,6 +8,8 @@ params ever reach `remote_host`).
 
 from __future__ import annotations
 
+import contextlib
+import secrets
 import socket
 import threading
 from collections.abc import Iterator
@@ -190,3 +192,41 @@ def test_client_fields_never_make_anyone_contact_a_chosen_address(
         what="the ended conversations' releases to reach D",
     )
     assert listener.connections == 0
+
+
+def test_reused_request_id_cannot_release_another_tenants_blocks(
+    secure_fleet: SecureFleet,
+) -> None:
+    """X-Request-Id is client-chosen and keys D's published finished params: tenant B reusing
+    tenant A's request id and walking away mid-stream must not make the proxy release A's
+    held blocks (A's next turn must still pull them)."""
+    fleet = secure_fleet
+    rid = "rid-" + secrets.token_hex(4)
+    conv = "victim-" + secrets.token_hex(4)
+    a = {**fleet.a, "X-Conversation-Id": conv, "X-Request-Id": rid}
+    messages = [SYSTEM, {"role": "user", "content": "Keep my context warm."}]
+    first = _answer(_chat(fleet, a, messages))
+    released = fleet.decode.metric("enginesim_connector_releases_received")
+
+    body = {"model": MODEL, "stream": True, "max_tokens": 400,
+            "messages": [SYSTEM, {"role": "user", "content": "Talk for a long time."}]}  # fmt: skip
+    with httpx.stream("POST", fleet.proxy.url + "/v1/chat/completions", json=body, timeout=30,
+                      headers={**fleet.b, "X-Request-Id": rid}) as resp:  # fmt: skip
+        assert resp.status_code == 200
+        for _ in resp.iter_raw(1):
+            break  # B walks away after the first bytes
+    # The proxy's clean-up after B's disconnect runs in the background; give it its bounded
+    # retry window to act (it releases something, or finds nothing to release).
+    with contextlib.suppress(TimeoutError):
+        wait_until(
+            lambda: fleet.decode.metric("enginesim_connector_releases_received") > released,
+            5, what="a release after B's disconnect",
+        )  # fmt: skip
+    follow = [*messages, {"role": "assistant", "content": first},
+              {"role": "user", "content": "Still there?"}]  # fmt: skip
+    loaded = _loaded(fleet)
+    a_next = {**fleet.a, "X-Conversation-Id": conv}
+    assert _answer(_chat(fleet, a_next, follow)) == reference_chat(follow, 8)
+    assert _loaded(fleet) > loaded, "A's held blocks were released by B's disconnect"
+    ended = httpx.delete(f"{fleet.proxy.url}/v1/conversations/{conv}", headers=fleet.a)
+    assert ended.status_code == 200
