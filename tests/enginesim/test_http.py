@@ -181,3 +181,18 @@ def test_client_disconnect_aborts_and_frees(engine_factory: EngineFactory) -> No
                10, what="abort after disconnect")  # fmt: skip
     eng.wait_idle()
     assert eng.metric("enginesim_generation_tokens_total") < 400
+
+
+def test_stream_disconnect_aborts_and_frees(engine_factory: EngineFactory) -> None:
+    eng = engine_factory("slow-stream", "--decode-us-per-step", "20000", "--num-blocks", "64",
+                         "--max-model-len", "512", connector=False)  # fmt: skip
+    body = {"prompt": "streamed job", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", eng.url + "/v1/completions", json=body, timeout=30) as resp:
+        lines = resp.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[6:])["choices"][0]["text"]
+    # Leaving the block closed the connection mid-stream.
+    wait_until(lambda: eng.metric('enginesim_requests_by_outcome_total{outcome="aborted"}') == 1,
+               10, what="abort after stream disconnect")  # fmt: skip
+    eng.wait_idle()
+    assert eng.metric("enginesim_generation_tokens_total") < 400
