@@ -4,15 +4,40 @@ non-disaggregated engine; later turns pull KV from D; nothing stays held afterwa
 from __future__ import annotations
 
 import concurrent.futures
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
+
 from enginesim.reference import reference_chat, reference_completion
+from tests.engines import EngineFactory, EngineSim
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
-from tests.proxy_server import Fleet
+from tests.proxy_server import Fleet, ProxyFactory
 
 LONG_SYSTEM = (
     "You are a careful assistant. Answer briefly. " * 6
 )  # a prefix of several full blocks, so reuse has something to pull
+
+
+@pytest.fixture(scope="module")
+def shared_engines() -> Iterator[tuple[EngineSim, EngineSim]]:
+    """One P and one D for the whole module (engine start-up dominates the suite's time).
+    Each test starts its own proxy and must leave both engines idle (checked by `pd_fleet`
+    at the start of the next test, and by the tests themselves)."""
+    factory = EngineFactory()
+    try:
+        yield factory("P", "--role", "prefill"), factory("D", "--role", "decode")
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def pd_fleet(shared_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> Fleet:
+    """Overrides the conftest fixture: the module's engines behind a fresh proxy."""
+    prefill, decode = shared_engines
+    prefill.wait_idle()
+    decode.wait_idle()
+    return Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
 
 
 def _turns(fleet: Fleet, questions: list[str], conversation: str | None,
@@ -134,8 +159,10 @@ def test_concurrent_turns_of_one_conversation_are_both_correct(pd_fleet: Fleet) 
     pd_fleet.wait_clean()
 
 
-def test_tenants_cannot_reach_each_other(pd_engines: Any, proxy_factory: Any) -> None:
-    prefill, decode = pd_engines
+def test_tenants_cannot_reach_each_other(
+    shared_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    prefill, decode = shared_engines
     proxy = proxy_factory([prefill], [decode], ready_path="/ready", api_keys="key-a,key-b")
     a, b = {"Authorization": "Bearer key-a"}, {"Authorization": "Bearer key-b"}
     msgs = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Secret?"}]
@@ -177,7 +204,7 @@ def test_openai_client_works_streaming_and_not(pd_fleet: Fleet) -> None:
 
 
 def test_streams_without_params_fetch_them_from_the_side_channel(
-    engine_factory: Any, proxy_factory: Any
+    engine_factory: EngineFactory, proxy_factory: ProxyFactory
 ) -> None:
     # Like stock vLLM, this D puts no params in its stream; the proxy asks D's side channel.
     prefill = engine_factory("P", "--role", "prefill")
@@ -192,9 +219,10 @@ def test_streams_without_params_fetch_them_from_the_side_channel(
 
 
 def test_workers_share_the_port_and_aggregate_metrics(
-    pd_engines: Any, proxy_factory: Any, redis: Any
+    shared_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory, redis: Any
 ) -> None:
-    prefill, decode = pd_engines
+    prefill, decode = shared_engines
+    loaded_before = prefill.metric("enginesim_prompt_tokens_loaded_total")
     proxy = proxy_factory([prefill], [decode], ready_path="/ready", workers="2",
                           map_url=redis.url)  # fmt: skip
     fleet = Fleet(prefill, decode, proxy)
@@ -204,6 +232,6 @@ def test_workers_share_the_port_and_aggregate_metrics(
     for _ in range(4):
         m = proxy.metrics()
         assert m['kvrelay_requests_total{outcome="ok",route="chat"}'] == len(answers)
-    assert prefill.metric("enginesim_prompt_tokens_loaded_total") > 0
+    assert prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
     assert proxy.call("DELETE", "/v1/conversations/w-1")[0] == 200
     fleet.finish()
