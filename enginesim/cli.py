@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 
@@ -50,6 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--params-in-stream", action=argparse.BooleanOptionalAction, default=True,
         help="put kv_transfer_params in the last stream chunk (stock vLLM: no)",
     )  # fmt: skip
+    p.add_argument(
+        "--exit-with-parent", action="store_true",
+        help="stop when the parent process dies (test runs killed mid-way leave no engines)",
+    )  # fmt: skip
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -84,7 +89,16 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-async def _amain(config: EngineConfig, host: str, port: int) -> None:
+async def _watch_parent(task: asyncio.Task[None]) -> None:
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(1.0)
+        if os.getppid() != parent:  # re-parented: whoever started us is gone
+            task.cancel()
+            return
+
+
+async def _amain(config: EngineConfig, host: str, port: int, exit_with_parent: bool) -> None:
     from enginesim.app import build_server
     from enginesim.server import serve
 
@@ -94,11 +108,14 @@ async def _amain(config: EngineConfig, host: str, port: int) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, task.cancel)
+    watcher = asyncio.create_task(_watch_parent(task)) if exit_with_parent else None
     try:
         await serve(server, host, port)
     except asyncio.CancelledError:
         pass
     finally:
+        if watcher is not None:
+            watcher.cancel()
         server.runner.stop()
 
 
@@ -117,5 +134,5 @@ def main(argv: list[str] | None = None) -> int:
     # The engine thread runs Python between steps; a short GIL switch interval keeps the HTTP
     # event loop responsive next to it.
     sys.setswitchinterval(0.0005)
-    asyncio.run(_amain(config, args.host, args.port))
+    asyncio.run(_amain(config, args.host, args.port, args.exit_with_parent))
     return 0

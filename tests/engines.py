@@ -56,7 +56,7 @@ class EngineSim:
 
     def start(self) -> EngineSim:
         argv = [sys.executable, "-m", "enginesim", "--port", str(self.port), "--engine-id",
-                self.name, "--log-level", "WARNING"]  # fmt: skip
+                self.name, "--log-level", "WARNING", "--exit-with-parent"]  # fmt: skip
         if self.connector:
             argv += ["--side-channel-port", str(self.side_channel_port)]
         argv += list(self.args)
