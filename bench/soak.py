@@ -69,7 +69,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     fig, (mem, lat, done) = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
     mem.plot(t, [s["rss_bytes"] / 2**20 for s in samples], color="tab:blue")
     mem.set_ylabel("proxy RSS (MiB)")
-    mem.set_ylim(bottom=0)
+    mem.set_ylim(0, max(s["rss_bytes"] for s in samples) / 2**20 * 1.25)
     lat.plot(t, [s["p50_latency_s"] for s in samples], label="p50", color="tab:green")
     lat.plot(t, [s["p95_latency_s"] for s in samples], label="p95", color="tab:orange")
     lat.set_ylabel("turn latency (s)")
@@ -83,7 +83,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     s = report["summary"]
     fig.suptitle(
         f"kvrelay soak: {report['minutes']:g} min, {s['turns']} turns, "
-        f"{sum(report['faults_injected'].values())} faults (red), reuse {report['reuse_rate']:.0%}"
+        f"{len(report['fault_events'])} faults (red), reuse {report['reuse_rate']:.0%}"
     )
     fig.tight_layout()
     fig.savefig(out, dpi=90)
