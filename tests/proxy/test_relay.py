@@ -235,3 +235,19 @@ def test_workers_share_the_port_and_aggregate_metrics(
     assert prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
     assert proxy.call("DELETE", "/v1/conversations/w-1")[0] == 200
     fleet.finish()
+
+
+def test_decode_holds_nothing_when_the_conversation_cannot_continue(pd_fleet: Fleet) -> None:
+    # A completion without a conversation id has no next turn: D must not be asked to hold.
+    resp = post(pd_fleet.proxy.url, "/v1/completions",
+                {"model": MODEL, "prompt": LONG_SYSTEM, "max_tokens": 5})  # fmt: skip
+    assert resp.status_code == 200
+    pd_fleet.wait_clean()  # with the proxy still running: nothing held anywhere
+    # Chat without fingerprinting and without an id: the same.
+    proxy = pd_fleet.proxy
+    proxy.stop()
+    proxy.settings["fingerprint_conversations"] = "false"
+    proxy.start("/ready")
+    msgs = [{"role": "user", "content": LONG_SYSTEM}]
+    assert reply_of(post(proxy.url, "/v1/chat/completions", chat_body(msgs)))
+    pd_fleet.wait_clean()
