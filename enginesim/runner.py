@@ -20,8 +20,11 @@ from enginesim.request import SimRequest
 
 log = logging.getLogger(__name__)
 
-# Idle wait between steps: short while something is in flight, longer when fully idle.
+# Wait between steps: short while loads or queued requests are in flight, a little longer
+# when the engine only holds blocks (NIXL still needs polling for remote readers' progress
+# and notifications), longest when fully idle.
 BUSY_POLL_S = 0.001
+HOLDING_POLL_S = 0.004
 IDLE_POLL_S = 0.01
 
 
@@ -79,7 +82,13 @@ class EngineRunner:
                 busy = bool(self.core.waiting or self.core.loading or self.core.running)
                 if busy and self._ready_to_run():
                     continue
-                self._wake.wait(BUSY_POLL_S if self.core.has_work else IDLE_POLL_S)
+                if busy:
+                    wait = BUSY_POLL_S
+                elif self.core.held:
+                    wait = HOLDING_POLL_S
+                else:
+                    wait = IDLE_POLL_S
+                self._wake.wait(wait)
                 self._wake.clear()
         except BaseException as exc:  # the engine is dead: make it visible on /health
             self.error = exc
