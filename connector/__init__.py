@@ -18,8 +18,9 @@ thread), after `start()` and `set_xfer_handshake_metadata({rank: worker.get_hand
 3. ``meta = sched.build_connector_meta()`` once per engine step; every worker rank gets it via
    ``worker.start_load_kv(meta)``, then ``worker.get_finished()`` (each step; drives NIXL).
 4. ``sched.update_connector_output(finished_sending, finished_recving, invalid_block_ids)``
-   with what the workers reported (union over ranks for recving/invalid; a request is
-   ``finished_sending`` once EVERY rank reported it). Requests in ``finished_recving`` may be
+   with what the workers reported: a request is ``finished_sending`` / ``finished_recving``
+   only once EVERY rank reported it (`connector.tp.FinishedAggregator`, one per direction);
+   invalid block ids are the union over ranks. Requests in ``finished_recving`` may be
    scheduled; ``sched.failed_requests()`` lists those that must error (policy ``fail``) and
    ``sched.loaded_tokens(request_id)`` says how many tokens really arrived (policy
    ``recompute``: the rest is prefilled locally).

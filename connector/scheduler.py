@@ -21,7 +21,7 @@ import queue
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
@@ -51,6 +51,8 @@ class _Loading:
     end_tokens: int
     first_block: int
     local_block_ids: tuple[int, ...]
+    # Invalid blocks reported by any rank, possibly steps before the last rank finished.
+    bad: set[int] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -268,6 +270,9 @@ class ConnectorScheduler:
         invalid_block_ids: set[int] | None = None,
     ) -> None:
         invalid = invalid_block_ids or set()
+        if invalid:
+            for pending_load in self._loading.values():
+                pending_load.bad |= invalid.intersection(pending_load.local_block_ids)
         for rid in finished_sending or ():
             self.holds.finalize(rid)
         bs = self.config.block_size
@@ -275,7 +280,7 @@ class ConnectorScheduler:
             loading = self._loading.pop(rid, None)
             if loading is None:
                 continue
-            bad = [i for i, b in enumerate(loading.local_block_ids) if b in invalid]
+            bad = [i for i, b in enumerate(loading.local_block_ids) if b in loading.bad]
             if bad:
                 # Tokens before the first bad block arrived intact; the rest is recomputed.
                 good_end = max(loading.start_tokens, (loading.first_block + bad[0]) * bs)

@@ -102,12 +102,15 @@ class _Engine:
         self.sched.set_xfer_handshake_metadata(
             {w.rank: w.get_handshake_metadata() for w in self.workers}
         )
-        self.aggregator = FinishedAggregator(spec.tp_size)
+        # A request is done only when every rank reported it, in both directions.
+        self.sent_agg = FinishedAggregator(spec.tp_size)
+        self.recv_agg = FinishedAggregator(spec.tp_size)
         self.free_blocks = list(range(spec.num_blocks))
         self.req_blocks: dict[str, list[int]] = {}
         self.loads: dict[str, tuple[int, Any, int]] = {}  # rid -> (cid, view, n)
         self.polling = True
         self.freed_at: dict[str, float] = {}
+        self.invalid_seen: set[int] = set()
 
     # --- blocks -----------------------------------------------------------------------------
     def alloc(self, rid: str, num_tokens: int, exact: list[int] | None = None) -> list[int]:
@@ -148,10 +151,11 @@ class _Engine:
             if not self.polling:
                 continue
             s, r = w.get_finished()
-            sending |= self.aggregator.add(w.rank, s)
-            recving |= r
+            sending |= self.sent_agg.add(w.rank, s)
+            recving |= self.recv_agg.add(w.rank, r)
             invalid |= w.get_block_ids_with_load_errors()
         self.sched.update_connector_output(sending, recving, invalid)
+        self.invalid_seen |= invalid
         for rid in sending:
             self.free(rid)
             self.freed_at[rid] = time.time()
@@ -162,7 +166,7 @@ class _Engine:
                 loaded = self.sched.loaded_tokens(rid)
                 self.reply(cid, {
                     "n": n, "loaded": loaded, "failed": rid in failed,
-                    "invalid": sorted(invalid & set(self.req_blocks.get(rid, []))),
+                    "invalid": sorted(self.invalid_seen & set(self.req_blocks.get(rid, []))),
                     "blocks": self.req_blocks.get(rid, []),
                 })  # fmt: skip
 

@@ -74,3 +74,21 @@ def test_finished_without_ever_being_scheduled_releases_the_holder(
     assert reader.request_finished(view, [[]]) == (False, None)
     wait_until(lambda: drain(holder) == {"h1"}, 10, what="release to reach the holder")
     assert holder.stats()["freed_by_release"] == 1
+
+
+def test_invalid_blocks_reported_before_the_last_rank_finished_still_count(
+    make_scheduler: MakeScheduler,
+) -> None:
+    holder = make_scheduler(engine_id="holder")
+    reader = make_scheduler(engine_id="reader")
+    params = hold_params(holder, "h1", n_tokens=10)
+    view = _reader_view("r1", [*range(10), 99], params)
+    n, _ = reader.get_num_new_matched_tokens(view, 0)
+    reader.update_state_after_alloc(view, [[7, 8, 9]], n)
+    reader.build_connector_meta()
+    # Rank 1 failed on block 7 in one step; rank 0 (and so the request) finished a step later.
+    reader.update_connector_output(set(), set(), {7})
+    reader.update_connector_output(set(), {"r1"}, set())
+    assert reader.loaded_tokens("r1") == 0 and reader.failed_requests() == []  # recompute
+    holder.release_hold("h1")
+    assert drain(holder) == {"h1"}
