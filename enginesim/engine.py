@@ -288,9 +288,16 @@ class EngineCore:
         offered = req.block_ids if hold else []
         delay_free, params = self.kv.request_finished(req, offered)
         if delay_free:
-            self.held[req.request_id] = list(offered)
-            if offered is not req.block_ids:
-                self.pool.free(req.block_ids)
+            keep = list(offered)
+            groups = params.get("remote_block_ids") if params else None
+            if isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], list):
+                # Keep exactly what the connector advertises (it may hold fewer blocks than
+                # the request used, e.g. not the one with only the last token's KV).
+                advertised = set(groups[0])
+                keep = [b for b in offered if b in advertised]
+            kept = set(keep)
+            self.held[req.request_id] = keep
+            self.pool.free([b for b in req.block_ids if b not in kept])
         else:
             self.pool.free(req.block_ids)
         req.block_ids = []

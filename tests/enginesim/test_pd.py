@@ -327,3 +327,19 @@ def test_dropped_nixl_agent_falls_back_to_recompute(
     assert status == 200 and text_of(resp) == expected
     assert dd("enginesim_connector_failures") == 1
     assert dd("enginesim_prompt_tokens_loaded_total") == 0
+
+
+def test_p_holds_exactly_the_advertised_blocks(pd: tuple[EngineSim, EngineSim]) -> None:
+    p, d = pd
+    # 32 prompt tokens: the request used 3 blocks (the 33rd token's KV opens a third one),
+    # but only the 2 prompt blocks are advertised and held; the third is free at once.
+    prompt = list(range(300, 332))
+    body = {"prompt": prompt, "max_tokens": 10, "ignore_eos": True}
+    params = prefill(p, "exact", body)
+    assert len(params["remote_block_ids"][0]) == 2 and params["remote_num_tokens"] == 32
+    m = p.metrics()
+    assert m["enginesim_blocks_held_for_remote"] == 2
+    assert m["enginesim_blocks_free"] == m["enginesim_blocks_total"] - 2
+    status, resp = decode(d, "exact", body, params)
+    assert status == 200
+    assert text_of(resp) == reference_completion(prompt, 10, ignore_eos=True)
