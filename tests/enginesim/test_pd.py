@@ -343,3 +343,17 @@ def test_p_holds_exactly_the_advertised_blocks(pd: tuple[EngineSim, EngineSim]) 
     status, resp = decode(d, "exact", body, params)
     assert status == 200
     assert text_of(resp) == reference_completion(prompt, 10, ignore_eos=True)
+
+
+def test_recompute_threshold_skips_small_loads_and_releases_p(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+) -> None:
+    p, d = pd[0], idle_after("D-threshold", "--kv-recompute-threshold", "100000")
+    body = {"prompt": PROMPT, "max_tokens": 10, "ignore_eos": True}
+    params = prefill(p, "thr", body)
+    status, resp = decode(d, "thr", body, params)
+    assert status == 200
+    assert text_of(resp) == reference_completion(PROMPT, 10, ignore_eos=True)
+    assert d.metric("enginesim_prompt_tokens_loaded_total") == 0
+    # D will not read, so it releases P's hold right away instead of leaving it to the lease.
+    p.wait_idle(timeout=2)
