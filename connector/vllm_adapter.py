@@ -13,7 +13,7 @@ and `KVRELAY_CONNECTOR_SECRET` in the environment. vLLM is imported here and in
 scheduler process (role SCHEDULER)            core
   get_num_new_matched_tokens(req, n)     ->  sched.get_num_new_matched_tokens(view, n)
   update_state_after_alloc(req, blocks, n) -> sched.update_state_after_alloc(view, ids, n)
-  build_connector_meta(out)              ->  sched.build_connector_meta() (+ reclaim)
+  build_connector_meta(out)              ->  sched.build_connector_meta()
   update_connector_output(out)           ->  sched.update_connector_output(...)
   request_finished(req, block_ids)       ->  sched.request_finished(view, [ids]), or
                                              sched.request_rejected(view) when the request
@@ -21,6 +21,7 @@ scheduler process (role SCHEDULER)            core
                                              path for requests D refused before admission)
   set_xfer_handshake_metadata(md)        ->  sched.set_xfer_handshake_metadata({rank: md})
   has_pending_block_frees()              ->  sched.reclaim_holds(1) under block pressure
+  (admission of a request that does not fit) -> sched.reclaim_holds(missing blocks)
 worker process (role WORKER, one per TP rank)
   register_kv_caches(caches)             ->  ConnectorWorker.register_kv_caches(views, layout)
   get_handshake_metadata()               ->  worker.get_handshake_metadata()
@@ -117,11 +118,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._num_blocks = int(kv_cache_config.num_blocks)
         self._num_kv_heads = int(getattr(spec, "num_kv_heads", 1))
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        self._reclaim_watermark = int(extra.get("reclaim_free_blocks_watermark", 0))
         self._sched: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         self._block_pool: Any = None
+        self._steps = 0
+        self._last_reclaim_step: int | None = None
         # Requests that got blocks from the engine (the rest, finished, were never admitted).
         self._allocated: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
@@ -161,9 +162,30 @@ class KVRelayConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._require_sched().get_num_new_matched_tokens(
-            request_view(request), num_computed_tokens
-        )
+        sched = self._require_sched()
+        self._make_room(request, num_computed_tokens)
+        return sched.get_num_new_matched_tokens(request_view(request), num_computed_tokens)
+
+    def _make_room(self, request: Request, num_computed_tokens: int) -> None:
+        """Holds for a next turn are cache, not reservations: when the engine is about to admit
+        a request that does not fit in the free blocks, the oldest unclaimed holds go first
+        (vLLM asks this hook exactly when it tries to admit a waiting request)."""
+        if self._block_pool is None or self._sched is None:
+            return
+        bs = self._config.block_size
+        need = -(-(int(request.num_tokens) - num_computed_tokens) // bs) + 1
+        free = int(self._block_pool.get_num_free_blocks())
+        if free >= need or self._reclaim_in_flight():
+            return
+        freed = self._reclaim(need - free)
+        if freed:
+            logger.info(
+                "kvrelay: request %s needs %d blocks, %d free: reclaimed %d held blocks",
+                request.request_id,
+                need,
+                free,
+                freed,
+            )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -181,19 +203,8 @@ class KVRelayConnector(KVConnectorBase_V1):
             )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        sched = self._require_sched()
-        if self._reclaim_watermark and self._block_pool is not None:
-            free = int(self._block_pool.get_num_free_blocks())
-            if free < self._reclaim_watermark:
-                freed = sched.reclaim_holds(self._reclaim_watermark - free)
-                if freed:
-                    logger.info(
-                        "kvrelay: %d free blocks < watermark %d: reclaimed %d held blocks",
-                        free,
-                        self._reclaim_watermark,
-                        freed,
-                    )
-        return KVRelayConnectorMetadata(core=sched.build_connector_meta())
+        self._steps += 1
+        return KVRelayConnectorMetadata(core=self._require_sched().build_connector_meta())
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         self._block_pool = gpu_block_pool
@@ -204,10 +215,25 @@ class KVRelayConnector(KVConnectorBase_V1):
         # workers echo the free, so the scheduler waits a step instead of preempting.
         if self._sched is None:
             return False
-        freed = self._sched.reclaim_holds(1)
+        if self._reclaim_in_flight():
+            return True
+        freed = self._reclaim(1)
         if freed:
             logger.info("kvrelay: block pressure, reclaimed %d held blocks", freed)
         return freed > 0
+
+    def _reclaim(self, num_blocks: int) -> int:
+        assert self._sched is not None
+        freed = self._sched.reclaim_holds(num_blocks)
+        if freed:
+            self._last_reclaim_step = self._steps
+        return freed
+
+    def _reclaim_in_flight(self) -> bool:
+        # Reclaimed blocks return to the pool once the workers echoed the free: by the step
+        # after the next metadata build at the latest. Until then, reclaiming more would free
+        # holds the engine does not need.
+        return self._last_reclaim_step is not None and self._steps < self._last_reclaim_step + 2
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         sched = self._require_sched()

@@ -30,7 +30,7 @@ EXTRA_KEYS = (
     "coalesce",
 )
 # Adapter-only keys (not ConnectorConfig fields).
-ADAPTER_KEYS = ("reclaim_free_blocks_watermark",)
+ADAPTER_KEYS: tuple[str, ...] = ()
 
 
 class UnsupportedConfigError(ValueError):

@@ -17,6 +17,7 @@ import pytest
 from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.vllm.servers import (
     CONNECTOR_SECRET,
+    DECODE_BLOCKS,
     START_TIMEOUT_S,
     VLLMServer,
     kvrelay_pair,
@@ -103,6 +104,8 @@ def kvrelay_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDF
     cache, as a P that did not serve the previous turn would: its history must come from D."""
     pair = kvrelay_pair(tiny_model)
     pair[0].extra_args = ["--no-enable-prefix-caching"]
+    # A small D, so that its holds for next turns can fill it (block-pressure test).
+    pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
     yield from _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
 
 

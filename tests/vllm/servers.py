@@ -32,6 +32,8 @@ BLOCK_SIZE = 32
 MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 420.0
 LEASE_SECONDS = 120
+# KV blocks of the kvrelay pair's D (vLLM's null block included): small enough to fill.
+DECODE_BLOCKS = 64
 
 
 def vllm_env(cpu: int) -> dict[str, str]:

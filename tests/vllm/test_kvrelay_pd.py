@@ -15,13 +15,21 @@ import pytest
 
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
-from tests.vllm.servers import LEASE_SECONDS, MAX_MODEL_LEN, MODEL_NAME, VLLMServer
+from tests.vllm.servers import (
+    BLOCK_SIZE,
+    DECODE_BLOCKS,
+    LEASE_SECONDS,
+    MAX_MODEL_LEN,
+    MODEL_NAME,
+    VLLMServer,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
 HELD_BLOCKS = "vllm:kvrelay_held_blocks"
 EARLY_RELEASES = "vllm:kvrelay_early_releases_total"
+FREED_BY_RECLAIM = "vllm:kvrelay_freed_by_reclaim_total"
 
 SYSTEM = (
     "You are a relay engine. Each turn of the conversation is a request that the decode engine "
@@ -220,4 +228,37 @@ def test_decode_rejection_frees_prefill_blocks_by_connector(kvrelay_fleet: PDFle
         lambda: decode.metric(EARLY_RELEASES) > early_before,
         10,
         what="D's connector to count the early release",
+    )
+
+
+def test_decode_reclaims_holds_for_a_request_that_does_not_fit(kvrelay_fleet: PDFleet) -> None:
+    """Holds for a next turn are cache: a new request that does not fit frees the oldest ones
+    instead of waiting for their lease (the request's timeout is well below the lease)."""
+    decode = kvrelay_fleet.decode
+    usable = DECODE_BLOCKS - 1  # vLLM keeps one null block
+    reclaimed_before = decode.metric(FREED_BY_RECLAIM)
+    for i in range(usable):
+        held = _held_blocks(decode)
+        if held >= usable - 8:
+            break
+        # Distinct prompts (no shared prefix-cache blocks), each held after it finishes.
+        body = {
+            **completion_body(f"Conversation {i}. " + SYSTEM * 2, max_tokens=8),
+            "kv_transfer_params": {"hold_blocks": True},
+        }
+        status, out = decode.post("/v1/completions", body, timeout=60)
+        assert status == 200, out
+        wait_until(lambda h=held: _held_blocks(decode) > h, 10, what="D to hold the request")
+    free_before = usable - _held_blocks(decode)
+    big = completion_body("One big request. " + SYSTEM * 6, max_tokens=8)
+
+    status, out = decode.post("/v1/completions", big, timeout=60)
+
+    assert status == 200, out
+    # It needed more blocks than were free: only reclaimed holds made room for it.
+    assert out["usage"]["prompt_tokens"] > free_before * BLOCK_SIZE
+    wait_until(
+        lambda: decode.metric(FREED_BY_RECLAIM) > reclaimed_before,
+        10,
+        what="D to count the reclaimed holds",
     )
