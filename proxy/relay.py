@@ -115,6 +115,7 @@ class Turn:
     p_backend: Backend | None = None
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
+    p_answered: bool = False  # P returned 2xx (its connector dealt with any reuse params)
     d_backend: Backend | None = None
     d_accepted: bool = False
     d_params_handled: bool = False
@@ -148,10 +149,8 @@ class Turn:
         except BaseException:
             self._cleanup_after_failure()
             raise
-        if self.p_params is not None:
-            # D normally freed P's blocks by reading them; if D fell back to computing
-            # (a failed read), this release is what frees them. After a read it is a no-op.
-            self.fleet.releaser.release_soon_params("prefill", self.p_params)
+        # On success P's blocks need no call from here: D's connector either read them (the
+        # read frees them) or released them itself (skipped, mismatched or failed load).
         return response
 
     async def _run(self) -> web.StreamResponse:
@@ -161,8 +160,9 @@ class Turn:
             await self._take_entry()
             await self._prefill()
         finally:
-            # Whatever P did with the old turn's blocks, they are superseded now.
-            if self.entry is not None:
+            # The old turn's blocks are superseded. When P answered, its connector read them
+            # (freeing them) or released them; otherwise nobody will, so the proxy does.
+            if self.entry is not None and not self.p_answered:
                 self.fleet.releaser.release_soon_entry(self.entry)
         return await self._decode(store_key)
 
@@ -251,6 +251,7 @@ class Turn:
                 raise upstream_error_from_body(status, raw, "prefill")
             fleet.prefill.record_success(backend, probe=False)
             self.p_backend = backend
+            self.p_answered = True
             self._read_prefill_answer(raw)
             return
         metrics.FALLBACKS.labels("decode_only").inc()
@@ -452,6 +453,8 @@ class Turn:
             await out.write_eof()
             self._release_decode_later(backend)
             self.d_params_handled = True
+            # A D that died may never have confirmed its read of P's blocks.
+            self.fleet.releaser.release_soon_params("prefill", self.p_params)
             return out
         metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
         if sse.params is not None:
