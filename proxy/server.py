@@ -73,7 +73,9 @@ def run_worker(settings: Settings, reuse_port: bool) -> None:
         handler_cancellation=True,  # a client that goes away cancels its upstream legs
         access_log=None,
         print=None,
-        shutdown_timeout=10.0,
+        # On SIGTERM let in-flight streams finish: none outlives total_timeout, and the chart's
+        # grace period is longer than that, so a rolling update cuts no answer short.
+        shutdown_timeout=settings.total_timeout,
     )
 
 
