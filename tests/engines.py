@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.harness import ServerProcess, free_port, http_ready, wait_until
+from tests.harness import ManagedServer, ServerProcess, free_port, http_ready, wait_until
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
 ENGINE_ENV = {
@@ -38,7 +38,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 @dataclass
-class EngineSim:
+class EngineSim(ManagedServer):
     """One running `python -m enginesim` process."""
 
     name: str
@@ -66,17 +66,6 @@ class EngineSim:
         ).start()  # fmt: skip
         self.baseline = self.metrics()
         return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.stop()
-            self.process = None
 
     def request(
         self, path: str, body: Any = None, headers: dict[str, str] | None = None,

@@ -64,7 +64,7 @@ def http_ready(url: str) -> Callable[[], bool]:
     def probe() -> bool:
         try:
             with urllib.request.urlopen(url, timeout=0.5) as resp:
-                return 200 <= resp.status < 300
+                return bool(200 <= resp.status < 300)
         except (OSError, urllib.error.URLError):
             return False
 
@@ -167,8 +167,29 @@ def python_server(
     return ServerProcess([sys.executable, *module_args], ready, **kwargs)  # type: ignore[arg-type]
 
 
+class ManagedServer:
+    """Stop/kill/output for a test server object that owns one `ServerProcess` (or none yet)."""
+
+    process: ServerProcess | None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def kill(self) -> None:
+        """Crash it (SIGKILL), as a machine failure would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.stop()
+            self.process = None
+
+    def output(self) -> str:
+        return self.process.output() if self.process is not None else ""
+
+
 @dataclass
-class RedisServer:
+class RedisServer(ManagedServer):
     """A real `redis-server` on a free loopback port, no persistence; restartable on its port."""
 
     port: int = field(default_factory=free_port)
@@ -198,17 +219,6 @@ class RedisServer:
             argv, tcp_ready("127.0.0.1", self.port), name=f"redis-{self.port}", ready_timeout=15
         ).start()
         return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def kill(self) -> None:
-        if self.process is not None:
-            self.process.kill()
-            self.process.stop()
-            self.process = None
 
     def restart(self) -> None:
         self.stop()

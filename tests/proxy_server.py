@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tests.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim, parse_metrics
-from tests.harness import ServerProcess, free_port, http_ready
+from tests.harness import ManagedServer, ServerProcess, free_port, http_ready
 
 
 @dataclass
-class ProxyServer:
+class ProxyServer(ManagedServer):
     """One running proxy process."""
 
     prefill: Sequence[EngineSim | str]
@@ -65,14 +65,6 @@ class ProxyServer:
             name=f"proxy-{self.port}",
         ).start()
         return self
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
-            self.process = None
-
-    def output(self) -> str:
-        return self.process.output() if self.process is not None else ""
 
     def call(
         self,
