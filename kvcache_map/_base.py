@@ -170,3 +170,30 @@ async def stop_task(task: asyncio.Task[None]) -> None:
         await asyncio.wait({task}, timeout=0.1)
     if not task.cancelled() and task.exception() is not None:
         log.error("background task failed: %r", task.exception())
+
+
+def build_stats(
+    backend: str,
+    entries: int | None,
+    available: bool,
+    counters: Counters,
+    notifier: EvictionNotifier,
+) -> MapStats:
+    """One `MapStats` from a backend's operation counters and its eviction notifier."""
+    return MapStats(
+        backend=backend,
+        entries=entries,
+        available=available,
+        hits=counters.hits,
+        misses=counters.misses,
+        puts=counters.puts,
+        takes=counters.takes,
+        deletes=counters.deletes,
+        evicted=notifier.counts[EvictionReason.EVICTED],
+        expired=notifier.counts[EvictionReason.EXPIRED],
+        replaced=notifier.counts[EvictionReason.REPLACED],
+        deleted=notifier.counts[EvictionReason.DELETED],
+        corrupt=counters.corrupt,
+        unavailable_errors=counters.unavailable_errors,
+        callback_errors=notifier.errors,
+    )

@@ -23,6 +23,7 @@ from kvcache_map._base import (
     EvictionNotifier,
     EvictionReason,
     MapStats,
+    build_stats,
     check_ttl,
     stop_task,
 )
@@ -131,24 +132,7 @@ class MemoryMap:
         return entry
 
     async def stats(self) -> MapStats:
-        c, n = self._counters, self._notifier
-        return MapStats(
-            backend=self.backend,
-            entries=len(self._data),
-            available=True,
-            hits=c.hits,
-            misses=c.misses,
-            puts=c.puts,
-            takes=c.takes,
-            deletes=c.deletes,
-            evicted=n.counts[EvictionReason.EVICTED],
-            expired=n.counts[EvictionReason.EXPIRED],
-            replaced=n.counts[EvictionReason.REPLACED],
-            deleted=n.counts[EvictionReason.DELETED],
-            corrupt=c.corrupt,
-            unavailable_errors=c.unavailable_errors,
-            callback_errors=n.errors,
-        )
+        return build_stats(self.backend, len(self._data), True, self._counters, self._notifier)
 
     async def close(self) -> None:
         """Stop the sweeper, report what is left (unless `report_on_close=False`), and wait

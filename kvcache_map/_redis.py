@@ -46,6 +46,7 @@ from kvcache_map._base import (
     EvictionNotifier,
     EvictionReason,
     MapStats,
+    build_stats,
     check_ttl,
     stop_task,
 )
@@ -280,24 +281,7 @@ class RedisMap:
             entries = int(await self._op(self._r.zcard(self._index)))
         except MapUnavailableError:
             entries = None
-        c, n = self._counters, self._notifier
-        return MapStats(
-            backend=self.backend,
-            entries=entries,
-            available=self._available,
-            hits=c.hits,
-            misses=c.misses,
-            puts=c.puts,
-            takes=c.takes,
-            deletes=c.deletes,
-            evicted=n.counts[EvictionReason.EVICTED],
-            expired=n.counts[EvictionReason.EXPIRED],
-            replaced=n.counts[EvictionReason.REPLACED],
-            deleted=n.counts[EvictionReason.DELETED],
-            corrupt=c.corrupt,
-            unavailable_errors=c.unavailable_errors,
-            callback_errors=n.errors,
-        )
+        return build_stats(self.backend, entries, self._available, self._counters, self._notifier)
 
     async def close(self) -> None:
         """Stop sweeping, wait for pending callbacks, close the client if this map made it.
