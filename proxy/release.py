@@ -50,11 +50,20 @@ class Releaser:
         token: str | None,
     ) -> bool:  # fmt: skip
         """Release one hold now; True when the holder freed blocks."""
-        if self._client is None or not token or not host or not port or not request_id:
+        # Engine-supplied values: anything that is not a plausible address and id is unusable.
+        valid_port = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+        if (
+            self._client is None
+            or not valid_port
+            or not (isinstance(token, str) and token)
+            or not (isinstance(host, str) and host)
+            or not (isinstance(request_id, str) and request_id)
+        ):
             metrics.RELEASES.labels(holder, "unsupported").inc()
             return False
+        assert port is not None  # checked by valid_port
         try:
-            released = await self._client.release(host, int(port), request_id, token)
+            released = await self._client.release(host, port, request_id, token)
         except SideChannelError as exc:
             metrics.RELEASES.labels(holder, "failed").inc()
             log.warning("release on %s %s:%s failed: %s", holder, host, port, exc)

@@ -25,6 +25,10 @@ class SSEFilter:
 
     def feed(self, chunk: bytes) -> bytes:
         self._buffer += chunk
+        if b"\r" in chunk:
+            # CRLF line endings are valid SSE: normalise so events split on a blank line. A
+            # trailing CR stays in the buffer until its LF arrives with the next chunk.
+            self._buffer[:] = self._buffer.replace(b"\r\n", b"\n")
         end = self._buffer.rfind(b"\n\n")
         if end < 0:
             return b""
@@ -56,23 +60,26 @@ class SSEFilter:
     def _strip_event(self, event: bytes) -> bytes:
         if KV_MARKER not in event:
             return event
+        # SSE lets one event's data span several `data:` lines, joined with LF: parse them as one.
         lines = event.split(b"\n")
-        kept: list[bytes] = []
-        for line in lines:
-            if line.startswith(b"data:") and KV_MARKER in line:
-                payload = line[5:].strip()
-                try:
-                    obj = json.loads(payload)
-                except ValueError:
-                    kept.append(line)
-                    continue
-                if isinstance(obj, dict):
-                    params = obj.pop("kv_transfer_params", None)
-                    if isinstance(params, dict):
-                        self.params = params
-                    line = b"data: " + json.dumps(obj, separators=(",", ":")).encode()
-            kept.append(line)
-        return b"\n".join(kept)
+        data = b"\n".join(_field_value(line) for line in lines if line.startswith(b"data:"))
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return event
+        if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
+            return event
+        params = obj.pop("kv_transfer_params")
+        if isinstance(params, dict):
+            self.params = params
+        others = [line for line in lines if not line.startswith(b"data:")]
+        return b"\n".join([*others, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+
+
+def _field_value(line: bytes) -> bytes:
+    """The value of an SSE `data:` line (one optional space after the colon is not part of it)."""
+    value = line[5:]
+    return value[1:] if value.startswith(b" ") else value
 
 
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:

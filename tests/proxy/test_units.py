@@ -221,3 +221,19 @@ def test_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
         main(["sim", "--help"])  # delegated to enginesim's own parser
     assert exit_info.value.code == 0
     assert "--side-channel-port" in capsys.readouterr().out
+
+
+def test_sse_params_spread_over_several_data_lines_are_captured_and_stripped() -> None:
+    sse = SSEFilter()
+    out = sse.feed(b'data: {"id":"x",\ndata: "kv_transfer_params":{"release_token":"tok"}}\n\n')
+    assert b"kv_transfer_params" not in out and b"tok" not in out
+    assert json.loads(out.removeprefix(b"data: ")) == {"id": "x"}
+    assert sse.params == {"release_token": "tok"}
+
+
+def test_sse_crlf_events_stream_through_and_params_are_stripped() -> None:
+    sse = SSEFilter()
+    first = sse.feed(b'data: {"a":1}\r')  # the CR's LF arrives with the next chunk
+    rest = sse.feed(b'\n\r\ndata: {"b":2,"kv_transfer_params":{"x":1}}\r\n\r\n')
+    assert first + rest == b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    assert sse.params == {"x": 1}
