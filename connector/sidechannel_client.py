@@ -9,12 +9,12 @@ unknown release is an answer, not an error.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import aiohttp
 import httpx
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from connector.auth import sign_headers
 from connector.protocol import (
@@ -50,33 +50,31 @@ def _finished_path(client_request_id: str) -> str:
     return PATH_FINISHED_PREFIX + quote(client_request_id, safe="")
 
 
-def _parse_handshake(status: int, body: bytes) -> HandshakeResponse:
+_Answer = TypeVar("_Answer", bound=BaseModel)
+
+
+def _parse_answer(model: type[_Answer], what: str, status: int, body: bytes) -> _Answer:
+    """A 200 answer validated as `model`; any other status or a malformed body is an error."""
     if status != 200:
-        raise SideChannelError(f"handshake answered {status}: {body[:200]!r}", status)
+        raise SideChannelError(f"{what} answered {status}: {body[:200]!r}", status)
     try:
-        return HandshakeResponse.model_validate_json(body)
+        return model.model_validate_json(body)
     except ValidationError as exc:
-        raise SideChannelError(f"malformed handshake answer: {exc}") from exc
+        raise SideChannelError(f"malformed {what} answer: {exc}") from exc
+
+
+def _parse_handshake(status: int, body: bytes) -> HandshakeResponse:
+    return _parse_answer(HandshakeResponse, "handshake", status, body)
 
 
 def _parse_claim(status: int, body: bytes) -> ClaimResponse:
     if status == 410:
         return ClaimResponse(status="gone")
-    if status != 200:
-        raise SideChannelError(f"claim answered {status}: {body[:200]!r}", status)
-    try:
-        return ClaimResponse.model_validate_json(body)
-    except ValidationError as exc:
-        raise SideChannelError(f"malformed claim answer: {exc}") from exc
+    return _parse_answer(ClaimResponse, "claim", status, body)
 
 
 def _parse_release(status: int, body: bytes) -> ReleaseResponse:
-    if status != 200:
-        raise SideChannelError(f"release answered {status}: {body[:200]!r}", status)
-    try:
-        return ReleaseResponse.model_validate_json(body)
-    except ValidationError as exc:
-        raise SideChannelError(f"malformed release answer: {exc}") from exc
+    return _parse_answer(ReleaseResponse, "release", status, body)
 
 
 def _parse_finished(status: int, body: bytes) -> dict[str, Any] | None:
