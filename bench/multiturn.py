@@ -4,7 +4,7 @@ N conversations x T turns (default 32 x 10) run through one kvrelay in front of 
 enginesim with a simulated prefill cost. Every turn sends the whole history back (system
 prompt, earlier user messages, the assistant replies exactly as received) plus one new user
 message, so prompts grow the way chat clients make them. Reuse covers the history up to where
-the previous reply starts (DESIGN section 1), so the new reply and the new user message are
+the previous reply starts (docs/DESIGN.md §1), so the new reply and the new user message are
 what P must compute each turn.
 
 Variants, run one after another on the same engines and proxy:

@@ -4,7 +4,7 @@ Ids 0..255 are raw bytes, then a fixed list of merges (English sub-words), then 
 tokens. Like a real BPE tokenizer, text re-encodes to the *greedy merged* ids, so a token
 sequence the model emits (for instance the byte tokens ``t`` ``h`` next to each other) decodes
 to text that re-tokenizes to different ids (``th``). That is the round-trip effect kvrelay
-must survive (DESIGN §1), met here for real.
+must survive (docs/DESIGN.md §1), met here for real.
 """
 
 from __future__ import annotations

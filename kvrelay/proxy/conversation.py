@@ -7,8 +7,8 @@ reuse too. Fingerprints are chained per message: `f_i = sha256(f_{i-1} || canoni
 which lets the proxy check "the new request extends what D holds" in one pass.
 
 The stored entry's fingerprint covers the *prompt* of the turn D served, not D's reply: the
-reply's text may re-tokenize differently (DESIGN §1), so only P's token-level block hashes can
-judge it. The message check here is the cheap early filter for edited history.
+reply's text may re-tokenize differently (docs/DESIGN.md §1), so only P's token-level block
+hashes can judge it. The message check here is the cheap early filter for edited history.
 """
 
 from __future__ import annotations

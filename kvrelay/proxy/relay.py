@@ -1,7 +1,7 @@
 """One client turn through the fleet: reuse lookup, the P leg, the D leg, storing D's params.
 
-Order of a turn (DESIGN §1): take the conversation's entry (atomic, single use) and check it
-(history, expiry, verifiability) → P prefills, pulling the old turn's KV when there is a
+Order of a turn (docs/DESIGN.md §1): take the conversation's entry (atomic, single use) and
+check it (history, expiry, verifiability) → P prefills, pulling the old turn's KV when there is a
 usable entry → D decodes with P's params and, when the conversation may continue, holds its
 blocks → D's final params become the conversation's new entry. Every way out of a turn frees
 what the turn made someone hold: the taken entry once P is done with it, P's blocks when no D
