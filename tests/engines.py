@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.devtools.prometheus import parse_samples
 from tests.harness import ManagedServer, ServerProcess, free_port, http_ready, wait_until
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
@@ -24,17 +25,6 @@ ENGINE_ENV = {
     "UCX_TLS": "tcp,self,sm",
     "PYTHONUNBUFFERED": "1",
 }
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text → {series: value} (series keep their labels, e.g. `x{a="b"}`)."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        out[name] = float(value)
-    return out
 
 
 @dataclass
@@ -85,7 +75,7 @@ class EngineSim(ManagedServer):
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            return parse_metrics(resp.read().decode())
+            return parse_samples(resp.read().decode())
 
     def metric(self, name: str) -> float:
         return self.metrics().get(name, 0.0)

@@ -14,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim, parse_metrics
+from kvrelay.devtools.prometheus import parse_samples
+from tests.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
 from tests.harness import ManagedServer, ServerProcess, free_port, http_ready
 
 
@@ -95,7 +96,7 @@ class ProxyServer(ManagedServer):
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            return parse_metrics(resp.read().decode())
+            return parse_samples(resp.read().decode())
 
 
 class ProxyFactory:

@@ -9,22 +9,19 @@ serving and prints how to talk to the proxy until Ctrl-C, which stops every proc
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import re
 import secrets
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
+
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.devtools.prometheus import scrape as prometheus_scrape
+from kvrelay.devtools.prometheus import totals
 
 QUESTIONS = (
     "Hello! I am planning a trip to the mountains. What should I pack?",
@@ -33,76 +30,11 @@ QUESTIONS = (
     "Could you summarise everything so far as a short checklist?",
     "Thanks. One last question: what is the best time of day to start the hike?",
 )
-_METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
-
-
-def free_port(preferred: int = 0) -> int:
-    """`preferred` when it is free on 127.0.0.1, else any free port."""
-    for port in (preferred, 0) if preferred else (0,):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return int(sock.getsockname()[1])
-    raise RuntimeError("no free port")
-
-
-@dataclass
-class Child:
-    """A child server process with its output in a temp file."""
-
-    name: str
-    argv: list[str]
-    env: dict[str, str]
-    health_url: str
-    proc: subprocess.Popen[bytes] | None = None
-    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="kvrelay-demo-")[1]))
-
-    def start(self) -> None:
-        with self.log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                start_new_session=True,
-            )  # fmt: skip
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited:\n{self.output()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.health_url, timeout=0.5).status_code == 200:
-                    return
-            time.sleep(0.1)
-        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s:\n{self.output()}")
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-        with contextlib.suppress(OSError):
-            self.log.unlink()
 
 
 def scrape(url: str) -> dict[str, float]:
-    """Sum of each metric's samples on a Prometheus text page."""
-    out: dict[str, float] = {}
-    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
-        match = _METRIC_RE.match(line)
-        if match:
-            out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
-    return out
+    """Each metric of an engine's /metrics page, summed over its labels."""
+    return totals(prometheus_scrape(url))
 
 
 def run_chat(proxy: str, p_url: str, max_tokens: int) -> list[dict[str, Any]]:
@@ -191,15 +123,16 @@ def main(argv: list[str] | None = None) -> int:
     env["KVRELAY_CONNECTOR_SECRET"] = env.get("KVRELAY_CONNECTOR_SECRET") or secrets.token_hex(16)
     py = sys.executable
     p_port, p_sc, d_port, d_sc = (free_port() for _ in range(4))
-    proxy_port = free_port(args.port)
+    proxy_port = free_port(preferred=args.port)
     p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
 
-    def engine(name: str, role: str, port: int, sc: int) -> Child:
+    def engine(name: str, role: str, port: int, sc: int) -> ServerProcess:
         argv = [py, "-m", "kvrelay.enginesim", "--port", str(port), "--engine-id", name,
                 "--side-channel-port", str(sc), "--role", role, "--log-level", "WARNING",
                 "--prefill-us-per-token", "200"]  # fmt: skip
-        return Child(name, argv, env, f"http://127.0.0.1:{port}/health")
+        ready = http_ready(f"http://127.0.0.1:{port}/health")
+        return ServerProcess(argv, ready, env=env, ready_timeout=120, name=name)
 
     children = [
         engine("demo-P0", "prefill", p_port, p_sc),
@@ -209,16 +142,19 @@ def main(argv: list[str] | None = None) -> int:
                   "--port", str(proxy_port), "--prefill", p_url, "--decode", d_url,
                   "--map-url", "memory://", "--side-channels", f"{d_url}=127.0.0.1:{d_sc}",
                   f"{p_url}=127.0.0.1:{p_sc}", "--log-level", "WARNING"]  # fmt: skip
-    children.append(Child("proxy", proxy_argv, env, proxy_url + "/ready"))
+    proxy = ServerProcess(
+        proxy_argv, http_ready(proxy_url + "/ready"), env=env, ready_timeout=120, name="proxy"
+    )
+    children.append(proxy)
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         print("starting prefill engine, decode engine and proxy on 127.0.0.1 ...", flush=True)
         for child in children:
-            child.start()
+            child.spawn()
         for child in children:
-            child.wait_ready(120)
+            child.wait_ready()
         print(f"  P {p_url}   D {d_url}   proxy {proxy_url}")
         rows = run_chat(proxy_url, p_url, args.max_tokens)
         for r in rows:
@@ -228,10 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_serve:
             return 0
         print(usage_text(proxy_url), flush=True)
-        while not stop.is_set() and all(c.proc and c.proc.poll() is None for c in children):
+        while not stop.is_set() and all(child.alive for child in children):
             stop.wait(0.5)
         return 0
-    except (RuntimeError, httpx.HTTPError) as exc:
+    except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
         return 1
     finally:

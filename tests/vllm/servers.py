@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.engines import parse_metrics
+from kvrelay.devtools.prometheus import parse_samples, series_sum
 from tests.harness import ServerProcess, free_port, http_ready
 
 CONNECTOR_SECRET = "kvrelay-vllm-test-secret"
@@ -142,13 +142,11 @@ class VLLMServer:
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            return parse_metrics(resp.read().decode())
+            return parse_samples(resp.read().decode())
 
     def metric(self, prefix: str) -> float:
         """Sum of every series of metric `prefix` (labels differ per engine)."""
-        return sum(
-            v for k, v in self.metrics().items() if k == prefix or k.startswith(prefix + "{")
-        )
+        return series_sum(self.metrics(), prefix)
 
 
 def start_all(*servers: VLLMServer) -> None:

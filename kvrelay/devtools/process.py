@@ -1,0 +1,198 @@
+"""Server subprocesses with bounded readiness, stopped with their whole process group.
+
+Readiness is always a condition polled with a deadline, never a sleep; a server that dies while
+starting raises with its output so the failure is diagnosable. Each server runs in its own
+session, so `stop()` and `kill()` reach its children too (vLLM's engine core, proxy workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1", preferred: int = 0) -> int:
+    """A TCP port that was free on `host` a moment ago: `preferred` when it is, else any."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError(f"no free port on {host}")
+
+
+def wait_until(
+    condition: Callable[[], bool],
+    timeout: float,
+    interval: float = 0.02,
+    what: str = "condition",
+) -> None:
+    """Poll `condition` until it is true; raise TimeoutError after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if condition():
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+        time.sleep(interval)
+
+
+def tcp_ready(host: str, port: int) -> Callable[[], bool]:
+    """Readiness probe: something accepts TCP connections on host:port."""
+
+    def probe() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return True
+        return False
+
+    return probe
+
+
+def http_ready(url: str) -> Callable[[], bool]:
+    """Readiness probe: GET `url` answers 2xx."""
+
+    def probe() -> bool:
+        try:
+            with urllib.request.urlopen(url, timeout=0.5) as resp:
+                return bool(200 <= resp.status < 300)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    return probe
+
+
+@dataclass
+class ServerProcess:
+    """A server subprocess started on a known port and stopped by `stop()`.
+
+    `ready` is polled until true (bounded by `ready_timeout`); if the process exits first, the
+    error shows its output. `env` is added to this process's environment; `cwd` defaults to the
+    current directory.
+    """
+
+    argv: Sequence[str]
+    ready: Callable[[], bool]
+    env: dict[str, str] | None = None
+    ready_timeout: float = 30.0
+    name: str = "server"
+    cwd: Path | None = None
+    proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
+    log_path: Path | None = field(default=None, init=False)
+
+    def start(self) -> ServerProcess:
+        """Spawn the process and wait until it is ready (or raise with its output)."""
+        self.spawn()
+        self.wait_ready()
+        return self
+
+    def spawn(self) -> ServerProcess:
+        """Spawn the process without waiting (several servers can then start side by side)."""
+        fd, log = tempfile.mkstemp(prefix=f"kvrelay-{self.name}-", suffix=".log")
+        self.log_path = Path(log)
+        env = dict(os.environ)
+        if self.env:
+            env.update(self.env)
+        with os.fdopen(fd, "wb") as out:
+            self.proc = subprocess.Popen(
+                list(self.argv),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        """Wait for `ready` (bounded); a timeout or an early exit stops it and raises."""
+        limit = self.ready_timeout if timeout is None else timeout
+        try:
+            wait_until(self._ready_or_dead, limit, what=f"{self.name} to be ready")
+        except TimeoutError:
+            output = self.output()
+            self.stop()
+            raise TimeoutError(f"{self.name} not ready in {limit}s:\n{output}") from None
+        assert self.proc is not None
+        if self.proc.poll() is not None:
+            code, output = self.proc.returncode, self.output()
+            self.stop()
+            raise RuntimeError(f"{self.name} exited with {code} while starting:\n{output}")
+
+    def _ready_or_dead(self) -> bool:
+        assert self.proc is not None
+        return self.proc.poll() is not None or self.ready()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def output(self) -> str:
+        """The last 8000 characters the process wrote (stdout and stderr)."""
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        return self.log_path.read_text(errors="replace")[-8000:]
+
+    def kill(self) -> None:
+        """Kill abruptly (SIGKILL to the whole process group), as a crash would."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop gracefully (SIGTERM to the group), then SIGKILL after `timeout` seconds."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        # The leader is gone; children that ignored SIGTERM must not outlive it.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.log_path is not None:
+            with contextlib.suppress(OSError):
+                self.log_path.unlink()
+            self.log_path = None
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class ManagedServer:
+    """Stop/kill/output for an object that owns one `ServerProcess` (or none yet)."""
+
+    process: ServerProcess | None
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.stop()
+            self.process = None
+
+    def kill(self) -> None:
+        """Crash it (SIGKILL), as a machine failure would."""
+        if self.process is not None:
+            self.process.kill()
+            self.process.stop()
+            self.process = None
+
+    def output(self) -> str:
+        return self.process.output() if self.process is not None else ""

@@ -1,0 +1,51 @@
+"""The dev tools' readers: one Prometheus parser and one SSE reader for demo, tests and bench."""
+
+from __future__ import annotations
+
+from kvrelay.devtools import prometheus, sse
+
+PAGE = """# HELP x_total things
+# TYPE x_total counter
+x_total{role="prefill",url="http://a b"} 3.0
+x_total{role="decode"} 4 1700000000000
+plain_gauge 2.5
+broken_line
+nan_ok NaN
+"""
+
+
+def test_prometheus_series_keep_labels_and_ignore_timestamps() -> None:
+    samples = prometheus.parse_samples(PAGE)
+    assert samples['x_total{role="prefill",url="http://a b"}'] == 3.0
+    assert samples['x_total{role="decode"}'] == 4.0
+    assert samples["plain_gauge"] == 2.5
+    assert "broken_line" not in samples
+    assert prometheus.totals(samples)["x_total"] == 7.0
+    assert prometheus.series_sum(samples, "x_total") == 7.0
+    assert prometheus.series_sum(samples, "x") == 0.0
+
+
+def test_sse_reads_lf_and_crlf_events_multiline_data_and_done() -> None:
+    raw = (
+        b'data: {"a": 1}\n\n'
+        b'data: {"b":\r\ndata: 2}\r\n\r\n'
+        b": comment only\n\n"
+        b"event: ping\ndata: not json\n\n"
+        b"data: [DONE]\n\n"
+    )
+    stream = sse.parse(raw)
+    assert stream.events == [{"a": 1}, {"b": 2}]
+    assert stream.done and stream.not_json == ["not json"]
+    assert sse.events(raw.decode()) == [{"a": 1}, {"b": 2}]
+
+
+def test_sse_text_of_chat_and_completion_streams() -> None:
+    chat = [
+        {"choices": [{"delta": {"content": "He"}}]},
+        {"choices": [{"delta": {}}]},
+        {"choices": [{"delta": {"content": "llo"}}]},
+        {"usage": {"prompt_tokens": 3}},
+    ]
+    assert sse.text_of(chat, chat=True) == "Hello"
+    completion = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}]
+    assert sse.text_of(completion, chat=False) == "ab"
