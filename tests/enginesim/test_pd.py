@@ -145,7 +145,7 @@ def test_params_in_stream_flag_carries_params_in_final_chunk(
     assert text == reference_chat(msgs, 20, ignore_eos=True)
     assert all("kv_transfer_params" not in c for c in chunks[:-1])
     d_params = chunks[-1]["kv_transfer_params"]
-    assert d_params["remote_engine_id"] == "D" and d_params["release_token"]
+    assert d_params["remote_engine_id"] == d.name and d_params["release_token"]
     assert d.metric("enginesim_blocks_held_for_remote") == len(d_params["remote_block_ids"][0])
     # The same params are published on D's side channel under the client request id.
     client = SideChannelClient(CONNECTOR_SECRET.encode())
