@@ -370,6 +370,10 @@ def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]
             "P: --no-enable-prefix-caching",
         ]  # fmt: skip
         yield router.url, prefill.url, described
+    except BaseException:
+        for server in (prefill, decode):  # what the engines said, for the failure's cause
+            print(f"--- last lines of vLLM {server.name} ---\n" + server.output()[-6000:])
+        raise
     finally:
         c.stop_all(router.process if router else None)
         stop_all(prefill, decode)

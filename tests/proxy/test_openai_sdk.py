@@ -9,10 +9,14 @@ never released by the proxy), and every answer must equal the non-disaggregated 
 from __future__ import annotations
 
 import json
+import socket
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
+from openai import OpenAI
 
 from enginesim.reference import reference_chat
 from tests.engines import EngineFactory, EngineSim
@@ -135,3 +139,40 @@ def test_a_client_leaving_after_the_last_token_keeps_the_turn(fleet: Fleet) -> N
     assert after.get(RELEASED, 0) == before.get(RELEASED, 0)
     assert fleet.proxy.call("DELETE", "/v1/conversations/leaves-early")[0] == 200
     fleet.finish()
+
+
+def test_a_side_channel_that_never_answers_delays_done_only_by_its_timeout(
+    engine_factory: EngineFactory, proxy_factory: ProxyFactory
+) -> None:
+    # D's side channel address leads to a socket that takes connections and never answers:
+    # the stream still ends, one side-channel timeout after its last token, and is correct.
+    lease = ("--lease-seconds", "4")  # the hold nobody could fetch ends with its lease
+    p = engine_factory("P", "--role", "prefill", *lease)
+    d = engine_factory("D", "--role", "decode", *lease)
+    with socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(16)
+        side_channels = (f"{p.url}=127.0.0.1:{p.side_channel_port},"
+                         f"{d.url}=127.0.0.1:{mute.getsockname()[1]}")  # fmt: skip
+        proxy = proxy_factory([p], [d], ready_path="/ready", side_channels=side_channels,
+                              side_channel_timeout="1.5")  # fmt: skip
+        client = OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=30)
+        messages: list[Any] = [{"role": "user", "content": SYSTEM}]
+        start = time.monotonic()
+        answer = "".join(
+            choice.delta.content or ""
+            for chunk in client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True,
+                extra_headers={"X-Conversation-Id": "mute"},
+            )
+            for choice in chunk.choices
+        )  # fmt: skip
+        elapsed = time.monotonic() - start
+        client.close()
+    assert answer == reference_chat(messages, MAX_TOKENS)
+    assert 1.5 <= elapsed < 1.5 + 5, f"the stream took {elapsed:.1f}s"
+    missing = 'kvrelay_finished_params_total{source="missing"}'
+    wait_until(lambda: proxy.metrics().get(missing) == 1, 5, what="the missing params counted")
+    proxy.stop()
+    p.wait_idle(15)
+    d.wait_idle(15)
