@@ -118,6 +118,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra argument for both engine processes (repeatable)",
     )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one unmeasured two-turn conversation first, so P and D have met over NIXL",
+    )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "multiturn.png")
@@ -146,7 +152,7 @@ class Conversation:
         self.ids_used: list[str] = []
 
     def conversation_id(self, turn: int) -> str | None:
-        if self.variant == "on":
+        if self.variant in ("on", "warmup"):
             return self.base_id
         if self.variant == "off":
             return f"{self.base_id}-t{turn}"
@@ -314,8 +320,27 @@ def reuse_counts(router_url: str) -> dict[str, float]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     starter = start_vllm if args.engine == "vllm" else start_enginesim
     with starter(args) as (router_url, p_url, engine_args):
+        if args.warmup:
+            asyncio.run(warm_up(router_url, args))
         variants = [asyncio.run(run_variant(v, router_url, p_url, args)) for v in args.variants]
         return {"variants": variants, "engine_args": engine_args}
+
+
+async def warm_up(router_url: str, args: argparse.Namespace) -> None:
+    """One two-turn conversation, not measured: D reads from P, then P from D, so both have
+    met over NIXL before conversations run concurrently (first reads from a holder not met
+    yet, started together, can fail: each does its own handshake)."""
+    conv = Conversation(0, "warmup", "Warm-up. " + words(random.Random(0), 20), random.Random(1))
+    client = AsyncOpenAI(base_url=router_url + "/v1", api_key="bench", max_retries=0,
+                         timeout=300)  # fmt: skip
+    async with client:
+        for t in (1, 2):
+            await conv.turn(client, ENGINES[args.engine].model, t, args)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.delete(f"{router_url}/v1/conversations/{conv.base_id}") as resp,
+    ):
+        await resp.read()
 
 
 @contextmanager
@@ -402,6 +427,12 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
         "conversation, `fingerprint` = no id (history match). Tokens are P's "
         f"`{kind.computed}` / `{kind.loaded}` deltas; hit rate = the proxy's reuse hits over "
         "the turns after the first."
+        + (
+            " An unmeasured two-turn conversation runs first (`--warmup`) so P and D have met "
+            "over NIXL before conversations run concurrently."
+            if args.warmup
+            else ""
+        )
     )
     lines.append("")
     lines.append(
