@@ -475,9 +475,9 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append("")
     if args.engine == "vllm":
         lines.append(
-            "On this 2-layer CPU model, reading KV over NIXL costs about what recomputing it "
-            "does, so TTFT and total time are not what this run shows; P's tokens and the hit "
-            "rate are."
+            "On this 2-layer CPU model, reading KV over NIXL costs as much as recomputing it "
+            "or more, so TTFT and total time are not what this run shows; P's tokens and the "
+            "hit rate are."
         )
         lines.append("")
     lines.append("Aim: with reuse, P computes at most 20% of the tokens it computes without.")
