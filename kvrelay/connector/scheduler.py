@@ -26,14 +26,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from connector.block_hash import block_hashes, matching_prefix_blocks
-from connector.config import ConnectorConfig
-from connector.holds import HoldEntry, HoldTable
-from connector.metadata import ConnectorMetadata, RecvSpec, RequestView
-from connector.protocol import KVTransferParams
-from connector.sidechannel_client import SideChannelClient, SideChannelError
-from connector.sidechannel_server import FINISHED_WAIT_S, SideChannelServer
-from connector.stats import Counters
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.holds import HoldEntry, HoldTable
+from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
+from kvrelay.connector.protocol import KVTransferParams
+from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S, SideChannelServer
+from kvrelay.connector.stats import Counters
 
 log = logging.getLogger(__name__)
 

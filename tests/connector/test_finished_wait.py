@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-import connector.scheduler
-from connector.scheduler import ConnectorScheduler
-from connector.sidechannel_client import SideChannelClient
-from connector.sidechannel_server import FINISHED_WAIT_S
+import kvrelay.connector.scheduler
+from kvrelay.connector.scheduler import ConnectorScheduler
+from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import hold_params
 from tests.harness import wait_until
@@ -33,7 +33,7 @@ def test_params_published_while_the_question_waits_are_answered(
     make_scheduler: MakeScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A long bound: an answer that comes back quickly came from the publication, not the bound.
-    monkeypatch.setattr(connector.scheduler, "FINISHED_WAIT_S", 30.0)
+    monkeypatch.setattr(kvrelay.connector.scheduler, "FINISHED_WAIT_S", 30.0)
     sched = make_scheduler()
     client = SideChannelClient(SECRET.encode(), timeout_s=60)
     with ThreadPoolExecutor(1) as pool:
@@ -63,7 +63,7 @@ def test_unknown_ids_are_answered_after_the_bound(make_scheduler: MakeScheduler)
 def test_an_engine_that_never_publishes_answers_unknown_at_once(
     make_scheduler: MakeScheduler, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(connector.scheduler, "FINISHED_WAIT_S", 30.0)
+    monkeypatch.setattr(kvrelay.connector.scheduler, "FINISHED_WAIT_S", 30.0)
     sched = make_scheduler(publish_finished_params=False)
     client = SideChannelClient(SECRET.encode(), timeout_s=10)
     start = time.monotonic()

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from enginesim.reference import reference_chat
+from kvrelay.enginesim.reference import reference_chat
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of, streamed_text
