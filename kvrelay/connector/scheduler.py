@@ -32,7 +32,7 @@ from kvrelay.connector.holds import HoldEntry, HoldTable
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
-from kvrelay.connector.sidechannel_server import SideChannelServer
+from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S, SideChannelServer
 from kvrelay.connector.stats import Counters
 
 log = logging.getLogger(__name__)
@@ -109,6 +109,8 @@ class ConnectorScheduler:
             self.holds,
             self.counters,
             self._handshake_payload,
+            # Nothing is ever published: answer "unknown" at once instead of waiting.
+            finished_wait_s=FINISHED_WAIT_S if self.config.publish_finished_params else 0.0,
         )
         self._server.start()
         self._release_thread = threading.Thread(
@@ -362,6 +364,8 @@ class ConnectorScheduler:
         self._new_holds[rid] = out["remote_blocks_expiry_time"]
         if self.config.publish_finished_params and req.client_request_id:
             self.holds.publish_finished(req.client_request_id, out)
+            if self._server is not None:
+                self._server.notify_finished(req.client_request_id)
         return True, out
 
     def request_rejected(self, req: RequestView) -> None:

@@ -2,11 +2,15 @@
 
 Every request is authenticated (HMAC, `kvrelay.connector.auth`) and size-bounded before anything
 looks at it; refusals are counted per reason and never acted on. Endpoints: CONTRACTS §2.
+`GET /v1/finished/{id}` for a request not yet published waits (bounded) for its publication:
+the proxy asks as soon as the stream's last token reached it, which can be a moment before
+the engine's scheduler published the params.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -35,6 +39,10 @@ log = logging.getLogger(__name__)
 
 _BODY = web.RequestKey("body", bytes)
 
+# How long `GET /v1/finished/{id}` waits for params not yet published. Below the proxy's
+# side-channel timeout (2 s by default), so a waiting answer still reaches it.
+FINISHED_WAIT_S = 0.5
+
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
@@ -51,6 +59,7 @@ class SideChannelServer:
         holds: HoldTable,
         counters: Counters,
         handshake: Callable[[], dict[str, Any] | None],
+        finished_wait_s: float = FINISHED_WAIT_S,
     ) -> None:
         self._host = host
         self._port = port
@@ -58,6 +67,9 @@ class SideChannelServer:
         self._holds = holds
         self._counters = counters
         self._handshake = handshake
+        self._finished_wait_s = finished_wait_s
+        # Finished-params requests waiting for a publication, by client request id (loop only).
+        self._finished_waiters: dict[str, list[asyncio.Event]] = {}
         self.instance_id = uuid.uuid4().hex
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -184,6 +196,37 @@ class SideChannelServer:
     async def _on_finished(self, request: web.Request) -> web.Response:
         key = request.match_info["client_request_id"]
         params = self._holds.finished(key)
+        if params is None and self._finished_wait_s > 0:
+            params = await self._wait_finished(key)
         if params is None:
             return _error(404, "unknown request id")
         return web.Response(text=json.dumps(params), content_type="application/json")
+
+    async def _wait_finished(self, key: str) -> dict[str, Any] | None:
+        published = asyncio.Event()
+        waiters = self._finished_waiters.setdefault(key, [])
+        waiters.append(published)
+        try:
+            # Published between the first look and the registration: the second look sees it.
+            params = self._holds.finished(key)
+            if params is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(published.wait(), self._finished_wait_s)
+                params = self._holds.finished(key)
+            return params
+        finally:
+            waiters.remove(published)
+            if not waiters:
+                del self._finished_waiters[key]
+
+    def notify_finished(self, client_request_id: str) -> None:
+        """The scheduler published params for `client_request_id` (any thread): wake waiters."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        with contextlib.suppress(RuntimeError):  # the loop stopped meanwhile
+            loop.call_soon_threadsafe(self._wake_finished, client_request_id)
+
+    def _wake_finished(self, key: str) -> None:
+        for published in self._finished_waiters.get(key, ()):
+            published.set()

@@ -48,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
-        "--params-in-stream", action=argparse.BooleanOptionalAction, default=True,
-        help="put kv_transfer_params in the last stream chunk (stock vLLM: no)",
+        "--params-in-stream", action=argparse.BooleanOptionalAction, default=False,
+        help="kvrelay extra: put kv_transfer_params in the last stream chunk (stock vLLM "
+        "never does; by default params are only on the side channel, as with vLLM)",
     )  # fmt: skip
     p.add_argument(
         "--exit-with-parent", action="store_true",

@@ -42,7 +42,7 @@ class EngineConfig:
     decode_us_per_step: float = 0.0
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
     eos_period: int = 64
-    params_in_stream: bool = True
+    params_in_stream: bool = False
     connector: ConnectorSettings | None = None
 
     def validate(self) -> None:

@@ -284,6 +284,8 @@ class EngineServer:
                 if delta_text is not None:
                     delta["content"] = delta_text
                 choice["delta"] = delta
+                if finish is not None:
+                    choice["stop_reason"] = None  # vLLM sets it on a chat stream's last choice
             else:
                 choice["text"] = delta_text or ""
                 choice["stop_reason"] = None
@@ -316,7 +318,8 @@ class EngineServer:
                     "usage": self._usage(out),
                 }
             if self.config.params_in_stream and out.kv_transfer_params is not None:
-                # kvrelay extra: the params ride on the last chunk (stock vLLM sends none).
+                # Opt-in kvrelay extra: the params ride on the last chunk. Stock vLLM sends
+                # none (nor does enginesim by default): they are on the side channel.
                 tail["kv_transfer_params"] = out.kv_transfer_params
             await stream.write(_sse(tail))
             await stream.write(_sse("[DONE]"))

@@ -15,6 +15,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -398,7 +399,7 @@ class Turn:
         params = data.pop(KV_PARAMS, None) if isinstance(data, dict) else None
         if isinstance(params, dict):
             metrics.FINISHED_PARAMS.labels("response").inc()
-            await self._store(params, backend, store_key)
+            await self._settle(self._store(params, backend, store_key))
         elif self.hold:
             self._no_params()
         else:
@@ -427,7 +428,9 @@ class Turn:
             },
         )
         await out.prepare(self.request)
-        sse = SSEFilter()
+        # `[DONE]` is held back: clients (the openai SDK) hang up and send the next turn the
+        # moment they see it, so it goes out only once this turn's entry is settled.
+        sse = SSEFilter(hold_done=True)
         first = True
         try:
             async for chunk in resp.content.iter_any():
@@ -456,21 +459,51 @@ class Turn:
             # A D that died may never have confirmed its read of P's blocks.
             self.fleet.releaser.release_soon_params("prefill", self.p_params)
             return out
+        except BaseException:
+            # The client left. Once D finished the answer the turn is complete: it is stored
+            # as usual (in the background); only a turn cut short gives D's hold back.
+            if sse.saw_finish or sse.saw_done:
+                self._settle_in_background(self._after_stream(sse.params, backend, store_key))
+            raise
         metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
-        if sse.params is not None:
+        await self._settle(self._after_stream(sse.params, backend, store_key))
+        with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+            if sse.done_event is not None:
+                await out.write(sse.done_event)
+            await out.write_eof()
+        return out
+
+    async def _after_stream(
+        self,
+        params: dict[str, Any] | None,
+        backend: Backend,
+        store_key: ConversationKey | None,
+    ) -> None:
+        """Store D's params of a finished stream: from the stream or from D's side channel."""
+        if params is not None:
             metrics.FINISHED_PARAMS.labels("stream").inc()
-            await self._store(sse.params, backend, store_key)
+            await self._store(params, backend, store_key)
         elif self.hold:
-            params = await self._fetch_finished(backend)
-            if params is not None:
+            fetched = await self._fetch_finished(backend)
+            if fetched is not None:
                 metrics.FINISHED_PARAMS.labels("side_channel").inc()
-                await self._store(params, backend, store_key)
+                await self._store(fetched, backend, store_key)
             else:
                 self._no_params()
-        else:
-            self.d_params_handled = True
-        await out.write_eof()
-        return out
+
+    def _settle_in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
+        """Run the storing of D's params as a tracked task that a client leaving cannot cancel.
+
+        From here on the task owns D's hold: the failure path must not release it too.
+        """
+        self.d_params_handled = True
+        return self.fleet.releaser.spawn(work)
+
+    async def _settle(self, work: Coroutine[Any, Any, None]) -> None:
+        """Wait for the entry to be stored, at most the side-channel timeout; a client that
+        leaves meanwhile cancels only this wait, never the storing."""
+        task = self._settle_in_background(work)
+        await asyncio.wait({task}, timeout=self.fleet.settings.side_channel_timeout)
 
     def _no_params(self) -> None:
         self.d_params_handled = True

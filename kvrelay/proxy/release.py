@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from typing import Any
 
 import aiohttp
@@ -39,7 +40,7 @@ class Releaser:
             if secret
             else None
         )
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
     def enabled(self) -> bool:
@@ -108,11 +109,12 @@ class Releaser:
             log.warning("finished-params fetch from %s:%s failed: %s", host, port, exc)
             return None
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coro` in the background, tracked so `drain()` can wait for it."""
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     async def drain(self) -> None:
         """Wait for background releases (shutdown, tests)."""

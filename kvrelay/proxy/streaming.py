@@ -1,6 +1,8 @@
 """Server-sent events relay: pass D's events through byte for byte, except the one that
 carries `kv_transfer_params`, which is parsed, stripped and re-encoded (the only event the
-proxy re-encodes). Events are split on the blank line that ends each SSE event.
+proxy re-encodes), and, when asked, the terminal `data: [DONE]` event, which is kept back so
+the relay sends it once the turn is settled. Events are split on the blank line that ends each
+SSE event.
 """
 
 from __future__ import annotations
@@ -11,14 +13,23 @@ from typing import Any
 
 KV_MARKER = b'"kv_transfer_params"'
 DONE = b"[DONE]"
+DONE_EVENT = b"data: [DONE]\n\n"
+# A choice with a non-null finish reason: the engine finished the request (compact or spaced JSON).
+FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
 
 
 @dataclass
 class SSEFilter:
-    """Feed upstream bytes, get bytes to send on; collects the params events carried."""
+    """Feed upstream bytes, get bytes to send on; collects the params events carried.
 
+    With `hold_done`, the `[DONE]` event is not passed on: `done_event` keeps it for the caller.
+    """
+
+    hold_done: bool = False
     params: dict[str, Any] | None = None
     saw_done: bool = False
+    saw_finish: bool = False  # some choice ended: the engine has finished the request
+    done_event: bytes | None = None
     saw_error: bool = False
     events: int = 0
     _buffer: bytearray = field(default_factory=bytearray)
@@ -46,13 +57,19 @@ class SSEFilter:
         self.events += data.count(b"\n\n")
         if DONE in data:
             self.saw_done = True
+        if any(marker in data for marker in FINISH_MARKERS):
+            self.saw_finish = True
         if b'"error"' in data and data.lstrip().startswith(b'data: {"error"'):
             self.saw_error = True
-        if KV_MARKER not in data:
+        held = self.hold_done and DONE in data
+        if KV_MARKER not in data and not held:
             return data  # the fast path: no parsing, no re-encoding
         out = bytearray()
         for event in data.split(b"\n\n"):
             if not event:
+                continue
+            if held and _is_done(event):
+                self.done_event = event + b"\n\n"
                 continue
             out += self._strip_event(event) + b"\n\n"
         return bytes(out)
@@ -74,6 +91,11 @@ class SSEFilter:
             self.params = params
         others = [line for line in lines if not line.startswith(b"data:")]
         return b"\n".join([*others, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+
+
+def _is_done(event: bytes) -> bool:
+    data = [_field_value(line) for line in event.split(b"\n") if line.startswith(b"data:")]
+    return data == [DONE]
 
 
 def _field_value(line: bytes) -> bytes:

@@ -196,3 +196,23 @@ def test_stream_disconnect_aborts_and_frees(engine_factory: EngineFactory) -> No
                10, what="abort after stream disconnect")  # fmt: skip
     eng.wait_idle()
     assert eng.metric("enginesim_generation_tokens_total") < 400
+
+
+def test_stream_events_have_vllm_shapes(engine: EngineSim) -> None:
+    msgs = [{"role": "user", "content": "shapes"}]
+    body = {"messages": msgs, "max_tokens": 6, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    resp = httpx.post(engine.url + "/v1/chat/completions", json=body, timeout=30)
+    events = sse_events(resp.text)
+    assert resp.text.endswith("data: [DONE]\n\n") and events[-1] == "[DONE]"
+    first, last, usage = events[0], events[-3], events[-2]
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert first["choices"][0]["finish_reason"] is None
+    # The last choice carries the finish reason and vLLM's stop_reason; usage comes alone.
+    assert last["choices"][0]["finish_reason"] == "length"
+    assert "stop_reason" in last["choices"][0] and "usage" not in last
+    assert usage["choices"] == [] and usage["object"] == "chat.completion.chunk"
+    assert usage["id"] == first["id"] and usage["model"] == "kvrelay-sim"
+    assert usage["usage"]["completion_tokens"] == 6
+    assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 6
+    assert all(e == "[DONE]" or "kv_transfer_params" not in e for e in events)

@@ -129,8 +129,10 @@ def test_corrupted_block_changes_output(pd: tuple[EngineSim, EngineSim]) -> None
     assert dd("enginesim_prompt_tokens_loaded_total") > 0
 
 
-def test_streaming_carries_params_in_final_chunk(pd: tuple[EngineSim, EngineSim]) -> None:
-    p, d = pd
+def test_params_in_stream_flag_carries_params_in_final_chunk(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+) -> None:
+    p, d = pd[0], idle_after("D-extra", "--params-in-stream")
     msgs = [{"role": "user", "content": PROMPT}]
     params = prefill(p, "s1", {"messages": msgs}, chat=True)
     body = {"messages": msgs, "max_tokens": 20, "stream": True, "ignore_eos": True,
@@ -143,7 +145,7 @@ def test_streaming_carries_params_in_final_chunk(pd: tuple[EngineSim, EngineSim]
     assert text == reference_chat(msgs, 20, ignore_eos=True)
     assert all("kv_transfer_params" not in c for c in chunks[:-1])
     d_params = chunks[-1]["kv_transfer_params"]
-    assert d_params["remote_engine_id"] == "D" and d_params["release_token"]
+    assert d_params["remote_engine_id"] == d.name and d_params["release_token"]
     assert d.metric("enginesim_blocks_held_for_remote") == len(d_params["remote_block_ids"][0])
     # The same params are published on D's side channel under the client request id.
     client = SideChannelClient(CONNECTOR_SECRET.encode())
@@ -156,15 +158,27 @@ def test_streaming_carries_params_in_final_chunk(pd: tuple[EngineSim, EngineSim]
         client.close()
 
 
-def test_stock_style_stream_has_no_params(
-    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+def test_streams_have_no_params_by_default_like_stock_vllm(
+    pd: tuple[EngineSim, EngineSim],
 ) -> None:
-    p, d = pd[0], idle_after("D-stock", "--no-params-in-stream")
+    p, d = pd
     params = prefill(p, "s2", {"prompt": PROMPT})
-    body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": params}
-    resp = httpx.post(d.url + "/v1/completions", json=body, timeout=30)
+    body = {"prompt": PROMPT, "max_tokens": 5, "stream": True,
+            "stream_options": {"include_usage": True},
+            "kv_transfer_params": {**params, "hold_blocks": True}}  # fmt: skip
+    resp = httpx.post(d.url + "/v1/completions", json=body, headers={"X-Request-Id": "s2"},
+                      timeout=30)  # fmt: skip
     assert resp.status_code == 200 and "kv_transfer_params" not in resp.text
-    assert "data: [DONE]" in resp.text
+    assert resp.text.endswith("data: [DONE]\n\n")
+    # The held blocks' params are on D's side channel only.
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        d_params = client.finished("127.0.0.1", d.side_channel_port, "s2")
+        assert d_params is not None and d_params["remote_engine_id"] == "D"
+        assert client.release("127.0.0.1", d.side_channel_port, d_params["remote_request_id"],
+                              d_params["release_token"])  # fmt: skip
+    finally:
+        client.close()
 
 
 def _turn(

@@ -237,3 +237,18 @@ def test_sse_crlf_events_stream_through_and_params_are_stripped() -> None:
     rest = sse.feed(b'\n\r\ndata: {"b":2,"kv_transfer_params":{"x":1}}\r\n\r\n')
     assert first + rest == b'data: {"a":1}\n\ndata: {"b":2}\n\n'
     assert sse.params == {"x": 1}
+
+
+def test_sse_filter_holds_back_done_for_the_relay_to_send_last() -> None:
+    sse = SSEFilter(hold_done=True)
+    last = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    stream = b'data: {"choices":[{"delta":{"content":"a"},"finish_reason":null}]}\n\n' + last
+    out = sse.feed(stream[:20])
+    assert not sse.saw_finish
+    out += sse.feed(stream[20:] + b"data: [DONE]\n\n") + sse.flush()
+    assert out == stream  # every event but [DONE], byte for byte
+    assert sse.saw_finish and sse.saw_done and sse.done_event == b"data: [DONE]\n\n"
+    # Without hold_done, [DONE] passes through like any event.
+    plain = SSEFilter()
+    assert plain.feed(stream + b"data: [DONE]\n\n") == stream + b"data: [DONE]\n\n"
+    assert plain.done_event is None

@@ -8,7 +8,7 @@ collects this directory (and deselects its tests by marker) with no vLLM install
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -98,15 +98,65 @@ def _fleet(
         stop_all(prefill, decode)
 
 
+def _used_by_a_later_module(request: pytest.FixtureRequest, fixture: str) -> bool:
+    """Whether a test of a module that runs after this one uses `fixture`."""
+    items = request.session.items
+    here = [i for i, item in enumerate(items) if item.module is request.module]
+    return bool(here) and any(fixture in item.fixturenames for item in items[max(here) + 1 :])
+
+
+class KeptFleet:
+    """The kvrelay fleet, kept from one module to the next module that also uses it (the
+    modules that share it run one after another), so it starts once per session."""
+
+    def __init__(self) -> None:
+        self._running: Iterator[PDFleet] | None = None
+        self.fleet: PDFleet | None = None
+
+    def get(self, start: Callable[[], Iterator[PDFleet]]) -> PDFleet:
+        if self.fleet is None:
+            self._running = start()
+            self.fleet = next(self._running)
+        return self.fleet
+
+    def stop(self) -> None:
+        running, self._running, self.fleet = self._running, None, None
+        if running is not None:
+            running.close()  # runs `_fleet`'s finally: the proxy and both engines stop
+
+
+@pytest.fixture(scope="session")
+def kept_kvrelay_fleet() -> Iterator[KeptFleet]:
+    kept = KeptFleet()
+    try:
+        yield kept
+    finally:
+        kept.stop()
+
+
 @pytest.fixture(scope="module")
-def kvrelay_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
+def kvrelay_fleet(
+    request: pytest.FixtureRequest,
+    tiny_model: Path,
+    reference_launch: Reference,
+    kept_kvrelay_fleet: KeptFleet,
+) -> Iterator[PDFleet]:
     """vLLM P/D loading kvrelay's connector, and the proxy. P runs without a local prefix
-    cache, as a P that did not serve the previous turn would: its history must come from D."""
-    pair = kvrelay_pair(tiny_model)
-    pair[0].extra_args = ["--no-enable-prefix-caching"]
-    # A small D, so that its holds for next turns can fill it (block-pressure test).
-    pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
-    yield from _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
+    cache, as a P that did not serve the previous turn would: its history must come from D.
+    Started once for consecutive modules that use it; stopped after the last of them."""
+
+    def start() -> Iterator[PDFleet]:
+        pair = kvrelay_pair(tiny_model)
+        pair[0].extra_args = ["--no-enable-prefix-caching"]
+        # A small D, so that its holds for next turns can fill it (block-pressure test).
+        pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
+        return _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
+
+    try:
+        yield kept_kvrelay_fleet.get(start)
+    finally:
+        if not _used_by_a_later_module(request, "kvrelay_fleet"):
+            kept_kvrelay_fleet.stop()
 
 
 @pytest.fixture(scope="module")
