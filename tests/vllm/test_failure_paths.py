@@ -13,23 +13,14 @@ import http.client
 import json
 import threading
 import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from connector.sidechannel_client import SideChannelClient
 from tests.harness import wait_until
-from tests.vllm.conftest import Reference
-from tests.vllm.servers import (
-    CONNECTOR_SECRET,
-    MODEL_NAME,
-    VLLMServer,
-    faulty_pair,
-    start_all,
-    stop_all,
-)
+from tests.vllm.conftest import FaultPair
+from tests.vllm.servers import CONNECTOR_SECRET, MODEL_NAME, VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -43,37 +34,6 @@ TEXT = (
     "The decode engine keeps the blocks of every finished turn for a while, so that the next "
     "turn of the same conversation can read them instead of computing them again. "
 )
-
-
-class FaultPair:
-    """The fault pair, each engine's fault directory, and the reference server."""
-
-    def __init__(
-        self, prefill: VLLMServer, decode: VLLMServer, dirs: tuple[Path, Path], ref: VLLMServer
-    ) -> None:
-        self.prefill, self.decode, self.reference = prefill, decode, ref
-        self.faults = {prefill.name: dirs[0], decode.name: dirs[1]}
-
-    def arm(self, server: VLLMServer, stall: str) -> Path:
-        """Arm a one-shot stall (`recv` or `send`) on `server`; returns its fault directory."""
-        faults = self.faults[server.name]
-        for leftover in (f"{stall}-stalled", f"resume-{stall}"):
-            (faults / leftover).unlink(missing_ok=True)
-        (faults / f"stall-{stall}").touch()
-        return faults
-
-
-@pytest.fixture(scope="module")
-def fault_pair(
-    tiny_model: Path, reference_launch: Reference, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[FaultPair]:
-    dirs = (tmp_path_factory.mktemp("faults-p"), tmp_path_factory.mktemp("faults-d"))
-    prefill, decode = faulty_pair(tiny_model, dirs)
-    try:
-        start_all(prefill, decode)
-        yield FaultPair(prefill, decode, dirs, reference_launch.server())
-    finally:
-        stop_all(prefill, decode)
 
 
 def body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
