@@ -22,7 +22,7 @@ thread), after `start()` and `set_xfer_handshake_metadata({rank: worker.get_hand
    ``worker.start_load_kv(meta)``, then ``worker.get_finished()`` (each step; drives NIXL).
 4. ``sched.update_connector_output(finished_sending, finished_recving, invalid_block_ids)``
    with what the workers reported: a request is ``finished_sending`` / ``finished_recving``
-   only once EVERY rank reported it (`connector.tp.FinishedAggregator`, one per direction;
+   only once EVERY rank reported it (`kvrelay.connector.tp.FinishedAggregator`, one per direction;
    each rank reports an id once, so counting reports as vLLM does gives the same answer);
    invalid block ids are the union over ranks. Requests in ``finished_recving`` may be
    scheduled; ``sched.failed_requests()`` lists those that must error (policy ``fail``) and

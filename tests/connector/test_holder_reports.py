@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from connector.config import ConnectorConfig
-from connector.metadata import ConnectorMetadata
-from connector.worker import ConnectorWorker, notif_message
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.metadata import ConnectorMetadata
+from kvrelay.connector.worker import ConnectorWorker, notif_message
 from tests.connector.peer import SECRET
 
 

@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import pytest
 
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
 from tests.connector.sidechannel_helpers import drain, hold_params
 from tests.harness import wait_until
 

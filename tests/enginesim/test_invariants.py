@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
-from enginesim.config import EngineConfig
-from enginesim.engine import EngineCore, EngineInvariantError
-from enginesim.kvhost import ConnectorOutput, NoConnector
-from enginesim.request import Output, SamplingParams, SimRequest
-from enginesim.tokenizer import get_tokenizer
+from kvrelay.enginesim.config import EngineConfig
+from kvrelay.enginesim.engine import EngineCore, EngineInvariantError
+from kvrelay.enginesim.kvhost import ConnectorOutput, NoConnector
+from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
+from kvrelay.enginesim.tokenizer import get_tokenizer
 from tests.harness import wait_until
 
 TOK = get_tokenizer()

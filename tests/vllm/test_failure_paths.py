@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from connector.sidechannel_client import SideChannelClient
+from kvrelay.connector.sidechannel_client import SideChannelClient
 from tests.harness import wait_until
 from tests.vllm.conftest import FaultPair
 from tests.vllm.servers import CONNECTOR_SECRET, MODEL_NAME, VLLMServer

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
 from tests.vllm.servers import BLOCK_SIZE, CONNECTOR_SECRET, MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -63,7 +63,7 @@ class InProcessScheduler:
             ),
             kv_transfer_config=KVTransferConfig(
                 kv_connector="KVRelayConnector",
-                kv_connector_module_path="connector.vllm_adapter",
+                kv_connector_module_path="kvrelay.connector.vllm.adapter",
                 kv_role="kv_both",
                 kv_buffer_device="cpu",
                 engine_id="reader",
@@ -149,7 +149,7 @@ def scheduler(tiny_model: Path) -> Iterator[InProcessScheduler]:
 
 @pytest.fixture
 def holder(scheduler: InProcessScheduler) -> Iterator[ConnectorScheduler]:
-    from connector.vllm.settings import connector_config
+    from kvrelay.connector.vllm.settings import connector_config
 
     config = connector_config(scheduler.config, scheduler.kv_cache_config)
     core = ConnectorScheduler(config.model_copy(update={"engine_id": "holder"}))
