@@ -166,6 +166,7 @@ class HoldTable:
         return self._claim_timeout_s
 
     def take_frees(self) -> list[str]:
+        """Holds the engine must free now (each handed out once)."""
         with self._lock:
             out, self._to_free = self._to_free, []
             return out
@@ -176,6 +177,10 @@ class HoldTable:
             entry = self._entries.pop(request_id, None)
             if entry is None:
                 return None
+            if entry.freeing is not None and request_id in self._to_free:
+                # Freed by its readers while a release/expiry/reclaim decided since the last
+                # step was still queued: the engine must not be told to free it again.
+                self._to_free.remove(request_id)
             reason = entry.freeing or FreeReason.READ
             self._counters.inc(f"freed_by_{reason.value}")
             self._update_gauges()

@@ -43,9 +43,13 @@ class ConnectorMetadata:
     `reqs_to_recv`: reads to start. `reqs_to_hold`: requests whose blocks this engine now
     holds for remote readers (workers count read notifications for them). `reqs_to_free`: held
     requests the scheduler released/expired/reclaimed; workers report them in
-    `finished_sending` so the engine frees their blocks (the engine frees only through that).
+    `finished_sending` so the engine frees their blocks (the engine frees only through that),
+    unless a worker already reported the request (its readers finished first).
+    `reqs_to_fail`: loads that failed before any read started (the engine's blocks could not
+    hold them); workers report them in `finished_recving` with these local blocks invalid.
     """
 
     reqs_to_recv: dict[str, RecvSpec] = field(default_factory=dict)
     reqs_to_hold: dict[str, float] = field(default_factory=dict)
     reqs_to_free: set[str] = field(default_factory=set)
+    reqs_to_fail: dict[str, tuple[int, ...]] = field(default_factory=dict)

@@ -8,9 +8,10 @@ mismatching prefixes) through the side channel on a background thread.
 
 The call order is written once in `connector/__init__.py`. All methods except `stats` are
 called from the engine's scheduler thread; the side-channel thread only touches `HoldTable`.
-Frees decided here (release, expiry, reclaim, abort after a read) reach the engine as
+Frees decided here (release, expiry, reclaim) reach the engine as
 `ConnectorMetadata.reqs_to_free`: the workers echo them in `finished_sending`, which is the
-only way the engine frees held blocks.
+only way the engine frees held blocks. Only held requests are ever reported finished-sending,
+each once; a request is reported finished-receiving only after its load was planned, once.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class _Loading:
     local_block_ids: tuple[int, ...]
     # Invalid blocks reported by any rank, possibly steps before the last rank finished.
     bad: set[int] = field(default_factory=set)
+    # Failed before any read started (see `ConnectorMetadata.reqs_to_fail`).
+    failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -89,8 +92,10 @@ class ConnectorScheduler:
         self._failed: list[str] = []
         self._recvs: dict[str, RecvSpec] = {}
         self._new_holds: dict[str, float] = {}
-        self._extra_frees: set[str] = set()
-        self._free_after_load: set[str] = set()
+        self._doomed: dict[str, tuple[int, ...]] = {}
+        # Loads whose request finished (aborted) while NIXL was still writing its blocks: the
+        # engine frees them when the load is reported in finished_recving; nothing else to do.
+        self._orphaned: set[str] = set()
         # Requests whose remote hold was dealt with (load started or holder released), so
         # `request_finished` knows whether it still owes the holder a release.
         self._settled: set[str] = set()
@@ -159,21 +164,29 @@ class ConnectorScheduler:
     def get_num_new_matched_tokens(
         self, req: RequestView, num_computed_tokens: int
     ) -> tuple[int, bool]:
-        """Tokens to load from the holder named in the request's params (async when > 0)."""
+        """Tokens to load from the holder named in the request's params (async when > 0).
+
+        Asked again before the engine allocated (allocation failed, retried with another
+        local prefix hit), the answer is planned afresh from that hit. A request whose load
+        already ran or whose holder was already released never loads again (preempted, or
+        recomputing after a failed load): its hold is consumed. Never answers `(0, True)`.
+        """
         params = self._params(req)
         if params is None or not params.has_remote_blocks:
             return 0, False
-        if req.request_id in self._pending:
-            pending = self._pending[req.request_id]
-            return max(0, pending.end_tokens - num_computed_tokens), True
-        end = self._loadable_tokens(req, params)
+        rid = req.request_id
+        if rid in self._settled:
+            return 0, False
+        pending = self._pending.get(rid)
+        end = pending.end_tokens if pending is not None else self._loadable_tokens(req, params)
         n = end - num_computed_tokens
         if n <= 0 or n < self.config.kv_recompute_threshold:
+            self._pending.pop(rid, None)
             self.counters.inc("loads_skipped")
-            self._settled.add(req.request_id)
+            self._settled.add(rid)
             self._release(params)
             return 0, False
-        self._pending[req.request_id] = _PendingLoad(params, num_computed_tokens, end)
+        self._pending[rid] = _PendingLoad(params, num_computed_tokens, end)
         return n, True
 
     def _loadable_tokens(self, req: RequestView, params: KVTransferParams) -> int:
@@ -225,9 +238,15 @@ class ConnectorScheduler:
         remote = params.remote_block_ids[0]
         local = block_ids[0] if block_ids else []
         if last > len(local) or last > len(remote):
+            # The engine already waits for this load (async): it must still end through the
+            # workers' finished_recving, with the blocks it allocated for it invalid.
             log.warning("request %s: not enough blocks for the load; recomputing", req.request_id)
             self._release(params)
-            self._failed_load(req.request_id, pending.start_tokens)
+            doomed = tuple(local[first:])
+            self._doomed[req.request_id] = doomed
+            self._loading[req.request_id] = _Loading(
+                pending.start_tokens, end, first, doomed, failed=True
+            )
             return
         assert params.remote_engine_id and params.remote_request_id
         assert params.remote_host and params.remote_port
@@ -257,12 +276,13 @@ class ConnectorScheduler:
     # --- per step --------------------------------------------------------------------------
     def build_connector_meta(self) -> ConnectorMetadata:
         self.holds.reap()
-        frees = set(self.holds.take_frees()) | self._extra_frees
-        self._extra_frees = set()
         meta = ConnectorMetadata(
-            reqs_to_recv=self._recvs, reqs_to_hold=self._new_holds, reqs_to_free=frees
+            reqs_to_recv=self._recvs,
+            reqs_to_hold=self._new_holds,
+            reqs_to_free=set(self.holds.take_frees()),
+            reqs_to_fail=self._doomed,
         )
-        self._recvs, self._new_holds = {}, {}
+        self._recvs, self._new_holds, self._doomed = {}, {}, {}
         return meta
 
     def update_connector_output(
@@ -282,17 +302,19 @@ class ConnectorScheduler:
             loading = self._loading.pop(rid, None)
             if loading is None:
                 continue
+            if rid in self._orphaned:
+                self._orphaned.discard(rid)
+                continue
             bad = [i for i, b in enumerate(loading.local_block_ids) if b in loading.bad]
-            if bad:
+            if loading.failed:
+                self._failed_load(rid, loading.start_tokens)
+            elif bad:
                 # Tokens before the first bad block arrived intact; the rest is recomputed.
                 good_end = max(loading.start_tokens, (loading.first_block + bad[0]) * bs)
                 self._failed_load(rid, min(good_end, loading.end_tokens))
             else:
                 self._loaded[rid] = loading.end_tokens
             self.counters.inc("tokens_loaded", self._loaded[rid] - loading.start_tokens)
-            if rid in self._free_after_load:
-                self._free_after_load.discard(rid)
-                self._extra_frees.add(rid)
 
     def failed_requests(self) -> list[str]:
         """Requests whose load failed under policy `fail` (drained: each reported once)."""
@@ -310,9 +332,14 @@ class ConnectorScheduler:
         """(delay_free, params): hold the blocks for a remote reader when the request asks."""
         rid = req.request_id
         if rid in self._loading:
-            # Aborted while NIXL is still writing into its blocks: free after the read ends.
-            self._free_after_load.add(rid)
-            return True, None
+            # Finished (aborted) while NIXL may still write into its blocks. The engine keeps
+            # them until the load shows up in finished_recving (vLLM does so by itself); they
+            # must never be reported in finished_sending as well (vLLM has forgotten the id by
+            # then). The holder is released by the read's notification or its failure.
+            self._orphaned.add(rid)
+            self._settled.discard(rid)
+            self._loaded.pop(rid, None)
+            return False, None
         pending = self._pending.pop(rid, None)
         params = self._params(req)
         if pending is not None:

@@ -167,6 +167,8 @@ class ConnectorWorker:
             self._holding.add(rid)
             self._maybe_done_sending(rid)
         for rid in meta.reqs_to_free:
+            if rid in self._recently_freed:
+                continue  # already reported once (its readers' notifications came first)
             self._holding.discard(rid)
             self._notifs.pop(rid, None)
             self._remember_freed(rid)
@@ -175,6 +177,9 @@ class ConnectorWorker:
         for rid, spec in meta.reqs_to_recv.items():
             self._specs[rid] = spec
             self._pool.submit(self._prepare, spec)
+        for rid, local_blocks in meta.reqs_to_fail.items():
+            self._invalid.update(local_blocks)
+            self._done_recving.add(rid)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Drive NIXL; return (finished_sending, finished_recving) since the last call."""

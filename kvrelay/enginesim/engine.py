@@ -11,6 +11,11 @@ One call to `step()` is one engine step, in vLLM's order:
    `finished_sending`, release `finished_recving` requests to prefill what did not arrive,
    error the requests the `fail` policy failed.
 Not thread-safe: `EngineRunner` drives it from one thread; `reference` drives it inline.
+
+Where vLLM's scheduler asserts on what a connector reports, this engine raises
+`EngineInvariantError` (the engine thread dies, as vLLM's engine core would): an unknown or
+repeated id in `finished_sending`/`finished_recving`, an asynchronous load of zero tokens, a
+request waiting for remote KV longer than `EngineConfig.remote_kv_wait_limit_s`.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
+
+
+class EngineInvariantError(RuntimeError):
+    """The connector broke a rule vLLM's scheduler asserts (see module docstring)."""
 
 
 class EngineCore:
@@ -84,9 +93,13 @@ class EngineCore:
                     self._release(req, hold=False)
                 return
         loading = self.loading.get(request_id)
-        if loading is not None:
-            # Reads may still write into its blocks; finish when the load completes.
+        if loading is not None and not loading.aborted:
+            # vLLM's order: the connector hears of the finish now; the blocks the reads may
+            # still write into are freed when the load is reported finished-receiving.
             loading.aborted = True
+            loading.state = ReqState.FINISHED
+            self.counters["requests_aborted"] += 1
+            self.kv.request_finished(loading, [])
             return
         running = self.running.pop(request_id, None)
         if running is not None:
@@ -107,6 +120,7 @@ class EngineCore:
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self) -> None:
+        self._check_loads_progress()
         self._admit()
         self.kv.start_step()
         self._compute()
@@ -133,9 +147,9 @@ class EngineCore:
                 if not self._resume(req):
                     return
                 continue
-            if req.external is None:
-                req.external = self.kv.get_num_new_matched_tokens(req, 0)
-            n_ext, is_async = req.external
+            # Asked on every admission attempt, as vLLM does (a retry after a failed
+            # allocation may see a different local hit).
+            n_ext, is_async = req.external = self._ask_connector(req)
             # Blocks for the prompt plus the first generated token's KV.
             blocks = self._allocate(self.pool.blocks_for(req.num_prompt_tokens + 1))
             if blocks is None:
@@ -143,9 +157,8 @@ class EngineCore:
             self.waiting.popleft()
             req.block_ids = blocks
             self.kv.update_state_after_alloc(req, blocks, n_ext)
-            if n_ext > 0 and is_async:
-                req.state = ReqState.WAITING_FOR_REMOTE_KVS
-                self.loading[req.request_id] = req
+            if is_async:
+                self._start_loading(req)
             else:
                 req.num_computed = n_ext
                 req.loaded_tokens = n_ext
@@ -153,16 +166,46 @@ class EngineCore:
                 self.running[req.request_id] = req
 
     def _resume(self, req: SimRequest) -> bool:
-        """Re-admit a preempted request: recompute all its KV locally (same values)."""
+        """Re-admit a preempted request. vLLM asks the connector again (nothing is computed);
+        whatever does not arrive is recomputed locally (same values)."""
+        n_ext, is_async = self._ask_connector(req)
         blocks = self._allocate(self.pool.blocks_for(len(req.all_token_ids) + 1))
         if blocks is None:
             return False
         self.waiting.popleft()
         req.block_ids = blocks
         req.num_computed = 0
+        self.kv.update_state_after_alloc(req, blocks, n_ext)
+        if is_async:
+            self._start_loading(req)
+            return True
         req.state = ReqState.PREFILL
         self.running[req.request_id] = req
         return True
+
+    def _ask_connector(self, req: SimRequest) -> tuple[int, bool]:
+        n_ext, is_async = self.kv.get_num_new_matched_tokens(req, 0)
+        if is_async and n_ext <= 0:
+            # vLLM: `assert num_external_computed_tokens > 0` for an async load.
+            raise EngineInvariantError(
+                f"request {req.request_id}: asynchronous load of {n_ext} tokens"
+            )
+        return n_ext, is_async
+
+    def _start_loading(self, req: SimRequest) -> None:
+        req.state = ReqState.WAITING_FOR_REMOTE_KVS
+        req.loading_since = time.monotonic()
+        self.loading[req.request_id] = req
+
+    def _check_loads_progress(self) -> None:
+        limit = self.config.remote_kv_wait_limit_s
+        now = time.monotonic()
+        for req in self.loading.values():
+            if now - req.loading_since > limit:
+                raise EngineInvariantError(
+                    f"request {req.request_id} waited {now - req.loading_since:.0f}s for "
+                    f"remote KV (limit {limit:.0f}s): its load was never reported finished"
+                )
 
     def _compute(self) -> None:
         prefill = [r for r in self.running.values() if r.state is ReqState.PREFILL]
@@ -306,18 +349,26 @@ class EngineCore:
     def _process_connector(self, out: ConnectorOutput) -> None:
         for request_id in out.finished_sending:
             blocks = self.held.pop(request_id, None)
-            if blocks is not None:
-                self.pool.free(blocks)
-                self._reclaim_pending = max(0, self._reclaim_pending - len(blocks))
+            if blocks is None:
+                # vLLM: `assert req_id in self.requests` (freed already, or never held).
+                raise EngineInvariantError(
+                    f"finished_sending reports {request_id}, which holds no blocks here"
+                )
+            self.pool.free(blocks)
+            self._reclaim_pending = max(0, self._reclaim_pending - len(blocks))
         if not self.held:
             self._reclaim_pending = 0
         for request_id in out.finished_recving:
             req = self.loading.pop(request_id, None)
             if req is None:
-                continue
+                # vLLM: the request must exist and be waiting for remote KV (or finished).
+                raise EngineInvariantError(
+                    f"finished_recving reports {request_id}, which is not loading here"
+                )
             if req.aborted:
-                self.counters["requests_aborted"] += 1
-                self._release(req, hold=False)
+                # Finished mid-load (the connector already heard of it): free the blocks now.
+                self.pool.free(req.block_ids)
+                req.block_ids = []
                 continue
             if request_id in out.failed:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))

@@ -75,6 +75,7 @@ class SimRequest:
     text: str = ""
     emitted_chars: int = 0
     aborted: bool = False
+    loading_since: float = 0.0  # monotonic; when it last started waiting for remote KV
     preempted: bool = False
     connector_view: Any = None
 

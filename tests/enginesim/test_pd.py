@@ -7,6 +7,7 @@ engine's block pool back to its starting state (read from /metrics).
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -371,3 +372,38 @@ def test_recompute_threshold_skips_small_loads_and_releases_p(
     assert d.metric("enginesim_prompt_tokens_loaded_total") == 0
     # D will not read, so it releases P's hold right away instead of leaving it to the lease.
     p.wait_idle(timeout=2)
+
+
+def test_preempted_request_never_loads_again(
+    pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
+) -> None:
+    """D's pool runs out while a loaded request decodes: it is preempted and asked about again
+    (as vLLM does). Its hold on P is consumed, so it recomputes; under policy `fail` a second
+    load would error a correctly served request."""
+    p = pd[0]
+    d = idle_after(
+        "D-preempt", "--kv-load-failure-policy", "fail", "--num-blocks", "16",
+        "--max-model-len", "256", "--decode-us-per-step", "10000",
+    )  # fmt: skip
+    dd = Delta(d)
+    filler = {"prompt": "fill", "max_tokens": 180, "ignore_eos": True}
+    loaded = {"prompt": PROMPT, "max_tokens": 100, "ignore_eos": True}
+    params = prefill(p, "pre-1", loaded)
+    results: dict[str, tuple[int, dict[str, Any]]] = {}
+    thread = threading.Thread(
+        target=lambda: results.update(filler=d.request("/v1/completions", filler))
+    )
+    thread.start()
+    try:
+        wait_until(lambda: d.metric("enginesim_requests_running") >= 1, 10, what="filler runs")
+        results["loaded"] = decode(d, "pre-1", loaded, params)
+    finally:
+        thread.join(60)
+
+    assert dd("enginesim_preemptions_total") >= 1
+    status, resp = results["loaded"]
+    assert status == 200, resp
+    assert text_of(resp) == reference_completion(PROMPT, 100, ignore_eos=True)
+    assert dd("enginesim_prompt_tokens_loaded_total") > 0
+    assert dd("enginesim_connector_loads_started") == 1
+    assert text_of(results["filler"][1]) == reference_completion("fill", 180, ignore_eos=True)

@@ -1,9 +1,11 @@
 """Fixtures of the real-vLLM suite (`make test-vllm`; needs `.venv-vllm`).
 
 Only one vLLM P/D pair runs at a time (plus the reference server): the pairs are module-scoped,
-so pytest stops one module's pair before the next module starts its own. Every server is stopped
-in a `finally`, even when a test or a start fails. Nothing here imports vLLM: the main suite
-collects this directory (and deselects its tests by marker) with no vLLM installed.
+so pytest stops one module's pair before the next module starts its own. Three pairs: kvrelay's
+connector behind the proxy, stock NixlConnector, and the fault pair (failure paths). Every
+server is stopped in a `finally`, even when a test or a start fails. Nothing here imports
+vLLM: the main suite collects this directory (and deselects its tests by marker) with no vLLM
+installed.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from tests.vllm.servers import (
     DECODE_BLOCKS,
     START_TIMEOUT_S,
     VLLMServer,
+    faulty_pair,
     kvrelay_pair,
     side_channels_setting,
     start_all,
@@ -163,3 +166,35 @@ def kvrelay_fleet(
 def stock_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
     """vLLM P/D with stock NixlConnector, and the proxy in compatibility mode."""
     yield from _fleet(stock_pair(tiny_model), reference_launch)
+
+
+class FaultPair:
+    """The fault pair, each engine's fault directory, and the reference server."""
+
+    def __init__(
+        self, prefill: VLLMServer, decode: VLLMServer, dirs: tuple[Path, Path], ref: VLLMServer
+    ) -> None:
+        self.prefill, self.decode, self.reference = prefill, decode, ref
+        self.faults = {prefill.name: dirs[0], decode.name: dirs[1]}
+
+    def arm(self, server: VLLMServer, stall: str) -> Path:
+        """Arm a one-shot stall (`recv` or `send`) on `server`; returns its fault directory."""
+        faults = self.faults[server.name]
+        for leftover in (f"{stall}-stalled", f"resume-{stall}"):
+            (faults / leftover).unlink(missing_ok=True)
+        (faults / f"stall-{stall}").touch()
+        return faults
+
+
+@pytest.fixture(scope="module")
+def fault_pair(
+    tiny_model: Path, reference_launch: Reference, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[FaultPair]:
+    """vLLM P/D loading the stalling test connector (`faulty_pair`), no proxy."""
+    dirs = (tmp_path_factory.mktemp("faults-p"), tmp_path_factory.mktemp("faults-d"))
+    prefill, decode = faulty_pair(tiny_model, dirs)
+    try:
+        start_all(prefill, decode)
+        yield FaultPair(prefill, decode, dirs, reference_launch.server())
+    finally:
+        stop_all(prefill, decode)
