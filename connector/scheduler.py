@@ -17,21 +17,21 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from connector.allowlist import HolderAllowlist
 from connector.block_hash import block_hashes, matching_prefix_blocks
 from connector.config import ConnectorConfig
 from connector.holds import HoldEntry, HoldTable
 from connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from connector.protocol import KVTransferParams
-from connector.sidechannel_client import SideChannelClient, SideChannelError
+from connector.releases import Release, ReleaseSender
+from connector.sidechannel_client import SideChannelClient
 from connector.sidechannel_server import SideChannelServer
 from connector.stats import Counters
 
@@ -53,14 +53,6 @@ class _Loading:
     local_block_ids: tuple[int, ...]
     # Invalid blocks reported by any rank, possibly steps before the last rank finished.
     bad: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class _Release:
-    host: str
-    port: int
-    request_id: str
-    token: str
 
 
 class ConnectorScheduler:
@@ -94,14 +86,17 @@ class ConnectorScheduler:
         # Requests whose remote hold was dealt with (load started or holder released), so
         # `request_finished` knows whether it still owes the holder a release.
         self._settled: set[str] = set()
-        self._releases: queue.Queue[_Release | None] = queue.Queue()
-        self._release_thread: threading.Thread | None = None
+        self._releases: ReleaseSender | None = None
         self._client: SideChannelClient | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         secret = self.config.require_secret()
-        self._client = SideChannelClient(secret, timeout_s=self.config.handshake_timeout_s)
+        self._client = SideChannelClient(
+            secret,
+            timeout_s=self.config.release_timeout_s,
+            allowlist=HolderAllowlist(self.config.allowed_holders),
+        )
         self._server = SideChannelServer(
             self.config.side_channel_host,
             self.config.side_channel_port,
@@ -109,18 +104,20 @@ class ConnectorScheduler:
             self.holds,
             self.counters,
             self._handshake_payload,
+            aliases=(self.config.public_host, *self.config.side_channel_aliases),
         )
         self._server.start()
-        self._release_thread = threading.Thread(
-            target=self._release_loop, name="kvrelay-release", daemon=True
+        self._releases = ReleaseSender(
+            self._client,
+            self.counters,
+            attempts=self.config.release_attempts,
+            per_holder=self.config.release_concurrency_per_holder,
         )
-        self._release_thread.start()
 
     def shutdown(self) -> None:
-        if self._release_thread is not None:
-            self._releases.put(None)
-            self._release_thread.join(10)
-            self._release_thread = None
+        if self._releases is not None:
+            self._releases.close()
+            self._releases = None
         if self._server is not None:
             self._server.shutdown()
             self._server = None
@@ -401,24 +398,13 @@ class ConnectorScheduler:
         if not (params.has_remote_blocks and params.release_token):
             return
         assert params.remote_host and params.remote_port and params.remote_request_id
-        self._releases.put(
-            _Release(
+        if self._releases is None:
+            return
+        self._releases.submit(
+            Release(
                 params.remote_host,
                 params.remote_port,
                 params.remote_request_id,
                 params.release_token,
             )
         )
-
-    def _release_loop(self) -> None:
-        while True:
-            item = self._releases.get()
-            if item is None:
-                return
-            assert self._client is not None
-            try:
-                self._client.release(item.host, item.port, item.request_id, item.token)
-                self.counters.inc("releases_sent")
-            except SideChannelError as exc:
-                self.counters.inc("releases_failed")
-                log.info("release of %s not delivered: %s", item.request_id, exc)
