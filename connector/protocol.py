@@ -25,6 +25,7 @@ REMOTE_NUM_TOKENS = "remote_num_tokens"
 TP_SIZE = "tp_size"
 REMOTE_BLOCKS_EXPIRY_TIME = "remote_blocks_expiry_time"
 REMOTE_BLOCK_HASHES = "remote_block_hashes"
+REMOTE_TAIL_HASH = "remote_tail_hash"
 RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 REMOTE_URL = "remote_url"
@@ -64,6 +65,7 @@ class KVTransferParams(BaseModel):
     tp_size: int = 1
     remote_blocks_expiry_time: float | None = None
     remote_block_hashes: list[str] | None = None
+    remote_tail_hash: str | None = None
     release_token: str | None = None
     hold_blocks: bool = False
     remote_url: str | None = None

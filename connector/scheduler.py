@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from connector.allowlist import HolderAllowlist
-from connector.block_hash import block_hashes, matching_prefix_blocks
+from connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
 from connector.config import ConnectorConfig
 from connector.holds import HoldEntry, HoldTable
 from connector.metadata import ConnectorMetadata, RecvSpec, RequestView
@@ -182,17 +182,20 @@ class ConnectorScheduler:
         remote_tokens = min(max(claimed, 0), len(remote_ids) * bs)
         prompt = list(req.prompt_token_ids)
         if params.remote_block_hashes is not None:
-            local_h = block_hashes(prompt, bs, self._compat)
+            local_h = block_hashes(prompt, bs, self._compat, req.lora_name)
             matched = matching_prefix_blocks(local_h, params.remote_block_hashes)
             verified = min(matched * bs, remote_tokens)
             self.counters.inc("prefix_mismatch_blocks", len(params.remote_block_hashes) - matched)
-            # Same-request P->D leg: every full block matched, so the holder computed exactly
-            # this prompt and its partial tail block belongs to it as well.
+            # Same-request P->D leg: every full block matched and the holder's partial tail
+            # block hashes like our tokens at its place, so it belongs to this prompt too.
             full_remote = remote_tokens // bs
             if (
                 params.do_remote_prefill
                 and matched == full_remote == len(params.remote_block_hashes)
                 and remote_tokens <= len(prompt)
+                and params.remote_tail_hash is not None
+                and params.remote_tail_hash
+                == tail_hash(prompt[:remote_tokens], bs, self._compat, req.lora_name)
             ):
                 verified = remote_tokens
         elif self.config.require_block_hashes:
@@ -352,9 +355,14 @@ class ConnectorScheduler:
             "remote_num_tokens": num_tokens,
             "tp_size": self.config.tp_size,
             "remote_blocks_expiry_time": now_wall + self.config.lease_seconds,
-            "remote_block_hashes": block_hashes(all_tokens[:num_tokens], bs, self._compat),
+            "remote_block_hashes": block_hashes(
+                all_tokens[:num_tokens], bs, self._compat, req.lora_name
+            ),
             "release_token": entry.release_token,
         }
+        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
+        if tail is not None:
+            out["remote_tail_hash"] = tail
         self.holds.add(entry)
         self._new_holds[rid] = out["remote_blocks_expiry_time"]
         if self.config.publish_finished_params and req.client_request_id:

@@ -130,3 +130,17 @@ def test_same_compat_hash_but_other_cache_layout_is_refused(peers: StartPeer) ->
     assert w["failures_incompatible"] == 1 and w["transfers"] == 0
     wait_until(lambda: holder.stats()["sched"]["held"] == 0, 20, what="holder released")
     assert_idle(holder, reader)
+
+
+def test_reader_never_contacts_a_holder_outside_its_allowlist(peers: StartPeer) -> None:
+    holder = peers(PeerSpec("h-far", seed=31))
+    reader = peers(PeerSpec("r-fenced", seed=32, config={"allowed_holders": ["10.9.0.0/16"]}))
+    prompt = toks(2 * BS + 1)
+    params = hold(holder, "h1", prompt)
+    out = reader.call("load", rid="r1", prompt=[*prompt, 1], params=for_p(params))
+    assert out["loaded"] == 0 and out["invalid"] == out["blocks"][:2]
+    assert reader.stats()["workers"][0]["failures_claim"] == 1
+    s = holder.stats()["sched"]
+    assert s.get("claims_held", 0) == 0 and s.get("handshakes_served", 0) == 0 and s["held"] == 1
+    holder.call("reclaim", num_blocks=100)
+    assert_idle(holder, reader)
