@@ -15,7 +15,11 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from connector.sidechannel_client import SideChannelClient, SideChannelError
+from connector.sidechannel_client import (
+    HolderNotAllowedError,
+    SideChannelClient,
+    SideChannelError,
+)
 from connector.stats import Counters
 
 log = logging.getLogger(__name__)
@@ -121,8 +125,10 @@ class ReleaseSender:
                     reader_request_id=item.reader_request_id,
                 )  # fmt: skip
             except SideChannelError as exc:
-                if exc.status is not None or attempt + 1 == self._attempts or self._closed:
-                    # An answer (e.g. 403) will not change; network trouble had its retries.
+                final = exc.status is not None or isinstance(exc, HolderNotAllowedError)
+                if final or attempt + 1 == self._attempts or self._closed:
+                    # An answer (e.g. 403) or a refused address will not change; network
+                    # trouble had its retries.
                     self._counters.inc("releases_failed")
                     log.info("release of %s not delivered: %s", item.request_id, exc)
                     return

@@ -46,6 +46,10 @@ class SideChannelError(Exception):
         self.status = status
 
 
+class HolderNotAllowedError(SideChannelError):
+    """The holder's address is outside the allowlist: it was not contacted (final)."""
+
+
 def _base(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
@@ -105,7 +109,7 @@ def _signed_request(
 ) -> dict[str, str]:  # fmt: skip
     """Headers for one request, after checking the holder may be contacted at all."""
     if allowlist is not None and not allowlist.allows(host):
-        raise SideChannelError(f"holder address {host!r} is not in allowed_holders")
+        raise HolderNotAllowedError(f"holder address {host!r} is not in allowed_holders")
     headers = sign_headers(secret, method, path, body, dest=destination(host, port))
     headers["Content-Type"] = "application/json"
     return headers
