@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import socket
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from connector.auth import destination, sign_headers
+from connector.auth import destination, response_signature, sign_headers
 from connector.metadata import RequestView
+from connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
 from connector.scheduler import ConnectorScheduler
 from tests.connector.peer import SECRET
 
@@ -52,3 +56,48 @@ def raw_request(port: int, head: bytes, body_parts: list[bytes]) -> bytes:
         while chunk := sock.recv(65536):
             data += chunk
         return data
+
+
+class FakeHolder:
+    """A fake holder (plain HTTP server): answers every POST with `answer`, signed with `key` for
+    the request's nonce (or for `nonce`), or unsigned when `key` is None; counts requests."""
+
+    def __init__(
+        self,
+        key: bytes | None,
+        nonce: str | None = None,
+        answer: dict[str, Any] | None = None,
+    ) -> None:
+        fake = self
+        raw = json.dumps(
+            answer or {"status": "held", "block_ids": [[1, 2]], "num_tokens": 8}
+        ).encode()
+        self.requests = 0
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                fake.requests += 1
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(raw)))
+                if key is not None:
+                    signed_for = nonce or self.headers.get(HEADER_NONCE, "")
+                    self.send_header(
+                        HEADER_SIGNATURE, response_signature(key, signed_for, 200, raw)
+                    )
+                self.end_headers()
+                self.wfile.write(raw)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = int(self.server.server_address[1])
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)

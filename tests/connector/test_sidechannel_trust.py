@@ -3,61 +3,21 @@ a dead holder never hold up releases to the others (real servers on loopback).""
 
 from __future__ import annotations
 
-import json
 import socket
 import threading
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from connector.allowlist import HolderAllowlist
-from connector.auth import response_signature
 from connector.metadata import RequestView
-from connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
 from connector.scheduler import ConnectorScheduler
 from connector.sidechannel_client import SideChannelClient, SideChannelError
 from tests.connector.peer import SECRET
-from tests.connector.sidechannel_helpers import drain, hold_params
+from tests.connector.sidechannel_helpers import FakeHolder, drain, hold_params
 from tests.harness import wait_until
 
 MakeScheduler = Callable[..., ConnectorScheduler]
-
-
-class _ForgedHolder:
-    """A fake holder: answers every claim "held"; signs with `key` for `nonce` (or not at all)."""
-
-    def __init__(self, key: bytes | None, nonce: str | None = None) -> None:
-        fake = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                body = json.dumps({"status": "held", "block_ids": [[1, 2]], "num_tokens": 8})
-                raw = body.encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(raw)))
-                if fake.key is not None:
-                    signed_for = fake.nonce or self.headers.get(HEADER_NONCE, "")
-                    sig = response_signature(fake.key, signed_for, 200, raw)
-                    self.send_header(HEADER_SIGNATURE, sig)
-                self.end_headers()
-                self.wfile.write(raw)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.key, self.nonce = key, nonce
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(5)
 
 
 class _Blackhole:
@@ -97,7 +57,7 @@ def blackhole() -> Iterator[_Blackhole]:
 @pytest.mark.parametrize("forgery", ["unsigned", "other-key", "other-request"])
 def test_answers_not_signed_by_the_holder_for_this_request_are_refused(forgery: str) -> None:
     key = {"unsigned": None, "other-key": b"attacker", "other-request": SECRET.encode()}[forgery]
-    fake = _ForgedHolder(key, nonce="an-older-request" if forgery == "other-request" else None)
+    fake = FakeHolder(key, nonce="an-older-request" if forgery == "other-request" else None)
     client = SideChannelClient(SECRET.encode(), timeout_s=5)
     try:
         with pytest.raises(SideChannelError, match="unauthenticated"):
@@ -106,7 +66,7 @@ def test_answers_not_signed_by_the_holder_for_this_request_are_refused(forgery: 
         client.close()
         fake.close()
     # The same fake holder with the right signature is believed (the check is not blanket).
-    genuine = _ForgedHolder(SECRET.encode())
+    genuine = FakeHolder(SECRET.encode())
     client = SideChannelClient(SECRET.encode(), timeout_s=5)
     try:
         assert client.claim("127.0.0.1", genuine.port, "h1", "reader", "r1").status == "held"
