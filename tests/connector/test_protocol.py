@@ -181,8 +181,8 @@ def test_finished_aggregator_waits_for_every_rank() -> None:
 
 def test_proxy_facing_modules_import_without_torch() -> None:
     code = (
-        "import sys, connector, connector.protocol, connector.auth, "
-        "connector.sidechannel_client, connector.block_hash\n"
+        "import sys, kvrelay.connector, kvrelay.connector.protocol, kvrelay.connector.auth, "
+        "kvrelay.connector.sidechannel_client, kvrelay.connector.block_hash, kvrelay.proxy\n"
         "assert 'torch' not in sys.modules and 'nixl' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
