@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 
-from connector.protocol import (
+from kvrelay.connector.protocol import (
     HEADER_DESTINATION,
     HEADER_NONCE,
     HEADER_SIGNATURE,

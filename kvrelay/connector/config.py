@@ -13,9 +13,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from connector.allowlist import DEFAULT_ALLOWED_HOLDERS, parse_entries
-from connector.auth import destination, secret_from_env
-from connector.protocol import CONNECTOR_VERSION
+from kvrelay.connector.allowlist import DEFAULT_ALLOWED_HOLDERS, parse_entries
+from kvrelay.connector.auth import destination, secret_from_env
+from kvrelay.connector.protocol import CONNECTOR_VERSION
 
 FailurePolicy = Literal["recompute", "fail"]
 

@@ -15,12 +15,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from connector.sidechannel_client import (
+from kvrelay.connector.sidechannel_client import (
     HolderNotAllowedError,
     SideChannelClient,
     SideChannelError,
 )
-from connector.stats import Counters
+from kvrelay.connector.stats import Counters
 
 log = logging.getLogger(__name__)
 

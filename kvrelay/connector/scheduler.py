@@ -24,16 +24,16 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from connector.allowlist import HolderAllowlist
-from connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
-from connector.config import ConnectorConfig
-from connector.holds import HoldEntry, HoldTable
-from connector.metadata import ConnectorMetadata, RecvSpec, RequestView
-from connector.protocol import KVTransferParams
-from connector.releases import Release, ReleaseSender
-from connector.sidechannel_client import SideChannelClient
-from connector.sidechannel_server import SideChannelServer
-from connector.stats import Counters
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.holds import HoldEntry, HoldTable
+from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
+from kvrelay.connector.protocol import KVTransferParams
+from kvrelay.connector.releases import Release, ReleaseSender
+from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.connector.sidechannel_server import SideChannelServer
+from kvrelay.connector.stats import Counters
 
 log = logging.getLogger(__name__)
 

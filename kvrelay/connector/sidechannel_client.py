@@ -19,9 +19,9 @@ import aiohttp
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from connector.allowlist import HolderAllowlist
-from connector.auth import destination, sign_headers, verify_response
-from connector.protocol import (
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.auth import destination, sign_headers, verify_response
+from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     PATH_CLAIM,

@@ -1,7 +1,7 @@
 """The holder's side channel: an aiohttp server on its own thread and event loop.
 
 Every request is size-bounded, read whole, and authenticated (HMAC over its timestamp, nonce,
-destination, method, path and body; `connector.auth`) before anything looks at it: it must be
+destination, method, path and body; `kvrelay.connector.auth`) before anything looks at it: it must be
 addressed to one of this engine's own addresses and its nonce must be new. Refusals are counted
 per reason and never acted on. Every answer to an authenticated request is signed over that
 request's nonce, so readers can tell the holder's answers from anyone else's. Endpoints:
@@ -22,9 +22,9 @@ from typing import Any
 from aiohttp import web
 from pydantic import ValidationError
 
-from connector.auth import AuthFailure, NonceCache, destination, response_signature, verify
-from connector.holds import ClaimOutcome, HoldTable, ReleaseOutcome
-from connector.protocol import (
+from kvrelay.connector.auth import AuthFailure, NonceCache, destination, response_signature, verify
+from kvrelay.connector.holds import ClaimOutcome, HoldTable, ReleaseOutcome
+from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     MAX_BODY_BYTES,

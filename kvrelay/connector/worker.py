@@ -41,16 +41,16 @@ from typing import Any
 
 import torch
 
-from connector.allowlist import HolderAllowlist
-from connector.config import ConnectorConfig
-from connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
-from connector.metadata import ConnectorMetadata, RecvSpec
-from connector.protocol import ClaimResponse, HandshakeResponse
-from connector.releases import Release, ReleaseSender
-from connector.sidechannel_client import SideChannelClient, SideChannelError
-from connector.stats import Counters
-from connector.tp import ReadPlan, TPMismatchError, plan_reads
-from connector.transport import NixlTransport, TransportError, XferHandle, build_descs
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
+from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec
+from kvrelay.connector.protocol import ClaimResponse, HandshakeResponse
+from kvrelay.connector.releases import Release, ReleaseSender
+from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.stats import Counters
+from kvrelay.connector.tp import ReadPlan, TPMismatchError, plan_reads
+from kvrelay.connector.transport import NixlTransport, TransportError, XferHandle, build_descs
 
 log = logging.getLogger(__name__)
 

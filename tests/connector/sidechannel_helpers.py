@@ -9,10 +9,10 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from connector.auth import destination, response_signature, sign_headers
-from connector.metadata import RequestView
-from connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.auth import destination, response_signature, sign_headers
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
+from kvrelay.connector.scheduler import ConnectorScheduler
 from tests.connector.peer import SECRET
 
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from connector.allowlist import DEFAULT_ALLOWED_HOLDERS, HolderAllowlist
-from connector.auth import (
+from kvrelay.connector.allowlist import DEFAULT_ALLOWED_HOLDERS, HolderAllowlist
+from kvrelay.connector.auth import (
     AuthFailure,
     NonceCache,
     response_signature,
@@ -17,16 +17,16 @@ from connector.auth import (
     verify,
     verify_response,
 )
-from connector.block_hash import block_hashes, matching_prefix_blocks
-from connector.config import ConnectorConfig
-from connector.protocol import (
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.protocol import (
     HEADER_DESTINATION,
     HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
     KVTransferParams,
 )
-from connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
+from kvrelay.connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
 from tests.harness import REPO_ROOT
 
 SECRET = b"s3cret"

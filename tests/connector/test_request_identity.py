@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from connector.block_hash import block_hashes
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.block_hash import block_hashes
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
 
 MakeScheduler = Callable[..., ConnectorScheduler]
 

@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from connector.allowlist import HolderAllowlist
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
-from connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
+from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder, drain, hold_params
 from tests.harness import wait_until
@@ -117,8 +117,8 @@ def test_a_blackholed_holder_delays_no_other_holders_releases(
 
 
 def test_side_channel_client_is_created_once_under_concurrent_first_use() -> None:
-    from connector.config import ConnectorConfig
-    from connector.worker import ConnectorWorker
+    from kvrelay.connector.config import ConnectorConfig
+    from kvrelay.connector.worker import ConnectorWorker
 
     worker = ConnectorWorker(ConnectorConfig(engine_id="w", secret=SECRET), 0, 1)
     barrier = threading.Barrier(8)

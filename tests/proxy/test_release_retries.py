@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from proxy.release import RELEASE_ATTEMPTS, Releaser
+from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder
 from tests.faultproxy import FaultProxy

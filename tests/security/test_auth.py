@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.auth import destination, sign_headers, verify_response
-from connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
+from kvrelay.connector.auth import destination, sign_headers, verify_response
+from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from tests.chaos.load import is_openai_error
 from tests.engines import CONNECTOR_SECRET
 from tests.harness import wait_until
