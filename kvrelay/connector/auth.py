@@ -1,7 +1,11 @@
-"""HMAC authentication of side-channel messages (CONTRACTS §2). Torch-free.
+"""HMAC authentication of side-channel requests and answers (CONTRACTS §2). Torch-free.
 
-Signature = hex(HMAC-SHA256(secret, ts + "\\n" + METHOD + "\\n" + path + "\\n" + body)). The
-timestamp bounds replay to the allowed clock skew; comparison is constant-time.
+A request carries a timestamp, a random nonce and its destination (the `host:port` the client
+dials), all inside the signature with method, path and body. The holder accepts a request only
+when it is addressed to one of its own addresses, within the clock skew, and its nonce was not
+seen before (`NonceCache`): a captured request cannot be replayed, nor sent to another engine.
+Every answer to an authenticated request is signed over the request's nonce, its status and its
+body, so a reader believes only the holder it asked. Comparisons are constant-time.
 """
 
 from __future__ import annotations
@@ -9,16 +13,25 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Collection, Mapping
 from enum import StrEnum
 
 from kvrelay.connector.protocol import (
+    HEADER_DESTINATION,
+    HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
     MAX_CLOCK_SKEW_S,
     SECRET_ENV,
 )
+
+_REQUEST_DOMAIN = b"kvrelay-request-v2"
+_RESPONSE_DOMAIN = b"kvrelay-response-v2"
+_MAX_NONCE_CHARS = 128
 
 
 class AuthFailure(StrEnum):
@@ -27,7 +40,10 @@ class AuthFailure(StrEnum):
     MISSING = "missing_auth"
     BAD_TIMESTAMP = "bad_timestamp"
     SKEW = "clock_skew"
+    BAD_NONCE = "bad_nonce"
+    WRONG_DESTINATION = "wrong_destination"
     BAD_SIGNATURE = "bad_signature"
+    REPLAY = "replay"
 
 
 def secret_from_env() -> bytes | None:
@@ -36,17 +52,44 @@ def secret_from_env() -> bytes | None:
     return value.encode() if value else None
 
 
-def signature(secret: bytes, timestamp: str, method: str, path: str, body: bytes) -> str:
-    message = b"\n".join([timestamp.encode(), method.upper().encode(), path.encode(), body])
+def destination(host: str, port: int) -> str:
+    """Canonical `host:port` a request is addressed to (lower case, IPv6 without brackets)."""
+    return f"{host.strip('[]').lower()}:{int(port)}"
+
+
+def signature(
+    secret: bytes,
+    timestamp: str,
+    nonce: str,
+    dest: str,
+    method: str,
+    path: str,
+    body: bytes,
+) -> str:
+    fields = [_REQUEST_DOMAIN, timestamp.encode(), nonce.encode(), dest.encode()]
+    message = b"\n".join([*fields, method.upper().encode(), path.encode(), body])
     return hmac.new(secret, message, hashlib.sha256).hexdigest()
 
 
 def sign_headers(
-    secret: bytes, method: str, path: str, body: bytes = b"", now: float | None = None
+    secret: bytes,
+    method: str,
+    path: str,
+    body: bytes = b"",
+    now: float | None = None,
+    *,
+    dest: str,
+    nonce: str | None = None,
 ) -> dict[str, str]:
-    """Headers that authenticate one request."""
+    """Headers that authenticate one request to `dest` (see `destination`)."""
     ts = f"{time.time() if now is None else now:.6f}"
-    return {HEADER_TIMESTAMP: ts, HEADER_SIGNATURE: signature(secret, ts, method, path, body)}
+    nonce = secrets.token_hex(16) if nonce is None else nonce
+    return {
+        HEADER_TIMESTAMP: ts,
+        HEADER_NONCE: nonce,
+        HEADER_DESTINATION: dest,
+        HEADER_SIGNATURE: signature(secret, ts, nonce, dest, method, path, body),
+    }
 
 
 def verify(
@@ -55,13 +98,21 @@ def verify(
     method: str,
     path: str,
     body: bytes,
+    *,
+    destinations: Collection[str],
     now: float | None = None,
     max_skew_s: float = MAX_CLOCK_SKEW_S,
 ) -> AuthFailure | None:
-    """None when the request is authentic, else the reason it is not."""
+    """None when the request is authentic and addressed to one of `destinations`.
+
+    Replay is a separate check (`NonceCache.first_use`) made after this one succeeds, so only
+    authentic requests can occupy the nonce cache.
+    """
     ts = headers.get(HEADER_TIMESTAMP)
     sig = headers.get(HEADER_SIGNATURE)
-    if not ts or not sig:
+    nonce = headers.get(HEADER_NONCE)
+    dest = headers.get(HEADER_DESTINATION)
+    if not ts or not sig or not nonce or not dest:
         return AuthFailure.MISSING
     try:
         ts_value = float(ts)
@@ -72,7 +123,56 @@ def verify(
     current = time.time() if now is None else now
     if abs(current - ts_value) > max_skew_s:
         return AuthFailure.SKEW
-    expected = signature(secret, ts, method, path, body)
+    if len(nonce) > _MAX_NONCE_CHARS:
+        return AuthFailure.BAD_NONCE
+    expected = signature(secret, ts, nonce, dest, method, path, body)
     if not hmac.compare_digest(expected, sig.strip().lower()):
         return AuthFailure.BAD_SIGNATURE
+    if dest.lower() not in destinations:
+        return AuthFailure.WRONG_DESTINATION
     return None
+
+
+class NonceCache:
+    """Nonces of accepted requests, each kept as long as its request could still verify.
+
+    A nonce older than twice the skew window can no longer pass the timestamp check, so it is
+    forgotten then. Bounded: when full of live nonces, new requests are refused (as replays)
+    rather than forgetting a nonce that could still be replayed.
+    """
+
+    def __init__(self, max_skew_s: float = MAX_CLOCK_SKEW_S, max_entries: int = 200_000) -> None:
+        self._ttl = 2 * max_skew_s
+        self._max = max_entries
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def first_use(self, nonce: str, now: float | None = None) -> bool:
+        """True the first time `nonce` is presented (and remembers it), False afterwards."""
+        current = time.monotonic() if now is None else now
+        with self._lock:
+            while self._seen:
+                oldest, expires = next(iter(self._seen.items()))
+                if expires > current:
+                    break
+                del self._seen[oldest]
+            if nonce in self._seen or len(self._seen) >= self._max:
+                return False
+            self._seen[nonce] = current + self._ttl
+            return True
+
+
+def response_signature(secret: bytes, request_nonce: str, status: int, body: bytes) -> str:
+    """The holder's signature over its answer to the request that carried `request_nonce`."""
+    message = b"\n".join([_RESPONSE_DOMAIN, request_nonce.encode(), str(status).encode(), body])
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+def verify_response(
+    secret: bytes, request_nonce: str, status: int, body: bytes, sig: str | None
+) -> bool:
+    """True when `sig` is the holder's signature of this answer to this request."""
+    if not sig:
+        return False
+    expected = response_signature(secret, request_nonce, status, body)
+    return hmac.compare_digest(expected, sig.strip().lower())

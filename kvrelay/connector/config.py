@@ -1,7 +1,8 @@
 """`ConnectorConfig`: everything one engine's connector needs, for scheduler and workers alike.
 
 The compatibility hash binds a holder and a reader: blocks move only between engines that agree
-on model, dtype, cache layout kind, block size, layer count, MLA and connector version.
+on model, dtype, cache layout kind, block size, layer count, KV heads, head size, MLA and
+connector version. (The per-block layout the workers register is compared at read time too.)
 """
 
 from __future__ import annotations
@@ -10,9 +11,10 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kvrelay.connector.auth import secret_from_env
+from kvrelay.connector.allowlist import DEFAULT_ALLOWED_HOLDERS, parse_entries
+from kvrelay.connector.auth import destination, secret_from_env
 from kvrelay.connector.protocol import CONNECTOR_VERSION
 
 FailurePolicy = Literal["recompute", "fail"]
@@ -29,6 +31,9 @@ class ConnectorConfig(BaseModel):
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = Field(default=0, ge=0, le=65535)
     advertise_host: str | None = None
+    # Other host names or addresses clients use to reach this side channel (a request is
+    # signed for the address it is sent to; the side channel accepts only its own addresses).
+    side_channel_aliases: tuple[str, ...] = ()
     # Shared HMAC secret; None means "read KVRELAY_CONNECTOR_SECRET" (required to start).
     secret: str | None = Field(default=None, repr=False)
 
@@ -40,6 +45,10 @@ class ConnectorConfig(BaseModel):
     kv_layout: str = "default"
     use_mla: bool = False
     tp_size: int = Field(default=1, ge=1)
+    # Model-wide KV heads and head size (None where the engine does not say; then only the
+    # model name and the registered block geometry tell layouts apart).
+    num_kv_heads: int | None = Field(default=None, ge=1)
+    head_dim: int | None = Field(default=None, ge=1)
 
     # Holder side.
     lease_seconds: float = Field(default=120.0, gt=0)
@@ -55,7 +64,23 @@ class ConnectorConfig(BaseModel):
     handshake_timeout_s: float = Field(default=5.0, gt=0)
     handshake_retries: int = Field(default=3, ge=1)
     transfer_timeout_s: float = Field(default=30.0, gt=0)
+    # After a failed or timed-out READ: how long to wait for NIXL to report it over before the
+    # read counts as stuck. Its blocks stay with the request (quarantined) either way until
+    # NIXL reports it over; they never go back to the engine while data may still land.
+    cancel_grace_s: float = Field(default=30.0, gt=0)
     coalesce: bool = True
+    # Holder addresses a reader contacts at all (allowlist.py); the fleet's own engines.
+    allowed_holders: tuple[str, ...] = DEFAULT_ALLOWED_HOLDERS
+    # Releases to holders: attempts per release (network failures only) and each one's timeout;
+    # each holder gets its own sender threads so a dead one delays nobody else.
+    release_attempts: int = Field(default=3, ge=1, le=10)
+    release_timeout_s: float = Field(default=2.0, gt=0)
+    release_concurrency_per_holder: int = Field(default=2, ge=1, le=16)
+
+    @field_validator("allowed_holders")
+    @classmethod
+    def _allowed_holders(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(parse_entries(value))
 
     def secret_bytes(self) -> bytes | None:
         """The configured secret, falling back to the environment."""
@@ -74,6 +99,11 @@ class ConnectorConfig(BaseModel):
     def public_host(self) -> str:
         return self.advertise_host or self.side_channel_host
 
+    def own_destinations(self, port: int) -> frozenset[str]:
+        """Every `host:port` a signed request may name to reach this engine's side channel."""
+        hosts = {self.side_channel_host, self.public_host, *self.side_channel_aliases}
+        return frozenset(destination(h, port) for h in hosts)
+
     def compat_hash(self) -> str:
         """Short stable hash of everything that must agree for KV blocks to be reusable."""
         ident = {
@@ -83,6 +113,8 @@ class ConnectorConfig(BaseModel):
             "num_layers": self.num_layers,
             "kv_layout": self.kv_layout,
             "use_mla": self.use_mla,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
             "version": CONNECTOR_VERSION,
         }
         blob = json.dumps(ident, sort_keys=True).encode()

@@ -28,6 +28,16 @@ class FreeReason(StrEnum):
     RECLAIM = "reclaim"
 
 
+class ClaimOutcome(StrEnum):
+    HELD = "held"
+    GONE = "gone"
+    CLAIMED = "claimed"  # another reader request owns the claim
+
+
+# Who claimed a hold: (reader engine id, reader request id). One claim per hold, ever.
+Claimant = tuple[str, str]
+
+
 class ReleaseOutcome(StrEnum):
     RELEASED = "released"
     UNKNOWN = "unknown"
@@ -44,7 +54,7 @@ class HoldEntry:
     release_token: str
     created_at: float = field(default_factory=time.monotonic)
     pinned_until: float = 0.0
-    claimed_by: str | None = None
+    claimed_by: Claimant | None = None
     release_requested: bool = False
     freeing: FreeReason | None = None
 
@@ -80,34 +90,49 @@ class HoldTable:
             self._update_gauges()
 
     def claim(
-        self, request_id: str, reader: str | None = None, now: float | None = None
-    ) -> HoldEntry | None:
-        """Pin a live hold for a read; None ("gone") when freed, freeing or expired."""
+        self, request_id: str, reader: Claimant, now: float | None = None
+    ) -> tuple[ClaimOutcome, HoldEntry | None]:
+        """Pin a live hold for ONE reader request; `(HELD, copy)` or why not.
+
+        A hold is read once: the first reader request to claim it owns it for good, and the
+        same (engine, request) asking again — a retried call, another TP rank — gets the same
+        claim back. Any other reader is refused, so no second read can run on blocks the first
+        reader's notification is about to free.
+        """
         now = time.monotonic() if now is None else now
         with self._lock:
             entry = self._entries.get(request_id)
             if entry is None or entry.freeing is not None or entry.release_requested:
                 self._counters.inc("claims_gone")
-                return None
-            if entry.expires_at <= now and entry.pinned_until <= now:
-                self._mark(entry, FreeReason.EXPIRY)
+                return ClaimOutcome.GONE, None
+            if entry.claimed_by is not None and entry.claimed_by != reader:
+                self._counters.inc("claims_refused")
+                return ClaimOutcome.CLAIMED, None
+            if entry.claimed_by is None:
+                if entry.expires_at <= now:
+                    self._mark(entry, FreeReason.EXPIRY)
+                    self._counters.inc("claims_gone")
+                    return ClaimOutcome.GONE, None
+                entry.pinned_until = now + self._claim_timeout_s
+                entry.claimed_by = reader
+            elif entry.pinned_until <= now:
+                # The owner's pin ran out: its read is over one way or another (no extension).
                 self._counters.inc("claims_gone")
-                return None
-            entry.pinned_until = now + self._claim_timeout_s
-            entry.claimed_by = reader
+                return ClaimOutcome.GONE, None
             self._counters.inc("claims_held")
-            return HoldEntry(**entry.__dict__)
+            return ClaimOutcome.HELD, HoldEntry(**entry.__dict__)
 
     def release(
         self,
         request_id: str,
         token: str | None,
-        reader: str | None = None,
+        reader: Claimant | None = None,
         now: float | None = None,
     ) -> ReleaseOutcome:
         """Free a hold now; with `token=None` the caller is trusted (engine-internal).
 
-        `reader` = the engine that claimed it and now gives up: its pin ends with the release.
+        `reader` = the reader request that claimed it and now gives up: its pin ends with the
+        release. Any other caller's release waits for the pin.
         """
         now = time.monotonic() if now is None else now
         with self._lock:

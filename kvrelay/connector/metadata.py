@@ -19,6 +19,8 @@ class RequestView:
     prompt_token_ids: Sequence[int]
     all_token_ids: Sequence[int]
     kv_transfer_params: dict[str, Any] | None = None
+    # The LoRA adapter the request runs with (None: the base model); it seeds block hashes.
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)

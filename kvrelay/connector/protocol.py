@@ -25,6 +25,7 @@ REMOTE_NUM_TOKENS = "remote_num_tokens"
 TP_SIZE = "tp_size"
 REMOTE_BLOCKS_EXPIRY_TIME = "remote_blocks_expiry_time"
 REMOTE_BLOCK_HASHES = "remote_block_hashes"
+REMOTE_TAIL_HASH = "remote_tail_hash"
 RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 REMOTE_URL = "remote_url"
@@ -32,6 +33,8 @@ REMOTE_URL = "remote_url"
 # --- side channel (CONTRACTS §2) --------------------------------------------------------------
 HEADER_TIMESTAMP = "X-KVRelay-Timestamp"
 HEADER_SIGNATURE = "X-KVRelay-Signature"
+HEADER_NONCE = "X-KVRelay-Nonce"
+HEADER_DESTINATION = "X-KVRelay-Destination"
 SECRET_ENV = "KVRELAY_CONNECTOR_SECRET"
 MAX_BODY_BYTES = 64 * 1024
 MAX_CLOCK_SKEW_S = 60.0
@@ -62,6 +65,7 @@ class KVTransferParams(BaseModel):
     tp_size: int = 1
     remote_blocks_expiry_time: float | None = None
     remote_block_hashes: list[str] | None = None
+    remote_tail_hash: str | None = None
     release_token: str | None = None
     hold_blocks: bool = False
     remote_url: str | None = None
@@ -109,18 +113,24 @@ class HandshakeResponse(BaseModel):
 
 
 class ClaimRequest(BaseModel):
-    """`POST /v1/claim`: confirm the blocks are still held and pin them for the read."""
+    """`POST /v1/claim`: confirm the blocks are still held and pin them for ONE reader request.
+
+    The claim belongs to (`reader_engine_id`, `reader_request_id`): the same pair asking again
+    (a retried call, another TP rank of the reader) gets the same claim; anyone else is refused.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     request_id: str = Field(min_length=1, max_length=512)
     reader_engine_id: str = Field(min_length=1, max_length=512)
+    reader_request_id: str = Field(min_length=1, max_length=512)
 
 
 class ClaimResponse(BaseModel):
-    """Answer to a claim: `held` with the pinned blocks, or `gone` (HTTP 410)."""
+    """Answer to a claim: `held` with the pinned blocks, `gone` (HTTP 410) or `claimed` (409:
+    another reader request holds the claim)."""
 
-    status: Literal["held", "gone"]
+    status: Literal["held", "gone", "claimed"]
     block_ids: list[list[int]] = Field(default_factory=list)
     num_tokens: int = 0
     instance_id: str = ""
@@ -136,7 +146,9 @@ class ReleaseRequest(BaseModel):
     request_id: str = Field(min_length=1, max_length=512)
     release_token: str = Field(min_length=1, max_length=512)
     # Set by a reader giving up after its own claim: ends that claim's pin, frees at once.
+    # Both must name the claim's owner; anything else is an ordinary (pin-respecting) release.
     reader_engine_id: str | None = Field(default=None, max_length=512)
+    reader_request_id: str | None = Field(default=None, max_length=512)
 
 
 class ReleaseResponse(BaseModel):

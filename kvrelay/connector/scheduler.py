@@ -18,21 +18,21 @@ from __future__ import annotations
 
 import logging
 import math
-import queue
 import secrets
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import HoldEntry, HoldTable
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.releases import Release, ReleaseSender
+from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S, SideChannelServer
 from kvrelay.connector.stats import Counters
 
@@ -56,14 +56,6 @@ class _Loading:
     bad: set[int] = field(default_factory=set)
     # Failed before any read started (see `ConnectorMetadata.reqs_to_fail`).
     failed: bool = False
-
-
-@dataclass(frozen=True)
-class _Release:
-    host: str
-    port: int
-    request_id: str
-    token: str
 
 
 class ConnectorScheduler:
@@ -99,14 +91,17 @@ class ConnectorScheduler:
         # Requests whose remote hold was dealt with (load started or holder released), so
         # `request_finished` knows whether it still owes the holder a release.
         self._settled: set[str] = set()
-        self._releases: queue.Queue[_Release | None] = queue.Queue()
-        self._release_thread: threading.Thread | None = None
+        self._releases: ReleaseSender | None = None
         self._client: SideChannelClient | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         secret = self.config.require_secret()
-        self._client = SideChannelClient(secret, timeout_s=self.config.handshake_timeout_s)
+        self._client = SideChannelClient(
+            secret,
+            timeout_s=self.config.release_timeout_s,
+            allowlist=HolderAllowlist(self.config.allowed_holders),
+        )
         self._server = SideChannelServer(
             self.config.side_channel_host,
             self.config.side_channel_port,
@@ -116,18 +111,20 @@ class ConnectorScheduler:
             self._handshake_payload,
             # Nothing is ever published: answer "unknown" at once instead of waiting.
             finished_wait_s=FINISHED_WAIT_S if self.config.publish_finished_params else 0.0,
+            aliases=(self.config.public_host, *self.config.side_channel_aliases),
         )
         self._server.start()
-        self._release_thread = threading.Thread(
-            target=self._release_loop, name="kvrelay-release", daemon=True
+        self._releases = ReleaseSender(
+            self._client,
+            self.counters,
+            attempts=self.config.release_attempts,
+            per_holder=self.config.release_concurrency_per_holder,
         )
-        self._release_thread.start()
 
     def shutdown(self) -> None:
-        if self._release_thread is not None:
-            self._releases.put(None)
-            self._release_thread.join(10)
-            self._release_thread = None
+        if self._releases is not None:
+            self._releases.close()
+            self._releases = None
         if self._server is not None:
             self._server.shutdown()
             self._server = None
@@ -200,17 +197,20 @@ class ConnectorScheduler:
         remote_tokens = min(max(claimed, 0), len(remote_ids) * bs)
         prompt = list(req.prompt_token_ids)
         if params.remote_block_hashes is not None:
-            local_h = block_hashes(prompt, bs, self._compat)
+            local_h = block_hashes(prompt, bs, self._compat, req.lora_name)
             matched = matching_prefix_blocks(local_h, params.remote_block_hashes)
             verified = min(matched * bs, remote_tokens)
             self.counters.inc("prefix_mismatch_blocks", len(params.remote_block_hashes) - matched)
-            # Same-request P->D leg: every full block matched, so the holder computed exactly
-            # this prompt and its partial tail block belongs to it as well.
+            # Same-request P->D leg: every full block matched and the holder's partial tail
+            # block hashes like our tokens at its place, so it belongs to this prompt too.
             full_remote = remote_tokens // bs
             if (
                 params.do_remote_prefill
                 and matched == full_remote == len(params.remote_block_hashes)
                 and remote_tokens <= len(prompt)
+                and params.remote_tail_hash is not None
+                and params.remote_tail_hash
+                == tail_hash(prompt[:remote_tokens], bs, self._compat, req.lora_name)
             ):
                 verified = remote_tokens
         elif self.config.require_block_hashes:
@@ -384,9 +384,14 @@ class ConnectorScheduler:
             "remote_num_tokens": num_tokens,
             "tp_size": self.config.tp_size,
             "remote_blocks_expiry_time": now_wall + self.config.lease_seconds,
-            "remote_block_hashes": block_hashes(all_tokens[:num_tokens], bs, self._compat),
+            "remote_block_hashes": block_hashes(
+                all_tokens[:num_tokens], bs, self._compat, req.lora_name
+            ),
             "release_token": entry.release_token,
         }
+        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
+        if tail is not None:
+            out["remote_tail_hash"] = tail
         self.holds.add(entry)
         self._new_holds[rid] = out["remote_blocks_expiry_time"]
         if self.config.publish_finished_params and req.client_request_id:
@@ -432,24 +437,13 @@ class ConnectorScheduler:
         if not (params.has_remote_blocks and params.release_token):
             return
         assert params.remote_host and params.remote_port and params.remote_request_id
-        self._releases.put(
-            _Release(
+        if self._releases is None:
+            return
+        self._releases.submit(
+            Release(
                 params.remote_host,
                 params.remote_port,
                 params.remote_request_id,
                 params.release_token,
             )
         )
-
-    def _release_loop(self) -> None:
-        while True:
-            item = self._releases.get()
-            if item is None:
-                return
-            assert self._client is not None
-            try:
-                self._client.release(item.host, item.port, item.request_id, item.token)
-                self.counters.inc("releases_sent")
-            except SideChannelError as exc:
-                self.counters.inc("releases_failed")
-                log.info("release of %s not delivered: %s", item.request_id, exc)

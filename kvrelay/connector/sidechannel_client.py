@@ -1,9 +1,12 @@
 """Clients for a holder's side channel (CONTRACTS §2). Torch-free.
 
 `SideChannelClient` is synchronous on a pooled `httpx.Client` (worker and scheduler threads);
-`AsyncSideChannelClient` uses aiohttp (the proxy). Both sign every request and bound the time
-and the size of every answer. Network failures raise `SideChannelError`; a "gone" claim or an
-unknown release is an answer, not an error.
+`AsyncSideChannelClient` uses aiohttp (the proxy). Both sign every request for the address
+they send it to, bound the time and the size of every answer, and believe an answer only when
+the holder signed it for that very request. With an allowlist (readers: `allowed_holders`) a
+holder outside it is never contacted. Network failures, unsigned or forged answers and refused
+addresses raise `SideChannelError`; a "gone"/"claimed" claim or an unknown release is an
+answer, not an error.
 """
 
 from __future__ import annotations
@@ -16,8 +19,11 @@ import aiohttp
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from kvrelay.connector.auth import sign_headers
+from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.auth import destination, sign_headers, verify_response
 from kvrelay.connector.protocol import (
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
     PATH_CLAIM,
     PATH_FINISHED_PREFIX,
     PATH_HANDSHAKE,
@@ -38,6 +44,10 @@ class SideChannelError(Exception):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class HolderNotAllowedError(SideChannelError):
+    """The holder's address is outside the allowlist: it was not contacted (final)."""
 
 
 def _base(host: str, port: int) -> str:
@@ -70,6 +80,8 @@ def _parse_handshake(status: int, body: bytes) -> HandshakeResponse:
 def _parse_claim(status: int, body: bytes) -> ClaimResponse:
     if status == 410:
         return ClaimResponse(status="gone")
+    if status == 409:
+        return ClaimResponse(status="claimed")
     return _parse_answer(ClaimResponse, "claim", status, body)
 
 
@@ -91,16 +103,39 @@ def _parse_finished(status: int, body: bytes) -> dict[str, Any] | None:
     return value
 
 
+def _signed_request(
+    secret: bytes, allowlist: HolderAllowlist | None, host: str, port: int, method: str,
+    path: str, body: bytes,
+) -> dict[str, str]:  # fmt: skip
+    """Headers for one request, after checking the holder may be contacted at all."""
+    if allowlist is not None and not allowlist.allows(host):
+        raise HolderNotAllowedError(f"holder address {host!r} is not in allowed_holders")
+    headers = sign_headers(secret, method, path, body, dest=destination(host, port))
+    headers["Content-Type"] = "application/json"
+    return headers
+
+
+def _authentic(
+    secret: bytes, headers: dict[str, str], status: int, data: bytes, signature: str | None
+) -> tuple[int, bytes]:
+    """The answer, if the holder signed it for this request; anything else is an error."""
+    if not verify_response(secret, headers[HEADER_NONCE], status, data, signature):
+        raise SideChannelError(f"unauthenticated side-channel answer (status {status})", status)
+    return status, data
+
+
 class SideChannelClient:
     """Synchronous, connection-pooled client; safe to share between threads."""
 
-    def __init__(self, secret: bytes, timeout_s: float = 5.0) -> None:
+    def __init__(
+        self, secret: bytes, timeout_s: float = 5.0, allowlist: HolderAllowlist | None = None
+    ) -> None:
         self._secret = secret
+        self._allowlist = allowlist
         self._client = httpx.Client(timeout=timeout_s, trust_env=False)
 
     def _call(self, host: str, port: int, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        headers = sign_headers(self._secret, method, path, body)
-        headers["Content-Type"] = "application/json"
+        headers = _signed_request(self._secret, self._allowlist, host, port, method, path, body)
         try:
             with self._client.stream(
                 method, _base(host, port) + path, content=body or None, headers=headers
@@ -110,15 +145,22 @@ class SideChannelClient:
                     data += chunk
                     if len(data) > MAX_RESPONSE_BYTES:
                         raise SideChannelError("side-channel answer too large")
-                return resp.status_code, bytes(data)
+                signature = resp.headers.get(HEADER_SIGNATURE)
+                return _authentic(self._secret, headers, resp.status_code, bytes(data), signature)
         except httpx.HTTPError as exc:
             raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
 
     def handshake(self, host: str, port: int) -> HandshakeResponse:
         return _parse_handshake(*self._call(host, port, "GET", PATH_HANDSHAKE, b""))
 
-    def claim(self, host: str, port: int, request_id: str, reader_engine_id: str) -> ClaimResponse:
-        body = ClaimRequest(request_id=request_id, reader_engine_id=reader_engine_id)
+    def claim(
+        self, host: str, port: int, request_id: str, reader_engine_id: str, reader_request_id: str
+    ) -> ClaimResponse:
+        body = ClaimRequest(
+            request_id=request_id,
+            reader_engine_id=reader_engine_id,
+            reader_request_id=reader_request_id,
+        )
         return _parse_claim(
             *self._call(host, port, "POST", PATH_CLAIM, body.model_dump_json().encode())
         )
@@ -130,9 +172,13 @@ class SideChannelClient:
         request_id: str,
         release_token: str,
         reader_engine_id: str | None = None,
+        reader_request_id: str | None = None,
     ) -> bool:
         body = ReleaseRequest(
-            request_id=request_id, release_token=release_token, reader_engine_id=reader_engine_id
+            request_id=request_id,
+            release_token=release_token,
+            reader_engine_id=reader_engine_id,
+            reader_request_id=reader_request_id,
         )
         return _parse_release(
             *self._call(host, port, "POST", PATH_RELEASE, body.model_dump_json().encode())
@@ -163,10 +209,9 @@ class AsyncSideChannelClient:
     async def _call(
         self, host: str, port: int, method: str, path: str, body: bytes
     ) -> tuple[int, bytes]:
+        headers = _signed_request(self._secret, None, host, port, method, path, body)
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        headers = sign_headers(self._secret, method, path, body)
-        headers["Content-Type"] = "application/json"
         try:
             async with self._session.request(
                 method,
@@ -180,7 +225,8 @@ class AsyncSideChannelClient:
                     data += chunk
                     if len(data) > MAX_RESPONSE_BYTES:
                         raise SideChannelError("side-channel answer too large")
-                return resp.status, bytes(data)
+                signature = resp.headers.get(HEADER_SIGNATURE)
+                return _authentic(self._secret, headers, resp.status, bytes(data), signature)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
 
@@ -188,9 +234,13 @@ class AsyncSideChannelClient:
         return _parse_handshake(*await self._call(host, port, "GET", PATH_HANDSHAKE, b""))
 
     async def claim(
-        self, host: str, port: int, request_id: str, reader_engine_id: str
+        self, host: str, port: int, request_id: str, reader_engine_id: str, reader_request_id: str
     ) -> ClaimResponse:
-        body = ClaimRequest(request_id=request_id, reader_engine_id=reader_engine_id)
+        body = ClaimRequest(
+            request_id=request_id,
+            reader_engine_id=reader_engine_id,
+            reader_request_id=reader_request_id,
+        )
         raw = body.model_dump_json().encode()
         return _parse_claim(*await self._call(host, port, "POST", PATH_CLAIM, raw))
 

@@ -1,10 +1,13 @@
 """The holder's side channel: an aiohttp server on its own thread and event loop.
 
-Every request is authenticated (HMAC, `kvrelay.connector.auth`) and size-bounded before anything
-looks at it; refusals are counted per reason and never acted on. Endpoints: CONTRACTS §2.
-`GET /v1/finished/{id}` for a request not yet published waits (bounded) for its publication:
-the proxy asks as soon as the stream's last token reached it, which can be a moment before
-the engine's scheduler published the params.
+Every request is size-bounded, read whole, and authenticated (HMAC over its timestamp, nonce,
+destination, method, path and body; `kvrelay.connector.auth`) before anything looks at it: it
+must be addressed to one of this engine's own addresses and its nonce must be new. Refusals are
+counted per reason and never acted on. Every answer to an authenticated request is signed over
+that request's nonce, so readers can tell the holder's answers from anyone else's. Endpoints:
+CONTRACTS §2. `GET /v1/finished/{id}` for a request not yet published waits (bounded) for its
+publication: the proxy asks as soon as the stream's last token reached it, which can be a moment
+before the engine's scheduler published the params.
 """
 
 from __future__ import annotations
@@ -14,16 +17,19 @@ import contextlib
 import json
 import logging
 import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 
-from kvrelay.connector.auth import verify
-from kvrelay.connector.holds import HoldTable, ReleaseOutcome
+from kvrelay.connector.auth import AuthFailure, NonceCache, destination, response_signature, verify
+from kvrelay.connector.holds import ClaimOutcome, HoldTable, ReleaseOutcome
 from kvrelay.connector.protocol import (
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
     MAX_BODY_BYTES,
     PATH_CLAIM,
     PATH_FINISHED_PREFIX,
@@ -60,8 +66,13 @@ class SideChannelServer:
         counters: Counters,
         handshake: Callable[[], dict[str, Any] | None],
         finished_wait_s: float = FINISHED_WAIT_S,
+        aliases: Collection[str] = (),
     ) -> None:
         self._host = host
+        # Host names clients address this side channel by (the bind host is always one).
+        self._hosts = {host, *aliases}
+        self._destinations: frozenset[str] = frozenset()
+        self._nonces = NonceCache()
         self._port = port
         self._secret = secret
         self._holds = holds
@@ -117,6 +128,7 @@ class SideChannelServer:
         assert server is not None
         sockets = getattr(server, "sockets", None) or []
         self.port = int(sockets[0].getsockname()[1]) if sockets else self._port
+        self._destinations = frozenset(destination(h, self.port) for h in self._hosts)
 
     async def _cleanup(self) -> None:
         if self._runner is not None:
@@ -129,26 +141,51 @@ class SideChannelServer:
             thread.join(timeout_s)
         self._thread = None
 
-    # --- request guard: size, then auth, before any handler -------------------------------
+    # --- request guard: size, whole body, auth, replay; then the signed answer ------------
     @web.middleware
     async def _guard(
         self, request: web.Request, handler: Callable[[web.Request], Any]
     ) -> web.StreamResponse:
         if request.content_length is not None and request.content_length > MAX_BODY_BYTES:
-            self._counters.inc("rejected_too_large")
-            return _error(413, "body too large")
-        body = await request.content.read(MAX_BODY_BYTES + 1)
-        if len(body) > MAX_BODY_BYTES:
-            self._counters.inc("rejected_too_large")
-            return _error(413, "body too large")
-        failure = verify(self._secret, request.headers, request.method, request.raw_path, body)
+            return self._too_large()
+        body = await self._read_body(request)
+        if body is None:
+            return self._too_large()
+        failure = verify(
+            self._secret, request.headers, request.method, request.raw_path, body,
+            destinations=self._destinations,
+        )  # fmt: skip
+        nonce = request.headers.get(HEADER_NONCE, "")
+        if failure is None and not self._nonces.first_use(nonce):
+            failure = AuthFailure.REPLAY
         if failure is not None:
             self._counters.inc("auth_rejected")
             self._counters.inc(f"auth_rejected_{failure.value}")
             return _error(401, "unauthenticated")
         request[_BODY] = body
         response: web.StreamResponse = await handler(request)
+        if isinstance(response, web.Response):
+            raw = response.body if isinstance(response.body, bytes) else b""
+            response.headers[HEADER_SIGNATURE] = response_signature(
+                self._secret, nonce, response.status, raw
+            )
         return response
+
+    @staticmethod
+    async def _read_body(request: web.Request) -> bytes | None:
+        """The whole body (a request may arrive in many TCP segments), None past the limit."""
+        body = bytearray()
+        while True:
+            chunk = await request.content.read(MAX_BODY_BYTES + 1 - len(body))
+            if not chunk:
+                return bytes(body)
+            body += chunk
+            if len(body) > MAX_BODY_BYTES:
+                return None
+
+    def _too_large(self) -> web.Response:
+        self._counters.inc("rejected_too_large")
+        return _error(413, "body too large")
 
     def _malformed(self, what: str) -> web.Response:
         self._counters.inc("rejected_malformed")
@@ -167,7 +204,12 @@ class SideChannelServer:
             msg = ClaimRequest.model_validate_json(request[_BODY])
         except ValidationError:
             return self._malformed("claim")
-        entry = self._holds.claim(msg.request_id, msg.reader_engine_id)
+        outcome, entry = self._holds.claim(
+            msg.request_id, (msg.reader_engine_id, msg.reader_request_id)
+        )
+        if outcome is ClaimOutcome.CLAIMED:
+            taken = ClaimResponse(status="claimed", instance_id=self.instance_id)
+            return web.json_response(taken.model_dump(), status=409)
         if entry is None:
             gone = ClaimResponse(status="gone", instance_id=self.instance_id)
             return web.json_response(gone.model_dump(), status=410)
@@ -176,7 +218,8 @@ class SideChannelServer:
             block_ids=entry.block_ids,
             num_tokens=entry.num_tokens,
             instance_id=self.instance_id,
-            pinned_for_s=self._holds.claim_timeout_s,
+            # What is left of the pin (a re-claim by the same reader does not extend it).
+            pinned_for_s=max(0.001, entry.pinned_until - time.monotonic()),
         )
         return web.json_response(held.model_dump())
 
@@ -185,7 +228,12 @@ class SideChannelServer:
             msg = ReleaseRequest.model_validate_json(request[_BODY])
         except ValidationError:
             return self._malformed("release")
-        outcome = self._holds.release(msg.request_id, msg.release_token, msg.reader_engine_id)
+        reader = (
+            (msg.reader_engine_id, msg.reader_request_id)
+            if msg.reader_engine_id and msg.reader_request_id
+            else None
+        )
+        outcome = self._holds.release(msg.request_id, msg.release_token, reader)
         if outcome is ReleaseOutcome.FORBIDDEN:
             return _error(403, "wrong release token")
         released = outcome is ReleaseOutcome.RELEASED

@@ -1,12 +1,25 @@
 """`ConnectorWorker`: one per TP rank. Handshake, claim, NIXL reads, notifications, failures.
 
 Threads: the engine's thread calls `start_load_kv` / `get_finished` and is the only one that
-touches NIXL. Side-channel calls (claim, handshake with bounded retries, releases) run on a
-small pool; their results and failures come back through thread-safe queues. Every failure —
-handshake, incompatible holder, claim "gone", setup, transfer error or timeout, unexpected
-exception — goes through ONE handler (`_fail`): the request's local blocks become invalid, the
-request is reported finished-receiving (the scheduler applies the failure policy), and the
-holder is released so nothing stays stranded.
+touches NIXL. Side-channel calls (claim, handshake with bounded retries) run on a small pool;
+their results and failures come back through thread-safe queues; releases go through a
+`ReleaseSender` (per-holder threads, bounded retries). Only holders in `allowed_holders` are
+contacted. Every failure — handshake, incompatible holder or cache layout, claim "gone" or
+"claimed", setup, transfer error or timeout, unexpected exception — goes through ONE handler
+(`_fail`): the holder is released (our own claim ends) so nothing stays stranded, and once no
+READ of the request can still write into its local blocks, the blocks become invalid and the
+request is reported finished-receiving (the scheduler applies the failure policy).
+
+A READ that failed or timed out while NIXL still has it in progress is cancelled: it stops
+counting as a load, but its handle is kept and polled until NIXL reports it over (done or
+failed). Until then the request is not reported, so the engine keeps its blocks (quarantined):
+releasing a NIXL handle does not stop data already requested from landing. Past
+`cancel_grace_s` the read counts as stuck (`reads_stuck`, logged); it is still never handed
+back early. A holder that dies ends it (NIXL reports the failure).
+
+One NIXL agent entry per holder instance: loaded at the first read from it and replaced only
+when the holder's instance id changes (a restart: the old entry is removed first). One read's
+failure never removes it, so other reads from the same holder are untouched.
 
 Holder role: each rank counts read notifications per request; a request is reported
 `finished_sending` once the expected number of readers (carried in the message) notified, or
@@ -18,6 +31,7 @@ from __future__ import annotations
 import base64
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections import OrderedDict
@@ -27,10 +41,12 @@ from typing import Any
 
 import torch
 
+from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec
 from kvrelay.connector.protocol import ClaimResponse, HandshakeResponse
+from kvrelay.connector.releases import Release, ReleaseSender
 from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
 from kvrelay.connector.stats import Counters
 from kvrelay.connector.tp import ReadPlan, TPMismatchError, plan_reads
@@ -93,6 +109,10 @@ class _Read:
     deadline: float
     pin_deadline: float
     num_blocks: int
+    # Set once the read failed: it is being cancelled and is reported when NIXL says it is over.
+    failure: LoadFailure | None = None
+    grace_deadline: float = 0.0
+    stuck: bool = False
 
 
 @dataclass
@@ -115,10 +135,13 @@ class ConnectorWorker:
         self.counters = Counters(
             "transfers", "blocks_read", "bytes_read", "failures", "notifs_received",
             "notifs_ignored", "freed_reported", "read_reported", "handshakes", "descs_posted",
+            "remote_agents_added", "remote_agents_removed", "reads_cancelled", "reads_stuck",
         )  # fmt: skip
         self._transport: NixlTransport | None = None
         self._geometry: CacheGeometry | None = None
         self._client: SideChannelClient | None = None
+        self._releases: ReleaseSender | None = None
+        self._client_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvrelay-w{rank}")
         self._prepared: queue.Queue[_Prepared] = queue.Queue()
         self._failures: queue.Queue[tuple[str, LoadFailure]] = queue.Queue()
@@ -155,10 +178,22 @@ class ConnectorWorker:
         return self._transport, self._geometry
 
     def _side_channel(self) -> SideChannelClient:
-        if self._client is None:
-            secret = self.config.require_secret()
-            self._client = SideChannelClient(secret, timeout_s=self.config.handshake_timeout_s)
-        return self._client
+        # Pool threads ask concurrently: exactly one client (and one release sender) is made.
+        with self._client_lock:
+            if self._client is None:
+                self._client = SideChannelClient(
+                    self.config.require_secret(),
+                    timeout_s=self.config.handshake_timeout_s,
+                    allowlist=HolderAllowlist(self.config.allowed_holders),
+                )
+                self._releases = ReleaseSender(
+                    self._client,
+                    self.counters,
+                    attempts=self.config.release_attempts,
+                    per_holder=self.config.release_concurrency_per_holder,
+                    name=f"kvrelay-w{self.rank}-release",
+                )
+            return self._client
 
     # --- per step --------------------------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
@@ -197,7 +232,9 @@ class ConnectorWorker:
 
     def stats(self) -> dict[str, int]:
         snap = self.counters.snapshot()
-        snap["reads_in_flight"] = len(self._reads)
+        cancelling = sum(1 for r in self._reads.values() if r.failure is not None)
+        snap["reads_in_flight"] = len(self._reads) - cancelling
+        snap["reads_cancelling"] = cancelling
         snap["holding"] = len(self._holding)
         return snap
 
@@ -209,6 +246,8 @@ class ConnectorWorker:
                     self._transport.release(handle)
             self._reads.clear()
             self._transport.close()
+        if self._releases is not None:
+            self._releases.close()
         if self._client is not None:
             self._client.close()
 
@@ -220,10 +259,12 @@ class ConnectorWorker:
             try:
                 claim = client.claim(
                     spec.remote_host, spec.remote_port, spec.remote_request_id,
-                    self.config.engine_id,
+                    self.config.engine_id, spec.request_id,
                 )  # fmt: skip
             except SideChannelError as exc:
                 raise LoadFailure("claim", f"claim failed: {exc}") from exc
+            if claim.status == "claimed":
+                raise LoadFailure("claimed", "another reader request claimed these blocks")
             if claim.status != "held":
                 raise LoadFailure("gone", "holder no longer holds the blocks")
             held = set(claim.block_ids[0]) if claim.block_ids else set()
@@ -232,6 +273,8 @@ class ConnectorWorker:
             handshake = None
             if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
                 handshake = self._handshake(spec)
+                if handshake.instance_id != claim.instance_id:
+                    raise LoadFailure("gone", "holder restarted between claim and handshake")
             self._prepared.put(_Prepared(spec, claim, handshake, claimed_at))
         except LoadFailure as exc:
             self._failures.put((spec.request_id, exc))
@@ -282,11 +325,12 @@ class ConnectorWorker:
                 self._fail(rid, LoadFailure("exception", repr(exc)))
 
     def _remote_engine(self, prep: _Prepared) -> _RemoteEngine:
+        """The holder instance's agent entry: loaded once, replaced only on a new instance."""
         transport, _ = self._require()
         engine_id = prep.spec.remote_engine_id
         current = self._remotes.get(engine_id)
-        if prep.handshake is None and current is not None:
-            return current
+        if current is not None and current.instance_id == prep.claim.instance_id:
+            return current  # another read's handshake of the same instance changes nothing
         if prep.handshake is None:
             raise LoadFailure("handshake", "no cached metadata for the holder")
         if current is not None:
@@ -304,6 +348,7 @@ class ConnectorWorker:
             for name in remote.agents.values():
                 transport.remove_remote(name)
             raise
+        self.counters.inc("remote_agents_added")
         self._remotes[engine_id] = remote
         self._known_instances = {**self._known_instances, engine_id: hs.instance_id}
         return remote
@@ -314,8 +359,21 @@ class ConnectorWorker:
         known.pop(engine_id, None)
         self._known_instances = known
         if remote is not None and self._transport is not None:
+            self.counters.inc("remote_agents_removed")
             for name in remote.agents.values():
                 self._transport.remove_remote(name)
+
+    def _check_layouts(self, local: CacheGeometry, remote: _RemoteEngine) -> None:
+        """Refuse a holder whose block bytes mean something else here (never copy verbatim)."""
+        for rank, geom in remote.geometries.items():
+            mine = (local.dtype, local.head_major, local.layout_name)
+            theirs = (geom.dtype, geom.head_major, geom.layout_name)
+            if mine != theirs:
+                raise LoadFailure(
+                    "incompatible",
+                    f"holder rank {rank} cache layout (dtype, head-major, name) {theirs} "
+                    f"!= {mine} here",
+                )
 
     def _start_read(self, prep: _Prepared) -> None:
         transport, local = self._require()
@@ -323,35 +381,18 @@ class ConnectorWorker:
         remote = self._remote_engine(prep)
         if remote.tp_size != spec.remote_tp_size:
             raise LoadFailure("setup", "holder TP size differs from the params")
+        self._check_layouts(local, remote)
         first = remote.geometries[min(remote.geometries)]
         plan: ReadPlan = plan_reads(
             self.rank, self.tp_size, remote.tp_size, self.config.use_mla,
-            local.region_len, first.region_len, local.head_major and first.head_major,
+            local.region_len, first.region_len, local.head_major,
         )  # fmt: skip
         if max(spec.local_block_ids, default=0) >= local.num_blocks:
             raise LoadFailure("setup", "local block id out of range")
         message = notif_message(spec.remote_request_id, plan.expected_per_holder_rank)
-        handles: list[XferHandle] = []
-        try:
-            for piece in plan.pieces:
-                geom = remote.geometries[piece.remote_rank]
-                if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
-                    raise LoadFailure("setup", "remote block id out of range")
-                l_descs, r_descs = build_descs(
-                    local, geom, spec.local_block_ids, spec.remote_block_ids, piece,
-                    self.config.coalesce,
-                )  # fmt: skip
-                agent = remote.agents[piece.remote_rank]
-                handles.append(transport.read(agent, l_descs, r_descs, message))
-                self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
-                self.counters.inc("descs_posted", len(l_descs))
-        except BaseException:
-            for handle in handles:
-                transport.release(handle)
-            raise
-        self._reads[spec.request_id] = _Read(
+        read = _Read(
             spec=spec,
-            handles=handles,
+            handles=[],
             notify_agents=[remote.agents[r] for r in plan.notify_only_ranks],
             message=message,
             deadline=time.monotonic() + self.config.transfer_timeout_s,
@@ -363,6 +404,21 @@ class ConnectorWorker:
             ),
             num_blocks=len(spec.local_block_ids),
         )
+        # Registered before posting: a failure after some pieces were posted still waits for
+        # those pieces to be over before the blocks go back (see `_fail`).
+        self._reads[spec.request_id] = read
+        for piece in plan.pieces:
+            geom = remote.geometries[piece.remote_rank]
+            if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
+                raise LoadFailure("setup", "remote block id out of range")
+            l_descs, r_descs = build_descs(
+                local, geom, spec.local_block_ids, spec.remote_block_ids, piece,
+                self.config.coalesce,
+            )  # fmt: skip
+            agent = remote.agents[piece.remote_rank]
+            read.handles.append(transport.read(agent, l_descs, r_descs, message))
+            self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
+            self.counters.inc("descs_posted", len(l_descs))
 
     def _poll_reads(self) -> None:
         if not self._reads:
@@ -371,11 +427,23 @@ class ConnectorWorker:
         now = time.monotonic()
         for rid, read in list(self._reads.items()):
             states = [transport.state(h) for h in read.handles]
-            if "ERR" in states:
+            over = "PROC" not in states
+            if read.failure is not None:
+                if over:
+                    self._finish_failed(rid)
+                elif now > read.grace_deadline and not read.stuck:
+                    read.stuck = True
+                    self.counters.inc("reads_stuck")
+                    log.error(
+                        "cancelled KV read for %s still in progress after %.0fs: its blocks stay "
+                        "with the request until NIXL reports it over",
+                        rid, self.config.cancel_grace_s,
+                    )  # fmt: skip
+            elif "ERR" in states:
                 self._fail(rid, LoadFailure("transfer", "NIXL READ failed"))
             elif now > read.pin_deadline:
                 self._fail(rid, LoadFailure("timeout", "READ outlasted the holder's claim pin"))
-            elif all(s == "DONE" for s in states):
+            elif over:
                 for handle in read.handles:
                     transport.release(handle)
                 del self._reads[rid]
@@ -402,36 +470,47 @@ class ConnectorWorker:
 
     def _fail(self, rid: str, exc: LoadFailure) -> None:
         """The single failure handler (see module docstring)."""
-        spec = self._specs.pop(rid, None)
-        read = self._reads.pop(rid, None)
-        if read is not None and self._transport is not None:
-            for handle in read.handles:
-                self._transport.release(handle)
-        if spec is None:
+        spec = self._specs.get(rid)
+        read = self._reads.get(rid)
+        if spec is None or (read is not None and read.failure is not None):
             return
         log.warning("KV load for %s failed (%s): %s", rid, exc.kind, exc)
         self.counters.inc("failures")
         self.counters.inc(f"failures_{exc.kind}")
-        self._invalid.update(spec.local_block_ids)
-        self._done_recving.add(rid)
-        if exc.kind in ("transfer", "timeout", "handshake", "setup"):
-            # The holder may have restarted or died: re-handshake next time.
-            self._forget_remote(spec.remote_engine_id)
-        if spec.release_token and exc.kind != "gone":
-            self._pool.submit(self._release_quietly, spec)
+        if spec.release_token and exc.kind not in ("gone", "claimed"):
+            # Ends our own claim's pin at once; another reader's claim is not ours to end.
+            self._side_channel()
+            assert self._releases is not None
+            self._releases.submit(
+                Release(
+                    spec.remote_host, spec.remote_port, spec.remote_request_id,
+                    spec.release_token, self.config.engine_id, rid,
+                )
+            )  # fmt: skip
+        if read is None:
+            self._specs.pop(rid, None)
+            self._report_failed(spec)
+            return
+        # Posted pieces may still write into the local blocks: cancel, report once over.
+        self.counters.inc("reads_cancelled")
+        read.failure = exc
+        read.grace_deadline = time.monotonic() + self.config.cancel_grace_s
+        transport, _ = self._require()
+        if "PROC" not in [transport.state(h) for h in read.handles]:
+            self._finish_failed(rid)
 
-    def _release_quietly(self, spec: RecvSpec) -> None:
-        assert spec.release_token is not None
-        try:
-            self._side_channel().release(
-                spec.remote_host,
-                spec.remote_port,
-                spec.remote_request_id,
-                spec.release_token,
-                reader_engine_id=self.config.engine_id,
-            )
-        except SideChannelError as exc:  # a dead holder has nothing left to free
-            log.info("release after failure not delivered: %s", exc)
+    def _finish_failed(self, rid: str) -> None:
+        """A cancelled read is over: free its handles, hand its blocks back as invalid."""
+        read = self._reads.pop(rid)
+        spec = self._specs.pop(rid, None)
+        if self._transport is not None:
+            for handle in read.handles:
+                self._transport.release(handle)
+        self._report_failed(spec or read.spec)
+
+    def _report_failed(self, spec: RecvSpec) -> None:
+        self._invalid.update(spec.local_block_ids)
+        self._done_recving.add(spec.request_id)
 
     # --- holder: notifications -------------------------------------------------------------
     def _poll_notifs(self) -> None:

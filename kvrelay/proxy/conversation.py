@@ -117,6 +117,8 @@ class PromptShape:
     _chain: tuple[str, ...] = ()
     _text: str | None = None
     _tokens: tuple[int, ...] | None = None
+    # Completions: the model (a LoRA adapter is a model name) scopes text/token digests.
+    _model: str = ""
 
     def extends(self, stored: str) -> bool:
         """True when this prompt strictly extends the prompt `stored` was taken from."""
@@ -128,19 +130,23 @@ class PromptShape:
         if kind == "m" and self.kind == "chat":
             return count < len(self._chain) - 1 and self._chain[count] == digest
         if kind == "t" and self.kind == "text" and self._text is not None:
-            return count < len(self._text) and _text_digest(self._text[:count]) == digest
+            prefix = self._text[:count]
+            return count < len(self._text) and _text_digest(prefix, self._model) == digest
         if kind == "k" and self.kind == "tokens" and self._tokens is not None:
-            return count < len(self._tokens) and _tokens_digest(self._tokens[:count]) == digest
+            head = self._tokens[:count]
+            return count < len(self._tokens) and _tokens_digest(head, self._model) == digest
         return False
 
 
-def _text_digest(text: str) -> str:
-    return hashlib.sha256(b"kvrelay-text-v1\n" + text.encode()).hexdigest()[:32]
+def _text_digest(text: str, model: str) -> str:
+    seed = b"kvrelay-text-v2\n" + model.encode() + b"\n"
+    return hashlib.sha256(seed + text.encode()).hexdigest()[:32]
 
 
-def _tokens_digest(tokens: tuple[int, ...]) -> str:
+def _tokens_digest(tokens: tuple[int, ...], model: str) -> str:
     raw = b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
-    return hashlib.sha256(b"kvrelay-tokens-v1\n" + raw).hexdigest()[:32]
+    seed = b"kvrelay-tokens-v2\n" + model.encode() + b"\n"
+    return hashlib.sha256(seed + raw).hexdigest()[:32]
 
 
 def chat_shape(body: dict[str, Any]) -> PromptShape:
@@ -173,16 +179,19 @@ def chat_store_key_id(shape: PromptShape) -> str | None:
 
 
 def completion_shape(body: dict[str, Any]) -> PromptShape:
+    model = body.get("model")
+    model = model if isinstance(model, str) else ""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return PromptShape(
             kind="text",
-            store_fingerprint=f"t:{len(prompt)}:{_text_digest(prompt)}",
+            store_fingerprint=f"t:{len(prompt)}:{_text_digest(prompt, model)}",
             history_fingerprint=None,
             lookup_key_id=None,
             _text=prompt,
+            _model=model,
         )
     if (
         isinstance(prompt, list)
@@ -192,10 +201,11 @@ def completion_shape(body: dict[str, Any]) -> PromptShape:
         tokens = tuple(prompt)
         return PromptShape(
             kind="tokens",
-            store_fingerprint=f"k:{len(tokens)}:{_tokens_digest(tokens)}",
+            store_fingerprint=f"k:{len(tokens)}:{_tokens_digest(tokens, model)}",
             history_fingerprint=None,
             lookup_key_id=None,
             _tokens=tokens,
+            _model=model,
         )
     # Batches of prompts: several outputs, no single conversation to continue.
     return PromptShape("none", None, None, None)

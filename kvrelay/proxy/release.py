@@ -2,8 +2,10 @@
 
 The proxy releases whenever it abandons blocks: D's entry of a conversation that was
 superseded, evicted, expired, deleted or refused; P's blocks that no D took. Releases run as
-background tasks (the client never waits on them) that `drain()` awaits at shutdown. Without
-a release token (stock vLLM) or a connector secret nothing can be released; that is counted.
+background tasks (the client never waits on them) that `drain()` awaits at shutdown; each is
+its own task, so a dead holder delays no other release. A network failure is retried a bounded
+number of times with backoff; an answer (released, unknown, refused) is final. Without a
+release token (stock vLLM) or a connector secret nothing can be released; that is counted.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
 from kvrelay.proxy import metrics
 
 log = logging.getLogger(__name__)
+
+RELEASE_ATTEMPTS = 3
+_BACKOFF_S = 0.1
 
 
 class Releaser:
@@ -63,14 +68,19 @@ class Releaser:
             metrics.RELEASES.labels(holder, "unsupported").inc()
             return False
         assert port is not None  # checked by valid_port
-        try:
-            released = await self._client.release(host, port, request_id, token)
-        except SideChannelError as exc:
-            metrics.RELEASES.labels(holder, "failed").inc()
-            log.warning("release on %s %s:%s failed: %s", holder, host, port, exc)
-            return False
-        metrics.RELEASES.labels(holder, "released" if released else "already_free").inc()
-        return released
+        for attempt in range(RELEASE_ATTEMPTS):
+            try:
+                released = await self._client.release(host, port, request_id, token)
+            except SideChannelError as exc:
+                if exc.status is None and attempt + 1 < RELEASE_ATTEMPTS:
+                    await asyncio.sleep(_BACKOFF_S * 2**attempt)  # retry backoff
+                    continue
+                metrics.RELEASES.labels(holder, "failed").inc()
+                log.warning("release on %s %s:%s failed: %s", holder, host, port, exc)
+                return False
+            metrics.RELEASES.labels(holder, "released" if released else "already_free").inc()
+            return released
+        return False  # pragma: no cover - the loop always returns
 
     def release_soon_entry(self, entry: KVEntry) -> None:
         """Release D's blocks of a map entry in the background."""

@@ -8,41 +8,129 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from kvrelay.connector.auth import AuthFailure, sign_headers, verify
+from kvrelay.connector.allowlist import DEFAULT_ALLOWED_HOLDERS, HolderAllowlist
+from kvrelay.connector.auth import (
+    AuthFailure,
+    NonceCache,
+    response_signature,
+    sign_headers,
+    verify,
+    verify_response,
+)
 from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
-from kvrelay.connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP, KVTransferParams
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.protocol import (
+    HEADER_DESTINATION,
+    HEADER_NONCE,
+    HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
+    KVTransferParams,
+)
 from kvrelay.connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
 from tests.harness import REPO_ROOT
 
 SECRET = b"s3cret"
 
 
+DEST = "10.0.0.7:5600"
+OWN = frozenset({DEST})
+
+
+def _sign(body: bytes = b"x", path: str = "/v1/claim", now: float = 1000.0) -> dict[str, str]:
+    return sign_headers(SECRET, "POST", path, body, now=now, dest=DEST)
+
+
 def test_signed_request_verifies() -> None:
-    headers = sign_headers(SECRET, "POST", "/v1/release", b'{"a":1}', now=1000.0)
-    assert verify(SECRET, headers, "POST", "/v1/release", b'{"a":1}', now=1000.5) is None
+    headers = _sign(b'{"a":1}', "/v1/release")
+    assert (
+        verify(SECRET, headers, "POST", "/v1/release", b'{"a":1}', destinations=OWN, now=1000.5)
+        is None
+    )
 
 
 @pytest.mark.parametrize(
     ("mutate", "reason"),
     [
         (lambda h: {}, AuthFailure.MISSING),
+        (lambda h: {k: v for k, v in h.items() if k != HEADER_NONCE}, AuthFailure.MISSING),
+        (lambda h: {k: v for k, v in h.items() if k != HEADER_DESTINATION}, AuthFailure.MISSING),
         (lambda h: {**h, HEADER_TIMESTAMP: "abc"}, AuthFailure.BAD_TIMESTAMP),
         (lambda h: {**h, HEADER_TIMESTAMP: "nan"}, AuthFailure.BAD_TIMESTAMP),
         (lambda h: {**h, HEADER_SIGNATURE: "00" * 32}, AuthFailure.BAD_SIGNATURE),
+        (lambda h: {**h, HEADER_NONCE: "other-nonce"}, AuthFailure.BAD_SIGNATURE),
+        (lambda h: {**h, HEADER_DESTINATION: "10.0.0.8:5600"}, AuthFailure.BAD_SIGNATURE),
+        (lambda h: {**h, HEADER_NONCE: "n" * 500}, AuthFailure.BAD_NONCE),
     ],
 )
 def test_tampered_headers_refused(mutate, reason) -> None:  # type: ignore[no-untyped-def]
-    headers = sign_headers(SECRET, "POST", "/v1/claim", b"x", now=1000.0)
-    assert verify(SECRET, mutate(headers), "POST", "/v1/claim", b"x", now=1000.0) == reason
+    headers = _sign()
+    got = verify(SECRET, mutate(headers), "POST", "/v1/claim", b"x", destinations=OWN, now=1000.0)
+    assert got == reason
 
 
-def test_signature_binds_body_path_method_and_time() -> None:
-    headers = sign_headers(SECRET, "POST", "/v1/claim", b"x", now=1000.0)
-    assert verify(SECRET, headers, "POST", "/v1/claim", b"y", now=1000.0)
-    assert verify(SECRET, headers, "POST", "/v1/release", b"x", now=1000.0)
-    assert verify(SECRET, headers, "GET", "/v1/claim", b"x", now=1000.0)
-    assert verify(b"other", headers, "POST", "/v1/claim", b"x", now=1000.0)
-    assert verify(SECRET, headers, "POST", "/v1/claim", b"x", now=1061.0) == AuthFailure.SKEW
+def test_signature_binds_body_path_method_time_and_destination() -> None:
+    headers = _sign()
+
+    def check(
+        method: str = "POST",
+        path: str = "/v1/claim",
+        body: bytes = b"x",
+        secret: bytes = SECRET,
+        own: frozenset[str] = OWN,
+        now: float = 1000.0,
+    ) -> object:
+        return verify(secret, headers, method, path, body, destinations=own, now=now)
+
+    assert check() is None
+    assert check(body=b"y") == check(path="/v1/release") == AuthFailure.BAD_SIGNATURE
+    assert check(method="GET") == check(secret=b"other") == AuthFailure.BAD_SIGNATURE
+    assert check(now=1061.0) == AuthFailure.SKEW
+    # Signed for another engine's address: refused even though the secret is right.
+    assert check(own=frozenset({"10.0.0.8:5600"})) == AuthFailure.WRONG_DESTINATION
+
+
+def test_nonce_is_accepted_once_within_the_window() -> None:
+    cache = NonceCache(max_skew_s=60, max_entries=3)
+    assert cache.first_use("a", now=0.0) and not cache.first_use("a", now=1.0)
+    assert cache.first_use("b", now=1.0) and cache.first_use("c", now=1.0)
+    # Full of nonces that could still be replayed: refuse rather than forget one.
+    assert not cache.first_use("d", now=2.0)
+    # Past twice the skew window a nonce cannot verify any more and is forgotten.
+    assert cache.first_use("d", now=121.5)
+    assert not cache.first_use("d", now=121.6)
+
+
+def test_answers_are_signed_for_one_request() -> None:
+    sig = response_signature(SECRET, "nonce-1", 200, b'{"ok":1}')
+    assert verify_response(SECRET, "nonce-1", 200, b'{"ok":1}', sig)
+    assert not verify_response(SECRET, "nonce-2", 200, b'{"ok":1}', sig)  # another request
+    assert not verify_response(SECRET, "nonce-1", 410, b'{"ok":1}', sig)
+    assert not verify_response(SECRET, "nonce-1", 200, b'{"ok":2}', sig)
+    assert not verify_response(b"other", "nonce-1", 200, b'{"ok":1}', sig)
+    assert not verify_response(SECRET, "nonce-1", 200, b'{"ok":1}', None)
+
+
+def test_holder_allowlist() -> None:
+    default = HolderAllowlist(DEFAULT_ALLOWED_HOLDERS)
+    for host in ("127.0.0.1", "10.1.2.3", "192.168.0.9", "172.20.0.1", "::1", "[::1]", "localhost"):
+        assert default.allows(host), host
+    for host in ("203.0.113.5", "169.254.169.254", "8.8.8.8", "evil.example.com", "2001:db8::1"):
+        assert not default.allows(host), host
+    assert default.allows("::ffff:10.0.0.1") and not default.allows("::ffff:8.8.8.8")
+    fleet = HolderAllowlist(["10.4.0.0/16", "Engine-0.kvrelay.svc"])
+    assert fleet.allows("10.4.9.9") and fleet.allows("engine-0.kvrelay.svc.")
+    assert not fleet.allows("10.5.0.1") and not fleet.allows("127.0.0.1")
+
+
+def test_compat_hash_covers_everything_that_changes_the_bytes() -> None:
+    base = ConnectorConfig(engine_id="e", num_kv_heads=8, head_dim=128)
+    assert (
+        base.compat_hash()
+        == ConnectorConfig(engine_id="other", num_kv_heads=8, head_dim=128).compat_hash()
+    )
+    for change in ({"num_kv_heads": 4}, {"head_dim": 64}, {"block_size": 32}, {"dtype": "bfloat16"},
+                   {"kv_layout": "other"}, {"model": "m2"}):  # fmt: skip
+        assert base.model_copy(update=change).compat_hash() != base.compat_hash(), change
 
 
 def test_block_hashes_chain_and_cover_full_blocks_only() -> None:

@@ -287,7 +287,8 @@ def test_restarted_holder_is_handshaken_again(
     prompt = toks(2 * BS + 1)
     out = reader.call("load", rid="rs1", prompt=prompt, params=for_p(hold(first, "h", prompt)))
     assert out["loaded"] == 2 * BS
-    handshakes = reader.stats()["workers"][0]["handshakes"]
+    before = reader.stats()["workers"][0]
+    handshakes = before["handshakes"]
     first.kill()
     second = peers(spec)  # same engine id, new process, new NIXL agent
     assert second.info["instance_id"] != first.info["instance_id"]
@@ -295,7 +296,11 @@ def test_restarted_holder_is_handshaken_again(
     out = reader.call("load", rid="rs2", prompt=prompt, params=for_p(params))
     assert out["loaded"] == 2 * BS and not out["invalid"]
     assert same_tp_equal(second, params["remote_block_ids"][0][:2], reader, out["blocks"][:2])
-    assert reader.stats()["workers"][0]["handshakes"] == handshakes + 1
+    after = reader.stats()["workers"][0]
+    assert after["handshakes"] == handshakes + 1
+    # The dead instance's agent entry went before the new instance's was loaded.
+    assert after["remote_agents_removed"] == before["remote_agents_removed"] + 1
+    assert after["remote_agents_added"] == before["remote_agents_added"] + 1
     assert_idle(second)
 
 

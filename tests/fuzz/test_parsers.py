@@ -265,13 +265,20 @@ def test_forged_side_channel_headers_are_refused(
     headers: dict[str, str], method: str, path: str, body: bytes
 ) -> None:
     secret = b"fuzz-secret"
-    assert verify(secret, headers, method, path, body) is not None
+    own = frozenset({"10.0.0.1:7000"})
+    assert verify(secret, headers, method, path, body, destinations=own) is not None
     # A correctly signed request verifies; flipping any input breaks it.
-    good = sign_headers(secret, method, path, body)
-    assert verify(secret, good, method, path, body) is None
-    assert verify(secret, good, method, path, body + b"x") is AuthFailure.BAD_SIGNATURE
-    assert verify(secret, good, method, path + "x", body) is AuthFailure.BAD_SIGNATURE
-    assert verify(b"other", good, method, path, body) is AuthFailure.BAD_SIGNATURE
+    good = sign_headers(secret, method, path, body, dest="10.0.0.1:7000")
+
+    def check(key: bytes, p: str, b: bytes) -> AuthFailure | None:
+        return verify(key, good, method, p, b, destinations=own)
+
+    assert check(secret, path, body) is None
+    assert check(secret, path, body + b"x") is AuthFailure.BAD_SIGNATURE
+    assert check(secret, path + "x", body) is AuthFailure.BAD_SIGNATURE
+    assert check(b"other", path, body) is AuthFailure.BAD_SIGNATURE
+    other = frozenset({"10.0.0.2:7000"})
+    assert verify(secret, good, method, path, body, destinations=other) is not None
 
 
 # -- conversation fingerprints ------------------------------------------------------------------

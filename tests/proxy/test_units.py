@@ -135,6 +135,15 @@ def test_completion_fingerprints() -> None:
     assert completion_shape({"prompt": ["a", "b"]}).store_fingerprint is None
 
 
+def test_completion_fingerprints_are_scoped_by_model() -> None:
+    # Another model (or LoRA adapter, which is a model name) computes other KV for the same text.
+    for prompt, longer in (("Once upon a time", "Once upon a time, there"), ([1, 2], [1, 2, 3])):
+        stored = completion_shape({"model": "base", "prompt": prompt}).store_fingerprint
+        assert stored is not None
+        assert completion_shape({"model": "base", "prompt": longer}).extends(stored)
+        assert not completion_shape({"model": "adapter-a", "prompt": longer}).extends(stored)
+
+
 def test_sse_filter_passes_bytes_through_and_strips_params() -> None:
     plain = b'data: {"choices":[{"text":"a"}]}\n\n'
     tail = {"choices": [], "usage": {"prompt_tokens": 3}, "kv_transfer_params": {"x": 1}}

@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.connector.auth import sign_headers
-from kvrelay.connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP
+from kvrelay.connector.auth import destination, sign_headers, verify_response
+from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
 from tests.chaos.load import is_openai_error
 from tests.engines import CONNECTOR_SECRET
 from tests.harness import wait_until
@@ -114,9 +114,11 @@ def _held_turn(fleet: SecureFleet, conversation: str) -> dict[str, str]:
     return {"request_id": entry.request_id, "release_token": entry.release_token}
 
 
-def _signed(secret: bytes, method: str, path: str, body: bytes = b"",
-            now: float | None = None) -> dict[str, str]:  # fmt: skip
-    return {"Content-Type": "application/json", **sign_headers(secret, method, path, body, now)}
+def _signed(port: int, secret: bytes, method: str, path: str, body: bytes = b"",
+            now: float | None = None, dest: str | None = None) -> dict[str, str]:  # fmt: skip
+    dest = destination("127.0.0.1", port) if dest is None else dest
+    return {"Content-Type": "application/json",
+            **sign_headers(secret, method, path, body, now, dest=dest)}  # fmt: skip
 
 
 def test_side_channel_refuses_claims_and_releases_without_the_secret(
@@ -132,20 +134,24 @@ def test_side_channel_refuses_claims_and_releases_without_the_secret(
     release = json.dumps(hold).encode()
     claim = json.dumps({"request_id": hold["request_id"], "reader_engine_id": "evil"}).encode()
     wrong = b"not-the-secret"
+    port = fleet.decode.side_channel_port
+    elsewhere = destination("127.0.0.1", port + 1)
     attempts: list[tuple[str, str, bytes, dict[str, str]]] = [
         ("POST", "/v1/release", release, {"Content-Type": "application/json"}),
-        ("POST", "/v1/release", release, _signed(wrong, "POST", "/v1/release", release)),
+        ("POST", "/v1/release", release, _signed(port, wrong, "POST", "/v1/release", release)),
         ("POST", "/v1/release", release,
-         _signed(right, "POST", "/v1/release", release, now=time.time() - 3600)),  # stale
+         _signed(port, right, "POST", "/v1/release", release, now=time.time() - 3600)),  # stale
         ("POST", "/v1/release", release,
-         _signed(right, "POST", "/v1/claim", release)),  # signed for another path
+         _signed(port, right, "POST", "/v1/claim", release)),  # signed for another path
         ("POST", "/v1/release", release,
-         _signed(right, "POST", "/v1/release", b"{}")),  # signed for another body
+         _signed(port, right, "POST", "/v1/release", b"{}")),  # signed for another body
         ("POST", "/v1/claim", claim, {"Content-Type": "application/json"}),
-        ("POST", "/v1/claim", claim, _signed(wrong, "POST", "/v1/claim", claim)),
+        ("POST", "/v1/claim", claim, _signed(port, wrong, "POST", "/v1/claim", claim)),
         ("GET", "/v1/handshake", b"", {}),
-        ("GET", path, b"", _signed(wrong, "GET", path)),
+        ("GET", path, b"", _signed(port, wrong, "GET", path)),
         ("GET", path, b"", {HEADER_TIMESTAMP: "nan", HEADER_SIGNATURE: "00"}),
+        ("POST", "/v1/release", release,
+         _signed(port, right, "POST", "/v1/release", release, dest=elsewhere)),  # another engine
     ]  # fmt: skip
     with httpx.Client(base_url=_side(fleet), timeout=10) as client:
         for method, p, body, headers in attempts:
@@ -154,14 +160,21 @@ def test_side_channel_refuses_claims_and_releases_without_the_secret(
             assert "error" in resp.json() and "release_token" not in resp.text
         # Right secret, wrong release token: authenticated but forbidden.
         forged = json.dumps({**hold, "release_token": "guessed"}).encode()
-        resp = client.post("/v1/release", content=forged,
-                           headers=_signed(right, "POST", "/v1/release", forged))  # fmt: skip
+        once = _signed(port, right, "POST", "/v1/release", forged)
+        resp = client.post("/v1/release", content=forged, headers=once)
+        # The holder signed its answer for this very request.
+        assert verify_response(right, once[HEADER_NONCE], resp.status_code, resp.content,
+                               resp.headers.get(HEADER_SIGNATURE))  # fmt: skip
         assert resp.status_code == 403
+        # The same signed request again is a replay: refused before it is looked at.
+        resp = client.post("/v1/release", content=forged, headers=once)
+        assert resp.status_code == 401
     # Every refusal was counted. The side channel counts before it answers, but the engine's
     # /metrics is a snapshot its loop republishes every few milliseconds: wait for it.
     wait_until(
         lambda: (
-            fleet.decode.metric("enginesim_connector_auth_rejected") >= rejected + len(attempts)
+            fleet.decode.metric("enginesim_connector_auth_rejected")
+            >= rejected + len(attempts) + 1  # the replay
         ),
         10,
         what="the engine's metrics to show every refused side-channel call",

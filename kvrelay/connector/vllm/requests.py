@@ -36,10 +36,12 @@ def request_view(request: Any) -> RequestView:
     """Snapshot what the core needs from a vLLM `Request` (token lists are vLLM's own)."""
     prompt = request.prompt_token_ids if request.prompt_token_ids is not None else []
     params = request.kv_transfer_params
+    lora = getattr(request, "lora_request", None)
     return RequestView(
         request_id=request.request_id,
         client_request_id=client_request_id(request.request_id),
         prompt_token_ids=prompt,
         all_token_ids=request.all_token_ids,
         kv_transfer_params=params if isinstance(params, dict) else None,
+        lora_name=str(lora.lora_name) if lora is not None else None,
     )

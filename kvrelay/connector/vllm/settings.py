@@ -27,7 +27,13 @@ EXTRA_KEYS = (
     "handshake_timeout_s",
     "handshake_retries",
     "transfer_timeout_s",
+    "cancel_grace_s",
     "coalesce",
+    "allowed_holders",
+    "side_channel_aliases",
+    "release_attempts",
+    "release_timeout_s",
+    "release_concurrency_per_holder",
 )
 # Adapter-only keys (not ConnectorConfig fields).
 ADAPTER_KEYS: tuple[str, ...] = ()
@@ -116,6 +122,8 @@ def connector_config(vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
             num_layers=len(kv_cache_config.kv_cache_groups[0].layer_names),
             kv_layout=f"vllm-{vllm_config.device_config.device_type}",
             use_mla=bool(model_cfg.use_mla),
+            num_kv_heads=_model_int(model_cfg, "get_total_num_kv_heads"),
+            head_dim=_model_int(model_cfg, "get_head_size"),
             tp_size=int(vllm_config.parallel_config.tensor_parallel_size),
             kv_load_failure_policy=kv_cfg.kv_load_failure_policy,
             **fields,
@@ -124,3 +132,13 @@ def connector_config(vllm_config: Any, kv_cache_config: Any) -> ConnectorConfig:
         raise UnsupportedConfigError(
             f"kvrelay connector: bad kv_connector_extra_config: {exc}"
         ) from exc
+
+
+def _model_int(model_cfg: Any, getter: str) -> int | None:
+    """A positive int from one of vLLM's ModelConfig getters, or None where it has none."""
+    fn = getattr(model_cfg, getter, None)
+    try:
+        value = int(fn()) if callable(fn) else 0
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return value if value > 0 else None
