@@ -7,6 +7,8 @@ Side-channel endpoints, headers and message models are CONTRACTS §2.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -14,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 CONNECTOR_VERSION = "kvrelay-connector-1"
 
 # --- kv_transfer_params field names (CONTRACTS §1) -------------------------------------------
+KV_TRANSFER_PARAMS = "kv_transfer_params"  # the request/response field that carries them
 DO_REMOTE_DECODE = "do_remote_decode"
 DO_REMOTE_PREFILL = "do_remote_prefill"
 REMOTE_ENGINE_ID = "remote_engine_id"
@@ -29,6 +32,37 @@ REMOTE_TAIL_HASH = "remote_tail_hash"
 RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 REMOTE_URL = "remote_url"
+
+
+@dataclass(frozen=True, slots=True)
+class HoldRef:
+    """Where one hold lives and what frees it: the holder's side channel, the request id the
+    holder knows it by, and the release token it handed out.
+
+    Values come from engines, so they are validated once, by `from_params`, and passed around
+    as this type afterwards (`Releaser.release`, `KVEntry.hold_ref`).
+    """
+
+    host: str
+    port: int
+    request_id: str
+    release_token: str
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> HoldRef | None:
+        """The hold that engine-returned params describe, or None when they name no usable one
+        (no release token, as from stock vLLM, or an implausible address or id)."""
+        if not params:
+            return None
+        host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
+        request_id, token = params.get(REMOTE_REQUEST_ID), params.get(RELEASE_TOKEN)
+        if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
+            return None
+        if not all(isinstance(v, str) and v for v in (host, request_id, token)):
+            return None
+        assert isinstance(host, str) and isinstance(request_id, str) and isinstance(token, str)
+        return cls(host, port, request_id, token)
+
 
 # --- side channel (CONTRACTS §2) --------------------------------------------------------------
 HEADER_TIMESTAMP = "X-KVRelay-Timestamp"

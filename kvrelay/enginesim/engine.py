@@ -24,6 +24,9 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from kvrelay.connector.protocol import (
+    REMOTE_BLOCK_IDS,
+)
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
@@ -332,7 +335,7 @@ class EngineCore:
         delay_free, params = self.kv.request_finished(req, offered)
         if delay_free:
             keep = list(offered)
-            groups = params.get("remote_block_ids") if params else None
+            groups = params.get(REMOTE_BLOCK_IDS) if params else None
             if isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], list):
                 # Keep exactly what the connector advertises (it may hold fewer blocks than
                 # the request used, e.g. not the one with only the last token's KV).

@@ -11,6 +11,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.connector.protocol import (
+    KV_TRANSFER_PARAMS,
+)
 from kvrelay.enginesim.chat import ChatTemplateError, render_chat
 from kvrelay.enginesim.request import SamplingParams
 from kvrelay.enginesim.tokenizer import Tokenizer
@@ -57,7 +60,7 @@ class ParsedRequest:
 def kv_params_of(body: Any) -> dict[str, Any] | None:
     """The body's kv_transfer_params if it is an object (read even from invalid requests)."""
     if isinstance(body, dict):
-        params = body.get("kv_transfer_params")
+        params = body.get(KV_TRANSFER_PARAMS)
         if isinstance(params, dict):
             return params
     return None
@@ -117,9 +120,9 @@ def _check_common(body: dict[str, Any], served_model: str) -> tuple[str, bool, b
             raise ApiError(400, "Stream options can only be defined when `stream=True`.",
                            param="stream_options")  # fmt: skip
         include_usage = bool(options.get("include_usage", False))
-    params = body.get("kv_transfer_params")
+    params = body.get(KV_TRANSFER_PARAMS)
     if params is not None and not isinstance(params, dict):
-        raise ApiError(400, "kv_transfer_params must be an object", param="kv_transfer_params")
+        raise ApiError(400, "kv_transfer_params must be an object", param=KV_TRANSFER_PARAMS)
     return model, stream, include_usage
 
 

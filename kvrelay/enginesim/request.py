@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from kvrelay.connector.protocol import DO_REMOTE_PREFILL
+
 
 class ReqState(Enum):
     """Where a request is in the engine (vLLM's states, minus the ones a sim does not need)."""
@@ -92,4 +94,4 @@ class SimRequest:
 
     @property
     def wants_remote_prefill(self) -> bool:
-        return bool(self.kv_transfer_params and self.kv_transfer_params.get("do_remote_prefill"))
+        return bool(self.kv_transfer_params and self.kv_transfer_params.get(DO_REMOTE_PREFILL))

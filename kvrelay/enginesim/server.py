@@ -21,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay.connector.protocol import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
 from kvrelay.enginesim.engine import EngineCore
 from kvrelay.enginesim.faults import Faults
 from kvrelay.enginesim.metrics import render_metrics
@@ -163,7 +164,7 @@ class EngineServer:
     def _reject(self, client_id: str, body: Any, prompt_ids: list[int]) -> None:
         """Tell the connector about a refused request that would have read remote KV."""
         params = kv_params_of(body)
-        if not params or not params.get("do_remote_prefill"):
+        if not params or not params.get(DO_REMOTE_PREFILL):
             return
         req = SimRequest(
             request_id=f"rej-{client_id}-{next(self._ids):x}", client_request_id=client_id,
@@ -254,7 +255,7 @@ class EngineServer:
             "model": self.config.model,
             "choices": [choice],
             "usage": self._usage(out),
-            "kv_transfer_params": out.kv_transfer_params,
+            KV_TRANSFER_PARAMS: out.kv_transfer_params,
         }
 
     @staticmethod
@@ -320,7 +321,7 @@ class EngineServer:
             if self.config.params_in_stream and out.kv_transfer_params is not None:
                 # Opt-in kvrelay extra: the params ride on the last chunk. Stock vLLM sends
                 # none (nor does enginesim by default): they are on the side channel.
-                tail["kv_transfer_params"] = out.kv_transfer_params
+                tail[KV_TRANSFER_PARAMS] = out.kv_transfer_params
             await stream.write(_sse(tail))
             await stream.write(_sse("[DONE]"))
             with contextlib.suppress(ConnectionResetError):

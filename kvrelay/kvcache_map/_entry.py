@@ -19,6 +19,22 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from kvrelay.connector.protocol import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    RELEASE_TOKEN,
+    REMOTE_BLOCK_HASHES,
+    REMOTE_BLOCK_IDS,
+    REMOTE_BLOCKS_EXPIRY_TIME,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_NUM_TOKENS,
+    REMOTE_PORT,
+    REMOTE_REQUEST_ID,
+    REMOTE_URL,
+    TP_SIZE,
+    HoldRef,
+)
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, KeyTooLongError
 
 # Limits on key parts, in UTF-8 bytes. Generous for UUIDs, hashes and API-key digests, small
@@ -161,25 +177,32 @@ class KVEntry(BaseModel):
 
     # -- vLLM-style kv_transfer_params -----------------------------------------------------------
 
+    @property
+    def hold_ref(self) -> HoldRef | None:
+        """The hold on D that this entry names (None without a release token: stock vLLM)."""
+        if self.release_token is None:
+            return None
+        return HoldRef(self.host, self.port, self.request_id, self.release_token)
+
     def to_kv_transfer_params(self) -> dict[str, Any]:
         """The params to send to P on a cache hit: pull these blocks, then hold for D."""
         params: dict[str, Any] = {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": self.request_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": [list(group) for group in self.block_ids],
-            "remote_num_tokens": self.num_tokens,
-            "tp_size": self.tp_size,
-            "remote_blocks_expiry_time": self.expires_at,
-            "remote_url": self.url,
+            DO_REMOTE_DECODE: True,
+            DO_REMOTE_PREFILL: False,
+            REMOTE_ENGINE_ID: self.engine_id,
+            REMOTE_REQUEST_ID: self.request_id,
+            REMOTE_HOST: self.host,
+            REMOTE_PORT: self.port,
+            REMOTE_BLOCK_IDS: [list(group) for group in self.block_ids],
+            REMOTE_NUM_TOKENS: self.num_tokens,
+            TP_SIZE: self.tp_size,
+            REMOTE_BLOCKS_EXPIRY_TIME: self.expires_at,
+            REMOTE_URL: self.url,
         }
         if self.block_hashes is not None:
-            params["remote_block_hashes"] = list(self.block_hashes)
+            params[REMOTE_BLOCK_HASHES] = list(self.block_hashes)
         if self.release_token is not None:
-            params["release_token"] = self.release_token
+            params[RELEASE_TOKEN] = self.release_token
         return params
 
     @classmethod
@@ -195,32 +218,32 @@ class KVEntry(BaseModel):
         if not isinstance(params, Mapping):
             raise ValueError("kv_transfer_params must be an object")
         required = (
-            "remote_engine_id",
-            "remote_request_id",
-            "remote_host",
-            "remote_port",
-            "remote_block_ids",
-            "remote_num_tokens",
-            "remote_blocks_expiry_time",
+            REMOTE_ENGINE_ID,
+            REMOTE_REQUEST_ID,
+            REMOTE_HOST,
+            REMOTE_PORT,
+            REMOTE_BLOCK_IDS,
+            REMOTE_NUM_TOKENS,
+            REMOTE_BLOCKS_EXPIRY_TIME,
         )
         missing = [name for name in required if params.get(name) is None]
         if missing:
             raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
         fields: dict[str, Any] = {
-            "engine_id": params["remote_engine_id"],
-            "host": params["remote_host"],
-            "port": params["remote_port"],
+            "engine_id": params[REMOTE_ENGINE_ID],
+            "host": params[REMOTE_HOST],
+            "port": params[REMOTE_PORT],
             "url": url,
-            "request_id": params["remote_request_id"],
-            "block_ids": _lists(params["remote_block_ids"]),
-            "num_tokens": params["remote_num_tokens"],
-            "block_hashes": _list(params.get("remote_block_hashes")),
+            "request_id": params[REMOTE_REQUEST_ID],
+            "block_ids": _lists(params[REMOTE_BLOCK_IDS]),
+            "num_tokens": params[REMOTE_NUM_TOKENS],
+            "block_hashes": _list(params.get(REMOTE_BLOCK_HASHES)),
             "fingerprint": fingerprint,
-            "expires_at": params["remote_blocks_expiry_time"],
-            "release_token": params.get("release_token"),
+            "expires_at": params[REMOTE_BLOCKS_EXPIRY_TIME],
+            "release_token": params.get(RELEASE_TOKEN),
         }
-        if params.get("tp_size") is not None:
-            fields["tp_size"] = params["tp_size"]
+        if params.get(TP_SIZE) is not None:
+            fields["tp_size"] = params[TP_SIZE]
         return cls.model_validate(fields)
 
 

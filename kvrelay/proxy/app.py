@@ -190,7 +190,7 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
             "expired, or never stored)",
             code="conversation_not_found",
         )
-    fleet.releaser.release_soon_entry(entry)
+    fleet.releaser.release_soon("decode", entry.hold_ref)
     return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 

@@ -15,6 +15,7 @@ from kvrelay.connector.protocol import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HOLD_BLOCKS,
+    KV_TRANSFER_PARAMS,
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
     REMOTE_HOST,
@@ -23,7 +24,6 @@ from kvrelay.connector.protocol import (
     REMOTE_URL,
 )
 
-KV_PARAMS = "kv_transfer_params"
 # Fields that only make sense for the client-facing leg or would make P generate more.
 _P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
@@ -48,7 +48,7 @@ def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> d
             REMOTE_HOST: None,
             REMOTE_PORT: None,
         }
-    out[KV_PARAMS] = params
+    out[KV_TRANSFER_PARAMS] = params
     return out
 
 
@@ -71,9 +71,9 @@ def decode_body(
         # Stock vLLM ignores the flag (and holds anyway); kvrelay's D holds only on request.
         params[HOLD_BLOCKS] = True
     if params:
-        out[KV_PARAMS] = params
+        out[KV_TRANSFER_PARAMS] = params
     else:
-        out.pop(KV_PARAMS, None)
+        out.pop(KV_TRANSFER_PARAMS, None)
     return out
 
 

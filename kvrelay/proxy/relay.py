@@ -23,12 +23,14 @@ import aiohttp
 from aiohttp import web
 
 from kvrelay.connector.protocol import (
+    KV_TRANSFER_PARAMS,
     RELEASE_TOKEN,
     REMOTE_BLOCK_HASHES,
     REMOTE_BLOCKS_EXPIRY_TIME,
     REMOTE_HOST,
     REMOTE_NUM_TOKENS,
     REMOTE_PORT,
+    HoldRef,
 )
 from kvrelay.kvcache_map import (
     ConversationKey,
@@ -40,7 +42,7 @@ from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import metrics
 from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
-from kvrelay.proxy.legs import KV_PARAMS, capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
@@ -164,7 +166,7 @@ class Turn:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
             if self.entry is not None and not self.p_answered:
-                self.fleet.releaser.release_soon_entry(self.entry)
+                self.fleet.releaser.release_soon("decode", self.entry.hold_ref)
         return await self._decode(store_key)
 
     async def _take_entry(self) -> None:
@@ -191,21 +193,21 @@ class Turn:
         if not self.shape.extends(entry.fingerprint):
             # Edited or different history: the blocks describe another prompt.
             metrics.REUSE.labels("refused").inc()
-            self.fleet.releaser.release_soon_entry(entry)
+            self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.expires_at - time.time() < settings.entry_safety_margin_s:
             metrics.REUSE.labels("expired").inc()
-            self.fleet.releaser.release_soon_entry(entry)
+            self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.block_hashes is None and not settings.stock_vllm_reuse:
             metrics.REUSE.labels("unverifiable").inc()
-            self.fleet.releaser.release_soon_entry(entry)
+            self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         holder = self.fleet.decode.get(entry.url)
         if holder is None or not holder.healthy:
             # P's pull would only wait for a handshake timeout; a draining holder still serves.
             metrics.REUSE.labels("holder_unavailable").inc()
-            self.fleet.releaser.release_soon_entry(entry)
+            self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         metrics.REUSE.labels("hit").inc()
         metrics.TOKENS_REUSED.inc(entry.num_tokens)
@@ -266,7 +268,7 @@ class Turn:
             return
         if not isinstance(data, dict):
             return
-        params = data.get(KV_PARAMS)
+        params = data.get(KV_TRANSFER_PARAMS)
         self.p_params = params if isinstance(params, dict) else None
         usage = data.get("usage")
         if isinstance(usage, dict):
@@ -396,7 +398,7 @@ class Turn:
             raise ProxyError(
                 502, "the decode engine answered with invalid JSON", code="decode_failed"
             ) from exc
-        params = data.pop(KV_PARAMS, None) if isinstance(data, dict) else None
+        params = data.pop(KV_TRANSFER_PARAMS, None) if isinstance(data, dict) else None
         if isinstance(params, dict):
             metrics.FINISHED_PARAMS.labels("response").inc()
             await self._settle(self._store(params, backend, store_key))
@@ -590,13 +592,7 @@ class Turn:
                     await asyncio.sleep(delay)
                 params = await releaser.finished_params(address[0], address[1], request_id)
                 if params is not None:
-                    await releaser.release(
-                        "decode",
-                        params.get(REMOTE_HOST),
-                        params.get(REMOTE_PORT),
-                        params.get("remote_request_id"),
-                        params.get(RELEASE_TOKEN),
-                    )
+                    await releaser.release("decode", HoldRef.from_params(params))
                     return
 
         releaser.spawn(fetch_and_release())

@@ -17,13 +17,7 @@ from typing import Any
 
 import aiohttp
 
-from kvrelay.connector.protocol import (
-    RELEASE_TOKEN,
-    REMOTE_ENGINE_ID,
-    REMOTE_HOST,
-    REMOTE_PORT,
-    REMOTE_REQUEST_ID,
-)
+from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
 from kvrelay.proxy import metrics
@@ -51,61 +45,39 @@ class Releaser:
     def enabled(self) -> bool:
         return self._client is not None
 
-    async def release(
-        self, holder: str, host: str | None, port: int | None, request_id: str | None,
-        token: str | None,
-    ) -> bool:  # fmt: skip
+    async def release(self, holder: str, ref: HoldRef | None) -> bool:
         """Release one hold now; True when the holder freed blocks."""
-        # Engine-supplied values: anything that is not a plausible address and id is unusable.
-        valid_port = isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
-        if (
-            self._client is None
-            or not valid_port
-            or not (isinstance(token, str) and token)
-            or not (isinstance(host, str) and host)
-            or not (isinstance(request_id, str) and request_id)
-        ):
+        if self._client is None or ref is None:
             metrics.RELEASES.labels(holder, "unsupported").inc()
             return False
-        assert port is not None  # checked by valid_port
         for attempt in range(RELEASE_ATTEMPTS):
             try:
-                released = await self._client.release(host, port, request_id, token)
+                released = await self._client.release(
+                    ref.host, ref.port, ref.request_id, ref.release_token
+                )
             except SideChannelError as exc:
                 if exc.status is None and attempt + 1 < RELEASE_ATTEMPTS:
                     await asyncio.sleep(_BACKOFF_S * 2**attempt)  # retry backoff
                     continue
                 metrics.RELEASES.labels(holder, "failed").inc()
-                log.warning("release on %s %s:%s failed: %s", holder, host, port, exc)
+                log.warning("release on %s %s:%s failed: %s", holder, ref.host, ref.port, exc)
                 return False
             metrics.RELEASES.labels(holder, "released" if released else "already_free").inc()
             return released
         return False  # pragma: no cover - the loop always returns
 
-    def release_soon_entry(self, entry: KVEntry) -> None:
-        """Release D's blocks of a map entry in the background."""
-        self.spawn(
-            self.release("decode", entry.host, entry.port, entry.request_id, entry.release_token)
-        )
+    def release_soon(self, holder: str, ref: HoldRef | None) -> None:
+        """Release one hold in the background (`holder`: "prefill" or "decode", for metrics)."""
+        self.spawn(self.release(holder, ref))
 
     def release_soon_params(self, holder: str, params: dict[str, Any] | None) -> None:
-        """Release the blocks that engine-returned params describe, in the background."""
-        if not params:
-            return
-        port = params.get(REMOTE_PORT)
-        self.spawn(
-            self.release(
-                holder,
-                params.get(REMOTE_HOST),
-                port if isinstance(port, int) else None,
-                params.get(REMOTE_REQUEST_ID),
-                params.get(RELEASE_TOKEN),
-            )
-        )
+        """Release the hold that engine-returned params describe, in the background."""
+        if params:
+            self.release_soon(holder, HoldRef.from_params(params))
 
     async def on_evict(self, key: ConversationKey, entry: KVEntry, reason: EvictionReason) -> None:
         """The map's callback: an entry left without being used, so its blocks go."""
-        await self.release("decode", entry.host, entry.port, entry.request_id, entry.release_token)
+        await self.release("decode", entry.hold_ref)
 
     async def finished_params(
         self, host: str, port: int, client_request_id: str
@@ -130,8 +102,3 @@ class Releaser:
         """Wait for background releases (shutdown, tests)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
-
-
-def engine_id_of(params: dict[str, Any] | None) -> str | None:
-    value = (params or {}).get(REMOTE_ENGINE_ID)
-    return value if isinstance(value, str) else None

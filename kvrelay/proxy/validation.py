@@ -11,9 +11,8 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.errors import ProxyError, bad_request
-
-KV_PARAMS = "kv_transfer_params"
 
 
 async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
@@ -56,11 +55,11 @@ def _check_int(body: dict[str, Any], name: str, minimum: int) -> None:
 
 
 def validate_common(body: dict[str, Any]) -> None:
-    if KV_PARAMS in body:
+    if KV_TRANSFER_PARAMS in body:
         raise bad_request(
             "`kv_transfer_params` is set by the proxy and cannot be sent by clients; "
             "remove it from the request",
-            param=KV_PARAMS,
+            param=KV_TRANSFER_PARAMS,
         )
     if "model" in body and not isinstance(body["model"], str):
         raise bad_request("`model` must be a string", param="model")

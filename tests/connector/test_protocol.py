@@ -24,6 +24,7 @@ from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     HEADER_TIMESTAMP,
+    HoldRef,
     KVTransferParams,
 )
 from kvrelay.connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
@@ -186,3 +187,24 @@ def test_proxy_facing_modules_import_without_torch() -> None:
         "assert 'torch' not in sys.modules and 'nixl' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"remote_port": "5600"},  # engine-supplied: a string is not a port
+        {"remote_port": True},
+        {"remote_port": 0},
+        {"remote_port": 70000},
+        {"remote_host": ""},
+        {"remote_request_id": None},
+        {"release_token": ""},
+        {"release_token": None},  # stock vLLM: nothing to release with
+    ],
+)
+def test_hold_ref_refuses_params_that_name_no_usable_hold(change: dict[str, object]) -> None:
+    good = {"remote_host": "10.0.0.2", "remote_port": 5600, "remote_request_id": "r1",
+            "release_token": "tok"}  # fmt: skip
+    assert HoldRef.from_params(good) == HoldRef("10.0.0.2", 5600, "r1", "tok")
+    assert HoldRef.from_params({**good, **change}) is None
+    assert HoldRef.from_params(None) is None and HoldRef.from_params({}) is None

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 
 from kvrelay.connector.auth import AuthFailure, sign_headers, verify
 from kvrelay.connector.protocol import (
+    KV_TRANSFER_PARAMS,
     ClaimRequest,
     HandshakeResponse,
     KVTransferParams,
@@ -34,7 +35,7 @@ from kvrelay.kvcache_map._entry import decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError
 from kvrelay.proxy.conversation import chained_fingerprints, chat_shape, completion_shape
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
-from kvrelay.proxy.legs import KV_PARAMS, decode_body, prefill_body
+from kvrelay.proxy.legs import decode_body, prefill_body
 from kvrelay.proxy.streaming import SSEFilter
 from kvrelay.proxy.validation import validate_chat, validate_completion
 
@@ -131,7 +132,7 @@ def test_client_kv_transfer_params_are_refused_and_never_forwarded(
     chat = {**body, "model": "m", "messages": [{"role": "user", "content": "x"}]}
     completion = {**body, "model": "m", "prompt": "x"}
     for validate, request in ((validate_chat, chat), (validate_completion, completion)):
-        request[KV_PARAMS] = params
+        request[KV_TRANSFER_PARAMS] = params
         try:
             validate(request)
         except ProxyError as exc:
@@ -139,14 +140,14 @@ def test_client_kv_transfer_params_are_refused_and_never_forwarded(
         else:
             raise AssertionError("client kv_transfer_params were accepted")
     # Even if a body carrying them reached the leg builders, only proxy-made params go out.
-    smuggled = {**chat, KV_PARAMS: params}
+    smuggled = {**chat, KV_TRANSFER_PARAMS: params}
     p_body = prefill_body(smuggled, None)
-    assert p_body[KV_PARAMS] == {
+    assert p_body[KV_TRANSFER_PARAMS] == {
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
         "remote_block_ids": None, "remote_host": None, "remote_port": None,
     }  # fmt: skip
-    assert KV_PARAMS not in decode_body(smuggled, None, None, hold=False)
-    assert decode_body(smuggled, None, None, hold=True)[KV_PARAMS] == {"hold_blocks": True}
+    assert KV_TRANSFER_PARAMS not in decode_body(smuggled, None, None, hold=False)
+    assert decode_body(smuggled, None, None, hold=True)[KV_TRANSFER_PARAMS] == {"hold_blocks": True}
 
 
 @FUZZ

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
+from kvrelay.connector.protocol import HoldRef
 from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder
@@ -28,7 +29,7 @@ def relay() -> Iterator[tuple[FakeHolder, FaultProxy]]:
 async def _release(port: int) -> bool:
     async with aiohttp.ClientSession() as session:
         releaser = Releaser(SECRET, session, timeout_s=2.0)
-        return await releaser.release("decode", "127.0.0.1", port, "h1", "token")
+        return await releaser.release("decode", HoldRef("127.0.0.1", port, "h1", "token"))
 
 
 async def test_release_is_retried_after_reset_connections(

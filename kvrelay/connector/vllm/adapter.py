@@ -50,6 +50,10 @@ from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
 from kvrelay.connector.metadata import ConnectorMetadata
+from kvrelay.connector.protocol import (
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+)
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.vllm.layout import prepare_caches
 from kvrelay.connector.vllm.requests import request_view
@@ -259,7 +263,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         allocated = request.request_id in self._allocated
         self._allocated.discard(request.request_id)
         params = view.kv_transfer_params or {}
-        if not allocated and params.get("remote_block_ids"):
+        if not allocated and params.get(REMOTE_BLOCK_IDS):
             # Finished without ever getting blocks: refused before admission (vLLM submits an
             # abort_immediately request for it) or aborted while queued. The holder it would
             # have read from is released now instead of at lease expiry.
@@ -267,7 +271,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             logger.info(
                 "kvrelay: request %s ended before admission; released its blocks on %s",
                 request.request_id,
-                params.get("remote_engine_id"),
+                params.get(REMOTE_ENGINE_ID),
             )
             return False, None
         if request.status not in _COMPLETED:
