@@ -29,10 +29,11 @@ from kvrelay.proxy.conversation import (
     upstream_request_id,
 )
 from kvrelay.proxy.errors import ProxyError, json_response
+from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.keys import FLEET, HEALTH, SETTINGS
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
-from kvrelay.proxy.relay import Fleet, Turn
+from kvrelay.proxy.relay import Turn
 from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.validation import read_json_body, validate_chat, validate_completion

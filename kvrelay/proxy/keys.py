@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.pools import HealthChecker
-from kvrelay.proxy.relay import Fleet
 from kvrelay.proxy.settings import Settings
 
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)

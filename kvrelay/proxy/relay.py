@@ -35,17 +35,15 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
-    KVMap,
     MapUnavailableError,
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import metrics
 from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
+from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
-from kvrelay.proxy.pools import Backend, Pool
-from kvrelay.proxy.release import Releaser
-from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.pools import Backend
 from kvrelay.proxy.streaming import SSEFilter, error_event
 
 log = logging.getLogger(__name__)
@@ -62,42 +60,6 @@ class LegFailure(Exception):
         super().__init__(reason)
         self.reason = reason
         self.status = status
-
-
-@dataclass
-class Fleet:
-    """What every turn shares: settings, pools, the map, the engine session, the releaser."""
-
-    settings: Settings
-    prefill: Pool
-    decode: Pool
-    kvmap: KVMap
-    session: aiohttp.ClientSession
-    releaser: Releaser
-    map_errors_logged_at: float = 0.0
-
-    def leg_timeout(self) -> aiohttp.ClientTimeout:
-        s = self.settings
-        return aiohttp.ClientTimeout(
-            total=s.total_timeout,
-            connect=s.connect_timeout,
-            sock_connect=s.connect_timeout,
-            sock_read=s.first_byte_timeout,
-        )
-
-    def map_unavailable(self, op: str, exc: Exception) -> None:
-        metrics.MAP_ERRORS.labels(op).inc()
-        now = time.monotonic()
-        if now - self.map_errors_logged_at > 10.0:  # one line per 10 s, not one per request
-            self.map_errors_logged_at = now
-            log.warning("conversation map unavailable (%s: %s); serving without reuse", op, exc)
-
-    def side_channel_of(self, backend: Backend) -> tuple[str, int] | None:
-        configured = self.settings.side_channels.get(backend.url)
-        if configured is not None:
-            host, _, port = configured.rpartition(":")
-            return host, int(port)
-        return backend.side_channel
 
 
 @dataclass

@@ -1,0 +1,55 @@
+"""`Fleet`: what every turn shares (settings, engine pools, the conversation map, the engine
+session, the releaser), built once per worker process by `kvrelay.proxy.app` and handed to each
+`kvrelay.proxy.relay.Turn`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvrelay.kvcache_map import KVMap
+from kvrelay.proxy import metrics
+from kvrelay.proxy.pools import Backend, Pool
+from kvrelay.proxy.release import Releaser
+from kvrelay.proxy.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fleet:
+    """What every turn shares: settings, pools, the map, the engine session, the releaser."""
+
+    settings: Settings
+    prefill: Pool
+    decode: Pool
+    kvmap: KVMap
+    session: aiohttp.ClientSession
+    releaser: Releaser
+    map_errors_logged_at: float = 0.0
+
+    def leg_timeout(self) -> aiohttp.ClientTimeout:
+        s = self.settings
+        return aiohttp.ClientTimeout(
+            total=s.total_timeout,
+            connect=s.connect_timeout,
+            sock_connect=s.connect_timeout,
+            sock_read=s.first_byte_timeout,
+        )
+
+    def map_unavailable(self, op: str, exc: Exception) -> None:
+        metrics.MAP_ERRORS.labels(op).inc()
+        now = time.monotonic()
+        if now - self.map_errors_logged_at > 10.0:  # one line per 10 s, not one per request
+            self.map_errors_logged_at = now
+            log.warning("conversation map unavailable (%s: %s); serving without reuse", op, exc)
+
+    def side_channel_of(self, backend: Backend) -> tuple[str, int] | None:
+        configured = self.settings.side_channels.get(backend.url)
+        if configured is not None:
+            host, _, port = configured.rpartition(":")
+            return host, int(port)
+        return backend.side_channel
