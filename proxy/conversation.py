@@ -135,7 +135,10 @@ class PromptShape:
 
 
 def _text_digest(text: str) -> str:
-    return hashlib.sha256(b"kvrelay-text-v1\n" + text.encode()).hexdigest()[:32]
+    # surrogatepass: a prompt may carry lone surrogates (valid JSON escapes); the engine
+    # refuses those, but the digest must not fail first.
+    data = text.encode("utf-8", "surrogatepass")
+    return hashlib.sha256(b"kvrelay-text-v1\n" + data).hexdigest()[:32]
 
 
 def _tokens_digest(tokens: tuple[int, ...]) -> str:
