@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvcache_map import KVMap, open_map
+from kvrelay.kvcache_map import KVMap, open_map
 from tests.harness import RedisServer
 from tests.kvcache_map.helpers import Recorder
 

@@ -1,0 +1,160 @@
+"""Running the proxy: logging, uvloop, one process or `workers` processes on one port.
+
+Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections)
+and aggregate their metrics through prometheus-client's multiprocess mode, for which the
+parent creates `PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared
+Redis map (`Settings.check_runnable` refuses otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from types import FrameType
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+
+from kvrelay.proxy.settings import Settings, SettingsError
+
+log = logging.getLogger(__name__)
+
+# After answering a request whose body was not read (refused before or while reading it),
+# read and drop what the client still sends for at most this long, then close. Short, so a
+# client trickling a refused body cannot keep the connection.
+LINGER_S = 1.0
+
+
+class ProtocolErrorFilter(logging.Filter):
+    """Malformed HTTP from a client is the client's problem: one WARNING line, no traceback.
+
+    aiohttp logs each such request at ERROR with the parser's traceback; anyone who can reach
+    the port could fill the log with them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            detail = " ".join(str(exc.message).split())[:200]  # one line, bounded
+            record.msg = f"{record.getMessage()}: malformed HTTP ({type(exc).__name__}: {detail})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ProtocolErrorFilter) for f in server_log.filters):
+        server_log.addFilter(ProtocolErrorFilter())
+
+
+def check_map_url(settings: Settings) -> None:
+    """Open and close the map once so a malformed map URL fails at start-up, named."""
+    from kvrelay.kvcache_map import open_map
+
+    async def probe() -> None:
+        kvmap = open_map(settings.map_url)
+        await kvmap.close()
+
+    try:
+        asyncio.run(probe())
+    except ValueError as exc:
+        raise SettingsError(
+            f"invalid setting `map_url` (KVRELAY_MAP_URL / --map-url): {exc}"
+        ) from None
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # optional on platforms without it
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_worker(settings: Settings, reuse_port: bool) -> None:
+    """One proxy process: serves until SIGINT/SIGTERM."""
+    from kvrelay.proxy.app import create_app
+
+    configure_logging(settings.log_level)
+    _install_uvloop()
+    app = create_app(settings)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        reuse_port=reuse_port,
+        handler_cancellation=True,  # a client that goes away cancels its upstream legs
+        access_log=None,
+        print=None,
+        # On SIGTERM let in-flight streams finish: none outlives total_timeout, and the chart's
+        # grace period is longer than that, so a rolling update cuts no answer short.
+        shutdown_timeout=settings.total_timeout,
+        lingering_time=LINGER_S,
+    )
+
+
+def serve(settings: Settings) -> int:
+    """Run the proxy in the foreground; returns the exit code."""
+    configure_logging(settings.log_level)
+    settings.check_runnable()
+    check_map_url(settings)
+    log.info("kvrelay proxy on %s:%d, settings %s", settings.host, settings.port,
+             settings.public_dict())  # fmt: skip
+    if settings.workers == 1:
+        run_worker(settings, reuse_port=False)
+        return 0
+    return _serve_workers(settings)
+
+
+def _serve_workers(settings: Settings) -> int:
+    own_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        own_dir = tempfile.mkdtemp(prefix="kvrelay-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
+    ctx = multiprocessing.get_context("spawn")
+    procs = [
+        ctx.Process(target=run_worker, args=(settings, True), name=f"kvrelay-worker-{i}")
+        for i in range(settings.workers)
+    ]
+    stopping = False
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+        for proc in procs:
+            if proc.pid is not None and proc.is_alive():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.pid, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    for proc in procs:
+        proc.start()
+    log.info("started %d workers sharing port %d", len(procs), settings.port)
+    code = 0
+    try:
+        for proc in procs:
+            proc.join()
+            if proc.exitcode not in (0, -signal.SIGTERM) and not stopping:
+                code = 1
+                log.error("worker %s exited with %s; stopping the others", proc.name,
+                          proc.exitcode)  # fmt: skip
+                stop(signal.SIGTERM, None)
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
+    return code
