@@ -12,12 +12,12 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.body import HeldBody, read_json_object
-from proxy.errors import ProxyError, bad_request, json_response
-from proxy.headers import bearer_token, header_text
-from proxy.keys import BODY_BUDGET, FLEET, SETTINGS
-from proxy.pools import Pool
-from proxy.settings import normalize_backend_url
+from kvrelay.proxy.body import HeldBody, read_json_object
+from kvrelay.proxy.errors import ProxyError, bad_request, json_response
+from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, SETTINGS
+from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.settings import normalize_backend_url
 
 
 def _check_admin(request: web.Request) -> None:

@@ -18,11 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
-from kvcache_map._errors import InvalidKeyError
-from proxy import admin, metrics
-from proxy.body import BodyBudget, HeldBody, read_json_object
-from proxy.conversation import (
+from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
+from kvrelay.kvcache_map._errors import InvalidKeyError
+from kvrelay.proxy import admin, metrics
+from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
+from kvrelay.proxy.conversation import (
     chat_shape,
     completion_shape,
     conversation_id_from,
@@ -30,16 +30,16 @@ from proxy.conversation import (
     tenant_of,
     upstream_request_id,
 )
-from proxy.errors import ProxyError, json_response
-from proxy.headers import bearer_token, header_text
-from proxy.keys import BODY_BUDGET, FLEET, HEALTH, SETTINGS, TENANTS
-from proxy.openapi import openapi_document
-from proxy.pools import Backend, HealthChecker, Pool
-from proxy.relay import Fleet, Turn
-from proxy.release import Releaser
-from proxy.settings import Settings
-from proxy.tenants import TenantBreaker
-from proxy.validation import validate_chat, validate_completion
+from kvrelay.proxy.errors import ProxyError, json_response
+from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, HEALTH, SETTINGS, TENANTS
+from kvrelay.proxy.openapi import openapi_document
+from kvrelay.proxy.pools import Backend, HealthChecker, Pool
+from kvrelay.proxy.relay import Fleet, Turn
+from kvrelay.proxy.release import Releaser
+from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.tenants import TenantBreaker
+from kvrelay.proxy.validation import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import ProxyError, bad_request
-from proxy.settings import Settings
+from kvrelay.proxy.errors import ProxyError, bad_request
+from kvrelay.proxy.settings import Settings
 
 
 class BodyBudget:

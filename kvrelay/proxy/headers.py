@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.errors import ProxyError
+from kvrelay.proxy.errors import ProxyError
 
 _CREDENTIALS = frozenset({"authorization", "x-admin-key"})
 

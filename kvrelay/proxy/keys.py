@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.body import BodyBudget
-from proxy.pools import HealthChecker
-from proxy.relay import Fleet
-from proxy.settings import Settings
-from proxy.tenants import TenantBreaker
+from kvrelay.proxy.body import BodyBudget
+from kvrelay.proxy.pools import HealthChecker
+from kvrelay.proxy.relay import Fleet
+from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.tenants import TenantBreaker
 
 BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)

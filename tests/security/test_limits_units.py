@@ -11,12 +11,12 @@ import logging
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage
 
-from proxy.body import BodyBudget, HeldBody, nesting_exceeds, parse_json_object
-from proxy.errors import ProxyError
-from proxy.pools import Pool, engine_name
-from proxy.server import ProtocolErrorFilter
-from proxy.settings import SettingsError, load_settings
-from proxy.tenants import TenantBreaker
+from kvrelay.proxy.body import BodyBudget, HeldBody, nesting_exceeds, parse_json_object
+from kvrelay.proxy.errors import ProxyError
+from kvrelay.proxy.pools import Pool, engine_name
+from kvrelay.proxy.server import ProtocolErrorFilter
+from kvrelay.proxy.settings import SettingsError, load_settings
+from kvrelay.proxy.tenants import TenantBreaker
 
 
 def test_disputed_5xx_from_one_key_never_ejects() -> None:

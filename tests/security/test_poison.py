@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginesim.reference import reference_chat
+from kvrelay.enginesim.reference import reference_chat
 from tests.chaos.load import is_openai_error
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from enginesim.reference import reference_chat
+from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
 

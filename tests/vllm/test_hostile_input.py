@@ -1,5 +1,5 @@
 """Real vLLM's answer to text that cannot be encoded (a lone surrogate, valid as a JSON escape):
-a 400 BadRequestError, not a 5xx. enginesim copies this (`enginesim.openai_api.encode_text`) and
+a 400 BadRequestError, not a 5xx. enginesim copies this (`kvrelay.enginesim.openai_api.encode_text`) and
 the proxy's health judgement relies on such input not looking like an engine failure.
 
 Uses only the session's reference server (no extra engine launch).
