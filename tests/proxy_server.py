@@ -95,8 +95,15 @@ class ProxyServer(ManagedServer):
             return status, payload.decode(errors="replace"), hdrs
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            return parse_samples(resp.read().decode())
+        return parse_samples(self.metrics_text())
+
+    def metrics_text(self) -> str:
+        """`/metrics`, sending the metrics key when the proxy was given one."""
+        key = self.settings.get("metrics_key")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        req = urllib.request.Request(self.url + "/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return str(resp.read().decode())
 
 
 class ProxyFactory:

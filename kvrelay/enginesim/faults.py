@@ -10,10 +10,13 @@ from kvrelay.enginesim.openai_api import ApiError
 
 @dataclass
 class Faults:
-    """Current faults. `fail_next_n` counts down as requests are failed."""
+    """Current faults. `fail_next_n` counts down as requests are failed; `fail_marker`, when
+    set, fails (with `fail_status`) every request whose body contains it, the way an engine
+    fails on input it cannot handle."""
 
     fail_next_n: int = 0
     fail_status: int = 500
+    fail_marker: str = ""
     delay_ms: int = 0
     refuse_admission: bool = False
     drop_nixl_agent: bool = False
@@ -29,6 +32,9 @@ class Faults:
             if isinstance(known[key], bool):
                 if not isinstance(value, bool):
                     raise ApiError(400, f"{key} must be a boolean", param=key)
+            elif isinstance(known[key], str):
+                if not isinstance(value, str):
+                    raise ApiError(400, f"{key} must be a string", param=key)
             elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ApiError(400, f"{key} must be a non-negative integer", param=key)
         if "fail_status" in body and not 400 <= body["fail_status"] <= 599:
@@ -36,8 +42,10 @@ class Faults:
         for key, value in body.items():
             setattr(self, key, value)
 
-    def take_failure(self) -> int | None:
+    def take_failure(self, raw: bytes = b"") -> int | None:
         """The status to fail this request with, if a failure is still due."""
+        if self.fail_marker and self.fail_marker.encode() in raw:
+            return self.fail_status
         if self.fail_next_n <= 0:
             return None
         self.fail_next_n -= 1

@@ -176,11 +176,21 @@ def _sampling(
     )
 
 
+def encode_text(tokenizer: Tokenizer, text: str, param: str) -> list[int]:
+    """Token ids of `text`; text that is not encodable (a lone surrogate, which JSON can carry
+    as `\\ud800`) is the client's error, a 400 as vLLM answers (its tokenizer's
+    UnicodeEncodeError is a ValueError, which vLLM's server maps to 400 BadRequestError)."""
+    try:
+        return tokenizer.encode(text)
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, str(exc), param=param) from None
+
+
 def _prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        return encode_text(tokenizer, prompt, "prompt")
     if (
         isinstance(prompt, list)
         and prompt
@@ -224,7 +234,7 @@ def parse_chat(
         text = render_chat(messages, add_generation_prompt=True)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
-    ids = tokenizer.encode(text)
+    ids = encode_text(tokenizer, text, "messages")
     max_tokens = _int(body, "max_completion_tokens")
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")

@@ -142,6 +142,8 @@ class EngineServer:
             return await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise ApiError(400, "request body is not valid JSON") from None
+        except RecursionError:
+            raise ApiError(400, "request body nests too deeply") from None
 
     @staticmethod
     def _sink(
@@ -187,7 +189,7 @@ class EngineServer:
             return _error(exc, headers)
         if self.faults.delay_ms:
             await asyncio.sleep(self.faults.delay_ms / 1000)
-        status = self.faults.take_failure()
+        status = self.faults.take_failure(await request.read())
         refusal: ApiError | None = None
         if status is not None:
             refusal = ApiError(status, "injected failure (enginesim fault)", type_="InjectedFault")

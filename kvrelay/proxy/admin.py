@@ -12,8 +12,10 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay.proxy.body import HeldBody, read_json_object
 from kvrelay.proxy.errors import ProxyError, bad_request, json_response
-from kvrelay.proxy.keys import FLEET, SETTINGS
+from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, SETTINGS
 from kvrelay.proxy.pools import Pool
 from kvrelay.proxy.settings import normalize_backend_url
 
@@ -24,9 +26,8 @@ def _check_admin(request: web.Request) -> None:
         raise ProxyError(
             404, "the admin API is disabled: set admin_key (KVRELAY_ADMIN_KEY) to enable it"
         )
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    given = token.strip() if scheme.lower() == "bearer" else request.headers.get("X-Admin-Key", "")
+    code = "invalid_admin_key"
+    given = bearer_token(request, code) or header_text(request, "X-Admin-Key", code) or ""
     if not given or not hmac.compare_digest(given.encode(), key.get_secret_value().encode()):
         raise ProxyError(
             401,
@@ -44,12 +45,16 @@ async def _target(request: web.Request) -> tuple[Pool, str]:
     if request.method == "DELETE" and not request.can_read_body:
         data: Any = dict(request.query)
     else:
+        held = HeldBody(request.app[BODY_BUDGET])
         try:
-            data = await request.json()
-        except ValueError:
+            # The same size, time and depth limits as the client routes.
+            data = await read_json_object(request, request.app[SETTINGS], held)
+        except ProxyError as exc:
+            if exc.code not in ("invalid_json", "empty_body"):
+                raise
             raise bad_request('send a JSON object {"role": ..., "url": ...}') from None
-    if not isinstance(data, dict):
-        raise bad_request('send a JSON object {"role": ..., "url": ...}')
+        finally:
+            held.release()
     role, url = data.get("role"), data.get("url")
     pools = _pools(request)
     if role not in pools:

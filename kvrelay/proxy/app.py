@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -20,6 +21,7 @@ from aiohttp import web
 from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import admin, metrics
+from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
     chat_shape,
     completion_shape,
@@ -30,25 +32,19 @@ from kvrelay.proxy.conversation import (
 )
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
-from kvrelay.proxy.keys import FLEET, HEALTH, SETTINGS
+from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, HEALTH, SETTINGS, TENANTS
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
 from kvrelay.proxy.relay import Turn
 from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
-from kvrelay.proxy.validation import read_json_body, validate_chat, validate_completion
+from kvrelay.proxy.tenants import TenantBreaker
+from kvrelay.proxy.validation import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() == "bearer" and token.strip():
-        return token.strip()
-    return None
 
 
 def authenticate(request: web.Request) -> str:
@@ -74,6 +70,7 @@ def authenticate(request: web.Request) -> str:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-shaped body, an unexpected one as a shaped 500."""
     try:
         return await handler(request)
     except ProxyError as exc:
@@ -86,6 +83,28 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
             405: f"method {request.method} is not allowed on {request.path}",
         }.get(exc.status, exc.reason)
         return ProxyError(exc.status, message).response()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        raise  # the client is gone: nobody to answer
+    except Exception:
+        log.exception("unexpected error on %s %r", request.method, request.path)
+        return ProxyError(
+            500, "the proxy failed on this request; retry, or report it with its X-Request-Id",
+            code="internal_error",
+        ).response()  # fmt: skip
+
+
+def _check_breaker(request: web.Request, tenant: str) -> None:
+    left = request.app[TENANTS].retry_after(tenant)
+    if left is not None:
+        wait = max(1, math.ceil(left))
+        raise ProxyError(
+            429,
+            "this API key's recent requests made every engine fail, so its requests are paused "
+            f"for {wait} s (settings tenant_failure_limit, tenant_cooldown_s); check the input "
+            "those requests sent",
+            code="tenant_paused",
+            headers={"Retry-After": str(wait)},
+        )
 
 
 async def _completion(request: web.Request, route: str) -> web.StreamResponse:
@@ -94,14 +113,18 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     outcome = "error"
     supplied = request.headers.get("X-Request-Id")
     request_id = request_id_from(supplied)
+    held = HeldBody(request.app[BODY_BUDGET])
+    turn: Turn | None = None
+    tenant = ""
     try:
         tenant = authenticate(request)
-        body = await read_json_body(request, fleet.settings.body_limit_bytes)
+        _check_breaker(request, tenant)
+        body = await read_json_object(request, fleet.settings, held)
         if route == "chat":
             validate_chat(body)
         else:
             validate_completion(body)
-        conversation_id = conversation_id_from(request.headers.get("X-Conversation-Id"), body)
+        conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
             fleet=fleet,
@@ -119,6 +142,9 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         return response
     except ProxyError as exc:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
+        if turn is not None and turn.every_decode_5xx and request.app[TENANTS].strike(tenant):
+            log.warning("paused an API key (tenant %s) whose requests every engine failed",
+                        tenant)  # fmt: skip
         return exc.response({"X-Request-Id": request_id})
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome = "client_disconnected"
@@ -127,6 +153,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
+        held.release()
         metrics.INFLIGHT.labels(route).dec()
         metrics.REQUESTS.labels(route, outcome).inc()
 
@@ -167,6 +194,14 @@ async def ready(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_page(request: web.Request) -> web.StreamResponse:
+    key = request.app[SETTINGS].metrics_key
+    if key is not None:
+        token = bearer_token(request, "invalid_metrics_key") or ""
+        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+            raise ProxyError(
+                401, "/metrics needs `Authorization: Bearer <metrics_key>`",
+                code="invalid_metrics_key",
+            )  # fmt: skip
     payload, content_type = metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
@@ -199,8 +234,12 @@ async def openapi(request: web.Request) -> web.StreamResponse:
     return json_response(openapi_document())
 
 
-def _health_gauge(backend: Backend) -> None:
-    metrics.BACKEND_HEALTHY.labels(backend.role, backend.url).set(1 if backend.healthy else 0)
+def _health_gauge(with_urls: bool) -> Callable[[Backend], None]:
+    def update(backend: Backend) -> None:
+        label = backend.url if with_urls else backend.name
+        metrics.BACKEND_HEALTHY.labels(backend.role, label).set(1 if backend.healthy else 0)
+
+    return update
 
 
 def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Application:
@@ -209,6 +248,8 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
         middlewares=[errors_middleware], client_max_size=settings.body_limit_bytes
     )
     app[SETTINGS] = settings
+    app[BODY_BUDGET] = BodyBudget(settings.inflight_body_bytes)
+    app[TENANTS] = TenantBreaker(settings.tenant_failure_limit, settings.tenant_cooldown_s)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
@@ -236,13 +277,14 @@ def _make_state(
                 "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
             )
         kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
+        gauge = _health_gauge(settings.metrics_backend_urls)
         prefill = Pool(
             "prefill", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=_health_gauge,
+            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         decode = Pool(
             "decode", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=_health_gauge,
+            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         for url in settings.prefill:
             prefill.add(url)

@@ -139,8 +139,11 @@ class PromptShape:
 
 
 def _text_digest(text: str, model: str) -> str:
-    seed = b"kvrelay-text-v2\n" + model.encode() + b"\n"
-    return hashlib.sha256(seed + text.encode()).hexdigest()[:32]
+    # surrogatepass: a prompt may carry lone surrogates (valid JSON escapes); the engine
+    # refuses those, but the digest must not fail first.
+    data = text.encode("utf-8", "surrogatepass")
+    seed = b"kvrelay-text-v2\n" + model.encode("utf-8", "surrogatepass") + b"\n"
+    return hashlib.sha256(seed + data).hexdigest()[:32]
 
 
 def _tokens_digest(tokens: tuple[int, ...], model: str) -> str:

@@ -24,8 +24,10 @@ class ProxyError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.type = type or default_type(status)
@@ -36,7 +38,7 @@ class ProxyError(Exception):
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self, headers: dict[str, str] | None = None) -> web.Response:
-        return json_response(self.body(), self.status, headers)
+        return json_response(self.body(), self.status, {**self.headers, **(headers or {})})
 
 
 def default_type(status: int) -> str:

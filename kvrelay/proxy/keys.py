@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from kvrelay.proxy.body import BodyBudget
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.pools import HealthChecker
 from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.tenants import TenantBreaker
 
+BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
 HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
+TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)

@@ -19,12 +19,15 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
 
 def _errors(*codes: int) -> dict[str, Any]:
     text = {
-        400: "Malformed input (bad JSON, wrong types, client kv_transfer_params).",
+        400: "Malformed input (bad JSON, JSON nested deeper than json_max_depth, wrong types, "
+        "client kv_transfer_params, a header that is not UTF-8).",
         401: "Missing or wrong API key.",
         404: "Not found.",
+        408: "The body did not arrive within body_read_timeout_s.",
         413: "Body larger than body_limit_bytes.",
+        429: "This API key is paused: its recent requests made every engine fail.",
         502: "An engine failed and no other could take over.",
-        503: "No healthy engine (or the map is unavailable).",
+        503: "No healthy engine, the map is unavailable, or inflight_body_bytes is used up.",
     }
     return {str(c): _json(_ERROR, text[c]) for c in codes}
 
@@ -48,7 +51,7 @@ def _completion_op(summary: str, schema: str) -> dict[str, Any]:
                     "text/event-stream": {"schema": {"type": "string"}},
                 },
             },
-            **_errors(400, 401, 413, 502, 503),
+            **_errors(400, 401, 408, 413, 429, 502, 503),
         },
     }
 
@@ -118,11 +121,13 @@ def openapi_document() -> dict[str, Any]:
             "/metrics": {
                 "get": {
                     "summary": "Prometheus metrics",
+                    "security": [{"metrics": []}, {}],
                     "responses": {
                         "200": {
                             "description": "Prometheus text format.",
                             "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
+                        },
+                        **_errors(401),
                     },
                 }
             },
@@ -151,7 +156,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                     "responses": {
                         "201": _json({"type": "object"}, "Added."),
-                        **_errors(400, 401, 404),
+                        **_errors(400, 401, 404, 408, 413),
                     },
                 },
                 "delete": {
@@ -163,7 +168,7 @@ def openapi_document() -> dict[str, Any]:
                     ],
                     "responses": {
                         "200": _json({"type": "object"}, "Removed."),
-                        **_errors(400, 401, 404),
+                        **_errors(400, 401, 404, 408, 413),
                     },
                 },
             },
@@ -181,7 +186,7 @@ def openapi_document() -> dict[str, Any]:
                     },
                     "responses": {
                         "200": _json({"type": "object"}, "Draining."),
-                        **_errors(400, 401, 404),
+                        **_errors(400, 401, 404, 408, 413),
                     },
                 },
             },
@@ -190,6 +195,11 @@ def openapi_document() -> dict[str, Any]:
             "securitySchemes": {
                 "bearer": {"type": "http", "scheme": "bearer"},
                 "admin": {"type": "http", "scheme": "bearer", "description": "admin_key"},
+                "metrics": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "metrics_key (when set)",
+                },
             },
             "parameters": {
                 "RequestId": {

@@ -1,9 +1,19 @@
 """Backend pools: health, load and the choice of engine for each leg.
 
 Each engine is a `Backend` with consecutive-failure and -success counters. Failures come from
-probes (`GET /health` every `probe_interval_s`) and from real requests (connect errors, 5xx,
-timeouts), so a dead engine is ejected after `eject_after_failures` whichever sees it first —
-that is the circuit breaker — and readmitted only by `readmit_after_successes` good probes.
+probes (`GET /health` every `probe_interval_s`) and from real requests (connect errors and
+timeouts at once; a 5xx only once it says something about the engine), so a dead engine is
+ejected after `eject_after_failures` whichever sees it first — that is the circuit breaker —
+and readmitted only by `readmit_after_successes` good probes.
+
+A 5xx can be caused by the request rather than the engine (input every engine fails on), so
+one client must not be able to eject the fleet with it. A 5xx counts as a failure when another
+engine then served the same request (`record_failure`); when none did, it is *disputed*
+(`record_disputed`) and counts only once a second API key saw a 5xx from that engine within
+`engine_5xx_window_s`.
+
+Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
+URL), never by their internal URL.
 P is chosen by least outstanding work (prompt size in flight); D by conversation affinity
 unless that D is unhealthy or above `decode_overload_inflight`, then by fewest in flight.
 Draining engines finish what they have but get nothing new.
@@ -13,7 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
@@ -38,13 +50,21 @@ class Backend:
     outstanding_work: int = 0
     side_channel: tuple[str, int] | None = None
     last_error: str | None = None
+    # API key (tenant hash) -> when it last got a disputed 5xx from this engine.
+    disputed_by: dict[str, float] = field(default_factory=dict)
 
     @property
     def usable(self) -> bool:
         return self.healthy and not self.draining
 
+    @property
+    def name(self) -> str:
+        """How clients and metrics see this engine: role and a stable hash, not the URL."""
+        return engine_name(self.role, self.url)
+
     def describe(self) -> dict[str, object]:
         return {
+            "name": self.name,
             "url": self.url,
             "role": self.role,
             "healthy": self.healthy,
@@ -54,6 +74,14 @@ class Backend:
             "last_error": self.last_error,
         }
 
+
+def engine_name(role: str, url: str) -> str:
+    """`decode-1a2b3c4d`: the same in every worker and across restarts, reveals no address."""
+    return f"{role}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+
+
+# Tenants remembered per engine for disputed 5xx (bounds memory under many API keys).
+_MAX_DISPUTING_TENANTS = 64
 
 HealthListener = Callable[[Backend], None]
 
@@ -67,6 +95,7 @@ class Pool:
     readmit_after: int
     backends: dict[str, Backend] = field(default_factory=dict)
     on_health_change: HealthListener | None = None
+    dispute_window_s: float = 60.0
 
     def add(self, url: str) -> Backend:
         if url in self.backends:
@@ -104,6 +133,23 @@ class Pool:
                 self.role, backend.url, backend.failures, reason,
             )  # fmt: skip
             self._notify(backend)
+
+    def record_disputed(self, backend: Backend, tenant: str, reason: str) -> None:
+        """A 5xx no other engine contradicted: the request may be at fault, not the engine.
+
+        It becomes a failure only when another API key also got one from this engine within
+        the window, so a single client's poisonous input never ejects an engine."""
+        now = time.monotonic()
+        seen = backend.disputed_by
+        for other, at in list(seen.items()):
+            if now - at > self.dispute_window_s:
+                del seen[other]
+        seen.pop(tenant, None)
+        seen[tenant] = now
+        while len(seen) > _MAX_DISPUTING_TENANTS:
+            del seen[next(iter(seen))]
+        if len(seen) >= 2:
+            self.record_failure(backend, f"{reason} (for {len(seen)} API keys)")
 
     def record_success(self, backend: Backend, *, probe: bool) -> None:
         backend.failures = 0

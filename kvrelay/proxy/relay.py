@@ -43,7 +43,7 @@ from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
-from kvrelay.proxy.pools import Backend
+from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.streaming import SSEFilter, error_event
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,15 @@ _FINISHED_RETRY_DELAYS = (0.0, 0.2, 0.5, 1.0)
 
 
 class LegFailure(Exception):
-    """An engine could not be used for a leg (connect, timeout, 5xx); another may be tried."""
+    """An engine could not be used for a leg (connect, timeout, 5xx); another may be tried.
 
-    def __init__(self, reason: str, status: int | None = None) -> None:
+    `reason` is for operators (logs, /admin); `public` is what a client may read: it names no
+    address."""
+
+    def __init__(self, reason: str, public: str | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
-        self.status = status
+        self.public = public or reason
 
 
 @dataclass
@@ -85,6 +88,10 @@ class Turn:
     d_accepted: bool = False
     d_params_handled: bool = False
     hold: bool = False
+    # 5xx answers not yet judged: the engine's fault if another engine serves the request,
+    # disputed (maybe the request's fault) if none does.
+    pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
+    every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -112,6 +119,7 @@ class Turn:
         try:
             response = await self._run()
         except BaseException:
+            self._judge_5xx(served=False)
             self._cleanup_after_failure()
             raise
         # On success P's blocks need no call from here: D's connector either read them (the
@@ -207,7 +215,7 @@ class Turn:
                 time.monotonic() - start
             )
             if status >= 500 or status == 429:
-                fleet.prefill.record_failure(backend, f"HTTP {status}")
+                self.pending_5xx.append((fleet.prefill, backend, f"HTTP {status}"))
                 log.warning("prefill on %s answered %d", backend.url, status)
                 continue
             if status >= 400:
@@ -215,6 +223,7 @@ class Turn:
                 fleet.prefill.record_success(backend, probe=False)
                 raise upstream_error_from_body(status, raw, "prefill")
             fleet.prefill.record_success(backend, probe=False)
+            self._judge_5xx(served=True)
             self.p_backend = backend
             self.p_answered = True
             self._read_prefill_answer(raw)
@@ -261,11 +270,11 @@ class Turn:
                 timeout=self.fleet.leg_timeout(),
             )
         except aiohttp.ClientConnectorError as exc:
-            raise LegFailure(f"cannot connect ({exc.os_error})") from exc
+            raise LegFailure(f"cannot connect ({exc.os_error})", "cannot connect") from exc
         except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
             raise LegFailure("no answer within the first-byte timeout") from exc
         except aiohttp.ClientError as exc:
-            raise LegFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise LegFailure(f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
 
     # -- D ---------------------------------------------------------------------------------------
 
@@ -275,6 +284,7 @@ class Turn:
         preferred = self.entry.url if self.entry is not None else None
         exclude: set[str] = set()
         reasons: list[str] = []
+        answered_5xx = 0
         for attempt in range(1 + fleet.settings.retries):
             backend = fleet.decode.pick_with_affinity(
                 preferred, exclude, fleet.settings.decode_overload_inflight
@@ -304,20 +314,22 @@ class Turn:
                 except LegFailure as exc:
                     fleet.decode.record_failure(backend, exc.reason)
                     metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
-                    reasons.append(f"{backend.url}: {exc.reason}")
+                    reasons.append(f"{backend.name}: {exc.public}")
                     log.warning("decode on %s failed: %s", backend.url, exc.reason)
                     continue
                 try:
                     if resp.status >= 500 or resp.status == 429:
                         await _drain(resp)
-                        fleet.decode.record_failure(backend, f"HTTP {resp.status}")
-                        reasons.append(f"{backend.url}: HTTP {resp.status}")
+                        self.pending_5xx.append((fleet.decode, backend, f"HTTP {resp.status}"))
+                        reasons.append(f"{backend.name}: HTTP {resp.status}")
+                        answered_5xx += 1
                         continue
                     if resp.status >= 400:
                         raw = await resp.read()
                         fleet.decode.record_success(backend, probe=False)
                         raise upstream_error_from_body(resp.status, raw, "decode")
                     fleet.decode.record_success(backend, probe=False)
+                    self._judge_5xx(served=True)
                     self.d_accepted = True
                     self.hold = hold
                     if stream:
@@ -329,6 +341,7 @@ class Turn:
                     raise
                 finally:
                     resp.release()
+        self.every_decode_5xx = bool(reasons) and answered_5xx == len(reasons)
         detail = "; ".join(reasons) if reasons else "no decode engine is healthy"
         raise ProxyError(
             503 if not reasons else 502,
@@ -526,6 +539,18 @@ class Turn:
             fleet.releaser.release_soon_params("decode", params)
 
     # -- failure paths ---------------------------------------------------------------------------
+
+    def _judge_5xx(self, *, served: bool) -> None:
+        """Settle the 5xx answers seen so far: failures of their engines when another engine
+        served this request, disputed (see `Pool.record_disputed`) when none did."""
+        pending, self.pending_5xx = self.pending_5xx, []
+        for pool, backend, reason in pending:
+            if pool.get(backend.url) is not backend:
+                continue  # removed meanwhile
+            if served:
+                pool.record_failure(backend, reason)
+            else:
+                pool.record_disputed(backend, self.tenant, reason)
 
     def _cleanup_after_failure(self) -> None:
         """Free what this turn made engines hold (runs on errors and client disconnects)."""

@@ -20,10 +20,34 @@ import tempfile
 from types import FrameType
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrelay.proxy.settings import Settings, SettingsError
 
 log = logging.getLogger(__name__)
+
+# After answering a request whose body was not read (refused before or while reading it),
+# read and drop what the client still sends for at most this long, then close. Short, so a
+# client trickling a refused body cannot keep the connection.
+LINGER_S = 1.0
+
+
+class ProtocolErrorFilter(logging.Filter):
+    """Malformed HTTP from a client is the client's problem: one WARNING line, no traceback.
+
+    aiohttp logs each such request at ERROR with the parser's traceback; anyone who can reach
+    the port could fill the log with them."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            detail = " ".join(str(exc.message).split())[:200]  # one line, bounded
+            record.msg = f"{record.getMessage()}: malformed HTTP ({type(exc).__name__}: {detail})"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
 
 
 def configure_logging(level: str) -> None:
@@ -32,6 +56,9 @@ def configure_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
         stream=sys.stderr,
     )
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, ProtocolErrorFilter) for f in server_log.filters):
+        server_log.addFilter(ProtocolErrorFilter())
 
 
 def check_map_url(settings: Settings) -> None:
@@ -76,6 +103,7 @@ def run_worker(settings: Settings, reuse_port: bool) -> None:
         # On SIGTERM let in-flight streams finish: none outlives total_timeout, and the chart's
         # grace period is longer than that, so a rolling update cuts no answer short.
         shutdown_timeout=settings.total_timeout,
+        lingering_time=LINGER_S,
     )
 
 

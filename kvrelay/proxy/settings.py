@@ -121,6 +121,10 @@ class Settings(BaseSettings):
         default=None,
         description="Shared HMAC secret of the engines' side channels (release, finished).",
     )
+    metrics_key: SecretStr | None = Field(
+        default=None,
+        description="Key (Bearer) that /metrics requires; unset = /metrics is open.",
+    )
     # Timeouts and retries ---------------------------------------------------------------
     connect_timeout: float = Field(
         default=2.0, gt=0, description="Seconds to connect to an engine, per leg."
@@ -139,6 +143,47 @@ class Settings(BaseSettings):
     )
     body_limit_bytes: int = Field(
         default=8 * 1024 * 1024, ge=1024, description="Largest accepted request body."
+    )
+    # Hostile input ------------------------------------------------------------------------
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a client may take to send a whole request body (then 408, closed).",
+    )
+    inflight_body_bytes: int = Field(
+        default=128 * 1024 * 1024,
+        ge=1024,
+        description=(
+            "Bytes all request bodies being received or served may hold together, per worker "
+            "process; a body that does not fit is answered 503."
+        ),
+    )
+    json_max_depth: int = Field(
+        default=64,
+        ge=4,
+        le=512,
+        description="Deepest nesting of arrays and objects accepted in a JSON request body.",
+    )
+    tenant_failure_limit: int = Field(
+        default=5,
+        ge=0,
+        description=(
+            "Requests of one API key that made every engine tried fail (5xx) within "
+            "tenant_cooldown_s, after which that key gets 429 for tenant_cooldown_s; 0 = off."
+        ),
+    )
+    tenant_cooldown_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="Window and pause of the per-API-key breaker (tenant_failure_limit).",
+    )
+    engine_5xx_window_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "Seconds in which 5xx answers that no other engine contradicted count against an "
+            "engine, and only once they come from at least two API keys."
+        ),
     )
     # Reuse --------------------------------------------------------------------------------
     entry_safety_margin_s: float = Field(
@@ -173,6 +218,13 @@ class Settings(BaseSettings):
         default=64,
         ge=1,
         description="In-flight requests above which D affinity yields to the least loaded D.",
+    )
+    metrics_backend_urls: bool = Field(
+        default=False,
+        description=(
+            "Label /metrics series with engine URLs instead of role-hash names (engine ids "
+            "as in client errors and /admin/backends)."
+        ),
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
 
@@ -224,6 +276,10 @@ class Settings(BaseSettings):
             raise ValueError("first_byte_timeout must not exceed total_timeout")
         if any(not k.get_secret_value() for k in self.api_keys):
             raise ValueError("api_keys contains an empty key")
+        if self.inflight_body_bytes < self.body_limit_bytes:
+            raise ValueError(
+                "inflight_body_bytes must be at least body_limit_bytes (one largest body fits)"
+            )
         return self
 
     @property
@@ -256,6 +312,7 @@ class Settings(BaseSettings):
         data["api_keys"] = f"{len(self.api_keys)} key(s)"
         data["admin_key"] = "set" if self.admin_key else "unset"
         data["connector_secret"] = "set" if self.connector_secret else "unset"
+        data["metrics_key"] = "set" if self.metrics_key else "unset"
         return data
 
 

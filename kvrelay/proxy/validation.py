@@ -1,4 +1,6 @@
-"""Client request checks: body size, JSON shape and field types, before anything is forwarded.
+"""Client request checks: JSON shape and field types, before anything is forwarded.
+
+Reading the body itself (size, time, depth limits) is `kvrelay.proxy.body`.
 
 The engines validate the rest; these checks exist so that malformed input gets a clear 4xx
 from the proxy instead of a confusing engine error or a half-started P/D exchange.
@@ -6,45 +8,10 @@ from the proxy instead of a confusing engine error or a half-started P/D exchang
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from aiohttp import web
-
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
-from kvrelay.proxy.errors import ProxyError, bad_request
-
-
-async def read_json_body(request: web.Request, limit: int) -> dict[str, Any]:
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit)
-    try:
-        raw = await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        raise _too_large(limit) from None
-    if len(raw) > limit:
-        raise _too_large(limit)
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", code="empty_body")
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(
-            f"the request body is not valid JSON ({exc}); send a JSON object",
-            code="invalid_json",
-        ) from None
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(
-        413,
-        f"the request body is larger than the proxy's limit of {limit} bytes "
-        "(setting body_limit_bytes)",
-        code="body_too_large",
-    )
+from kvrelay.proxy.errors import bad_request
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> None:

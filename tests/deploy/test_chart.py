@@ -13,7 +13,7 @@ from kvrelay.proxy.settings import Settings
 from tests.deploy.conftest import CHART, Helm
 
 HA_VALUES = CHART / "ci" / "ha-values.yaml"
-SECRET_FIELDS = ("api_keys", "admin_key", "connector_secret")
+SECRET_FIELDS = ("api_keys", "admin_key", "connector_secret", "metrics_key")
 
 
 def _values() -> dict[str, Any]:
@@ -173,6 +173,26 @@ def test_ha_values_render_redis_hpa_pdb_servicemonitor_networkpolicy(helm: Helm)
     redis_from = policies["rel-kvrelay-redis"]["ingress"][0]["from"][0]["podSelector"]
     assert redis_from["matchLabels"] == selector
     assert policies["rel-kvrelay"]["podSelector"]["matchLabels"] == selector
+
+
+def test_metrics_key_reaches_the_proxy_and_the_service_monitor(helm: Helm) -> None:
+    out = helm.render(
+        [HA_VALUES], set_values={"secrets": {"metrics_key": {"existingSecret": "scrape"}}}
+    )
+    env = {e["name"]: e for e in out.proxy_container()["env"]}
+    assert env["KVRELAY_METRICS_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "scrape",
+        "key": "metrics-key",
+    }
+    endpoint = out.one("ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["authorization"] == {
+        "type": "Bearer",
+        "credentials": {"name": "scrape", "key": "metrics-key"},
+    }
+    assert (
+        "authorization"
+        not in helm.render([HA_VALUES]).one("ServiceMonitor")["spec"]["endpoints"][0]
+    )
 
 
 def test_dashboard_configmap_is_labelled_for_the_grafana_sidecar(helm: Helm) -> None:

@@ -10,6 +10,7 @@ must be an OpenAI-shaped error. The engines run with a small `max_model_len` so 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,12 +18,14 @@ from typing import Any
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from kvrelay.proxy.openapi import openapi_document
 from tests.chaos.load import is_openai_error
 from tests.engines import EngineFactory
 from tests.proxy_server import ProxyFactory, ProxyServer
+from tests.security.rawhttp import send
 
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "25"))
 
@@ -78,5 +81,49 @@ def test_proxy_api_never_5xx_and_4xx_are_openai_shaped(
     def run(case: Any) -> None:
         response = case.call(base_url=fuzz_proxy.url, timeout=40)
         case.validate_response(response, checks=[not_a_server_error, openai_shaped_4xx])
+
+    run()
+
+
+RAW_ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
+              ("GET", "/v1/models"), ("DELETE", "/v1/conversations/x"), ("GET", "/metrics"),
+              ("POST", "/admin/backends"), ("DELETE", "/admin/backends")]  # fmt: skip
+_JSONISH = st.one_of(
+    st.binary(max_size=300),
+    st.integers(1, 3000).map(lambda n: b'{"messages":' + b"[" * n + b"]" * n + b"}"),
+    st.text(max_size=200).map(
+        lambda t: json.dumps({"model": "kvrelay-sim", "max_tokens": 2, "prompt": t,
+                              "messages": [{"role": "user", "content": t}]}).encode()
+    ),
+    st.just(b'{"model":"kvrelay-sim","messages":[{"role":"user","content":"\\ud800"}]}'),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(("method", "path"), RAW_ROUTES, ids=[f"{m} {p}" for m, p in RAW_ROUTES])
+def test_raw_bodies_and_header_bytes_never_5xx(
+    method: str, path: str, fuzz_proxy: ProxyServer
+) -> None:
+    """Bytes no schema describes: arbitrary bodies, deep nesting, lone surrogates, and header
+    values that are not UTF-8. Every answer is below 500 and every 4xx OpenAI-shaped."""
+
+    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    # Header bytes HTTP allows (visible ASCII, space, and 0x80-0xff: mostly not UTF-8);
+    # control bytes are malformed HTTP, refused by the parser before any route.
+    @given(
+        body=_JSONISH,
+        auth=st.binary(max_size=40).map(lambda b: bytes(c for c in b if c >= 0x20 and c != 0x7F)),
+    )
+    def run(body: bytes, auth: bytes) -> None:
+        headers = [(b"Content-Type", b"application/json"), (b"Authorization", b"Bearer " + auth),
+                   (b"X-Admin-Key", auth), (b"X-Conversation-Id", b"c" + auth)]  # fmt: skip
+        resp = send(fuzz_proxy.url, method, path, headers, body)
+        assert resp.status < 500, (resp.status, resp.body[:300])
+        if resp.status >= 400:
+            try:
+                payload = json.loads(resp.body)
+            except ValueError:
+                raise AssertionError((resp.status, resp.headers, resp.body[:300])) from None
+            assert is_openai_error(payload), (resp.status, resp.body[:300])
 
     run()

@@ -3,7 +3,8 @@ map) with two tenant keys and an admin key, everything logging at INFO so the lo
 the chattiest output.
 
 Package-scoped to keep the suite fast (engines start once); tests that need a clean state
-wait for the pools to go idle themselves. Built from the shared `EngineFactory` and
+wait for the pools to go idle themselves. `/metrics` needs the fleet's metrics key and
+request bodies must arrive within `BODY_READ_TIMEOUT_S`. Built from the shared `EngineFactory` and
 `ProxyFactory` (tests/engines.py, tests/proxy_server.py), not copied set-up.
 """
 
@@ -33,6 +34,7 @@ class SecureFleet:
     key_b: str
     admin_key: str
     redis: RedisServer
+    metrics_key: str
 
     def auth(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {key}"}
@@ -72,6 +74,10 @@ class SecureFleet:
         return out
 
 
+# Short, so the slow-body test is quick; far above what a loopback client needs.
+BODY_READ_TIMEOUT_S = 3.0
+
+
 @pytest.fixture(scope="package")
 def secure_fleet() -> Iterator[SecureFleet]:
     engines, proxies, redis = EngineFactory(), ProxyFactory(), RedisServer()
@@ -81,12 +87,14 @@ def secure_fleet() -> Iterator[SecureFleet]:
         decode = engines("SD", "--role", "decode", "--log-level", "INFO", "--lease-seconds", "30")
         key_a, key_b = "sk-a-" + secrets.token_hex(12), "sk-b-" + secrets.token_hex(12)
         admin_key = "adm-" + secrets.token_hex(12)
+        metrics_key = "met-" + secrets.token_hex(12)
         proxy = proxies(
             [prefill], [decode], ready_path="/ready",
             api_keys=f"{key_a},{key_b}", admin_key=admin_key, log_level="INFO",
-            map_url=redis.url,
+            map_url=redis.url, metrics_key=metrics_key,
+            body_read_timeout_s=str(BODY_READ_TIMEOUT_S),
         )  # fmt: skip
-        yield SecureFleet(prefill, decode, proxy, key_a, key_b, admin_key, redis)
+        yield SecureFleet(prefill, decode, proxy, key_a, key_b, admin_key, redis, metrics_key)
     finally:
         proxies.close()
         engines.close()

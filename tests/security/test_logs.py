@@ -63,6 +63,7 @@ def test_no_prompt_answer_or_secret_in_info_logs(secure_fleet: SecureFleet) -> N
         "api key a": fleet.key_a,
         "api key b": fleet.key_b,
         "admin key": fleet.admin_key,
+        "metrics key": fleet.metrics_key,
         "connector secret": CONNECTOR_SECRET,
         "release token": token,
     }
