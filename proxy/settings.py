@@ -101,7 +101,10 @@ class Settings(BaseSettings):
     # Conversation map ---------------------------------------------------------------------
     map_url: str = Field(
         default="memory://",
-        description="Conversation map: memory://?max_entries=N or redis://host:port/db.",
+        description=(
+            "Conversation map: memory://?max_entries=N, redis://host:port/db, "
+            "redis+sentinel://s1:26379,s2:26379/service or redis+cluster://n1:6379,n2:6379."
+        ),
     )
     # Listener -----------------------------------------------------------------------------
     host: str = Field(default="0.0.0.0", description="Listen address.")
@@ -209,8 +212,13 @@ class Settings(BaseSettings):
     @classmethod
     def _map_url(cls, value: str) -> str:
         scheme = urlsplit(value).scheme
-        if scheme not in ("memory", "redis", "rediss"):
-            raise ValueError("must start with memory://, redis:// or rediss://")
+        schemes = ("memory", "redis", "rediss", "redis+sentinel", "rediss+sentinel",
+                   "redis+cluster", "rediss+cluster")  # fmt: skip
+        if scheme not in schemes:
+            raise ValueError(
+                "must start with memory://, redis[s]://, redis[s]+sentinel:// or "
+                "redis[s]+cluster://"
+            )
         return value
 
     @field_validator("log_level", mode="before")
