@@ -30,6 +30,7 @@ from kvcache_map._redis_topology import (
     MultiHostURL,
     cluster_client,
     sentinel_client,
+    single_client,
 )
 
 
@@ -158,3 +159,24 @@ def _redis_kwargs(o: dict[str, Any]) -> dict[str, Any]:
         if name in o:
             kwargs[name] = o[name]
     return kwargs
+
+
+def open_redis_client(url: str, timeout: float = 2.0) -> tuple[Any, str, bool]:
+    """A plain client on the Redis a `redis*://` map URL names, for the proxy's other shared
+    state (the fleet record): (client, the map's key prefix, whether it is a cluster).
+    Raises ValueError for memory:// or a malformed URL."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    prefix = query.get("prefix", DEFAULT_PREFIX)
+    if scheme in ("redis", "rediss"):
+        bare = urlunsplit((parts.scheme, parts.netloc, parts.path, "", ""))
+        return single_client(bare, timeout=timeout, max_connections=8), prefix, False
+    if scheme in ("redis+sentinel", "rediss+sentinel", "redis+cluster", "rediss+cluster"):
+        hosts = MultiHostURL.parse(parts.netloc, parts.path)
+        tls = scheme.startswith("rediss")
+        if scheme.endswith("cluster"):
+            client = cluster_client(hosts, timeout=timeout, max_connections=8, tls=tls)
+            return client, prefix, True
+        return sentinel_client(hosts, timeout=timeout, max_connections=8, tls=tls), prefix, False
+    raise ValueError(f"map URL scheme {parts.scheme!r} has no Redis")

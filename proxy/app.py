@@ -28,7 +28,8 @@ from proxy.conversation import (
     upstream_request_id,
 )
 from proxy.errors import ProxyError, json_response
-from proxy.keys import FLEET, HEALTH, SETTINGS
+from proxy.fleet_sync import open_fleet_sync
+from proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
 from proxy.openapi import openapi_document
 from proxy.pools import Backend, HealthChecker, Pool
 from proxy.relay import Fleet, Turn
@@ -253,11 +254,15 @@ def _make_state(
         )
         app[HEALTH] = checker
         started = time.monotonic()
+        sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
+        app[FLEET_SYNC] = sync
+        await sync.start()
         checker.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
         finally:
+            await sync.stop()
             await checker.stop()
             await releaser.drain()
             if injected_map is None:

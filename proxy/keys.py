@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from proxy.fleet_sync import FleetSync
 from proxy.pools import HealthChecker
 from proxy.relay import Fleet
 from proxy.settings import Settings
@@ -11,3 +12,4 @@ from proxy.settings import Settings
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
 HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
+FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)

@@ -178,6 +178,15 @@ class Settings(BaseSettings):
         description="In-flight requests above which D affinity yields to the least loaded D.",
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
+    # Fleet sync and discovery (proxy/fleet_sync.py, proxy/discovery/) -------------------
+    fleet_sync_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "With the Redis map: seconds between checks of the shared fleet record (changes "
+            "also arrive at once by pub/sub)."
+        ),
+    )
 
     @field_validator("prefill", "decode", "api_keys", mode="before")
     @classmethod

@@ -1,0 +1,286 @@
+"""Fleet changes that reach every worker and every replica: one versioned fleet record.
+
+The fleet (which engines are in each pool, and whether each is draining) is a record kept
+beside the conversation map in Redis, `{prefix}:fleet` (one key: one cluster slot), as JSON:
+`{"version": N, "seed": "...", "prefill": {url: {"state", "source"}}, "decode": {...}}`.
+Every change (an admin call, a discovery update) is one Lua script that edits the record,
+bumps `version` and publishes the new version on `<prefix>:fleet`; every process subscribes
+and also polls the version every `fleet_sync_interval_s` (the safety net for a missed message,
+and the only path on Redis Cluster), then reconciles its pools with the record: engines the
+record lacks leave, new ones join, `state` sets draining. A process that starts reads the
+record, so a new replica or a restarted worker gets the current fleet.
+
+`seed` is a digest of the static `prefill`/`decode` settings. A process whose settings differ
+from the record's seed (a changed deployment) replaces the static engines in the record;
+admin-added and discovered engines stay. Without a shared map (one process, memory map) the
+changes apply to that process only (`LocalFleetSync`).
+
+Each engine carries its `source` (`static`, `admin`, `dns`, `kubernetes`), so a discovery
+source replaces only its own engines, and an admin removal wins over any source.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any, Literal, Protocol
+
+from kvcache_map import open_redis_client
+from proxy.pools import Pool
+from proxy.settings import Settings
+
+log = logging.getLogger("kvrelay.fleet")
+
+Op = Literal["add", "drain", "remove", "sync"]
+ROLES = ("prefill", "decode")
+
+# KEYS: record. ARGV: op JSON, channel. Returns the new record (JSON), or "" when the op
+# targets an engine the record does not hold (drain/remove).
+_LUA_APPLY = """
+local raw = redis.call('GET', KEYS[1])
+local r
+if raw then r = cjson.decode(raw) else r = {version = 0, seed = '', prefill = {}, decode = {}} end
+local op = cjson.decode(ARGV[1])
+local pool = {}
+if op.role then
+  pool = r[op.role]
+  if type(pool) ~= 'table' then pool = {}; r[op.role] = pool end
+end
+if op.op == 'add' then
+  -- an admin add takes an engine over from discovery (it then stays until removed)
+  local cur = pool[op.url]
+  local source = op.source
+  if cur and cur.source == 'static' then source = 'static' end
+  pool[op.url] = {state = 'active', source = source}
+elseif op.op == 'drain' then
+  if not pool[op.url] then return '' end
+  pool[op.url].state = 'draining'
+elseif op.op == 'remove' then
+  if not pool[op.url] then return '' end
+  pool[op.url] = nil
+elseif op.op == 'sync' then
+  -- op.urls: every engine this source sees now; others of this source leave.
+  local want = {}
+  for _, u in ipairs(op.urls) do want[u] = true end
+  for u, e in pairs(pool) do
+    if e.source == op.source and not want[u] then pool[u] = nil end
+  end
+  for u, _ in pairs(want) do
+    if not pool[u] then pool[u] = {state = 'active', source = op.source} end
+  end
+elseif op.op == 'seed' then
+  if r.seed == op.seed then return raw end
+  for _, role in ipairs({'prefill', 'decode'}) do
+    local p = r[role]
+    if type(p) ~= 'table' then p = {}; r[role] = p end
+    for u, e in pairs(p) do if e.source == 'static' then p[u] = nil end end
+    for _, u in ipairs(op[role]) do
+      if not p[u] then p[u] = {state = 'active', source = 'static'} end
+    end
+  end
+  r.seed = op.seed
+end
+r.version = r.version + 1
+local out = cjson.encode(r)
+redis.call('SET', KEYS[1], out)
+redis.call('PUBLISH', ARGV[2], r.version)
+return out
+"""
+
+
+class FleetSync(Protocol):
+    """What admin handlers and discovery call to change the fleet everywhere."""
+
+    async def apply(self, op: dict[str, Any]) -> bool:
+        """Apply one change; False when the target engine is not in the fleet."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def seed_of(prefill: Iterable[str], decode: Iterable[str]) -> str:
+    text = json.dumps([sorted(prefill), sorted(decode)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _apply_local(pools: dict[str, Pool], op: dict[str, Any]) -> bool:
+    pool = pools[op["role"]]
+    kind = op["op"]
+    if kind == "add":
+        pool.add(op["url"])
+    elif kind == "drain":
+        return pool.drain(op["url"]) is not None
+    elif kind == "remove":
+        return pool.remove(op["url"]) is not None
+    elif kind == "sync":
+        # One process: no sources are tracked, the discovered set is the pool's set.
+        for url in op["urls"]:
+            pool.add(url)
+        for url in list(pool.backends):
+            if url not in op["urls"] and url not in op.get("keep", ()):
+                pool.remove(url)
+    return True
+
+
+class LocalFleetSync:
+    """One process, no shared map: changes apply to this process's pools only."""
+
+    def __init__(self, pools: dict[str, Pool]) -> None:
+        self._pools = pools
+
+    async def apply(self, op: dict[str, Any]) -> bool:
+        return _apply_local(self._pools, op)
+
+    async def start(self) -> None:
+        return None
+
+    async def stop(self) -> None:
+        return None
+
+
+def reconcile(pools: dict[str, Pool], record: dict[str, Any]) -> None:
+    """Make the pools match the record (join, leave, drain, undrain)."""
+    for role in ROLES:
+        pool = pools[role]
+        desired = record.get(role) or {}
+        if not isinstance(desired, dict):  # cjson writes an empty table as {} or []
+            desired = {}
+        for url in list(pool.backends):
+            if url not in desired:
+                pool.remove(url)
+                log.info("%s engine %s left the fleet", role, url)
+        for url, info in desired.items():
+            backend = pool.get(url)
+            draining = isinstance(info, dict) and info.get("state") == "draining"
+            if backend is None:
+                backend = pool.add(url)
+                log.info("%s engine %s joined the fleet", role, url)
+            backend.draining = draining
+
+
+class RedisFleetSync:
+    """The fleet record in Redis, pub/sub notifications and a polling safety net."""
+
+    def __init__(
+        self,
+        client: Any,
+        prefix: str,
+        pools: dict[str, Pool],
+        static: dict[str, list[str]],
+        *,
+        interval: float,
+        pubsub: bool,
+        timeout: float = 2.0,
+    ) -> None:
+        self._r = client
+        self._key = f"{{{prefix}}}:fleet"
+        self._channel = f"{prefix}:fleet"
+        self._pools = pools
+        self._static = static
+        self._interval = interval
+        self._use_pubsub = pubsub
+        self._timeout = timeout
+        self._apply_script = client.register_script(_LUA_APPLY)
+        self._version = -1
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def apply(self, op: dict[str, Any]) -> bool:
+        async with asyncio.timeout(self._timeout):
+            raw = await self._apply_script(keys=[self._key], args=[json.dumps(op), self._channel])
+        if not raw:
+            return False
+        self._install(json.loads(raw))
+        return True
+
+    async def start(self) -> None:
+        """Seed the record from the static settings when they changed, then follow it."""
+        static = self._static
+        seed = {"op": "seed", "seed": seed_of(static["prefill"], static["decode"]), **static}
+        try:
+            await self.apply(seed)
+        except Exception as exc:  # Redis down at start: the static fleet, then follow later
+            log.warning("fleet record unavailable at start (%s); using the settings' fleet",
+                        type(exc).__name__)  # fmt: skip
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._poll(), name="kvrelay-fleet-poll"))
+        if self._use_pubsub:
+            self._tasks.append(loop.create_task(self._listen(), name="kvrelay-fleet-listen"))
+
+    async def stop(self) -> None:
+        await self._stop_tasks()
+        with contextlib.suppress(Exception):
+            await self._r.aclose()
+
+    async def _stop_tasks(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+
+    async def refresh(self) -> None:
+        """Read the record and reconcile if it is newer than what this process applied."""
+        async with asyncio.timeout(self._timeout):
+            raw = await self._r.get(self._key)
+        if raw:
+            self._install(json.loads(raw))
+
+    def _install(self, record: dict[str, Any]) -> None:
+        version = int(record.get("version", 0))
+        if version <= self._version:
+            return
+        reconcile(self._pools, record)
+        self._version = version
+
+    async def _poll(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self._interval)
+            self._wake.clear()
+            try:
+                await self.refresh()
+            except Exception as exc:  # Redis away: keep the current fleet, try again
+                log.debug("fleet refresh failed: %s", type(exc).__name__)
+
+    async def _listen(self) -> None:
+        while True:
+            try:
+                pubsub = self._r.pubsub(ignore_subscribe_messages=True)
+                try:
+                    await pubsub.subscribe(self._channel)
+                    self._wake.set()  # catch up with what was missed while unsubscribed
+                    while True:
+                        message = await pubsub.get_message(timeout=self._interval)
+                        if message is not None:
+                            self._wake.set()
+                finally:
+                    with contextlib.suppress(Exception):
+                        await pubsub.aclose()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # reconnect after a pause; polling covers the gap
+                log.debug("fleet subscription lost: %s", type(exc).__name__)
+                await asyncio.sleep(self._interval)
+
+
+def open_fleet_sync(settings: Settings, pools: dict[str, Pool]) -> FleetSync:
+    """The record in the map's Redis when the map is shared, else this process only."""
+    if not settings.uses_shared_map:
+        return LocalFleetSync(pools)
+    client, prefix, cluster = open_redis_client(settings.map_url)
+    static = {"prefill": list(settings.prefill), "decode": list(settings.decode)}
+    return RedisFleetSync(
+        client, prefix, pools, static, interval=settings.fleet_sync_interval_s,
+        pubsub=not cluster,  # redis-py has no asyncio cluster pub/sub: polling only
+    )  # fmt: skip
