@@ -27,6 +27,7 @@ from proxy.conversation import (
     tenant_of,
     upstream_request_id,
 )
+from proxy.discovery import start_discovery
 from proxy.errors import ProxyError, json_response
 from proxy.fleet_sync import open_fleet_sync
 from proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
@@ -257,11 +258,14 @@ def _make_state(
         sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
         app[FLEET_SYNC] = sync
         await sync.start()
+        discovery = await start_discovery(settings, sync)
         checker.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
         finally:
+            if discovery is not None:
+                await discovery.stop()
             await sync.stop()
             await checker.stop()
             await releaser.drain()

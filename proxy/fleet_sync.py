@@ -30,7 +30,7 @@ from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 from kvcache_map import open_redis_client
-from proxy.pools import Pool
+from proxy.pools import Backend, Pool
 from proxy.settings import Settings
 
 log = logging.getLogger("kvrelay.fleet")
@@ -63,15 +63,22 @@ elseif op.op == 'remove' then
   if not pool[op.url] then return '' end
   pool[op.url] = nil
 elseif op.op == 'sync' then
-  -- op.urls: every engine this source sees now; others of this source leave.
+  -- op.urls: every engine this source sees now; others of this source leave. Nothing
+  -- changed: no new version (every process runs discovery and sends the same sets).
   local want = {}
+  local sides = op.side_channels or {}
+  local changed = false
   for _, u in ipairs(op.urls) do want[u] = true end
   for u, e in pairs(pool) do
-    if e.source == op.source and not want[u] then pool[u] = nil end
+    if e.source == op.source and not want[u] then pool[u] = nil; changed = true end
   end
   for u, _ in pairs(want) do
-    if not pool[u] then pool[u] = {state = 'active', source = op.source} end
+    if not pool[u] then
+      pool[u] = {state = 'active', source = op.source, side_channel = sides[u]}
+      changed = true
+    end
   end
+  if not changed then return raw end
 elseif op.op == 'seed' then
   if r.seed == op.seed then return raw end
   for _, role in ipairs({'prefill', 'decode'}) do
@@ -108,33 +115,38 @@ def seed_of(prefill: Iterable[str], decode: Iterable[str]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _apply_local(pools: dict[str, Pool], op: dict[str, Any]) -> bool:
-    pool = pools[op["role"]]
-    kind = op["op"]
-    if kind == "add":
-        pool.add(op["url"])
-    elif kind == "drain":
-        return pool.drain(op["url"]) is not None
-    elif kind == "remove":
-        return pool.remove(op["url"]) is not None
-    elif kind == "sync":
-        # One process: no sources are tracked, the discovered set is the pool's set.
-        for url in op["urls"]:
-            pool.add(url)
-        for url in list(pool.backends):
-            if url not in op["urls"] and url not in op.get("keep", ()):
-                pool.remove(url)
-    return True
-
-
 class LocalFleetSync:
     """One process, no shared map: changes apply to this process's pools only."""
 
     def __init__(self, pools: dict[str, Pool]) -> None:
         self._pools = pools
+        # url -> source of the engines discovery added, so a source replaces only its own.
+        self._sources: dict[str, str] = {}
 
     async def apply(self, op: dict[str, Any]) -> bool:
-        return _apply_local(self._pools, op)
+        pool = self._pools[op["role"]]
+        kind = op["op"]
+        if kind == "add":
+            pool.add(op["url"])
+            self._sources.pop(op["url"], None)
+        elif kind == "drain":
+            return pool.drain(op["url"]) is not None
+        elif kind == "remove":
+            self._sources.pop(op["url"], None)
+            return pool.remove(op["url"]) is not None
+        elif kind == "sync":
+            want = set(op["urls"])
+            for url in list(pool.backends):
+                if self._sources.get(url) == op["source"] and url not in want:
+                    pool.remove(url)
+                    del self._sources[url]
+                    log.info("%s engine %s left the fleet", pool.role, url)
+            for url in sorted(want - set(pool.backends)):
+                backend = pool.add(url)
+                _set_side_channel(backend, op.get("side_channels", {}).get(url))
+                self._sources[url] = op["source"]
+                log.info("%s engine %s joined the fleet", pool.role, url)
+        return True
 
     async def start(self) -> None:
         return None
@@ -156,11 +168,21 @@ def reconcile(pools: dict[str, Pool], record: dict[str, Any]) -> None:
                 log.info("%s engine %s left the fleet", role, url)
         for url, info in desired.items():
             backend = pool.get(url)
-            draining = isinstance(info, dict) and info.get("state") == "draining"
+            info = info if isinstance(info, dict) else {}
             if backend is None:
                 backend = pool.add(url)
                 log.info("%s engine %s joined the fleet", role, url)
-            backend.draining = draining
+            backend.draining = info.get("state") == "draining"
+            _set_side_channel(backend, info.get("side_channel"))
+
+
+def _set_side_channel(backend: Backend, address: Any) -> None:
+    """A discovered side channel (`host:port`) for an engine whose params were not seen yet."""
+    if backend.side_channel is not None or not isinstance(address, str):
+        return
+    host, _, port = address.rpartition(":")
+    if host and port.isdigit():
+        backend.side_channel = (host, int(port))
 
 
 class RedisFleetSync:

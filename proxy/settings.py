@@ -187,6 +187,29 @@ class Settings(BaseSettings):
             "also arrive at once by pub/sub)."
         ),
     )
+    prefill_dns: str | None = Field(
+        default=None,
+        description=(
+            "Discover P engines by DNS beside `prefill`: name:port (A/AAAA, e.g. a headless "
+            "Service) or an _service._proto.name SRV name."
+        ),
+    )
+    decode_dns: str | None = Field(
+        default=None, description="Discover D engines by DNS beside `decode` (as prefill_dns)."
+    )
+    dns_interval_s: float = Field(
+        default=5.0, gt=0, description="Seconds between DNS discovery lookups."
+    )
+    dns_server: str | None = Field(
+        default=None,
+        description="DNS server host:port for discovery; unset = the system resolver.",
+    )
+    discovery_side_channel_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Side-channel port of discovered engines (at the engine's address).",
+    )
 
     @field_validator("prefill", "decode", "api_keys", mode="before")
     @classmethod
@@ -230,6 +253,26 @@ class Settings(BaseSettings):
             )
         return value
 
+    @field_validator("prefill_dns", "decode_dns")
+    @classmethod
+    def _dns_spec(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from proxy.discovery import parse_dns_spec  # here: discovery imports the settings
+
+        parse_dns_spec(value)
+        return value.strip()
+
+    @field_validator("dns_server")
+    @classmethod
+    def _dns_server(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r} is not host:port")
+        return value
+
     @field_validator("log_level", mode="before")
     @classmethod
     def _upper(cls, value: Any) -> Any:
@@ -250,12 +293,12 @@ class Settings(BaseSettings):
 
     def check_runnable(self) -> None:
         """Checks that only `serve` needs (a fleet to route to, a shared map for workers)."""
-        if not self.decode:
+        if not self.decode and not self.discovers("decode"):
             raise SettingsError(
                 "setting `decode` (KVRELAY_DECODE / --decode) is empty: give at least one "
                 "decode engine URL"
             )
-        if not self.prefill:
+        if not self.prefill and not self.discovers("prefill"):
             raise SettingsError(
                 "setting `prefill` (KVRELAY_PREFILL / --prefill) is empty: give at least one "
                 "prefill engine URL"
@@ -266,6 +309,10 @@ class Settings(BaseSettings):
                 "several workers need the shared Redis map (KVRELAY_MAP_URL=redis://...), "
                 "otherwise a conversation's next turn misses on another worker"
             )
+
+    def discovers(self, role: str) -> bool:
+        """True when engines of `role` come from a discovery source."""
+        return (self.prefill_dns if role == "prefill" else self.decode_dns) is not None
 
     def public_dict(self) -> dict[str, Any]:
         """Settings for logs and /admin: secrets reduced to whether they are set."""
