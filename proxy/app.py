@@ -28,6 +28,7 @@ from proxy.conversation import (
     upstream_request_id,
 )
 from proxy.discovery import start_discovery
+from proxy.discovery_kube import start_kube_discovery
 from proxy.errors import ProxyError, json_response
 from proxy.fleet_sync import open_fleet_sync
 from proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
@@ -259,11 +260,14 @@ def _make_state(
         app[FLEET_SYNC] = sync
         await sync.start()
         discovery = await start_discovery(settings, sync)
+        kube = await start_kube_discovery(settings, sync)
         checker.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
         finally:
+            if kube is not None:
+                await kube.stop()
             if discovery is not None:
                 await discovery.stop()
             await sync.stop()

@@ -210,6 +210,33 @@ class Settings(BaseSettings):
         le=65535,
         description="Side-channel port of discovered engines (at the engine's address).",
     )
+    prefill_selector: str | None = Field(
+        default=None,
+        description=(
+            "Discover P engines from Kubernetes EndpointSlices with this label selector "
+            "(e.g. app=vllm-p); needs the kubernetes extra and list/watch RBAC."
+        ),
+    )
+    decode_selector: str | None = Field(
+        default=None, description="Discover D engines from EndpointSlices (as prefill_selector)."
+    )
+    kube_namespace: str | None = Field(
+        default=None,
+        description="Namespace of the engines' EndpointSlices; unset = the proxy's own.",
+    )
+    kube_config: str | None = Field(
+        default=None, description="Kubeconfig file; unset = the in-cluster service account."
+    )
+    kube_port_name: str = Field(
+        default="http", description="EndpointSlice port name of the engines' HTTP port."
+    )
+    kube_side_channel_port_name: str = Field(
+        default="side-channel",
+        description=(
+            "EndpointSlice port name of the connector side channel (else the slice "
+            "annotation kvrelay.io/side-channel-port)."
+        ),
+    )
 
     @field_validator("prefill", "decode", "api_keys", mode="before")
     @classmethod
@@ -312,7 +339,9 @@ class Settings(BaseSettings):
 
     def discovers(self, role: str) -> bool:
         """True when engines of `role` come from a discovery source."""
-        return (self.prefill_dns if role == "prefill" else self.decode_dns) is not None
+        if role == "prefill":
+            return self.prefill_dns is not None or self.prefill_selector is not None
+        return self.decode_dns is not None or self.decode_selector is not None
 
     def public_dict(self) -> dict[str, Any]:
         """Settings for logs and /admin: secrets reduced to whether they are set."""
