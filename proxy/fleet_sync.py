@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
@@ -38,13 +39,26 @@ log = logging.getLogger("kvrelay.fleet")
 Op = Literal["add", "drain", "remove", "sync"]
 ROLES = ("prefill", "decode")
 
-# KEYS: record. ARGV: op JSON, channel. Returns the new record (JSON), or "" when the op
-# targets an engine the record does not hold (drain/remove).
+# KEYS: record. ARGV: op JSON, channel, a fresh epoch id. Returns the new record (JSON), ""
+# when the op targets an engine the record does not hold (drain/remove), or "missing" when
+# there is no record and the op is neither `seed` nor `restore`. A record created anew gets a
+# new `epoch`: processes install a record whose epoch differs whatever its version.
 _LUA_APPLY = """
 local raw = redis.call('GET', KEYS[1])
-local r
-if raw then r = cjson.decode(raw) else r = {version = 0, seed = '', prefill = {}, decode = {}} end
 local op = cjson.decode(ARGV[1])
+local r
+if raw then
+  r = cjson.decode(raw)
+elseif op.op == 'seed' then
+  r = {version = 0, epoch = ARGV[3], seed = '', prefill = {}, decode = {}}
+elseif op.op == 'restore' then
+  -- the record was lost (Redis restarted empty): a process puts back the last one it had
+  r = op.record
+  r.epoch = ARGV[3]
+else
+  return 'missing'
+end
+if op.op == 'restore' and raw then return raw end
 local pool = {}
 if op.role then
   pool = r[op.role]
@@ -209,6 +223,8 @@ class RedisFleetSync:
         self._timeout = timeout
         self._apply_script = client.register_script(_LUA_APPLY)
         self._version = -1
+        self._epoch: Any = None
+        self._record: dict[str, Any] | None = None  # the last record installed
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -217,19 +233,40 @@ class RedisFleetSync:
         return self._version
 
     async def apply(self, op: dict[str, Any]) -> bool:
-        async with asyncio.timeout(self._timeout):
-            raw = await self._apply_script(keys=[self._key], args=[json.dumps(op), self._channel])
-        if not raw:
+        raw = await self._run(op)
+        if raw == b"missing":
+            await self._restore()
+            raw = await self._run(op)
+        if not raw or raw == b"missing":
             return False
         self._install(json.loads(raw))
         return True
 
+    async def _run(self, op: dict[str, Any]) -> bytes | None:
+        args = [json.dumps(op), self._channel, secrets.token_hex(8)]
+        async with asyncio.timeout(self._timeout):
+            raw: bytes | None = await self._apply_script(keys=[self._key], args=args)
+        return raw
+
+    async def _restore(self) -> None:
+        """The record is gone (Redis restarted without persistence): put back the last one
+        this process installed, or seed it from the settings if it never had one."""
+        if self._record is None:
+            await self.apply(self._seed_op())
+            return
+        log.warning("fleet record missing in Redis; restoring version %s", self._version)
+        raw = await self._run({"op": "restore", "record": self._record})
+        if raw and raw != b"missing":
+            self._install(json.loads(raw))
+
+    def _seed_op(self) -> dict[str, Any]:
+        static = self._static
+        return {"op": "seed", "seed": seed_of(static["prefill"], static["decode"]), **static}
+
     async def start(self) -> None:
         """Seed the record from the static settings when they changed, then follow it."""
-        static = self._static
-        seed = {"op": "seed", "seed": seed_of(static["prefill"], static["decode"]), **static}
         try:
-            await self.apply(seed)
+            await self.apply(self._seed_op())
         except Exception as exc:  # Redis down at start: the static fleet, then follow later
             log.warning("fleet record unavailable at start (%s); using the settings' fleet",
                         type(exc).__name__)  # fmt: skip
@@ -257,13 +294,18 @@ class RedisFleetSync:
             raw = await self._r.get(self._key)
         if raw:
             self._install(json.loads(raw))
+        elif self._record is None:
+            await self.apply(self._seed_op())  # Redis was down when this process started
+        else:
+            await self._restore()
 
     def _install(self, record: dict[str, Any]) -> None:
         version = int(record.get("version", 0))
-        if version <= self._version:
+        epoch = record.get("epoch")
+        if self._record is not None and epoch == self._epoch and version <= self._version:
             return
         reconcile(self._pools, record)
-        self._version = version
+        self._record, self._version, self._epoch = record, version, epoch
 
     async def _poll(self) -> None:
         while True:

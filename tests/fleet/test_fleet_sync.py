@@ -78,3 +78,46 @@ def test_admin_changes_reach_every_worker_and_replica(
     assert status == 201, body  # adding a draining engine again puts it back in service
     wait_until(lambda: _everyone_sees([a, b, c], {d0.url: False}), 15, interval=0.1,
                what="D0 back in service everywhere")  # fmt: skip
+
+
+async def test_fleet_record_lost_with_redis_is_restored_not_emptied(redis: RedisServer) -> None:
+    """Redis restarts empty: the next change must not start from an empty fleet."""
+    from kvcache_map import open_redis_client
+    from proxy.fleet_sync import RedisFleetSync
+    from proxy.pools import Pool
+    from tests.kvcache_map.helpers import eventually
+
+    static = {"prefill": ["http://p0:8000"], "decode": ["http://d0:8000"]}
+    pools = [{"prefill": Pool("prefill", 3, 2), "decode": Pool("decode", 3, 2)} for _ in "ab"]
+    syncs = []
+    for p in pools:
+        client, prefix, _ = open_redis_client(redis.url)
+        sync = RedisFleetSync(client, prefix, p, static, interval=0.1, pubsub=True)
+        await sync.start()
+        syncs.append(sync)
+    try:
+        assert await syncs[0].apply(
+            {"op": "add", "role": "decode", "url": "http://d1:8000", "source": "admin"}
+        )
+
+        def decode_sets() -> list[set[str]]:
+            return [set(p["decode"].backends) for p in pools]
+
+        both = {"http://d0:8000", "http://d1:8000"}
+        await eventually(lambda: decode_sets() == [both, both], what="d1 everywhere")
+        redis.restart()  # same port, empty: the record is gone
+        three = both | {"http://d2:8000"}
+
+        async def added() -> bool:
+            try:
+                return await syncs[1].apply(
+                    {"op": "add", "role": "decode", "url": "http://d2:8000", "source": "admin"}
+                )
+            except Exception:
+                return False
+
+        await eventually(added, what="a change after the restart")
+        await eventually(lambda: decode_sets() == [three, three], what="nothing lost")
+    finally:
+        for sync in syncs:
+            await sync.stop()
