@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests.engines import EngineFactory
 from tests.harness import RedisServer, wait_until
 from tests.proxy_server import ProxyFactory, ProxyServer
@@ -121,3 +123,35 @@ async def test_fleet_record_lost_with_redis_is_restored_not_emptied(redis: Redis
     finally:
         for sync in syncs:
             await sync.stop()
+
+
+@pytest.mark.parametrize("topology", ["cluster", "sentinel"])
+async def test_fleet_record_on_cluster_and_sentinel_maps(topology: str) -> None:
+    """The record, its script and its notification work on the other map topologies (a
+    cluster map has no asyncio pub/sub in redis-py: polling carries the change there)."""
+    from kvcache_map import open_redis_client
+    from proxy.fleet_sync import RedisFleetSync
+    from proxy.pools import Pool
+    from tests.kvcache_map.helpers import eventually
+    from tests.kvcache_map.topologies import RedisCluster, SentinelSet
+
+    nodes = RedisCluster().start() if topology == "cluster" else SentinelSet().start()
+    static = {"prefill": ["http://p0:8000"], "decode": ["http://d0:8000"]}
+    pools = [{"prefill": Pool("prefill", 3, 2), "decode": Pool("decode", 3, 2)} for _ in "ab"]
+    syncs = []
+    try:
+        for p in pools:
+            client, prefix, cluster = open_redis_client(nodes.url)
+            sync = RedisFleetSync(client, prefix, p, static, interval=0.2, pubsub=not cluster)
+            await sync.start()
+            syncs.append(sync)
+        assert await syncs[0].apply(
+            {"op": "add", "role": "decode", "url": "http://d1:8000", "source": "admin"}
+        )
+        both = {"http://d0:8000", "http://d1:8000"}
+        await eventually(lambda: all(set(p["decode"].backends) == both for p in pools),
+                         what="d1 in both processes")  # fmt: skip
+    finally:
+        for sync in syncs:
+            await sync.stop()
+        nodes.stop()
