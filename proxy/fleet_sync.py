@@ -226,6 +226,7 @@ class RedisFleetSync:
         self._epoch: Any = None
         self._record: dict[str, Any] | None = None  # the last record installed
         self._wake = asyncio.Event()
+        self._stopping = False
         self._tasks: list[asyncio.Task[None]] = []
 
     @property
@@ -276,17 +277,15 @@ class RedisFleetSync:
             self._tasks.append(loop.create_task(self._listen(), name="kvrelay-fleet-listen"))
 
     async def stop(self) -> None:
-        await self._stop_tasks()
-        with contextlib.suppress(Exception):
-            await self._r.aclose()
-
-    async def _stop_tasks(self) -> None:
+        self._stopping = True  # also ends the loops if a client library swallows the cancel
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        # Bounded: a Redis connection stuck mid-close must not hold up the proxy's shutdown.
+        await asyncio.wait(self._tasks, timeout=self._timeout) if self._tasks else None
         self._tasks.clear()
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(self._timeout):
+                await self._r.aclose()
 
     async def refresh(self) -> None:
         """Read the record and reconcile if it is newer than what this process applied."""
@@ -308,7 +307,7 @@ class RedisFleetSync:
         self._record, self._version, self._epoch = record, version, epoch
 
     async def _poll(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._interval)
             self._wake.clear()
@@ -318,13 +317,13 @@ class RedisFleetSync:
                 log.debug("fleet refresh failed: %s", type(exc).__name__)
 
     async def _listen(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 pubsub = self._r.pubsub(ignore_subscribe_messages=True)
                 try:
                     await pubsub.subscribe(self._channel)
                     self._wake.set()  # catch up with what was missed while unsubscribed
-                    while True:
+                    while not self._stopping:
                         message = await pubsub.get_message(timeout=self._interval)
                         if message is not None:
                             self._wake.set()
