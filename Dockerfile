@@ -16,10 +16,7 @@ ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${PYTHON_IMAGE} AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY proxy ./proxy
-COPY kvcache_map ./kvcache_map
-COPY connector ./connector
-COPY enginesim ./enginesim
+COPY kvrelay ./kvrelay
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 # ---- proxy-venv: the proxy's runtime environment (base dependencies + Kubernetes discovery) --
@@ -39,7 +36,7 @@ COPY --from=build /wheels /wheels
 RUN python3 -m pip freeze | grep -E '^torch==' > /tmp/keep-torch.txt \
     && python3 -m pip install --no-cache-dir -c /tmp/keep-torch.txt \
         /wheels/kvrelay-*.whl "nixl==1.5.1" "numpy>=1.26" \
-    && python3 -c "import connector.vllm_adapter" \
+    && python3 -c "import kvrelay.connector.vllm.adapter" \
     && rm -rf /wheels /tmp/keep-torch.txt
 # vLLM's entrypoint (`vllm serve`) stays; pass --kv-transfer-config with KVRelayConnector.
 

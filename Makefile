@@ -55,7 +55,7 @@ test-vllm:
 	timeout --signal=INT --kill-after=90 1200 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
 
 demo: venv
-	$(PY) -m proxy.cli demo
+	$(PY) -m kvrelay.proxy.cli demo
 
 bench: venv redis
 	$(PY) bench/run_all.py

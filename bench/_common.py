@@ -199,12 +199,12 @@ class Engine:
 
 
 def start_engine(engine_id: str, extra: Sequence[str] = (), ready_timeout: float = 60.0) -> Engine:
-    """Start `python -m enginesim` on free ports and wait for `GET /health`."""
+    """Start `python -m kvrelay.enginesim` on free ports and wait for `GET /health`."""
     port = free_port()
     side = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
-        sys.executable, "-m", "enginesim",
+        sys.executable, "-m", "kvrelay.enginesim",
         "--port", str(port),
         "--engine-id", engine_id,
         "--side-channel-port", str(side),
@@ -238,13 +238,22 @@ def start_kvrelay(
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> Router:
-    """Start `python -m proxy.cli serve` on a free port and wait for `GET /ready`.
+    """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`.
 
     The engines' side channels are configured (`--side-channels`) as an operator would: that
     is how the proxy fetches D's params after a stream, so streamed turns can be reused too.
     """
     port = free_port()
-    argv = [sys.executable, "-m", "proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [
+        sys.executable,
+        "-m",
+        "kvrelay.proxy.cli",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     argv += ["--prefill", *(e.url for e in prefill)]
     argv += ["--decode", *(e.url for e in decode)]
     argv += [

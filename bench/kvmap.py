@@ -32,7 +32,7 @@ from typing import cast
 import _common as c
 from redis.exceptions import RedisError
 
-from kvcache_map import (
+from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
     KVMap,
@@ -41,7 +41,7 @@ from kvcache_map import (
     RedisMap,
     encode_key,
 )
-from kvcache_map._redis import make_client
+from kvrelay.kvcache_map._redis import make_client
 from tests.harness import RedisServer
 
 SECTION = "kvmap"

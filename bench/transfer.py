@@ -2,7 +2,7 @@
 
 Part 1: a target process registers a buffer of blocks with its own NIXL agent (UCX, CPU
 memory) and keeps driving progress; this process reads scattered blocks from it through the
-connector's own descriptor builder (`connector.transport.build_descs`), with coalescing of
+connector's own descriptor builder (`kvrelay.connector.transport.build_descs`), with coalescing of
 contiguous runs on and off, for block sizes 16 KiB .. 1 MiB. The baseline copies the same bytes
 once with one thread (`numpy.copyto`, contiguous). Part 2: a holder and a reader engine
 (`tests/connector/peer.py`, each its own process) — the reader rejects a request before
@@ -34,7 +34,7 @@ def _target(conn: Connection, total_bytes: int) -> None:
     """Child: register a buffer, hand over metadata, drive NIXL progress until told to stop."""
     import torch
 
-    from connector.transport import NixlTransport
+    from kvrelay.connector.transport import NixlTransport
 
     buf = torch.randint(0, 255, (total_bytes,), dtype=torch.uint8)
     transport = NixlTransport(f"bench-target-{os.getpid()}")
@@ -69,9 +69,9 @@ def bandwidth(
 ) -> list[dict[str, Any]]:
     import torch
 
-    from connector.layout import CacheGeometry, Strip
-    from connector.tp import ReadPiece
-    from connector.transport import NixlTransport, build_descs
+    from kvrelay.connector.layout import CacheGeometry, Strip
+    from kvrelay.connector.tp import ReadPiece
+    from kvrelay.connector.transport import NixlTransport, build_descs
 
     torch.set_num_threads(1)
     total = total_mib * KIB * KIB

@@ -39,7 +39,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 @dataclass
 class EngineSim(ManagedServer):
-    """One running `python -m enginesim` process."""
+    """One running `python -m kvrelay.enginesim` process."""
 
     name: str
     args: Sequence[str] = ()
@@ -55,7 +55,7 @@ class EngineSim(ManagedServer):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> EngineSim:
-        argv = [sys.executable, "-m", "enginesim", "--port", str(self.port), "--engine-id",
+        argv = [sys.executable, "-m", "kvrelay.enginesim", "--port", str(self.port), "--engine-id",
                 self.name, "--log-level", "WARNING", "--exit-with-parent"]  # fmt: skip
         if self.connector:
             argv += ["--side-channel-port", str(self.side_channel_port)]

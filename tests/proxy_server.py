@@ -1,4 +1,4 @@
-"""Start the kvrelay proxy (`python -m proxy.cli serve`) for tests, in front of enginesim engines.
+"""Start the proxy (`python -m kvrelay.proxy.cli serve`) for tests, in front of enginesim engines.
 
 Used through the fixtures in `tests/conftest.py` (`proxy_factory`, `pd_fleet`). The proxy is a
 real subprocess on a free loopback port; settings go in as `KVRELAY_*` env vars.
@@ -58,7 +58,7 @@ class ProxyServer(ManagedServer):
 
     def start(self, ready_path: str = "/health") -> ProxyServer:
         self.process = ServerProcess(
-            [sys.executable, "-m", "proxy.cli", "serve", "--env-file", ""],
+            [sys.executable, "-m", "kvrelay.proxy.cli", "serve", "--env-file", ""],
             http_ready(self.url + ready_path),
             env=self.env(),
             ready_timeout=30,

@@ -561,7 +561,7 @@ def summarize(records: list[TurnRecord]) -> dict[str, Any]:
 
 def iter_mismatches(records: list[TurnRecord]) -> Iterator[tuple[TurnRecord, str]]:
     """Completed turns whose answer differs from the non-disaggregated reference."""
-    from enginesim.reference import reference_chat
+    from kvrelay.enginesim.reference import reference_chat
 
     for record in records:
         if record.outcome != "ok":

@@ -6,8 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from connector.config import ConnectorConfig
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.scheduler import ConnectorScheduler
 from tests.connector.peer import SECRET, Peer, PeerSpec
 
 

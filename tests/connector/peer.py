@@ -59,8 +59,13 @@ class _Engine:
     def __init__(self, spec: PeerSpec, conn: Connection) -> None:
         import torch
 
-        from connector import CacheLayout, ConnectorConfig, ConnectorScheduler, ConnectorWorker
-        from connector.tp import FinishedAggregator
+        from kvrelay.connector import (
+            CacheLayout,
+            ConnectorConfig,
+            ConnectorScheduler,
+            ConnectorWorker,
+        )
+        from kvrelay.connector.tp import FinishedAggregator
 
         self.torch = torch
         self.spec = spec
@@ -174,7 +179,7 @@ class _Engine:
         self.conn.send((cid, value))
 
     def handle(self, cid: int, cmd: str, args: dict[str, Any]) -> None:
-        from connector import RequestView
+        from kvrelay.connector import RequestView
 
         if cmd == "hold":
             rid = args["rid"]

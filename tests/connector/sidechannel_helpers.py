@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
 
 
 def hold_params(

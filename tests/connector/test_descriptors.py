@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from connector.layout import CacheGeometry, CacheLayout, Strip, geometry_from_tensors
-from connector.tp import ReadPiece
-from connector.transport import block_runs, build_descs
+from kvrelay.connector.layout import CacheGeometry, CacheLayout, Strip, geometry_from_tensors
+from kvrelay.connector.tp import ReadPiece
+from kvrelay.connector.transport import block_runs, build_descs
 
 
 def _byte_map(local: np.ndarray, remote: np.ndarray, unit: int) -> set[tuple[int, int]]:

@@ -8,10 +8,10 @@ import sys
 import pytest
 from pydantic import ValidationError
 
-from connector.auth import AuthFailure, sign_headers, verify
-from connector.block_hash import block_hashes, matching_prefix_blocks
-from connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP, KVTransferParams
-from connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
+from kvrelay.connector.auth import AuthFailure, sign_headers, verify
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
+from kvrelay.connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP, KVTransferParams
+from kvrelay.connector.tp import FinishedAggregator, ReadPiece, TPMismatchError, plan_reads
 from tests.harness import REPO_ROOT
 
 SECRET = b"s3cret"
@@ -93,8 +93,8 @@ def test_finished_aggregator_waits_for_every_rank() -> None:
 
 def test_proxy_facing_modules_import_without_torch() -> None:
     code = (
-        "import sys, connector, connector.protocol, connector.auth, "
-        "connector.sidechannel_client, connector.block_hash\n"
+        "import sys, kvrelay.connector, kvrelay.connector.protocol, kvrelay.connector.auth, "
+        "kvrelay.connector.sidechannel_client, kvrelay.connector.block_hash, kvrelay.proxy\n"
         "assert 'torch' not in sys.modules and 'nixl' not in sys.modules, sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO_ROOT, timeout=60)

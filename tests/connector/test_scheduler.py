@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from connector.metadata import RequestView
-from connector.scheduler import ConnectorScheduler
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.scheduler import ConnectorScheduler
 from tests.connector.sidechannel_helpers import drain, hold_params
 from tests.harness import wait_until
 

@@ -9,13 +9,17 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from connector.auth import sign_headers
-from connector.holds import HoldEntry, HoldTable
-from connector.metadata import RequestView
-from connector.protocol import PATH_CLAIM, PATH_RELEASE
-from connector.scheduler import ConnectorScheduler
-from connector.sidechannel_client import AsyncSideChannelClient, SideChannelClient, SideChannelError
-from connector.stats import Counters
+from kvrelay.connector.auth import sign_headers
+from kvrelay.connector.holds import HoldEntry, HoldTable
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.protocol import PATH_CLAIM, PATH_RELEASE
+from kvrelay.connector.scheduler import ConnectorScheduler
+from kvrelay.connector.sidechannel_client import (
+    AsyncSideChannelClient,
+    SideChannelClient,
+    SideChannelError,
+)
+from kvrelay.connector.stats import Counters
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import drain, hold_params
 from tests.harness import wait_until

@@ -1,4 +1,4 @@
-"""The Grafana dashboard queries only metrics (and labels) that proxy/metrics.py really exports."""
+"""The Grafana dashboard queries only metrics (and labels) that the proxy really exports."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client.metrics import MetricWrapperBase
 
-import proxy.metrics
+from kvrelay.proxy import metrics
 from tests.deploy.conftest import CHART
 from tests.harness import REPO_ROOT
 
@@ -31,7 +31,7 @@ SUFFIXES = {
 def _exported() -> dict[str, set[str]]:
     """Every sample name proxy.metrics exposes -> the label names it carries."""
     out: dict[str, set[str]] = {}
-    for value in vars(proxy.metrics).values():
+    for value in vars(metrics).values():
         if isinstance(value, MetricWrapperBase):
             kind = value._type
             labels = set(value._labelnames)
@@ -52,7 +52,7 @@ def _dashboard() -> dict[str, Any]:
 
 def test_every_queried_metric_and_label_exists() -> None:
     exported = _exported()
-    assert exported, "proxy.metrics defines no metrics"
+    assert exported, "kvrelay.proxy.metrics defines no metrics"
     exprs = [t["expr"] for t in _targets(_dashboard()["panels"])]
     assert exprs
     for expr in exprs:
@@ -60,7 +60,7 @@ def test_every_queried_metric_and_label_exists() -> None:
         assert used, f"query without a kvrelay_ metric: {expr}"
         labels_here: set[str] = set()
         for name, selector in used:
-            assert name in exported, f"{name} is not exported by proxy/metrics.py ({expr})"
+            assert name in exported, f"{name} is not exported by kvrelay/proxy/metrics.py ({expr})"
             labels_here |= exported[name]
             for matcher in filter(None, (m.strip() for m in selector.split(","))):
                 label = re.split(r"[=!~]", matcher, maxsplit=1)[0].strip()

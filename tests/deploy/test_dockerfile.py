@@ -93,7 +93,7 @@ def test_vllm_worker_target_adds_the_connector_to_the_official_vllm_image() -> N
     assert "nixl==" in runs and "/wheels/kvrelay-*.whl" in runs
     # vLLM's own torch is kept by a constraint, never replaced.
     assert "-c /tmp/keep-torch.txt" in runs and "install torch" not in runs
-    assert "import connector.vllm_adapter" in runs
+    assert "import kvrelay.connector.vllm.adapter" in runs
     assert not worker.all("ENTRYPOINT"), "vLLM's entrypoint stays"
 
 

@@ -7,8 +7,8 @@ import json
 import re
 from typing import Any
 
-from connector.config import ConnectorConfig
-from connector.vllm.settings import ADAPTER_KEYS, EXTRA_KEYS
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.vllm.settings import ADAPTER_KEYS, EXTRA_KEYS
 from tests.harness import REPO_ROOT
 
 

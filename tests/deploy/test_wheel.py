@@ -8,6 +8,7 @@ what the chart uses them for: /health is liveness, /ready drops when D goes away
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -22,7 +23,10 @@ from tests.harness import REPO_ROOT, ServerProcess, http_ready, wait_until
 from tests.proxy_server import ProxyServer
 
 # What the Dockerfile's build stage copies.
-BUILD_CONTEXT = ("pyproject.toml", "README.md", "proxy", "kvcache_map", "connector", "enginesim")
+BUILD_CONTEXT = ("pyproject.toml", "README.md", "kvrelay")
+# The wheel's venv must see only what is installed in it: a PYTHONPATH pointing at a checkout
+# would let pip and imports find the source tree instead of the wheel.
+WHEEL_ENV = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,9 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     vpython = str(venv / "bin" / "python")
-    subprocess.run([vpython, "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600)
+    subprocess.run(
+        [vpython, "-m", "pip", "install", "-q", str(wheel)], check=True, timeout=600, env=WHEEL_ENV
+    )
     return venv
 
 
@@ -67,16 +73,31 @@ def test_wheel_installs_without_torch_or_nixl_and_serve_help_runs(wheel_venv: Pa
         capture_output=True,
         text=True,
         check=True,
+        env=WHEEL_ENV,
     ).stdout.lower()
     names = {line.split("==")[0] for line in installed.splitlines()}
     assert "kvrelay" in names
     assert not names & {"torch", "nixl", "numpy"}, sorted(names)
+    # Everything lives under one `kvrelay` namespace: no generic top-level module is installed
+    # (a `proxy` or `connector` of ours would shadow or be shadowed by someone else's).
+    namespace = subprocess.run(
+        [str(wheel_venv / "bin" / "python"), "-c",
+         "import importlib.util as u, kvrelay, kvrelay.proxy, kvrelay.connector\n"
+         "names = ('proxy', 'connector', 'kvcache_map', 'enginesim')\n"
+         "stray = [m for m in names if u.find_spec(m)]\n"
+         "assert not stray, stray\n"
+         "print(kvrelay.__version__)"],
+        capture_output=True, text=True, timeout=60, cwd=wheel_venv, env=WHEEL_ENV,
+    )  # fmt: skip
+    assert namespace.returncode == 0, namespace.stdout + namespace.stderr
+    assert f"kvrelay=={namespace.stdout.strip()}" in installed, "one version, in kvrelay/__init__"
     help_run = subprocess.run(
         [str(wheel_venv / "bin" / "kvrelay"), "serve", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=wheel_venv,
+        env=WHEEL_ENV,
     )
     assert help_run.returncode == 0, help_run.stdout + help_run.stderr
     for flag in ("--prefill", "--decode", "--map-url", "--workers"):
@@ -94,7 +115,7 @@ def test_installed_proxy_serves_and_its_probes_track_the_fleet(
     proxy = ServerProcess(
         [str(wheel_venv / "bin" / "kvrelay"), "serve"],
         http_ready(settings.url + "/ready"),
-        env=settings.env(),
+        env={**settings.env(), "PYTHONPATH": ""},  # empty: the installed package only
         ready_timeout=60,
         name="wheel-proxy",
         cwd=wheel_venv,

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from enginesim.reference import reference_chat, reference_completion
+from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
 

@@ -10,14 +10,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from enginesim.chat import ChatTemplateError, render_chat
-from enginesim.config import EngineConfig
-from enginesim.engine import EngineCore, run_to_completion
-from enginesim.kvpool import BlockPool, BlockPoolError, KVLayout
-from enginesim.model import ModelGeometry, SimModel
-from enginesim.reference import reference_chat, reference_completion
-from enginesim.request import Output, SamplingParams, SimRequest
-from enginesim.tokenizer import get_tokenizer
+from kvrelay.enginesim.chat import ChatTemplateError, render_chat
+from kvrelay.enginesim.config import EngineConfig
+from kvrelay.enginesim.engine import EngineCore, run_to_completion
+from kvrelay.enginesim.kvpool import BlockPool, BlockPoolError, KVLayout
+from kvrelay.enginesim.model import ModelGeometry, SimModel
+from kvrelay.enginesim.reference import reference_chat, reference_completion
+from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
+from kvrelay.enginesim.tokenizer import get_tokenizer
 
 TOK = get_tokenizer()
 

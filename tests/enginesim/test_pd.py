@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.sidechannel_client import SideChannelClient
-from enginesim.reference import reference_chat, reference_completion
+from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
 from tests.harness import free_port, wait_until
 
@@ -219,8 +219,8 @@ def test_diverged_history_pulls_only_the_matching_prefix(
     reply2, d_params2 = _turn(p, d, "v2", msgs2, d_params)
     assert reply2 == reference_chat(msgs2, 24, ignore_eos=True)
     pulled = p.metric("enginesim_prompt_tokens_loaded_total") - loaded_before
-    from enginesim.chat import render_chat
-    from enginesim.tokenizer import get_tokenizer
+    from kvrelay.enginesim.chat import render_chat
+    from kvrelay.enginesim.tokenizer import get_tokenizer
 
     tok = get_tokenizer()
     old, new = tok.encode(render_chat(msgs)), tok.encode(render_chat(msgs2))

@@ -1,8 +1,8 @@
 """Schema-driven fuzzing of the proxy's HTTP API (schemathesis over its OpenAPI document).
 
 A real proxy in front of real enginesim P and D engines receives requests generated from the
-document it serves at `/openapi.json` (loaded from `proxy.openapi` at collection; a test checks
-the served copy is the same), valid and invalid. Every answer must be below 500 and every 4xx
+document it serves at `/openapi.json` (loaded from `kvrelay.proxy.openapi` at collection; a test
+checks the served copy is the same), valid and invalid. Every answer must be below 500 and every 4xx
 must be an OpenAI-shaped error. The engines run with a small `max_model_len` so generated
 `max_tokens` values either finish quickly or are refused quickly. The example count is bounded
 (about a minute in all); `KVRELAY_FUZZ_EXAMPLES` raises it for a longer hunt.
@@ -19,7 +19,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
 
-from proxy.openapi import openapi_document
+from kvrelay.proxy.openapi import openapi_document
 from tests.chaos.load import is_openai_error
 from tests.engines import EngineFactory
 from tests.proxy_server import ProxyFactory, ProxyServer

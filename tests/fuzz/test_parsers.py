@@ -22,21 +22,21 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from connector.auth import AuthFailure, sign_headers, verify
-from connector.protocol import (
+from kvrelay.connector.auth import AuthFailure, sign_headers, verify
+from kvrelay.connector.protocol import (
     ClaimRequest,
     HandshakeResponse,
     KVTransferParams,
     ReleaseRequest,
 )
-from kvcache_map import ConversationKey, KVEntry
-from kvcache_map._entry import decode_key, encode_key
-from kvcache_map._errors import EntryDecodeError, InvalidKeyError
-from proxy.conversation import chained_fingerprints, chat_shape, completion_shape
-from proxy.errors import ProxyError, upstream_error_from_body
-from proxy.legs import KV_PARAMS, decode_body, prefill_body
-from proxy.streaming import SSEFilter
-from proxy.validation import validate_chat, validate_completion
+from kvrelay.kvcache_map import ConversationKey, KVEntry
+from kvrelay.kvcache_map._entry import decode_key, encode_key
+from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError
+from kvrelay.proxy.conversation import chained_fingerprints, chat_shape, completion_shape
+from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
+from kvrelay.proxy.legs import KV_PARAMS, decode_body, prefill_body
+from kvrelay.proxy.streaming import SSEFilter
+from kvrelay.proxy.validation import validate_chat, validate_completion
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

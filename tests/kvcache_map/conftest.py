@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import pytest
 
-from kvcache_map import KVMap, open_map
+from kvrelay.kvcache_map import KVMap, open_map
 from tests.harness import RedisServer
 from tests.kvcache_map.helpers import Recorder
 from tests.kvcache_map.topologies import RedisCluster, SentinelSet

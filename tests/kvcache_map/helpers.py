@@ -9,7 +9,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvcache_map import ConversationKey, EvictionReason, KVEntry, KVMap, MemoryMap, RedisMap
+from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry, KVMap, MemoryMap, RedisMap
 
 
 def make_entry(**overrides: Any) -> KVEntry:

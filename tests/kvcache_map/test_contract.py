@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvcache_map import (
+from kvrelay.kvcache_map import (
     MAX_CONVERSATION_ID_BYTES,
     MAX_TENANT_BYTES,
     ConversationKey,

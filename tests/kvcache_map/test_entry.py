@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from kvcache_map import EntryDecodeError, KVEntry
-from kvcache_map._entry import MAX_BLOCK_SIZE
+from kvrelay.kvcache_map import EntryDecodeError, KVEntry
+from kvrelay.kvcache_map._entry import MAX_BLOCK_SIZE
 from tests.kvcache_map.helpers import make_entry
 
 

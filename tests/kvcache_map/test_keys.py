@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from kvcache_map import (
+from kvrelay.kvcache_map import (
     MAX_CONVERSATION_ID_BYTES,
     MAX_TENANT_BYTES,
     ConversationKey,

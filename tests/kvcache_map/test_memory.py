@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvcache_map import EvictionReason, MemoryMap
+from kvrelay.kvcache_map import EvictionReason, MemoryMap
 from tests.kvcache_map.helpers import Recorder, key, make_entry
 
 

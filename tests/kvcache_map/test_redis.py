@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from kvcache_map import (
+from kvrelay.kvcache_map import (
     ConversationKey,
     EvictionReason,
     KVEntry,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvcache_map import KVMap, MemoryMap, RedisMap, open_map
+from kvrelay.kvcache_map import KVMap, MemoryMap, RedisMap, open_map
 from tests.harness import RedisServer
 from tests.kvcache_map.helpers import key, make_entry
 

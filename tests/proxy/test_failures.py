@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-from enginesim.reference import reference_chat, reference_completion
+from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.engines import EngineFactory
 from tests.harness import RedisServer, wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of

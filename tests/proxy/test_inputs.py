@@ -145,7 +145,7 @@ def test_admin_disabled_without_key(proxy_factory: ProxyFactory) -> None:
 )
 def test_invalid_configuration_exits_naming_the_setting(args: list[str], named: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "proxy.cli", "serve", "--env-file", "", *args],
+        [sys.executable, "-m", "kvrelay.proxy.cli", "serve", "--env-file", "", *args],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2

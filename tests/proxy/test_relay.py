@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from enginesim.reference import reference_chat, reference_completion
+from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.engines import EngineFactory, EngineSim
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
 from tests.proxy_server import Fleet, ProxyFactory

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from proxy.cli import serve_parser, settings_from_args
-from proxy.conversation import (
+from kvrelay.proxy.cli import serve_parser, settings_from_args
+from kvrelay.proxy.conversation import (
     chat_shape,
     chat_store_key_id,
     completion_shape,
@@ -16,11 +16,11 @@ from proxy.conversation import (
     request_id_from,
     tenant_of,
 )
-from proxy.errors import ProxyError
-from proxy.legs import capped_num_tokens, decode_body, prefill_body
-from proxy.pools import Pool
-from proxy.settings import Settings, SettingsError, load_settings
-from proxy.streaming import SSEFilter
+from kvrelay.proxy.errors import ProxyError
+from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.settings import Settings, SettingsError, load_settings
+from kvrelay.proxy.streaming import SSEFilter
 
 
 def test_settings_from_env_lists_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +203,7 @@ def test_decode_affinity_yields_when_overloaded() -> None:
 
 
 def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
-    from proxy.conversation import upstream_request_id
+    from kvrelay.proxy.conversation import upstream_request_id
 
     assert upstream_request_id("kvr-abc", supplied=False) == "kvr-abc"
     one, two = upstream_request_id("mine", True), upstream_request_id("mine", True)
@@ -211,7 +211,7 @@ def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
 
 
 def test_cli_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
-    from proxy.cli import main
+    from kvrelay.proxy.cli import main
 
     assert main([]) == 2
     assert main(["bogus"]) == 2

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from kvcache_map import ConversationKey, KVEntry, open_map
-from proxy.conversation import tenant_of
+from kvrelay.kvcache_map import ConversationKey, KVEntry, open_map
+from kvrelay.proxy.conversation import tenant_of
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import RedisServer
 from tests.proxy_server import ProxyFactory, ProxyServer

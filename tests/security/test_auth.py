@@ -13,8 +13,8 @@ from typing import Any
 import httpx
 import pytest
 
-from connector.auth import sign_headers
-from connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP
+from kvrelay.connector.auth import sign_headers
+from kvrelay.connector.protocol import HEADER_SIGNATURE, HEADER_TIMESTAMP
 from tests.chaos.load import is_openai_error
 from tests.engines import CONNECTOR_SECRET
 from tests.harness import wait_until

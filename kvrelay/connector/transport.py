@@ -1,0 +1,183 @@
+"""One NIXL agent (UCX backend): registration, descriptor lists, READ + notification, polling.
+
+The only module that talks to nixl. Progress is driven by the caller polling (`state`,
+`notifications`) — no progress thread — and every NIXL error surfaces as `TransportError`
+(NIXL's exceptions share no base class). Contiguous runs of blocks become one descriptor when
+coalescing is on and both sides' runs are adjacent in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch  # nixl needs torch imported first
+
+from kvrelay.connector.layout import CacheGeometry
+from kvrelay.connector.tp import ReadPiece
+
+log = logging.getLogger(__name__)
+
+try:
+    from nixl._api import nixl_agent, nixl_agent_config
+except ImportError:  # pragma: no cover - the connector extra is required for the worker
+    nixl_agent = None
+    nixl_agent_config = None
+
+
+class TransportError(RuntimeError):
+    """Any NIXL failure (registration, metadata, transfer posting or state)."""
+
+
+XferHandle = Any
+
+
+def block_runs(
+    local: Sequence[int], remote: Sequence[int], coalesce: bool
+) -> list[tuple[int, int, int]]:
+    """(local_start, remote_start, count) runs; consecutive ids on both sides merge."""
+    runs: list[tuple[int, int, int]] = []
+    for lb, rb in zip(local, remote, strict=True):
+        if coalesce and runs:
+            l0, r0, n = runs[-1]
+            if lb == l0 + n and rb == r0 + n:
+                runs[-1] = (l0, r0, n + 1)
+                continue
+        runs.append((lb, rb, 1))
+    return runs
+
+
+def build_descs(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    piece: ReadPiece,
+    coalesce: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Nx3 (addr, len, dev) arrays for one read piece over every strip, same order both sides."""
+    if len(local.strips) != len(remote.strips):
+        raise TransportError(
+            f"layout mismatch: {len(local.strips)} block strips here, "
+            f"{len(remote.strips)} at the holder"
+        )
+    # Whole-region pieces over adjacent blocks may merge; sliced pieces never can.
+    whole = piece.length == local.region_len == remote.region_len
+    mergeable = coalesce and whole
+    runs = block_runs(local_blocks, remote_blocks, mergeable)
+    rows_l: list[tuple[int, int, int]] = []
+    rows_r: list[tuple[int, int, int]] = []
+    for ls, rs in zip(local.strips, remote.strips, strict=True):
+        contiguous = ls.block_stride == ls.region_len and rs.block_stride == rs.region_len
+        for lb, rb, n in runs if contiguous else block_runs(local_blocks, remote_blocks, False):
+            rows_l.append(
+                (
+                    ls.base_addr + lb * ls.block_stride + piece.local_offset,
+                    n * piece.length,
+                    local.device_id,
+                )
+            )
+            rows_r.append(
+                (
+                    rs.base_addr + rb * rs.block_stride + piece.remote_offset,
+                    n * piece.length,
+                    remote.device_id,
+                )
+            )
+    return np.array(rows_l, dtype=np.uint64), np.array(rows_r, dtype=np.uint64)
+
+
+class NixlTransport:
+    """A NIXL agent with the engine's KV caches registered."""
+
+    def __init__(self, agent_name: str) -> None:
+        if nixl_agent is None or nixl_agent_config is None:
+            raise TransportError("nixl is not installed (install kvrelay[connector])")
+        assert torch is not None
+        self.name = agent_name
+        try:
+            config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            self._agent = nixl_agent(agent_name, config)
+        except Exception as exc:  # NIXL raises assorted types
+            raise TransportError(f"cannot create NIXL agent: {exc}") from exc
+        self._reg: Any = None
+        self._mem_type = "DRAM"
+
+    def register(self, tensors: Sequence[torch.Tensor], mem_type: str) -> None:
+        try:
+            self._reg = self._agent.register_memory(list(tensors))
+        except Exception as exc:
+            raise TransportError(f"cannot register KV caches with NIXL: {exc}") from exc
+        self._mem_type = mem_type
+
+    def metadata(self) -> bytes:
+        return bytes(self._agent.get_agent_metadata())
+
+    def add_remote(self, metadata: bytes) -> str:
+        try:
+            name = self._agent.add_remote_agent(metadata)
+            return name.decode() if isinstance(name, bytes) else str(name)
+        except Exception as exc:
+            raise TransportError(f"cannot load remote agent metadata: {exc}") from exc
+
+    def remove_remote(self, agent_name: str) -> None:
+        try:
+            self._agent.remove_remote_agent(agent_name)
+        except Exception as exc:  # already gone: nothing to undo
+            log.debug("remove_remote_agent(%s) failed: %s", agent_name, exc)
+
+    def read(
+        self, remote_agent: str, local: np.ndarray, remote: np.ndarray, notif: bytes
+    ) -> XferHandle:
+        """Post a READ of `remote` into `local`; the holder gets `notif` when it is done."""
+        try:
+            local_descs = self._agent.get_xfer_descs(local, self._mem_type)
+            remote_descs = self._agent.get_xfer_descs(remote, self._mem_type)
+            handle = self._agent.initialize_xfer(
+                "READ", local_descs, remote_descs, remote_agent, notif
+            )
+            status = self._agent.transfer(handle)
+        except Exception as exc:
+            raise TransportError(f"cannot post READ to {remote_agent}: {exc}") from exc
+        if status == "ERR":
+            self.release(handle)
+            raise TransportError(f"READ to {remote_agent} failed at post")
+        return handle
+
+    def state(self, handle: XferHandle) -> str:
+        """'DONE', 'PROC' or 'ERR' (also drives UCX progress)."""
+        try:
+            return str(self._agent.check_xfer_state(handle))
+        except Exception as exc:
+            log.debug("check_xfer_state failed: %s", exc)
+            return "ERR"
+
+    def release(self, handle: XferHandle) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as exc:  # an aborted transfer may refuse release; it is dropped
+            log.debug("release_xfer_handle failed: %s", exc)
+
+    def notify(self, remote_agent: str, message: bytes) -> None:
+        try:
+            self._agent.send_notif(remote_agent, message)
+        except Exception as exc:
+            raise TransportError(f"cannot notify {remote_agent}: {exc}") from exc
+
+    def notifications(self) -> dict[str, list[bytes]]:
+        try:
+            notifs: dict[str, list[bytes]] = self._agent.get_new_notifs()
+        except Exception as exc:
+            log.debug("get_new_notifs failed: %s", exc)
+            return {}
+        return notifs
+
+    def close(self) -> None:
+        if self._reg is not None:
+            try:
+                self._agent.deregister_memory(self._reg)
+            except Exception as exc:
+                log.debug("deregister_memory failed: %s", exc)
+            self._reg = None

@@ -1,0 +1,465 @@
+"""`ConnectorWorker`: one per TP rank. Handshake, claim, NIXL reads, notifications, failures.
+
+Threads: the engine's thread calls `start_load_kv` / `get_finished` and is the only one that
+touches NIXL. Side-channel calls (claim, handshake with bounded retries, releases) run on a
+small pool; their results and failures come back through thread-safe queues. Every failure —
+handshake, incompatible holder, claim "gone", setup, transfer error or timeout, unexpected
+exception — goes through ONE handler (`_fail`): the request's local blocks become invalid, the
+request is reported finished-receiving (the scheduler applies the failure policy), and the
+holder is released so nothing stays stranded.
+
+Holder role: each rank counts read notifications per request; a request is reported
+`finished_sending` once the expected number of readers (carried in the message) notified, or
+when the scheduler's metadata orders it freed (release, expiry, reclaim).
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import queue
+import time
+import uuid
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
+from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec
+from kvrelay.connector.protocol import ClaimResponse, HandshakeResponse
+from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.stats import Counters
+from kvrelay.connector.tp import ReadPlan, TPMismatchError, plan_reads
+from kvrelay.connector.transport import NixlTransport, TransportError, XferHandle, build_descs
+
+log = logging.getLogger(__name__)
+
+NOTIF_TAG = "kvr1"
+_RECENT_MAX = 50_000
+_EARLY_NOTIF_TTL_S = 600.0
+
+
+def notif_message(remote_request_id: str, expected: int) -> bytes:
+    """Read/free notification for a holder rank: its request id and how many to expect."""
+    return f"{NOTIF_TAG}|{expected}|{remote_request_id}".encode()
+
+
+def parse_notif(message: bytes) -> tuple[str, int] | None:
+    try:
+        tag, expected, rid = message.decode().split("|", 2)
+        count = int(expected)
+    except (UnicodeDecodeError, ValueError):
+        return None
+    if tag != NOTIF_TAG or count < 1 or not rid:
+        return None
+    return rid, count
+
+
+class LoadFailure(Exception):
+    """A read could not be done; `kind` labels the failure counter."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@dataclass
+class _RemoteEngine:
+    engine_id: str
+    instance_id: str
+    tp_size: int
+    agents: dict[int, str]
+    geometries: dict[int, CacheGeometry]
+
+
+@dataclass
+class _Prepared:
+    spec: RecvSpec
+    claim: ClaimResponse
+    handshake: HandshakeResponse | None
+    claimed_at: float
+
+
+@dataclass
+class _Read:
+    spec: RecvSpec
+    handles: list[XferHandle]
+    notify_agents: list[str]
+    message: bytes
+    deadline: float
+    pin_deadline: float
+    num_blocks: int
+
+
+@dataclass
+class _Notifs:
+    count: int = 0
+    expected: int = 1
+    first_seen: float = field(default_factory=time.monotonic)
+
+
+class ConnectorWorker:
+    """Worker-side connector for one rank (see module docstring)."""
+
+    def __init__(self, config: ConnectorConfig, rank: int, tp_size: int) -> None:
+        if not 0 <= rank < tp_size:
+            raise ValueError(f"rank {rank} out of range for tp_size {tp_size}")
+        self.config = config
+        self.rank = rank
+        self.tp_size = tp_size
+        self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
+        self.counters = Counters(
+            "transfers", "blocks_read", "bytes_read", "failures", "notifs_received",
+            "notifs_ignored", "freed_reported", "read_reported", "handshakes", "descs_posted",
+        )  # fmt: skip
+        self._transport: NixlTransport | None = None
+        self._geometry: CacheGeometry | None = None
+        self._client: SideChannelClient | None = None
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvrelay-w{rank}")
+        self._prepared: queue.Queue[_Prepared] = queue.Queue()
+        self._failures: queue.Queue[tuple[str, LoadFailure]] = queue.Queue()
+        # Snapshot of known holder instances, read by pool threads (replaced, never mutated).
+        self._known_instances: dict[str, str] = {}
+        self._remotes: dict[str, _RemoteEngine] = {}
+        self._specs: dict[str, RecvSpec] = {}
+        self._reads: dict[str, _Read] = {}
+        self._holding: set[str] = set()
+        self._notifs: dict[str, _Notifs] = {}
+        self._recently_freed: OrderedDict[str, None] = OrderedDict()
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._invalid: set[int] = set()
+
+    # --- setup -----------------------------------------------------------------------------
+    def register_kv_caches(self, caches: dict[str, torch.Tensor], layout: CacheLayout) -> None:
+        geometry = geometry_from_tensors(caches, layout)
+        transport = NixlTransport(self.agent_name)
+        transport.register(list(caches.values()), geometry.mem_type)
+        self._transport, self._geometry = transport, geometry
+
+    def get_handshake_metadata(self) -> dict[str, Any]:
+        transport, geometry = self._require()
+        return {
+            "agent_name": self.agent_name,
+            "agent_metadata_b64": base64.b64encode(transport.metadata()).decode(),
+            "layout": geometry.to_dict(),
+        }
+
+    def _require(self) -> tuple[NixlTransport, CacheGeometry]:
+        if self._transport is None or self._geometry is None:
+            raise RuntimeError("register_kv_caches() must be called first")
+        return self._transport, self._geometry
+
+    def _side_channel(self) -> SideChannelClient:
+        if self._client is None:
+            secret = self.config.require_secret()
+            self._client = SideChannelClient(secret, timeout_s=self.config.handshake_timeout_s)
+        return self._client
+
+    # --- per step --------------------------------------------------------------------------
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Start this step's reads (side-channel work off-thread) and apply frees/holds."""
+        for rid in meta.reqs_to_hold:
+            self._holding.add(rid)
+            self._maybe_done_sending(rid)
+        for rid in meta.reqs_to_free:
+            self._holding.discard(rid)
+            self._notifs.pop(rid, None)
+            self._remember_freed(rid)
+            self._done_sending.add(rid)
+            self.counters.inc("freed_reported")
+        for rid, spec in meta.reqs_to_recv.items():
+            self._specs[rid] = spec
+            self._pool.submit(self._prepare, spec)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Drive NIXL; return (finished_sending, finished_recving) since the last call."""
+        self._start_prepared()
+        self._poll_reads()
+        self._poll_notifs()
+        self._drain_failures()
+        sending, self._done_sending = self._done_sending, set()
+        recving, self._done_recving = self._done_recving, set()
+        return sending, recving
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def stats(self) -> dict[str, int]:
+        snap = self.counters.snapshot()
+        snap["reads_in_flight"] = len(self._reads)
+        snap["holding"] = len(self._holding)
+        return snap
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._transport is not None:
+            for read in self._reads.values():
+                for handle in read.handles:
+                    self._transport.release(handle)
+            self._reads.clear()
+            self._transport.close()
+        if self._client is not None:
+            self._client.close()
+
+    # --- reader: off-thread side-channel work ----------------------------------------------
+    def _prepare(self, spec: RecvSpec) -> None:
+        try:
+            client = self._side_channel()
+            claimed_at = time.monotonic()  # before the holder starts the pin: conservative
+            try:
+                claim = client.claim(
+                    spec.remote_host, spec.remote_port, spec.remote_request_id,
+                    self.config.engine_id,
+                )  # fmt: skip
+            except SideChannelError as exc:
+                raise LoadFailure("claim", f"claim failed: {exc}") from exc
+            if claim.status != "held":
+                raise LoadFailure("gone", "holder no longer holds the blocks")
+            held = set(claim.block_ids[0]) if claim.block_ids else set()
+            if not set(spec.remote_block_ids) <= held:
+                raise LoadFailure("gone", "holder holds other blocks than the params said")
+            handshake = None
+            if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
+                handshake = self._handshake(spec)
+            self._prepared.put(_Prepared(spec, claim, handshake, claimed_at))
+        except LoadFailure as exc:
+            self._failures.put((spec.request_id, exc))
+        except Exception as exc:  # anything else still ends in the one failure handler
+            self._failures.put((spec.request_id, LoadFailure("exception", repr(exc))))
+
+    def _handshake(self, spec: RecvSpec) -> HandshakeResponse:
+        client = self._side_channel()
+        last: Exception | None = None
+        for attempt in range(self.config.handshake_retries):
+            try:
+                hs = client.handshake(spec.remote_host, spec.remote_port)
+                self.counters.inc("handshakes")
+            except SideChannelError as exc:
+                last = exc
+                time.sleep(min(0.05 * 2**attempt, 1.0))  # retry backoff, not synchronisation
+                continue
+            if hs.engine_id != spec.remote_engine_id:
+                raise LoadFailure(
+                    "handshake", f"{spec.remote_host}:{spec.remote_port} is {hs.engine_id}"
+                )
+            if hs.compat_hash != self.config.compat_hash():
+                raise LoadFailure(
+                    "incompatible",
+                    f"holder {hs.engine_id} compat hash {hs.compat_hash} != "
+                    f"{self.config.compat_hash()} (model/dtype/layout/block size/layers/version)",
+                )
+            return hs
+        raise LoadFailure("handshake", f"handshake failed after retries: {last}")
+
+    # --- reader: engine thread -------------------------------------------------------------
+    def _start_prepared(self) -> None:
+        while True:
+            try:
+                prep = self._prepared.get_nowait()
+            except queue.Empty:
+                return
+            rid = prep.spec.request_id
+            if rid not in self._specs:
+                continue
+            try:
+                self._start_read(prep)
+            except LoadFailure as exc:
+                self._fail(rid, exc)
+            except (TransportError, TPMismatchError, LayoutError) as exc:
+                self._fail(rid, LoadFailure("setup", str(exc)))
+            except Exception as exc:
+                self._fail(rid, LoadFailure("exception", repr(exc)))
+
+    def _remote_engine(self, prep: _Prepared) -> _RemoteEngine:
+        transport, _ = self._require()
+        engine_id = prep.spec.remote_engine_id
+        current = self._remotes.get(engine_id)
+        if prep.handshake is None and current is not None:
+            return current
+        if prep.handshake is None:
+            raise LoadFailure("handshake", "no cached metadata for the holder")
+        if current is not None:
+            # A restarted holder: its old agents must go before the new ones are loaded.
+            self._forget_remote(engine_id)
+        hs = prep.handshake
+        remote = _RemoteEngine(engine_id, hs.instance_id, hs.tp_size, {}, {})
+        try:
+            for rank, info in hs.ranks.items():
+                remote.geometries[rank] = CacheGeometry.from_dict(info.layout)
+                remote.agents[rank] = transport.add_remote(
+                    base64.b64decode(info.agent_metadata_b64)
+                )
+        except Exception:
+            for name in remote.agents.values():
+                transport.remove_remote(name)
+            raise
+        self._remotes[engine_id] = remote
+        self._known_instances = {**self._known_instances, engine_id: hs.instance_id}
+        return remote
+
+    def _forget_remote(self, engine_id: str) -> None:
+        remote = self._remotes.pop(engine_id, None)
+        known = dict(self._known_instances)
+        known.pop(engine_id, None)
+        self._known_instances = known
+        if remote is not None and self._transport is not None:
+            for name in remote.agents.values():
+                self._transport.remove_remote(name)
+
+    def _start_read(self, prep: _Prepared) -> None:
+        transport, local = self._require()
+        spec = prep.spec
+        remote = self._remote_engine(prep)
+        if remote.tp_size != spec.remote_tp_size:
+            raise LoadFailure("setup", "holder TP size differs from the params")
+        first = remote.geometries[min(remote.geometries)]
+        plan: ReadPlan = plan_reads(
+            self.rank, self.tp_size, remote.tp_size, self.config.use_mla,
+            local.region_len, first.region_len, local.head_major and first.head_major,
+        )  # fmt: skip
+        if max(spec.local_block_ids, default=0) >= local.num_blocks:
+            raise LoadFailure("setup", "local block id out of range")
+        message = notif_message(spec.remote_request_id, plan.expected_per_holder_rank)
+        handles: list[XferHandle] = []
+        try:
+            for piece in plan.pieces:
+                geom = remote.geometries[piece.remote_rank]
+                if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
+                    raise LoadFailure("setup", "remote block id out of range")
+                l_descs, r_descs = build_descs(
+                    local, geom, spec.local_block_ids, spec.remote_block_ids, piece,
+                    self.config.coalesce,
+                )  # fmt: skip
+                agent = remote.agents[piece.remote_rank]
+                handles.append(transport.read(agent, l_descs, r_descs, message))
+                self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
+                self.counters.inc("descs_posted", len(l_descs))
+        except BaseException:
+            for handle in handles:
+                transport.release(handle)
+            raise
+        self._reads[spec.request_id] = _Read(
+            spec=spec,
+            handles=handles,
+            notify_agents=[remote.agents[r] for r in plan.notify_only_ranks],
+            message=message,
+            deadline=time.monotonic() + self.config.transfer_timeout_s,
+            # Past the claim's pin the holder may reuse the blocks: such a read is worthless.
+            pin_deadline=(
+                prep.claimed_at + 0.9 * prep.claim.pinned_for_s
+                if prep.claim.pinned_for_s > 0
+                else float("inf")
+            ),
+            num_blocks=len(spec.local_block_ids),
+        )
+
+    def _poll_reads(self) -> None:
+        if not self._reads:
+            return
+        transport, _ = self._require()
+        now = time.monotonic()
+        for rid, read in list(self._reads.items()):
+            states = [transport.state(h) for h in read.handles]
+            if "ERR" in states:
+                self._fail(rid, LoadFailure("transfer", "NIXL READ failed"))
+            elif now > read.pin_deadline:
+                self._fail(rid, LoadFailure("timeout", "READ outlasted the holder's claim pin"))
+            elif all(s == "DONE" for s in states):
+                for handle in read.handles:
+                    transport.release(handle)
+                del self._reads[rid]
+                self._specs.pop(rid, None)
+                for agent in read.notify_agents:
+                    try:
+                        transport.notify(agent, read.message)
+                    except TransportError as exc:  # that rank's lease still frees it
+                        log.warning("free notification to %s failed: %s", agent, exc)
+                self.counters.inc("transfers")
+                self.counters.inc("blocks_read", read.num_blocks)
+                self._done_recving.add(rid)
+            elif now > read.deadline:
+                self._fail(rid, LoadFailure("timeout", "NIXL READ timed out"))
+
+    def _drain_failures(self) -> None:
+        while True:
+            try:
+                rid, exc = self._failures.get_nowait()
+            except queue.Empty:
+                return
+            if rid in self._specs:
+                self._fail(rid, exc)
+
+    def _fail(self, rid: str, exc: LoadFailure) -> None:
+        """The single failure handler (see module docstring)."""
+        spec = self._specs.pop(rid, None)
+        read = self._reads.pop(rid, None)
+        if read is not None and self._transport is not None:
+            for handle in read.handles:
+                self._transport.release(handle)
+        if spec is None:
+            return
+        log.warning("KV load for %s failed (%s): %s", rid, exc.kind, exc)
+        self.counters.inc("failures")
+        self.counters.inc(f"failures_{exc.kind}")
+        self._invalid.update(spec.local_block_ids)
+        self._done_recving.add(rid)
+        if exc.kind in ("transfer", "timeout", "handshake", "setup"):
+            # The holder may have restarted or died: re-handshake next time.
+            self._forget_remote(spec.remote_engine_id)
+        if spec.release_token and exc.kind != "gone":
+            self._pool.submit(self._release_quietly, spec)
+
+    def _release_quietly(self, spec: RecvSpec) -> None:
+        assert spec.release_token is not None
+        try:
+            self._side_channel().release(
+                spec.remote_host,
+                spec.remote_port,
+                spec.remote_request_id,
+                spec.release_token,
+                reader_engine_id=self.config.engine_id,
+            )
+        except SideChannelError as exc:  # a dead holder has nothing left to free
+            log.info("release after failure not delivered: %s", exc)
+
+    # --- holder: notifications -------------------------------------------------------------
+    def _poll_notifs(self) -> None:
+        if self._transport is None:
+            return
+        for msgs in self._transport.notifications().values():
+            for msg in msgs:
+                parsed = parse_notif(msg)
+                if parsed is None or parsed[0] in self._recently_freed:
+                    self.counters.inc("notifs_ignored")
+                    continue
+                rid, expected = parsed
+                self.counters.inc("notifs_received")
+                state = self._notifs.setdefault(rid, _Notifs())
+                state.count += 1
+                state.expected = expected
+                self._maybe_done_sending(rid)
+        if self._notifs:
+            cutoff = time.monotonic() - _EARLY_NOTIF_TTL_S
+            for rid in [r for r, s in self._notifs.items() if s.first_seen < cutoff]:
+                if rid not in self._holding:
+                    del self._notifs[rid]
+
+    def _maybe_done_sending(self, rid: str) -> None:
+        state = self._notifs.get(rid)
+        if rid in self._holding and state is not None and state.count >= state.expected:
+            self._holding.discard(rid)
+            del self._notifs[rid]
+            self._remember_freed(rid)
+            self._done_sending.add(rid)
+            self.counters.inc("read_reported")
+
+    def _remember_freed(self, rid: str) -> None:
+        self._recently_freed[rid] = None
+        while len(self._recently_freed) > _RECENT_MAX:
+            self._recently_freed.popitem(last=False)

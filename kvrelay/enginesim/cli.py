@@ -1,0 +1,138 @@
+"""Command line: `python -m kvrelay.enginesim …` or `kvrelay sim …` (flags in CONTRACTS §5)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from kvrelay.enginesim.config import DEFAULT_MODEL, ConnectorSettings, EngineConfig
+from kvrelay.enginesim.kvpool import KVLayout
+from kvrelay.enginesim.model import DTYPES, ModelGeometry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="enginesim",
+        description="CPU engine simulator: OpenAI API, paged KV pool, kvrelay NIXL connector.",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--engine-id", default=None, help="connector engine id (default: sim-PORT)")
+    p.add_argument(
+        "--side-channel-port", type=int, default=None,
+        help="serve the connector side channel here (0: any free port); omit for a single "
+        "engine without KV transfer",
+    )  # fmt: skip
+    p.add_argument("--side-channel-host", default="127.0.0.1")
+    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    p.add_argument("--decode-us-per-step", type=float, default=0.0)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--head-size", type=int, default=16)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
+    p.add_argument("--kv-layout", choices=[x.value for x in KVLayout], default="kv_first")
+    p.add_argument("--eos-period", type=int, default=64, help="~1/N chance of EOS per token")
+    p.add_argument("--kv-recompute-threshold", type=int, default=0)
+    p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
+    p.add_argument("--lease-seconds", type=float, default=120.0)
+    p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--params-in-stream", action=argparse.BooleanOptionalAction, default=True,
+        help="put kv_transfer_params in the last stream chunk (stock vLLM: no)",
+    )  # fmt: skip
+    p.add_argument(
+        "--exit-with-parent", action="store_true",
+        help="stop when the parent process dies (test runs killed mid-way leave no engines)",
+    )  # fmt: skip
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    connector = None
+    if args.side_channel_port is not None:
+        connector = ConnectorSettings(
+            engine_id=args.engine_id or f"sim-{args.port}",
+            side_channel_port=args.side_channel_port,
+            side_channel_host=args.side_channel_host,
+            role=args.role,
+            kv_recompute_threshold=args.kv_recompute_threshold,
+            kv_load_failure_policy=args.kv_load_failure_policy,
+            lease_seconds=args.lease_seconds,
+            publish_finished_params=args.publish_finished_params,
+            handshake_timeout_s=args.handshake_timeout,
+        )
+    return EngineConfig(
+        model=args.model,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        geometry=ModelGeometry(args.num_layers, args.num_kv_heads, args.head_size, args.dtype),
+        kv_layout=KVLayout(args.kv_layout),
+        max_num_seqs=args.max_num_seqs,
+        prefill_us_per_token=args.prefill_us_per_token,
+        decode_us_per_step=args.decode_us_per_step,
+        eos_period=args.eos_period,
+        params_in_stream=args.params_in_stream,
+        connector=connector,
+    )
+
+
+async def _watch_parent(task: asyncio.Task[None]) -> None:
+    parent = os.getppid()
+    while True:
+        await asyncio.sleep(1.0)
+        if os.getppid() != parent:  # re-parented: whoever started us is gone
+            task.cancel()
+            return
+
+
+async def _amain(config: EngineConfig, host: str, port: int, exit_with_parent: bool) -> None:
+    from kvrelay.enginesim.app import build_server
+    from kvrelay.enginesim.server import serve
+
+    server = build_server(config)
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, task.cancel)
+    watcher = asyncio.create_task(_watch_parent(task)) if exit_with_parent else None
+    try:
+        await serve(server, host, port)
+    except asyncio.CancelledError:
+        pass
+    finally:
+        if watcher is not None:
+            watcher.cancel()
+        server.runner.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one engine until SIGTERM/SIGINT; returns the exit status."""
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        config = config_from_args(args)
+        config.validate()
+    except ValueError as exc:
+        print(f"enginesim: {exc}", file=sys.stderr)
+        return 2
+    # The engine thread runs Python between steps; a short GIL switch interval keeps the HTTP
+    # event loop responsive next to it.
+    sys.setswitchinterval(0.0005)
+    asyncio.run(_amain(config, args.host, args.port, args.exit_with_parent))
+    return 0

@@ -1,0 +1,58 @@
+"""`EngineConfig`: every knob of one simulated engine (pool geometry, limits, timing, connector)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrelay.enginesim.kvpool import KVLayout
+from kvrelay.enginesim.model import ModelGeometry
+
+DEFAULT_MODEL = "kvrelay-sim"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """How this engine hosts the NIXL connector (absent: a single engine, no KV transfer)."""
+
+    engine_id: str
+    side_channel_port: int = 0
+    side_channel_host: str = "127.0.0.1"
+    role: str = "both"
+    kv_recompute_threshold: int = 0
+    kv_load_failure_policy: str = "recompute"
+    lease_seconds: float = 120.0
+    publish_finished_params: bool = True
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One engine: model identity, KV pool, scheduling limits and simulated costs."""
+
+    model: str = DEFAULT_MODEL
+    max_model_len: int = 4096
+    num_blocks: int = 1024
+    block_size: int = 16
+    geometry: ModelGeometry = field(default_factory=ModelGeometry)
+    kv_layout: KVLayout = KVLayout.KV_FIRST
+    max_num_seqs: int = 64
+    # Simulated compute: prefill sleeps this long per locally computed prompt token.
+    prefill_us_per_token: float = 0.0
+    decode_us_per_step: float = 0.0
+    # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
+    eos_period: int = 64
+    params_in_stream: bool = True
+    connector: ConnectorSettings | None = None
+
+    def validate(self) -> None:
+        if self.max_model_len < 2:
+            raise ValueError("max_model_len must be at least 2")
+        if self.num_blocks * self.block_size < self.max_model_len:
+            # A single request of max_model_len tokens must always fit the pool.
+            raise ValueError(
+                f"num_blocks * block_size ({self.num_blocks * self.block_size}) must be at least "
+                f"max_model_len ({self.max_model_len})"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be positive")

@@ -1,0 +1,349 @@
+"""`EngineCore`: the synchronous scheduler + model runner of one simulated engine.
+
+One call to `step()` is one engine step, in vLLM's order:
+1. admit waiting requests (connector: `get_num_new_matched_tokens`, then allocate, then
+   `update_state_after_alloc`); requests loading remote KV wait in WAITING_FOR_REMOTE_KVS;
+2. connector metadata to the worker (`start_step`: starts reads, executes frees);
+3. compute: prefill of ready requests (simulated time per locally computed token) and one
+   decode token for every running request;
+4. finished requests: `request_finished` decides free-now or hold-for-remote;
+5. poll the worker and feed the scheduler side (`finish_step`): free the blocks of
+   `finished_sending`, release `finished_recving` requests to prefill what did not arrive,
+   error the requests the `fail` policy failed.
+Not thread-safe: `EngineRunner` drives it from one thread; `reference` drives it inline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from kvrelay.enginesim.config import EngineConfig
+from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
+from kvrelay.enginesim.kvpool import BlockPool
+from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
+from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
+from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
+
+
+class EngineCore:
+    """Block pool, waiting queue, running batch and the model, driven one step at a time."""
+
+    def __init__(
+        self, config: EngineConfig, kv_host: KVHost | None = None,
+        pool: BlockPool | None = None,
+    ) -> None:  # fmt: skip
+        config.validate()
+        self.config = config
+        self.tokenizer: Tokenizer = get_tokenizer()
+        self.model = SimModel(
+            config.model, config.geometry, self.tokenizer.output_vocab(),
+            self.tokenizer.eos_id, config.eos_period,
+        )  # fmt: skip
+        self.pool = pool or BlockPool(
+            config.num_blocks, config.block_size, config.geometry, config.kv_layout
+        )
+        self.kv: KVHost = kv_host or NoConnector()
+        self.waiting: deque[SimRequest] = deque()
+        self.loading: dict[str, SimRequest] = {}
+        self.running: dict[str, SimRequest] = {}
+        # Finished requests whose blocks the connector holds for a remote reader, oldest first.
+        self.held: OrderedDict[str, list[int]] = OrderedDict()
+        self._reclaim_pending = 0
+        # Outputs of the current step, delivered by `deliver_outputs()` after the step so that
+        # a client never sees a result before the engine's published state includes it.
+        self._outbox: list[tuple[SimRequest, Output]] = []
+        self.counters: dict[str, int] = {
+            "requests_finished": 0,
+            "requests_failed": 0,
+            "requests_aborted": 0,
+            "requests_rejected": 0,
+            "prompt_tokens_computed": 0,
+            "prompt_tokens_loaded": 0,
+            "generation_tokens": 0,
+            "preemptions": 0,
+            "reclaim_requests": 0,
+        }
+
+    # ----- entry points (engine thread) -------------------------------------------------------
+    def add_request(self, req: SimRequest) -> None:
+        req.hashes = self.model.prefix_hashes(req.prompt_token_ids, 0, None)
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> None:
+        """The client went away: drop the request wherever it is, freeing what it holds."""
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                self.counters["requests_aborted"] += 1
+                if req.external is None and not req.preempted:
+                    # Never seen by the connector: like a rejection, its holder is freed now.
+                    self.kv.request_rejected(req)
+                else:
+                    self._release(req, hold=False)
+                return
+        loading = self.loading.get(request_id)
+        if loading is not None:
+            # Reads may still write into its blocks; finish when the load completes.
+            loading.aborted = True
+            return
+        running = self.running.pop(request_id, None)
+        if running is not None:
+            self.counters["requests_aborted"] += 1
+            self._release(running, hold=False)
+
+    def reject(self, req: SimRequest) -> None:
+        """Refused before admission (validation, faults): the connector frees the holder now."""
+        self.counters["requests_rejected"] += 1
+        self.kv.request_rejected(req)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.loading or self.running or self.held)
+
+    def num_held_blocks(self) -> int:
+        return sum(len(blocks) for blocks in self.held.values())
+
+    # ----- one step ---------------------------------------------------------------------------
+    def step(self) -> None:
+        self._admit()
+        self.kv.start_step()
+        self._compute()
+        self._process_connector(self.kv.finish_step())
+
+    def deliver_outputs(self) -> None:
+        """Hand this step's outputs to their requests' sinks."""
+        outbox, self._outbox = self._outbox, []
+        for req, out in outbox:
+            req.sink(out)
+
+    def _allocate(self, n: int) -> list[int] | None:
+        blocks = self.pool.allocate(n)
+        if blocks is None and self.held and self._reclaim_pending == 0:
+            # Holds are cache: ask the connector to give the oldest back instead of refusing.
+            self.counters["reclaim_requests"] += 1
+            self._reclaim_pending = self.kv.reclaim_holds(n - self.pool.num_free)
+        return blocks
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) + len(self.loading) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.preempted:
+                if not self._resume(req):
+                    return
+                continue
+            if req.external is None:
+                req.external = self.kv.get_num_new_matched_tokens(req, 0)
+            n_ext, is_async = req.external
+            # Blocks for the prompt plus the first generated token's KV.
+            blocks = self._allocate(self.pool.blocks_for(req.num_prompt_tokens + 1))
+            if blocks is None:
+                return
+            self.waiting.popleft()
+            req.block_ids = blocks
+            self.kv.update_state_after_alloc(req, blocks, n_ext)
+            if n_ext > 0 and is_async:
+                req.state = ReqState.WAITING_FOR_REMOTE_KVS
+                self.loading[req.request_id] = req
+            else:
+                req.num_computed = n_ext
+                req.loaded_tokens = n_ext
+                req.state = ReqState.PREFILL
+                self.running[req.request_id] = req
+
+    def _resume(self, req: SimRequest) -> bool:
+        """Re-admit a preempted request: recompute all its KV locally (same values)."""
+        blocks = self._allocate(self.pool.blocks_for(len(req.all_token_ids) + 1))
+        if blocks is None:
+            return False
+        self.waiting.popleft()
+        req.block_ids = blocks
+        req.num_computed = 0
+        req.state = ReqState.PREFILL
+        self.running[req.request_id] = req
+        return True
+
+    def _compute(self) -> None:
+        prefill = [r for r in self.running.values() if r.state is ReqState.PREFILL]
+        computed = 0
+        for req in prefill:
+            computed += self._prefill(req)
+        decoding = [r for r in self.running.values() if r.state is ReqState.RUNNING]
+        if prefill or decoding:
+            cost_us = computed * self.config.prefill_us_per_token
+            if decoding:
+                cost_us += self.config.decode_us_per_step
+            if cost_us > 0:
+                time.sleep(cost_us / 1e6)
+        for req in prefill:
+            if req.request_id in self.running:
+                self._sample(req)
+        for req in decoding:
+            if req.request_id in self.running and self._ensure_slot(req):
+                self._sample(req)
+
+    def _prefill(self, req: SimRequest) -> int:
+        """Compute the KV the request still lacks; returns prompt tokens computed here."""
+        end = len(req.all_token_ids)
+        start = min(req.num_computed, end)
+        if start < end:
+            self.pool.write(req.block_ids, start, self.model.kv_for(req.hashes[start:end]))
+        req.num_computed = end
+        if req.preempted:
+            req.preempted = False
+            req.state = ReqState.RUNNING
+            return 0
+        self.counters["prompt_tokens_computed"] += end - start
+        self.counters["prompt_tokens_loaded"] += start
+        req.loaded_tokens = start
+        # The request's state after prefill: every prompt position's KV, read back.
+        req.digest = self.model.prompt_digest(self.pool.read(req.block_ids, 0, end))
+        req.state = ReqState.RUNNING
+        return end - start
+
+    def _ensure_slot(self, req: SimRequest) -> bool:
+        """A block for the next token's KV; under pressure reclaim holds, then preempt."""
+        if self.pool.blocks_for(len(req.all_token_ids) + 1) <= len(req.block_ids):
+            return True
+        extra = self._allocate(1)
+        if extra is not None:
+            req.block_ids.extend(extra)
+            return True
+        if self._reclaim_pending == 0:
+            self._preempt(req)
+        return False
+
+    def _preempt(self, req: SimRequest) -> None:
+        # Newest running request goes back to the queue head; its KV is recomputed later.
+        victim = next(reversed(self.running.values()))
+        del self.running[victim.request_id]
+        self.pool.free(victim.block_ids)
+        victim.block_ids = []
+        victim.num_computed = 0
+        victim.preempted = True
+        victim.state = ReqState.WAITING
+        self.waiting.appendleft(victim)
+        self.counters["preemptions"] += 1
+
+    def _sample(self, req: SimRequest) -> None:
+        assert req.digest is not None
+        token = self.model.choose(
+            req.digest, req.num_output_tokens, req.sampling.min_tokens, req.sampling.ignore_eos
+        )
+        pos = len(req.all_token_ids)
+        req.all_token_ids.append(token)
+        req.hashes.extend(self.model.prefix_hashes(req.all_token_ids, pos, req.hashes[-1]))
+        # Every token's KV is written at once, so the blocks always cover all_token_ids.
+        self.pool.write(req.block_ids, pos, self.model.kv_for(req.hashes[pos : pos + 1]))
+        req.num_computed = pos + 1
+        window = self.pool.read(req.block_ids, max(0, pos + 1 - DECODE_WINDOW), pos + 1)
+        req.digest = self.model.step_digest(req.digest, window)
+        self.counters["generation_tokens"] += 1
+        self._emit_progress(req, token)
+
+    def _emit_progress(self, req: SimRequest, token: int) -> None:
+        reason: str | None = None
+        if token == self.tokenizer.eos_id and not req.sampling.ignore_eos:
+            reason = "stop"
+        else:
+            req.text += self.tokenizer.decode([token])
+        stop_at = -1
+        for stop in req.sampling.stop:
+            found = req.text.find(stop)
+            if found >= 0 and (stop_at < 0 or found < stop_at):
+                stop_at = found
+        if stop_at >= 0:
+            req.text = req.text[:stop_at]
+            reason = "stop"
+        if reason is None and (
+            req.num_output_tokens >= req.sampling.max_tokens
+            or len(req.all_token_ids) >= self.config.max_model_len
+        ):
+            reason = "length"
+        if reason is None:
+            # Hold back text that could still turn out to be the start of a stop string.
+            holdback = max((len(s) - 1 for s in req.sampling.stop), default=0)
+            upto = max(req.emitted_chars, len(req.text) - holdback)
+            delta = req.text[req.emitted_chars : upto]
+            req.emitted_chars = upto
+            self._outbox.append((req, Output(text=delta, token_ids=[token])))
+            return
+        delta = req.text[req.emitted_chars :]
+        req.emitted_chars = len(req.text)
+        del self.running[req.request_id]
+        params = self._release(req, hold=True)
+        self.counters["requests_finished"] += 1
+        final = Output(
+            text=delta, token_ids=[token], finished=True, finish_reason=reason,
+            kv_transfer_params=params, prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens, loaded_tokens=req.loaded_tokens,
+        )  # fmt: skip
+        self._outbox.append((req, final))
+
+    def _release(self, req: SimRequest, *, hold: bool) -> dict[str, object] | None:
+        """Tell the connector the request finished; free its blocks now or keep them held."""
+        req.state = ReqState.FINISHED
+        # An aborted or failed request offers no blocks: nothing of it is worth holding.
+        offered = req.block_ids if hold else []
+        delay_free, params = self.kv.request_finished(req, offered)
+        if delay_free:
+            keep = list(offered)
+            groups = params.get("remote_block_ids") if params else None
+            if isinstance(groups, list) and len(groups) == 1 and isinstance(groups[0], list):
+                # Keep exactly what the connector advertises (it may hold fewer blocks than
+                # the request used, e.g. not the one with only the last token's KV).
+                advertised = set(groups[0])
+                keep = [b for b in offered if b in advertised]
+            kept = set(keep)
+            self.held[req.request_id] = keep
+            self.pool.free([b for b in req.block_ids if b not in kept])
+        else:
+            self.pool.free(req.block_ids)
+        req.block_ids = []
+        return params
+
+    def _process_connector(self, out: ConnectorOutput) -> None:
+        for request_id in out.finished_sending:
+            blocks = self.held.pop(request_id, None)
+            if blocks is not None:
+                self.pool.free(blocks)
+                self._reclaim_pending = max(0, self._reclaim_pending - len(blocks))
+        if not self.held:
+            self._reclaim_pending = 0
+        for request_id in out.finished_recving:
+            req = self.loading.pop(request_id, None)
+            if req is None:
+                continue
+            if req.aborted:
+                self.counters["requests_aborted"] += 1
+                self._release(req, hold=False)
+                continue
+            if request_id in out.failed:
+                self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
+                continue
+            arrived = self.kv.loaded_tokens(req)
+            req.num_computed = arrived
+            req.state = ReqState.PREFILL
+            self.running[request_id] = req
+        for request_id in out.failed - out.finished_recving:
+            req = self.loading.pop(request_id, None) or self.running.pop(request_id, None)
+            if req is not None:
+                self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
+
+    def _fail(self, req: SimRequest, error: EngineError) -> None:
+        self.counters["requests_failed"] += 1
+        self._release(req, hold=False)
+        self._outbox.append(
+            (req, Output(text="", token_ids=[], finished=True, finish_reason=None, error=error))
+        )
+
+
+def run_to_completion(core: EngineCore, done: Callable[[], bool], max_steps: int = 10**7) -> None:
+    """Step `core` inline until `done()` (the in-process reference uses this)."""
+    for _ in range(max_steps):
+        if done():
+            return
+        core.step()
+        core.deliver_outputs()
+    raise RuntimeError("engine did not finish the request")

@@ -1,0 +1,338 @@
+"""The aiohttp OpenAI-compatible front end of one simulated engine.
+
+Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streams and plain JSON),
+`GET /v1/models`, `GET /health`, `GET /metrics`, `GET|POST /admin/faults`,
+`POST /admin/corrupt_blocks` (tests). Validation and faults act before admission; a refused
+request that carried `do_remote_prefill` params is reported to the connector
+(`request_rejected`) so the holder frees its blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from kvrelay.enginesim.engine import EngineCore
+from kvrelay.enginesim.faults import Faults
+from kvrelay.enginesim.metrics import render_metrics
+from kvrelay.enginesim.openai_api import (
+    ApiError,
+    ParsedRequest,
+    kv_params_of,
+    parse_chat,
+    parse_completion,
+)
+from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
+from kvrelay.enginesim.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 1024 * 1024
+Parser = Callable[..., ParsedRequest]
+
+
+def _error(exc: ApiError, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status, headers=headers)
+
+
+def _sse(payload: dict[str, Any] | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class EngineServer:
+    """HTTP handlers around one `EngineRunner`."""
+
+    def __init__(self, runner: EngineRunner) -> None:
+        self.runner = runner
+        self.core: EngineCore = runner.core
+        self.config = runner.core.config
+        self.faults = Faults()
+        self._ids = itertools.count()
+        self._metrics = render_metrics(lambda: self.runner.snapshot)
+        self.app = web.Application(client_max_size=MAX_BODY_BYTES)
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics),
+                web.get("/admin/faults", self.get_faults),
+                web.post("/admin/faults", self.set_faults),
+                web.post("/admin/corrupt_blocks", self.corrupt_blocks),
+            ]
+        )
+
+    # ----- simple endpoints --------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.runner.alive:
+            return web.json_response({"status": "engine dead"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {
+            "id": self.config.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "enginesim",
+            "root": self.config.model,
+            "parent": None,
+            "max_model_len": self.config.max_model_len,
+        }
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._metrics(), content_type="text/plain", charset="utf-8")
+
+    async def get_faults(self, request: web.Request) -> web.Response:
+        return web.json_response(self.faults.as_dict())
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            was_dropped = self.faults.drop_nixl_agent
+            self.faults.update(body)
+        except ApiError as exc:
+            return _error(exc)
+        if self.faults.drop_nixl_agent and not was_dropped:
+            self.runner.call(self.core.kv.drop_agent)
+        return web.json_response(self.faults.as_dict())
+
+    async def corrupt_blocks(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json(request)
+            ids = body.get("block_ids") if isinstance(body, dict) else None
+            if not isinstance(ids, list) or not all(
+                isinstance(b, int) and 0 <= b < self.config.num_blocks for b in ids
+            ):
+                raise ApiError(400, "block_ids must be a list of block ids", param="block_ids")
+        except ApiError as exc:
+            return _error(exc)
+        done = asyncio.get_running_loop().create_future()
+
+        def corrupt() -> None:
+            for block in ids:
+                self.core.pool.corrupt(block)
+            done.get_loop().call_soon_threadsafe(done.set_result, None)
+
+        self.runner.call(corrupt)
+        await asyncio.wait_for(done, timeout=10)
+        return web.json_response({"corrupted": ids})
+
+    # ----- generation --------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_completion, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, parse_chat, chat=True)
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ApiError(400, "request body is not valid JSON") from None
+
+    @staticmethod
+    def _sink(
+        loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Output], stream: bool
+    ) -> Callable[[Output], None]:
+        """Deliver outputs to the handler's loop; non-streaming requests only cross threads
+        once, at the end (per-token hops cost the engine thread and the loop alike)."""
+        pending: list[str] = []
+
+        def deliver(out: Output) -> None:
+            if not stream:
+                pending.append(out.text)
+                if not out.finished:
+                    return
+                out.text = "".join(pending)
+            loop.call_soon_threadsafe(q.put_nowait, out)
+
+        return deliver
+
+    def _reject(self, client_id: str, body: Any, prompt_ids: list[int]) -> None:
+        """Tell the connector about a refused request that would have read remote KV."""
+        params = kv_params_of(body)
+        if not params or not params.get("do_remote_prefill"):
+            return
+        req = SimRequest(
+            request_id=f"rej-{client_id}-{next(self._ids):x}", client_request_id=client_id,
+            prompt_token_ids=prompt_ids, sampling=SamplingParams(max_tokens=1),
+            kv_transfer_params=params, sink=lambda _out: None,
+        )  # fmt: skip
+        self.runner.reject(req)
+
+    async def _generate(
+        self, request: web.Request, parse: Parser, *, chat: bool
+    ) -> web.StreamResponse:
+        client_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        headers = {"X-Request-Id": client_id}
+        body: Any = None
+        try:
+            body = await self._json(request)
+            parsed = parse(body, self.core.tokenizer, self.config.model, self.config.max_model_len)
+        except ApiError as exc:
+            self._reject(client_id, body, [])
+            return _error(exc, headers)
+        if self.faults.delay_ms:
+            await asyncio.sleep(self.faults.delay_ms / 1000)
+        status = self.faults.take_failure()
+        refusal: ApiError | None = None
+        if status is not None:
+            refusal = ApiError(status, "injected failure (enginesim fault)", type_="InjectedFault")
+        elif self.faults.refuse_admission or not self.runner.alive:
+            refusal = ApiError(503, "engine is not admitting requests", type_="ServiceUnavailable")
+        if refusal is not None:
+            self._reject(client_id, body, parsed.prompt_token_ids)
+            return _error(refusal, headers)
+
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Output] = asyncio.Queue()
+        req = SimRequest(
+            request_id=f"{client_id}-{next(self._ids):x}", client_request_id=client_id,
+            prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
+            kv_transfer_params=parsed.kv_transfer_params,
+            sink=self._sink(loop, outputs, parsed.stream),
+        )  # fmt: skip
+        response_id = ("chatcmpl-" if chat else "cmpl-") + client_id
+        finished = False
+        self.runner.submit(req)
+        try:
+            if parsed.stream:
+                stream = web.StreamResponse(
+                    headers={**headers, "Content-Type": "text/event-stream",
+                             "Cache-Control": "no-cache"},
+                )  # fmt: skip
+                await stream.prepare(request)
+                finished = await self._stream(stream, outputs.get, parsed, response_id, chat)
+                return stream
+            text: list[str] = []
+            while True:
+                out = await outputs.get()
+                text.append(out.text)
+                if out.finished:
+                    finished = True
+                    break
+            if out.error is not None:
+                return _error(ApiError(out.error.status, out.error.message,
+                                       type_=out.error.type), headers)  # fmt: skip
+            return web.json_response(
+                self._full_response(response_id, chat, "".join(text), out), headers=headers
+            )
+        finally:
+            if not finished:
+                # Client gone (handler cancelled or stream write failed): free its blocks.
+                self.runner.abort(req.request_id)
+
+    def _full_response(
+        self, response_id: str, chat: bool, text: str, out: Output
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {
+            "index": 0,
+            "logprobs": None,
+            "finish_reason": out.finish_reason,
+            "stop_reason": None,
+        }
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.config.model,
+            "choices": [choice],
+            "usage": self._usage(out),
+            "kv_transfer_params": out.kv_transfer_params,
+        }
+
+    @staticmethod
+    def _usage(out: Output) -> dict[str, Any]:
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.loaded_tokens},
+        }
+
+    async def _stream(
+        self, stream: web.StreamResponse, next_output: Callable[[], Awaitable[Output]],
+        parsed: ParsedRequest, response_id: str, chat: bool,
+    ) -> bool:  # fmt: skip
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(
+            delta_text: str | None, finish: str | None, first: bool = False
+        ) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+            if chat:
+                delta: dict[str, Any] = {}
+                if first:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice["delta"] = delta
+            else:
+                choice["text"] = delta_text or ""
+                choice["stop_reason"] = None
+            return {"id": response_id, "object": kind, "created": created,
+                    "model": self.config.model, "choices": [choice]}  # fmt: skip
+
+        if chat:
+            await stream.write(_sse(chunk("", None, first=True)))
+        while True:
+            out = await next_output()
+            if out.error is not None:
+                error = ApiError(out.error.status, out.error.message, type_=out.error.type)
+                await stream.write(_sse(error.body()))
+                await stream.write(_sse("[DONE]"))
+                return True
+            if not out.finished:
+                if out.text:
+                    await stream.write(_sse(chunk(out.text, None)))
+                continue
+            last = chunk(out.text, out.finish_reason)
+            tail: dict[str, Any] = last
+            if parsed.include_usage:
+                await stream.write(_sse(last))
+                tail = {
+                    "id": response_id,
+                    "object": kind,
+                    "created": created,
+                    "model": self.config.model,
+                    "choices": [],
+                    "usage": self._usage(out),
+                }
+            if self.config.params_in_stream and out.kv_transfer_params is not None:
+                # kvrelay extra: the params ride on the last chunk (stock vLLM sends none).
+                tail["kv_transfer_params"] = out.kv_transfer_params
+            await stream.write(_sse(tail))
+            await stream.write(_sse("[DONE]"))
+            with contextlib.suppress(ConnectionResetError):
+                await stream.write_eof()
+            return True
+
+
+async def serve(server: EngineServer, host: str, port: int) -> None:
+    """Serve until cancelled; the runner and its connector are stopped on the way out."""
+    app_runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    await app_runner.setup()
+    site = web.TCPSite(app_runner, host, port)
+    await site.start()
+    log.info("enginesim %s listening on http://%s:%d", server.config.model, host, port)
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await app_runner.cleanup()

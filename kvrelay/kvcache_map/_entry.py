@@ -1,0 +1,327 @@
+"""What the map stores: `KVEntry` (where D's KV blocks for a conversation live), the
+`ConversationKey` it is stored under, and the collision-free encoding of keys for Redis.
+
+`KVEntry` is validated strictly because it comes from engines over the network and goes back
+out to engines (as `kv_transfer_params`): an entry that passes validation is safe to replay.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Self
+from urllib.parse import urlsplit
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, KeyTooLongError
+
+# Limits on key parts, in UTF-8 bytes. Generous for UUIDs, hashes and API-key digests, small
+# enough that a hostile client cannot make the proxy store megabyte keys.
+MAX_TENANT_BYTES = 256
+MAX_CONVERSATION_ID_BYTES = 256
+
+# Upper bound on tokens per block used for the "token count vs blocks" plausibility check.
+# Real engines use 16..1024; hybrid (mamba) models may use a few thousand.
+MAX_BLOCK_SIZE = 1 << 16
+MAX_NUM_TOKENS = 1 << 24
+MAX_GROUPS = 64
+MAX_BLOCKS_PER_GROUP = 1 << 20
+MAX_TP_SIZE = 1024
+_MAX_TEXT = 256
+_MAX_URL = 2048
+_HASH_RE = re.compile(r"[0-9a-f]{16}")
+
+# Short field names for the stored form: entries are written on every turn, keep them small.
+_SHORT = {
+    "engine_id": "e",
+    "host": "h",
+    "port": "p",
+    "url": "u",
+    "request_id": "r",
+    "block_ids": "b",
+    "num_tokens": "n",
+    "block_hashes": "x",
+    "fingerprint": "f",
+    "expires_at": "t",
+    "release_token": "k",
+    "tp_size": "s",
+}
+_LONG = {short: long for long, short in _SHORT.items()}
+_FORMAT_VERSION = 1
+
+
+class KVEntry(BaseModel):
+    """One conversation's reusable KV: which engine holds which blocks until when.
+
+    Built from the `kv_transfer_params` D returned for the previous turn; replayed to P (as
+    `do_remote_decode` params) so P pulls those blocks instead of recomputing the prefix.
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    engine_id: str = Field(min_length=1, max_length=_MAX_TEXT)
+    host: str = Field(min_length=1, max_length=_MAX_TEXT)
+    port: int = Field(ge=1, le=65535)
+    url: str = Field(min_length=1, max_length=_MAX_URL)
+    request_id: str = Field(min_length=1, max_length=_MAX_TEXT)
+    block_ids: list[list[int]] = Field(min_length=1, max_length=MAX_GROUPS)
+    num_tokens: int = Field(ge=1, le=MAX_NUM_TOKENS)
+    block_hashes: list[str] | None = None
+    fingerprint: str = Field(min_length=1, max_length=_MAX_TEXT)
+    expires_at: float = Field(gt=0)
+    release_token: str | None = Field(default=None, min_length=1, max_length=_MAX_TEXT)
+    tp_size: int = Field(default=1, ge=1, le=MAX_TP_SIZE)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError("url must be an absolute http(s) URL")
+        return value
+
+    @field_validator("block_ids")
+    @classmethod
+    def _block_ids(cls, value: list[list[int]]) -> list[list[int]]:
+        for group in value:
+            if len(group) > MAX_BLOCKS_PER_GROUP:
+                raise ValueError(f"a KV-cache group has more than {MAX_BLOCKS_PER_GROUP} blocks")
+            if any(block < 0 for block in group):
+                raise ValueError("block ids must be non-negative")
+        if not any(value):
+            raise ValueError("block_ids holds no block")
+        return value
+
+    @field_validator("block_hashes")
+    @classmethod
+    def _hashes(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None:
+            for item in value:
+                if not _HASH_RE.fullmatch(item):
+                    raise ValueError("block hashes must be 16 lower-case hex characters")
+        return value
+
+    @field_validator("expires_at")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("expires_at must be finite")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        blocks = max(len(group) for group in self.block_ids)
+        # Every block holds at least one token and at most MAX_BLOCK_SIZE tokens.
+        if blocks > self.num_tokens:
+            raise ValueError(f"{blocks} blocks cannot hold only {self.num_tokens} tokens")
+        if self.num_tokens > blocks * MAX_BLOCK_SIZE:
+            raise ValueError(f"{blocks} blocks cannot hold {self.num_tokens} tokens")
+        if self.block_hashes is not None and len(self.block_hashes) > blocks:
+            raise ValueError("more block hashes than blocks")
+        return self
+
+    # -- stored form ---------------------------------------------------------------------------
+
+    def to_bytes(self) -> bytes:
+        """Compact JSON with one-letter keys and no optional fields that are unset."""
+        doc: dict[str, Any] = {"v": _FORMAT_VERSION}
+        for name, short in _SHORT.items():
+            value = getattr(self, name)
+            if value is not None:
+                doc[short] = value
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> KVEntry:
+        """Parse `to_bytes` output; anything else raises `EntryDecodeError`."""
+        try:
+            doc = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise EntryDecodeError("stored entry is not JSON") from exc
+        if not isinstance(doc, dict) or doc.get("v") != _FORMAT_VERSION:
+            raise EntryDecodeError("stored entry has an unknown format")
+        fields: dict[str, Any] = {}
+        for short, value in doc.items():
+            if short == "v":
+                continue
+            name = _LONG.get(short)
+            if name is None:
+                raise EntryDecodeError("stored entry has an unknown field")
+            fields[name] = value
+        try:
+            return cls.model_validate(fields)
+        except ValidationError as exc:
+            raise EntryDecodeError(f"stored entry is invalid: {exc.error_count()} errors") from exc
+
+    # -- vLLM-style kv_transfer_params -----------------------------------------------------------
+
+    def to_kv_transfer_params(self) -> dict[str, Any]:
+        """The params to send to P on a cache hit: pull these blocks, then hold for D."""
+        params: dict[str, Any] = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "remote_block_ids": [list(group) for group in self.block_ids],
+            "remote_num_tokens": self.num_tokens,
+            "tp_size": self.tp_size,
+            "remote_blocks_expiry_time": self.expires_at,
+            "remote_url": self.url,
+        }
+        if self.block_hashes is not None:
+            params["remote_block_hashes"] = list(self.block_hashes)
+        if self.release_token is not None:
+            params["release_token"] = self.release_token
+        return params
+
+    @classmethod
+    def from_kv_transfer_params(
+        cls, params: Mapping[str, Any], *, url: str, fingerprint: str
+    ) -> KVEntry:
+        """Build an entry from the params D returned when it finished a turn.
+
+        `url` is the holder's HTTP base URL as the proxy knows it (never taken from params);
+        unknown extra fields (`dcp_size`, `pp_size`, ...) are ignored. Raises `ValueError`
+        (pydantic's `ValidationError` included) when the params are incomplete or invalid.
+        """
+        if not isinstance(params, Mapping):
+            raise ValueError("kv_transfer_params must be an object")
+        required = (
+            "remote_engine_id",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+            "remote_block_ids",
+            "remote_num_tokens",
+            "remote_blocks_expiry_time",
+        )
+        missing = [name for name in required if params.get(name) is None]
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
+        fields: dict[str, Any] = {
+            "engine_id": params["remote_engine_id"],
+            "host": params["remote_host"],
+            "port": params["remote_port"],
+            "url": url,
+            "request_id": params["remote_request_id"],
+            "block_ids": _lists(params["remote_block_ids"]),
+            "num_tokens": params["remote_num_tokens"],
+            "block_hashes": _list(params.get("remote_block_hashes")),
+            "fingerprint": fingerprint,
+            "expires_at": params["remote_blocks_expiry_time"],
+            "release_token": params.get("release_token"),
+        }
+        if params.get("tp_size") is not None:
+            fields["tp_size"] = params["tp_size"]
+        return cls.model_validate(fields)
+
+
+def _list(value: Any) -> Any:
+    """Tuples → lists (engines written in Python may hand over tuples); anything else as is,
+    so strict validation still rejects it."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _lists(value: Any) -> Any:
+    value = _list(value)
+    if isinstance(value, list):
+        return [_list(group) for group in value]
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationKey:
+    """Where an entry is stored: a conversation id inside a tenant's namespace.
+
+    `tenant` should be a stable tenant id (e.g. a digest of the API key), not a secret itself:
+    the Redis backend stores it, base64url-encoded, in the key name.
+    """
+
+    tenant: str
+    conversation_id: str
+
+
+def _part(value: object, what: str, limit: int) -> bytes:
+    if not isinstance(value, str):
+        raise InvalidKeyError(f"{what} must be a string")
+    # Lone surrogates cannot be strict UTF-8; surrogatepass keeps the mapping total and
+    # injective (distinct strings give distinct bytes).
+    raw = _raw(value)
+    if len(raw) > limit:
+        raise KeyTooLongError(f"{what} is {len(raw)} bytes; the limit is {limit}")
+    return raw
+
+
+def validate_key(key: ConversationKey) -> None:
+    """Raise `KeyTooLongError` / `InvalidKeyError` for keys no backend accepts."""
+    if not isinstance(key, ConversationKey):
+        raise InvalidKeyError("key must be a ConversationKey")
+    tenant, conv = key.tenant, key.conversation_id
+    # Fast path: a str of n code points is at most 4n UTF-8 bytes.
+    if (
+        isinstance(tenant, str)
+        and isinstance(conv, str)
+        and 4 * len(tenant) <= MAX_TENANT_BYTES
+        and 4 * len(conv) <= MAX_CONVERSATION_ID_BYTES
+    ):
+        if not conv:
+            raise InvalidKeyError("conversation id must not be empty")
+        return
+    _part(tenant, "tenant", MAX_TENANT_BYTES)
+    if not _part(conv, "conversation id", MAX_CONVERSATION_ID_BYTES):
+        raise InvalidKeyError("conversation id must not be empty")
+
+
+_B64_RE = re.compile(r"[A-Za-z0-9_-]*")
+
+
+def _raw(value: str) -> bytes:
+    return value.encode("utf-8", "surrogatepass")
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> str:
+    padded = text + "=" * (-len(text) % 4)
+    return base64.urlsafe_b64decode(padded.encode("ascii")).decode("utf-8", "surrogatepass")
+
+
+def encode_key(key: ConversationKey) -> str:
+    """`base64url(tenant) "." base64url(conversation_id)`, both unpadded.
+
+    The base64url alphabet has no ".", so the split is unambiguous and the mapping is
+    injective; the result only ever contains `[A-Za-z0-9_.-]`, so no user byte reaches a Redis
+    key (or a glob pattern, or a cluster hash tag) unescaped.
+    """
+    validate_key(key)
+    tenant = _part(key.tenant, "tenant", MAX_TENANT_BYTES)
+    conv = _part(key.conversation_id, "conversation id", MAX_CONVERSATION_ID_BYTES)
+    return f"{_b64(tenant)}.{_b64(conv)}"
+
+
+def decode_key(encoded: str) -> ConversationKey:
+    """Inverse of `encode_key`; raises `InvalidKeyError` for text it did not produce."""
+    tenant, sep, conv = encoded.partition(".")
+    if not sep or not _B64_RE.fullmatch(tenant) or not _B64_RE.fullmatch(conv):
+        raise InvalidKeyError("not an encoded conversation key")
+    try:
+        key = ConversationKey(_unb64(tenant), _unb64(conv))
+    except (binascii.Error, UnicodeDecodeError, ValueError) as exc:
+        raise InvalidKeyError("not an encoded conversation key") from exc
+    # Only canonical encodings count (no stray padding bits, no empty conversation id).
+    if (
+        not key.conversation_id
+        or f"{_b64(_raw(key.tenant))}.{_b64(_raw(key.conversation_id))}" != encoded
+    ):
+        raise InvalidKeyError("not an encoded conversation key")
+    return key

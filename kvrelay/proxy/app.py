@@ -1,0 +1,282 @@
+"""The aiohttp application: routes, authentication, start-up and shutdown of shared state.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json` and the
+admin routes (`kvrelay.proxy.admin`). `create_app(settings)` builds it;
+`kvrelay.proxy.server` runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
+from kvrelay.kvcache_map._errors import InvalidKeyError
+from kvrelay.proxy import admin, metrics
+from kvrelay.proxy.conversation import (
+    chat_shape,
+    completion_shape,
+    conversation_id_from,
+    request_id_from,
+    tenant_of,
+    upstream_request_id,
+)
+from proxy.discovery import start_discovery
+from proxy.discovery_kube import start_kube_discovery
+from proxy.errors import ProxyError, json_response
+from proxy.fleet_sync import open_fleet_sync
+from proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
+from proxy.openapi import openapi_document
+from proxy.pools import Backend, HealthChecker, Pool
+from proxy.relay import Fleet, Turn
+from proxy.release import Releaser
+from proxy.settings import Settings
+from proxy.validation import read_json_body, validate_chat, validate_completion
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def bearer_token(request: web.Request) -> str | None:
+    header = request.headers.get("Authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return None
+
+
+def authenticate(request: web.Request) -> str:
+    """The caller's tenant; 401 when keys are configured and none matches."""
+    settings = request.app[SETTINGS]
+    token = bearer_token(request)
+    if not settings.api_keys:
+        return tenant_of(token)
+    if token is not None:
+        matched = False
+        for key in settings.api_keys:
+            # Compare against every key so timing does not reveal which one was close.
+            matched |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
+        if matched:
+            return tenant_of(token)
+    raise ProxyError(
+        401,
+        "missing or invalid API key: send `Authorization: Bearer <key>` with a key the "
+        "proxy was configured with",
+        code="invalid_api_key",
+    )
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {
+            404: f"no route {request.method} {request.path}; see /openapi.json",
+            405: f"method {request.method} is not allowed on {request.path}",
+        }.get(exc.status, exc.reason)
+        return ProxyError(exc.status, message).response()
+
+
+async def _completion(request: web.Request, route: str) -> web.StreamResponse:
+    fleet = request.app[FLEET]
+    metrics.INFLIGHT.labels(route).inc()
+    outcome = "error"
+    supplied = request.headers.get("X-Request-Id")
+    request_id = request_id_from(supplied)
+    try:
+        tenant = authenticate(request)
+        body = await read_json_body(request, fleet.settings.body_limit_bytes)
+        if route == "chat":
+            validate_chat(body)
+        else:
+            validate_completion(body)
+        conversation_id = conversation_id_from(request.headers.get("X-Conversation-Id"), body)
+        shape = chat_shape(body) if route == "chat" else completion_shape(body)
+        turn = Turn(
+            fleet=fleet,
+            request=request,
+            route=route,
+            body=body,
+            request_id=upstream_request_id(request_id, supplied == request_id),
+            client_request_id=request_id,
+            tenant=tenant,
+            conversation_id=conversation_id,
+            shape=shape,
+        )
+        response = await turn.run()
+        outcome = "ok"
+        return response
+    except ProxyError as exc:
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        return exc.response({"X-Request-Id": request_id})
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        outcome = "client_disconnected"
+        raise
+    except asyncio.CancelledError:
+        outcome = "client_disconnected"
+        raise
+    finally:
+        metrics.INFLIGHT.labels(route).dec()
+        metrics.REQUESTS.labels(route, outcome).inc()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completions")
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    authenticate(request)
+    fleet = request.app[FLEET]
+    timeout = aiohttp.ClientTimeout(total=fleet.settings.first_byte_timeout)
+    for backend in fleet.decode.usable() + fleet.prefill.usable():
+        try:
+            async with fleet.session.get(backend.url + "/v1/models", timeout=timeout) as resp:
+                if resp.status == 200:
+                    return web.Response(body=await resp.read(), content_type="application/json")
+        except (aiohttp.ClientError, TimeoutError):
+            continue
+    raise ProxyError(
+        503, "no engine answered /v1/models; check /ready", code="backends_unavailable"
+    )
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    return json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.StreamResponse:
+    fleet = request.app[FLEET]
+    p, d = len(fleet.prefill.usable()), len(fleet.decode.usable())
+    body = {"ready": bool(p and d), "prefill_healthy": p, "decode_healthy": d}
+    return json_response(body, 200 if p and d else 503)
+
+
+async def metrics_page(request: web.Request) -> web.StreamResponse:
+    payload, content_type = metrics.render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+async def delete_conversation(request: web.Request) -> web.StreamResponse:
+    tenant = authenticate(request)
+    fleet = request.app[FLEET]
+    conversation_id = request.match_info["conversation_id"]
+    try:
+        entry = await fleet.kvmap.delete(ConversationKey(tenant, conversation_id))
+    except MapUnavailableError as exc:
+        fleet.map_unavailable("delete", exc)
+        raise ProxyError(
+            503, "the conversation map is unavailable; retry later", code="map_unavailable"
+        ) from None
+    except InvalidKeyError as exc:
+        raise ProxyError(400, f"conversation id not accepted: {exc}") from None
+    if entry is None:
+        raise ProxyError(
+            404,
+            f"no conversation {conversation_id!r} holds KV for this API key (already ended, "
+            "expired, or never stored)",
+            code="conversation_not_found",
+        )
+    fleet.releaser.release_soon_entry(entry)
+    return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+async def openapi(request: web.Request) -> web.StreamResponse:
+    return json_response(openapi_document())
+
+
+def _health_gauge(backend: Backend) -> None:
+    metrics.BACKEND_HEALTHY.labels(backend.role, backend.url).set(1 if backend.healthy else 0)
+
+
+def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Application:
+    """The proxy application; state is created on start-up and closed on cleanup."""
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=settings.body_limit_bytes
+    )
+    app[SETTINGS] = settings
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
+    admin.add_routes(app)
+    app.cleanup_ctx.append(_make_state(settings, kvmap))
+    return app
+
+
+def _make_state(
+    settings: Settings, injected_map: KVMap | None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def state(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+        session = aiohttp.ClientSession(connector=connector)
+        secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
+        releaser = Releaser(secret, session, settings.side_channel_timeout)
+        if not releaser.enabled:
+            log.warning(
+                "connector_secret is unset: the proxy cannot release held blocks or fetch "
+                "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
+            )
+        kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
+        prefill = Pool(
+            "prefill", settings.eject_after_failures, settings.readmit_after_successes,
+            on_health_change=_health_gauge,
+        )  # fmt: skip
+        decode = Pool(
+            "decode", settings.eject_after_failures, settings.readmit_after_successes,
+            on_health_change=_health_gauge,
+        )  # fmt: skip
+        for url in settings.prefill:
+            prefill.add(url)
+        for url in settings.decode:
+            decode.add(url)
+        fleet = Fleet(settings, prefill, decode, kvmap, session, releaser)
+        app[FLEET] = fleet
+        checker = HealthChecker(
+            [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
+        )
+        app[HEALTH] = checker
+        started = time.monotonic()
+        sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
+        app[FLEET_SYNC] = sync
+        await sync.start()
+        discovery = await start_discovery(settings, sync)
+        kube = await start_kube_discovery(settings, sync)
+        checker.start()
+        log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
+        try:
+            yield
+        finally:
+            if kube is not None:
+                await kube.stop()
+            if discovery is not None:
+                await discovery.stop()
+            await sync.stop()
+            await checker.stop()
+            await releaser.drain()
+            if injected_map is None:
+                await kvmap.close()
+                await releaser.drain()
+            await session.close()
+
+    return state

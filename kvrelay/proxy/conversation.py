@@ -1,0 +1,201 @@
+"""Conversation identity: tenant, conversation id, request id and message fingerprints.
+
+A conversation's map key is `(tenant, conversation_id)`. The id comes from the
+`X-Conversation-Id` header, the body's `conversation_id` (removed before forwarding) or, for
+chat without either, from a fingerprint of the message history, so stock OpenAI clients get
+reuse too. Fingerprints are chained per message: `f_i = sha256(f_{i-1} || canonical(msg_i))`,
+which lets the proxy check "the new request extends what D holds" in one pass.
+
+The stored entry's fingerprint covers the *prompt* of the turn D served, not D's reply: the
+reply's text may re-tokenize differently (DESIGN §1), so only P's token-level block hashes can
+judge it. The message check here is the cheap early filter for edited history.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.proxy.errors import bad_request
+
+MAX_ID_LEN = 200
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+FINGERPRINT_PREFIX = "fp:"
+
+# Message fields that shape the prompt; everything else (ids, refusal: null…) is ignored.
+_MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+
+
+def tenant_of(api_key: str | None) -> str:
+    """A tenant id from the API key: a hash, so keys are never stored or logged."""
+    if not api_key:
+        return "anonymous"
+    return "t" + hashlib.sha256(b"kvrelay-tenant\n" + api_key.encode()).hexdigest()[:24]
+
+
+def request_id_from(header: str | None) -> str:
+    """The client's `X-Request-Id` when it is a sane token, otherwise a fresh one."""
+    if header and _REQUEST_ID_RE.match(header):
+        return header
+    return "kvr-" + uuid.uuid4().hex
+
+
+def upstream_request_id(client_request_id: str, supplied: bool) -> str:
+    """The id sent to P and D (the same on both legs).
+
+    A client-chosen id gets a random suffix: D publishes finished params under this id, and a
+    client must not be able to make the proxy fetch another request's params by reusing its
+    id. The client's id stays a prefix, so engine logs still correlate.
+    """
+    if not supplied:
+        return client_request_id
+    return f"{client_request_id}-{uuid.uuid4().hex[:8]}"
+
+
+def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None:
+    """Explicit conversation id (header wins); pops `conversation_id` from the body."""
+    from_body = body.pop("conversation_id", None)
+    value: Any = header if header is not None else from_body
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise bad_request("conversation_id must be a non-empty string", param="conversation_id")
+    text = str(value).strip()
+    if len(text) > MAX_ID_LEN:
+        raise bad_request(
+            f"conversation_id is longer than {MAX_ID_LEN} characters", param="conversation_id"
+        )
+    if text.startswith(FINGERPRINT_PREFIX):
+        # That namespace belongs to history fingerprints; a client must not collide with it.
+        raise bad_request(
+            f"conversation_id must not start with {FINGERPRINT_PREFIX!r}",
+            param="conversation_id",
+        )
+    return text
+
+
+def _canonical_message(msg: Any) -> bytes:
+    if isinstance(msg, dict):
+        kept = {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
+        return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(msg, sort_keys=True, separators=(",", ":")).encode()
+
+
+def chained_fingerprints(messages: list[Any], context: bytes = b"") -> list[str]:
+    """`out[i]` is the fingerprint of `messages[:i]` (so `out[0]` is the empty history)."""
+    h = hashlib.sha256(b"kvrelay-msgs-v1\n" + context).digest()
+    out = [h.hex()[:32]]
+    for msg in messages:
+        h = hashlib.sha256(h + _canonical_message(msg)).digest()
+        out.append(h.hex()[:32])
+    return out
+
+
+def _chat_context(body: dict[str, Any]) -> bytes:
+    """Request fields that change the rendered prompt, so they scope the fingerprint."""
+    ctx = {k: body.get(k) for k in ("model", "tools", "chat_template", "chat_template_kwargs")}
+    return json.dumps(ctx, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+@dataclass(frozen=True)
+class PromptShape:
+    """What the proxy knows about a request's prompt for matching and storing.
+
+    `store_fingerprint` describes this turn's prompt (saved with D's params);
+    `lookup_key_id` is the fingerprint-derived conversation id under which the previous
+    turn was stored (chat without an explicit id), if the history has an assistant turn.
+    """
+
+    kind: str  # "chat" | "text" | "tokens" | "none"
+    store_fingerprint: str | None
+    history_fingerprint: str | None
+    lookup_key_id: str | None
+    _chain: tuple[str, ...] = ()
+    _text: str | None = None
+    _tokens: tuple[int, ...] | None = None
+
+    def extends(self, stored: str) -> bool:
+        """True when this prompt strictly extends the prompt `stored` was taken from."""
+        kind, _, rest = stored.partition(":")
+        count_s, _, digest = rest.partition(":")
+        if not count_s.isdigit():
+            return False
+        count = int(count_s)
+        if kind == "m" and self.kind == "chat":
+            return count < len(self._chain) - 1 and self._chain[count] == digest
+        if kind == "t" and self.kind == "text" and self._text is not None:
+            return count < len(self._text) and _text_digest(self._text[:count]) == digest
+        if kind == "k" and self.kind == "tokens" and self._tokens is not None:
+            return count < len(self._tokens) and _tokens_digest(self._tokens[:count]) == digest
+        return False
+
+
+def _text_digest(text: str) -> str:
+    return hashlib.sha256(b"kvrelay-text-v1\n" + text.encode()).hexdigest()[:32]
+
+
+def _tokens_digest(tokens: tuple[int, ...]) -> str:
+    raw = b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens)
+    return hashlib.sha256(b"kvrelay-tokens-v1\n" + raw).hexdigest()[:32]
+
+
+def chat_shape(body: dict[str, Any]) -> PromptShape:
+    messages = body["messages"]
+    chain = chained_fingerprints(messages, _chat_context(body))
+    last_assistant = max(
+        (i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
+        default=None,
+    )
+    lookup = None
+    history = None
+    if last_assistant is not None:
+        # Turn N was stored under the fingerprint of its prompt = everything before its reply.
+        history = chain[last_assistant]
+        lookup = FINGERPRINT_PREFIX + history
+    return PromptShape(
+        kind="chat",
+        store_fingerprint=f"m:{len(messages)}:{chain[-1]}",
+        history_fingerprint=history,
+        lookup_key_id=lookup,
+        _chain=tuple(chain),
+    )
+
+
+def chat_store_key_id(shape: PromptShape) -> str | None:
+    """Fingerprint-derived id under which this turn is stored for the next one."""
+    if shape.kind != "chat" or not shape._chain:
+        return None
+    return FINGERPRINT_PREFIX + shape._chain[-1]
+
+
+def completion_shape(body: dict[str, Any]) -> PromptShape:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return PromptShape(
+            kind="text",
+            store_fingerprint=f"t:{len(prompt)}:{_text_digest(prompt)}",
+            history_fingerprint=None,
+            lookup_key_id=None,
+            _text=prompt,
+        )
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        tokens = tuple(prompt)
+        return PromptShape(
+            kind="tokens",
+            store_fingerprint=f"k:{len(tokens)}:{_tokens_digest(tokens)}",
+            history_fingerprint=None,
+            lookup_key_id=None,
+            _tokens=tokens,
+        )
+    # Batches of prompts: several outputs, no single conversation to continue.
+    return PromptShape("none", None, None, None)

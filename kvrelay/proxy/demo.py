@@ -1,0 +1,241 @@
+"""`kvrelay demo` (`make demo`): a local fleet and a five-turn chat that shows the reuse.
+
+Starts one prefill and one decode enginesim and the proxy (in-memory map) on 127.0.0.1, runs
+five chat turns through the proxy and prints, per turn, the prompt tokens, the tokens P pulled
+from D, the tokens P computed and the latency (read from the engines' /metrics). Then it keeps
+serving and prints how to talk to the proxy until Ctrl-C, which stops every process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+QUESTIONS = (
+    "Hello! I am planning a trip to the mountains. What should I pack?",
+    "Good list. How warm should the sleeping bag be for nights near freezing?",
+    "And what about water: how much should I carry for a day of hiking?",
+    "Could you summarise everything so far as a short checklist?",
+    "Thanks. One last question: what is the best time of day to start the hike?",
+)
+_METRIC_RE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
+
+
+def free_port(preferred: int = 0) -> int:
+    """`preferred` when it is free on 127.0.0.1, else any free port."""
+    for port in (preferred, 0) if preferred else (0,):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
+    raise RuntimeError("no free port")
+
+
+@dataclass
+class Child:
+    """A child server process with its output in a temp file."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    health_url: str
+    proc: subprocess.Popen[bytes] | None = None
+    log: Path = field(default_factory=lambda: Path(tempfile.mkstemp(prefix="kvrelay-demo-")[1]))
+
+    def start(self) -> None:
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                self.argv, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited:\n{self.output()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.health_url, timeout=0.5).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"{self.name} not ready after {timeout:.0f}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+        with contextlib.suppress(OSError):
+            self.log.unlink()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Sum of each metric's samples on a Prometheus text page."""
+    out: dict[str, float] = {}
+    for line in httpx.get(url + "/metrics", timeout=5).text.splitlines():
+        match = _METRIC_RE.match(line)
+        if match:
+            out[match.group(1)] = out.get(match.group(1), 0.0) + float(match.group(2))
+    return out
+
+
+def run_chat(proxy: str, p_url: str, max_tokens: int) -> list[dict[str, Any]]:
+    """Five turns; per turn the token accounting from P's counters."""
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a concise outdoor guide."}
+    ]
+    rows = []
+    with httpx.Client(base_url=proxy, timeout=120) as client:
+        for i, question in enumerate(QUESTIONS, 1):
+            messages.append({"role": "user", "content": question})
+            before = scrape(p_url)
+            start = time.perf_counter()
+            resp = client.post(
+                "/v1/chat/completions",
+                json={"model": "kvrelay-sim", "messages": messages, "max_tokens": max_tokens},
+            )
+            latency = time.perf_counter() - start
+            resp.raise_for_status()
+            data = resp.json()
+            after = scrape(p_url)
+            reply = data["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": reply})
+            rows.append(
+                {
+                    "turn": i,
+                    "prompt_tokens": data["usage"]["prompt_tokens"],
+                    "pulled": int(
+                        after.get("enginesim_prompt_tokens_loaded_total", 0)
+                        - before.get("enginesim_prompt_tokens_loaded_total", 0)
+                    ),
+                    "computed": int(
+                        after.get("enginesim_prompt_tokens_computed_total", 0)
+                        - before.get("enginesim_prompt_tokens_computed_total", 0)
+                    ),
+                    "latency_ms": latency * 1000,
+                    "reply": reply,
+                }
+            )
+    return rows
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'turn':>4} {'prompt tok':>10} {'pulled from D':>13} {'computed on P':>13} "
+          f"{'latency ms':>10}")  # fmt: skip
+    for r in rows:
+        print(f"{r['turn']:>4} {r['prompt_tokens']:>10} {r['pulled']:>13} {r['computed']:>13} "
+              f"{r['latency_ms']:>10.1f}")  # fmt: skip
+    total_prompt = sum(r["prompt_tokens"] for r in rows)
+    total_pulled = sum(r["pulled"] for r in rows)
+    print(f"\n{total_pulled} of {total_prompt} prompt tokens came from D's KV instead of being "
+          "recomputed on P.")  # fmt: skip
+
+
+def usage_text(proxy: str) -> str:
+    return f"""
+The proxy keeps serving at {proxy} (Ctrl-C stops everything).
+
+  curl -s {proxy}/v1/chat/completions -H 'Content-Type: application/json' \\
+       -H 'X-Conversation-Id: my-chat' \\
+       -d '{{"model": "kvrelay-sim", "max_tokens": 32,
+            "messages": [{{"role": "user", "content": "Hi there"}}]}}'
+
+  python - <<'EOF'
+  from openai import OpenAI
+  client = OpenAI(base_url="{proxy}/v1", api_key="unused")
+  r = client.chat.completions.create(model="kvrelay-sim", max_tokens=32,
+      messages=[{{"role": "user", "content": "Hi there"}}])
+  print(r.choices[0].message.content)
+  EOF
+
+  metrics: curl -s {proxy}/metrics | grep kvrelay_reuse
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvrelay demo", description=__doc__)
+    parser.add_argument("--port", type=int, default=8000, help="proxy port (if free)")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--no-serve", action="store_true", help="exit after the chat")
+    args = parser.parse_args(argv)
+
+    env = dict(os.environ)
+    env.setdefault("UCX_NET_DEVICES", "lo")
+    env.setdefault("UCX_TLS", "tcp,self,sm")
+    env["KVRELAY_CONNECTOR_SECRET"] = env.get("KVRELAY_CONNECTOR_SECRET") or secrets.token_hex(16)
+    py = sys.executable
+    p_port, p_sc, d_port, d_sc = (free_port() for _ in range(4))
+    proxy_port = free_port(args.port)
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+
+    def engine(name: str, role: str, port: int, sc: int) -> Child:
+        argv = [py, "-m", "kvrelay.enginesim", "--port", str(port), "--engine-id", name,
+                "--side-channel-port", str(sc), "--role", role, "--log-level", "WARNING",
+                "--prefill-us-per-token", "200"]  # fmt: skip
+        return Child(name, argv, env, f"http://127.0.0.1:{port}/health")
+
+    children = [
+        engine("demo-P0", "prefill", p_port, p_sc),
+        engine("demo-D0", "decode", d_port, d_sc),
+    ]
+    proxy_argv = [py, "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1",
+                  "--port", str(proxy_port), "--prefill", p_url, "--decode", d_url,
+                  "--map-url", "memory://", "--side-channels", f"{d_url}=127.0.0.1:{d_sc}",
+                  f"{p_url}=127.0.0.1:{p_sc}", "--log-level", "WARNING"]  # fmt: skip
+    children.append(Child("proxy", proxy_argv, env, proxy_url + "/ready"))
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        print("starting prefill engine, decode engine and proxy on 127.0.0.1 ...", flush=True)
+        for child in children:
+            child.start()
+        for child in children:
+            child.wait_ready(120)
+        print(f"  P {p_url}   D {d_url}   proxy {proxy_url}")
+        rows = run_chat(proxy_url, p_url, args.max_tokens)
+        for r in rows:
+            print(f"\n[turn {r['turn']}] user: {QUESTIONS[r['turn'] - 1]}\n"
+                  f"         assistant: {r['reply'][:160]!r}")  # fmt: skip
+        print_table(rows)
+        if args.no_serve:
+            return 0
+        print(usage_text(proxy_url), flush=True)
+        while not stop.is_set() and all(c.proc and c.proc.poll() is None for c in children):
+            stop.wait(0.5)
+        return 0
+    except (RuntimeError, httpx.HTTPError) as exc:
+        print(f"demo failed: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("\nstopping ...", flush=True)
+        for child in reversed(children):
+            child.stop()
+        print("stopped.")

@@ -1,0 +1,99 @@
+"""Building the two legs of a disaggregated request from the client's body.
+
+P (prefill) gets the prompt with `max_tokens=1`, no streaming, and `kv_transfer_params`
+asking it to keep its KV for D (`do_remote_decode`) — plus, on a reuse hit, where D's blocks
+from the previous turn are so P can pull them. D (decode) gets the client's request unchanged
+except for P's params (`do_remote_prefill`) and `hold_blocks`, which asks D to keep its KV for
+the conversation's next turn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay.connector.protocol import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    HOLD_BLOCKS,
+    REMOTE_BLOCK_IDS,
+    REMOTE_ENGINE_ID,
+    REMOTE_HOST,
+    REMOTE_NUM_TOKENS,
+    REMOTE_PORT,
+    REMOTE_URL,
+)
+
+KV_PARAMS = "kv_transfer_params"
+# Fields that only make sense for the client-facing leg or would make P generate more.
+_P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
+
+
+def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> dict[str, Any]:
+    """P's request: one token, no stream, keep the KV for D, maybe pull the old turn's KV."""
+    out = {k: v for k, v in body.items() if k not in _P_DROPPED}
+    out["stream"] = False
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    if reuse_params is not None:
+        params = dict(reuse_params)
+        params[DO_REMOTE_DECODE] = True
+        params[DO_REMOTE_PREFILL] = False
+    else:
+        params = {
+            DO_REMOTE_DECODE: True,
+            DO_REMOTE_PREFILL: False,
+            REMOTE_ENGINE_ID: None,
+            REMOTE_BLOCK_IDS: None,
+            REMOTE_HOST: None,
+            REMOTE_PORT: None,
+        }
+    out[KV_PARAMS] = params
+    return out
+
+
+def decode_body(
+    body: dict[str, Any],
+    prefill_params: dict[str, Any] | None,
+    prefill_url: str | None,
+    hold: bool,
+) -> dict[str, Any]:
+    """D's request: the client's, with P's params (or none: decode-only) and `hold_blocks`."""
+    out = dict(body)
+    params: dict[str, Any] = {}
+    if prefill_params:
+        params.update(prefill_params)
+        params[DO_REMOTE_PREFILL] = True
+        params[DO_REMOTE_DECODE] = False
+        if prefill_url is not None:
+            params[REMOTE_URL] = prefill_url
+    if hold:
+        # Stock vLLM ignores the flag (and holds anyway); kvrelay's D holds only on request.
+        params[HOLD_BLOCKS] = True
+    if params:
+        out[KV_PARAMS] = params
+    else:
+        out.pop(KV_PARAMS, None)
+    return out
+
+
+def prefill_has_blocks(params: dict[str, Any] | None) -> bool:
+    """Whether P's answer points at blocks D can read (else D must prefill itself)."""
+    if not params:
+        return False
+    ids = params.get(REMOTE_BLOCK_IDS)
+    return bool(
+        params.get(REMOTE_ENGINE_ID)
+        and params.get(REMOTE_HOST)
+        and params.get(REMOTE_PORT)
+        and isinstance(ids, list)
+        and any(ids)
+    )
+
+
+def capped_num_tokens(params: dict[str, Any], cap: int | None) -> int | None:
+    """`remote_num_tokens` limited to `cap` (stock engines: the previous prompt's tokens)."""
+    value = params.get(REMOTE_NUM_TOKENS)
+    if not isinstance(value, int) or isinstance(value, bool):
+        return None
+    return min(value, cap) if cap is not None else value

@@ -1,0 +1,255 @@
+"""The OpenAPI 3.1 document of the proxy's own API, served at `/openapi.json`.
+
+Engine request bodies are OpenAI's and are passed through, so they are described loosely
+(`additionalProperties: true`) with the fields the proxy itself reads or adds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrelay import __version__
+
+_ERROR = {"$ref": "#/components/schemas/Error"}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    text = {
+        400: "Malformed input (bad JSON, wrong types, client kv_transfer_params).",
+        401: "Missing or wrong API key.",
+        404: "Not found.",
+        413: "Body larger than body_limit_bytes.",
+        502: "An engine failed and no other could take over.",
+        503: "No healthy engine (or the map is unavailable).",
+    }
+    return {str(c): _json(_ERROR, text[c]) for c in codes}
+
+
+def _completion_op(summary: str, schema: str) -> dict[str, Any]:
+    return {
+        "summary": summary,
+        "parameters": [
+            {"$ref": "#/components/parameters/RequestId"},
+            {"$ref": "#/components/parameters/ConversationId"},
+        ],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "The engine's answer; JSON, or server-sent events when stream=true.",
+                "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_errors(400, 401, 413, 502, 503),
+        },
+    }
+
+
+def openapi_document() -> dict[str, Any]:
+    common = {
+        "model": {"type": "string"},
+        "stream": {"type": "boolean"},
+        "max_tokens": {"type": "integer", "minimum": 1},
+        "conversation_id": {
+            "type": "string",
+            "description": "Conversation id (alternative to X-Conversation-Id); not forwarded.",
+        },
+    }
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvrelay proxy",
+            "version": __version__,
+            "description": "OpenAI-compatible proxy for prefill/decode disaggregated serving "
+            "with multi-turn KV reuse.",
+        },
+        "paths": {
+            "/v1/chat/completions": {"post": _completion_op("Chat completion", "ChatRequest")},
+            "/v1/completions": {"post": _completion_op("Text completion", "CompletionRequest")},
+            "/v1/models": {
+                "get": {
+                    "summary": "Models served by the engines",
+                    "responses": {
+                        "200": _json({"type": "object"}, "OpenAI model list."),
+                        **_errors(401, 503),
+                    },
+                }
+            },
+            "/v1/conversations/{conversation_id}": {
+                "delete": {
+                    "summary": "End a conversation and release the KV it holds",
+                    "parameters": [
+                        {
+                            "name": "conversation_id",
+                            "in": "path",
+                            "required": True,
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": _json({"type": "object"}, "Deleted."),
+                        **_errors(401, 404, 503),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Liveness",
+                    "responses": {"200": _json({"type": "object"}, "The proxy is running.")},
+                }
+            },
+            "/ready": {
+                "get": {
+                    "summary": "Readiness: a healthy P and D",
+                    "responses": {
+                        "200": _json({"type": "object"}, "Ready."),
+                        "503": _json({"type": "object"}, "Not ready."),
+                    },
+                }
+            },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics",
+                    "responses": {
+                        "200": {
+                            "description": "Prometheus text format.",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {"200": _json({"type": "object"}, "OpenAPI document.")},
+                }
+            },
+            "/admin/backends": {
+                "get": {
+                    "summary": "List engines",
+                    "security": [{"admin": []}],
+                    "responses": {"200": _json({"type": "object"}, "Pools."), **_errors(401, 404)},
+                },
+                "post": {
+                    "summary": "Add an engine",
+                    "security": [{"admin": []}],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/BackendRef"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "201": _json({"type": "object"}, "Added."),
+                        **_errors(400, 401, 404),
+                    },
+                },
+                "delete": {
+                    "summary": "Remove an engine",
+                    "security": [{"admin": []}],
+                    "parameters": [
+                        {"name": "role", "in": "query", "schema": {"type": "string"}},
+                        {"name": "url", "in": "query", "schema": {"type": "string"}},
+                    ],
+                    "responses": {
+                        "200": _json({"type": "object"}, "Removed."),
+                        **_errors(400, 401, 404),
+                    },
+                },
+            },
+            "/admin/backends/drain": {
+                "post": {
+                    "summary": "Drain an engine (no new requests)",
+                    "security": [{"admin": []}],
+                    "requestBody": {
+                        "required": True,
+                        "content": {
+                            "application/json": {
+                                "schema": {"$ref": "#/components/schemas/BackendRef"}
+                            }
+                        },
+                    },
+                    "responses": {
+                        "200": _json({"type": "object"}, "Draining."),
+                        **_errors(400, 401, 404),
+                    },
+                },
+            },
+        },
+        "components": {
+            "securitySchemes": {
+                "bearer": {"type": "http", "scheme": "bearer"},
+                "admin": {"type": "http", "scheme": "bearer", "description": "admin_key"},
+            },
+            "parameters": {
+                "RequestId": {
+                    "name": "X-Request-Id",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string", "maxLength": 128},
+                    "description": "Sent on both legs; generated when absent.",
+                },
+                "ConversationId": {
+                    "name": "X-Conversation-Id",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "Conversation whose KV may be reused.",
+                },
+            },
+            "schemas": {
+                "ChatRequest": {
+                    "type": "object",
+                    "additionalProperties": True,
+                    "required": ["messages"],
+                    "properties": {
+                        **common,
+                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
+                    },
+                },
+                "CompletionRequest": {
+                    "type": "object",
+                    "additionalProperties": True,
+                    "required": ["prompt"],
+                    "properties": {
+                        **common,
+                        "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
+                    },
+                },
+                "BackendRef": {
+                    "type": "object",
+                    "required": ["role", "url"],
+                    "properties": {
+                        "role": {"enum": ["prefill", "decode"]},
+                        "url": {"type": "string"},
+                    },
+                },
+                "Error": {
+                    "type": "object",
+                    "required": ["error"],
+                    "properties": {
+                        "error": {
+                            "type": "object",
+                            "properties": {
+                                "message": {"type": "string"},
+                                "type": {"type": "string"},
+                                "param": {"type": ["string", "null"]},
+                                "code": {"type": ["string", "null"]},
+                            },
+                        }
+                    },
+                },
+            },
+        },
+        "security": [{"bearer": []}, {}],
+    }

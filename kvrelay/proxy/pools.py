@@ -1,0 +1,211 @@
+"""Backend pools: health, load and the choice of engine for each leg.
+
+Each engine is a `Backend` with consecutive-failure and -success counters. Failures come from
+probes (`GET /health` every `probe_interval_s`) and from real requests (connect errors, 5xx,
+timeouts), so a dead engine is ejected after `eject_after_failures` whichever sees it first —
+that is the circuit breaker — and readmitted only by `readmit_after_successes` good probes.
+P is chosen by least outstanding work (prompt size in flight); D by conversation affinity
+unless that D is unhealthy or above `decode_overload_inflight`, then by fewest in flight.
+Draining engines finish what they have but get nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import aiohttp
+
+Role = Literal["prefill", "decode"]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    """One engine and what the proxy knows about it."""
+
+    url: str
+    role: Role
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    successes: int = 0
+    inflight: int = 0
+    outstanding_work: int = 0
+    side_channel: tuple[str, int] | None = None
+    last_error: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "inflight": self.inflight,
+            "consecutive_failures": self.failures,
+            "last_error": self.last_error,
+        }
+
+
+HealthListener = Callable[[Backend], None]
+
+
+@dataclass
+class Pool:
+    """The engines of one role."""
+
+    role: Role
+    eject_after: int
+    readmit_after: int
+    backends: dict[str, Backend] = field(default_factory=dict)
+    on_health_change: HealthListener | None = None
+
+    def add(self, url: str) -> Backend:
+        if url in self.backends:
+            backend = self.backends[url]
+            backend.draining = False
+            return backend
+        backend = Backend(url=url, role=self.role)
+        self.backends[url] = backend
+        self._notify(backend)
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        return self.backends.pop(url, None)
+
+    def drain(self, url: str) -> Backend | None:
+        backend = self.backends.get(url)
+        if backend is not None:
+            backend.draining = True
+        return backend
+
+    def get(self, url: str) -> Backend | None:
+        return self.backends.get(url)
+
+    def usable(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.usable]
+
+    def record_failure(self, backend: Backend, reason: str) -> None:
+        backend.successes = 0
+        backend.failures += 1
+        backend.last_error = reason
+        if backend.healthy and backend.failures >= self.eject_after:
+            backend.healthy = False
+            log.warning(
+                "ejected %s engine %s after %d failures (%s)",
+                self.role, backend.url, backend.failures, reason,
+            )  # fmt: skip
+            self._notify(backend)
+
+    def record_success(self, backend: Backend, *, probe: bool) -> None:
+        backend.failures = 0
+        if backend.healthy:
+            return
+        # A request success cannot readmit (ejected engines get no requests); probes do.
+        if probe:
+            backend.successes += 1
+            if backend.successes >= self.readmit_after:
+                backend.healthy = True
+                backend.successes = 0
+                backend.last_error = None
+                log.warning("readmitted %s engine %s", self.role, backend.url)
+                self._notify(backend)
+
+    def _notify(self, backend: Backend) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change(backend)
+
+    def pick_least_work(self, exclude: set[str]) -> Backend | None:
+        candidates = [b for b in self.usable() if b.url not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda b: (b.outstanding_work, b.inflight))
+
+    def pick_with_affinity(
+        self, preferred: str | None, exclude: set[str], overload: int
+    ) -> Backend | None:
+        if preferred is not None and preferred not in exclude:
+            backend = self.backends.get(preferred)
+            if backend is not None and backend.usable and backend.inflight < overload:
+                return backend
+        candidates = [b for b in self.usable() if b.url not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=lambda b: (b.inflight, b.outstanding_work))
+
+    @contextlib.contextmanager
+    def busy(self, backend: Backend, work: int) -> Iterator[None]:
+        """Count a request against the backend while it runs."""
+        backend.inflight += 1
+        backend.outstanding_work += work
+        try:
+            yield
+        finally:
+            backend.inflight -= 1
+            backend.outstanding_work -= work
+
+
+class HealthChecker:
+    """Probes every engine of the given pools on an interval until stopped."""
+
+    def __init__(
+        self,
+        pools: list[Pool],
+        session: aiohttp.ClientSession,
+        interval: float,
+        timeout: float,
+    ) -> None:
+        self._pools = pools
+        self._session = session
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def probe_all(self) -> None:
+        probes = [
+            self._probe(pool, backend)
+            for pool in self._pools
+            for backend in list(pool.backends.values())
+        ]
+        await asyncio.gather(*probes)
+
+    async def _probe(self, pool: Pool, backend: Backend) -> None:
+        try:
+            async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                reason = f"health probe answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, reason = False, f"health probe failed: {type(exc).__name__}"
+        if pool.get(backend.url) is not backend:
+            return  # removed while probing
+        if ok:
+            pool.record_success(backend, probe=True)
+        else:
+            pool.record_failure(backend, reason)
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.probe_all()
+            except Exception:  # a probe bug must not end health checking
+                log.exception("health probe round failed")
+            await asyncio.sleep(self._interval)

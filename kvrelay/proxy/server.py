@@ -1,0 +1,111 @@
+"""Running the proxy: logging, uvloop, one process or `workers` processes on one port.
+
+Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections)
+and are supervised by the parent (`proxy.supervisor`: a worker that exits is restarted). They
+aggregate their metrics through prometheus-client's multiprocess mode, for which the parent
+creates `PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared Redis
+map (`Settings.check_runnable` refuses otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+from multiprocessing.context import SpawnProcess
+
+from aiohttp import web
+
+from proxy.settings import Settings, SettingsError
+from proxy.supervisor import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+def configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def check_map_url(settings: Settings) -> None:
+    """Open and close the map once so a malformed map URL fails at start-up, named."""
+    from kvrelay.kvcache_map import open_map
+
+    async def probe() -> None:
+        kvmap = open_map(settings.map_url)
+        await kvmap.close()
+
+    try:
+        asyncio.run(probe())
+    except ValueError as exc:
+        raise SettingsError(
+            f"invalid setting `map_url` (KVRELAY_MAP_URL / --map-url): {exc}"
+        ) from None
+
+
+def _install_uvloop() -> None:
+    try:
+        import uvloop
+    except ImportError:  # optional on platforms without it
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+def run_worker(settings: Settings, reuse_port: bool) -> None:
+    """One proxy process: serves until SIGINT/SIGTERM."""
+    from kvrelay.proxy.app import create_app
+
+    configure_logging(settings.log_level)
+    _install_uvloop()
+    app = create_app(settings)
+    web.run_app(
+        app,
+        host=settings.host,
+        port=settings.port,
+        reuse_port=reuse_port,
+        handler_cancellation=True,  # a client that goes away cancels its upstream legs
+        access_log=None,
+        print=None,
+        # On SIGTERM let in-flight streams finish: none outlives total_timeout, and the chart's
+        # grace period is longer than that, so a rolling update cuts no answer short.
+        shutdown_timeout=settings.total_timeout,
+    )
+
+
+def serve(settings: Settings) -> int:
+    """Run the proxy in the foreground; returns the exit code."""
+    configure_logging(settings.log_level)
+    settings.check_runnable()
+    check_map_url(settings)
+    log.info("kvrelay proxy on %s:%d, settings %s", settings.host, settings.port,
+             settings.public_dict())  # fmt: skip
+    if settings.workers == 1:
+        run_worker(settings, reuse_port=False)
+        return 0
+    return _serve_workers(settings)
+
+
+def _serve_workers(settings: Settings) -> int:
+    own_dir = None
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        own_dir = tempfile.mkdtemp(prefix="kvrelay-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
+    ctx = multiprocessing.get_context("spawn")
+
+    def make_worker(index: int) -> SpawnProcess:
+        return ctx.Process(target=run_worker, args=(settings, True), name=f"kvrelay-worker-{index}")
+
+    supervisor = Supervisor(settings.workers, make_worker)
+    log.info("starting %d workers sharing port %d", settings.workers, settings.port)
+    try:
+        return supervisor.run()
+    finally:
+        if own_dir is not None:
+            shutil.rmtree(own_dir, ignore_errors=True)
