@@ -18,9 +18,9 @@ from kvrelay.kvcache_map._errors import (
     KeyTooLongError,
     MapUnavailableError,
 )
-from kvcache_map._memory import MemoryMap
-from kvcache_map._redis import RedisMap
-from kvcache_map._url import open_map, open_redis_client
+from kvrelay.kvcache_map._memory import MemoryMap
+from kvrelay.kvcache_map._redis import RedisMap
+from kvrelay.kvcache_map._url import open_map, open_redis_client
 
 __all__ = [
     "MAX_CONVERSATION_ID_BYTES",

@@ -56,9 +56,9 @@ from kvrelay.kvcache_map._base import (
     check_ttl,
     stop_task,
 )
-from kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
-from kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
-from kvcache_map._redis_topology import KeyLayout, single_client
+from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
+from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
+from kvrelay.kvcache_map._redis_topology import KeyLayout, single_client
 
 log = logging.getLogger(__name__)
 

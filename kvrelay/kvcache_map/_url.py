@@ -22,10 +22,10 @@ from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
-from kvcache_map._base import EvictionCallback, KVMap
-from kvcache_map._memory import MemoryMap
-from kvcache_map._redis import DEFAULT_MAX_CONNECTIONS, DEFAULT_PREFIX, DEFAULT_TIMEOUT, RedisMap
-from kvcache_map._redis_topology import (
+from kvrelay.kvcache_map._base import EvictionCallback, KVMap
+from kvrelay.kvcache_map._memory import MemoryMap
+from kvrelay.kvcache_map._redis import DEFAULT_MAX_CONNECTIONS, DEFAULT_PREFIX, DEFAULT_TIMEOUT, RedisMap
+from kvrelay.kvcache_map._redis_topology import (
     DEFAULT_CLUSTER_SHARDS,
     MultiHostURL,
     cluster_client,

@@ -2,7 +2,7 @@
 
 `Authorization: Bearer <admin_key>` (or `X-Admin-Key`). Without a configured admin key the
 routes answer 404, so an unconfigured proxy exposes no control surface. Changes go through
-the fleet sync (`proxy.fleet_sync`): with the Redis map they reach every worker and replica;
+the fleet sync (`kvrelay.proxy.fleet_sync`): with the Redis map they reach every worker and replica;
 with the memory map (one process) they apply to this process.
 """
 
@@ -14,10 +14,10 @@ from typing import Any
 
 from aiohttp import web
 
-from proxy.errors import ProxyError, bad_request, json_response
-from proxy.keys import FLEET, FLEET_SYNC, SETTINGS
-from proxy.pools import Pool
-from proxy.settings import normalize_backend_url
+from kvrelay.proxy.errors import ProxyError, bad_request, json_response
+from kvrelay.proxy.keys import FLEET, FLEET_SYNC, SETTINGS
+from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.settings import normalize_backend_url
 
 log = logging.getLogger("kvrelay.admin")
 

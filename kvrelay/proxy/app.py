@@ -28,17 +28,17 @@ from kvrelay.proxy.conversation import (
     tenant_of,
     upstream_request_id,
 )
-from proxy.discovery import start_discovery
-from proxy.discovery_kube import start_kube_discovery
-from proxy.errors import ProxyError, json_response
-from proxy.fleet_sync import open_fleet_sync
-from proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
-from proxy.openapi import openapi_document
-from proxy.pools import Backend, HealthChecker, Pool
-from proxy.relay import Fleet, Turn
-from proxy.release import Releaser
-from proxy.settings import Settings
-from proxy.validation import read_json_body, validate_chat, validate_completion
+from kvrelay.proxy.discovery import start_discovery
+from kvrelay.proxy.discovery_kube import start_kube_discovery
+from kvrelay.proxy.errors import ProxyError, json_response
+from kvrelay.proxy.fleet_sync import open_fleet_sync
+from kvrelay.proxy.keys import FLEET, FLEET_SYNC, HEALTH, SETTINGS
+from kvrelay.proxy.openapi import openapi_document
+from kvrelay.proxy.pools import Backend, HealthChecker, Pool
+from kvrelay.proxy.relay import Fleet, Turn
+from kvrelay.proxy.release import Releaser
+from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.validation import read_json_body, validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ import dns.exception
 import dns.rdatatype
 import dns.resolver
 
-from proxy.fleet_sync import FleetSync
-from proxy.settings import Settings
+from kvrelay.proxy.fleet_sync import FleetSync
+from kvrelay.proxy.settings import Settings
 
 log = logging.getLogger("kvrelay.discovery")
 

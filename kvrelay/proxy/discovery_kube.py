@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 
-from proxy.discovery import Discovered, engine_url
-from proxy.fleet_sync import FleetSync
-from proxy.settings import Settings
+from kvrelay.proxy.discovery import Discovered, engine_url
+from kvrelay.proxy.fleet_sync import FleetSync
+from kvrelay.proxy.settings import Settings
 
 log = logging.getLogger("kvrelay.discovery.kube")
 

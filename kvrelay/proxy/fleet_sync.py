@@ -30,9 +30,9 @@ import secrets
 from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
-from kvcache_map import open_redis_client
-from proxy.pools import Backend, Pool
-from proxy.settings import Settings
+from kvrelay.kvcache_map import open_redis_client
+from kvrelay.proxy.pools import Backend, Pool
+from kvrelay.proxy.settings import Settings
 
 log = logging.getLogger("kvrelay.fleet")
 

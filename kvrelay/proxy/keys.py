@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from proxy.fleet_sync import FleetSync
-from proxy.pools import HealthChecker
-from proxy.relay import Fleet
-from proxy.settings import Settings
+from kvrelay.proxy.fleet_sync import FleetSync
+from kvrelay.proxy.pools import HealthChecker
+from kvrelay.proxy.relay import Fleet
+from kvrelay.proxy.settings import Settings
 
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
 HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)

@@ -1,7 +1,7 @@
 """Running the proxy: logging, uvloop, one process or `workers` processes on one port.
 
 Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections)
-and are supervised by the parent (`proxy.supervisor`: a worker that exits is restarted). They
+and are supervised by the parent (`kvrelay.proxy.supervisor`: a worker that exits is restarted). They
 aggregate their metrics through prometheus-client's multiprocess mode, for which the parent
 creates `PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared Redis
 map (`Settings.check_runnable` refuses otherwise).
@@ -20,8 +20,8 @@ from multiprocessing.context import SpawnProcess
 
 from aiohttp import web
 
-from proxy.settings import Settings, SettingsError
-from proxy.supervisor import Supervisor
+from kvrelay.proxy.settings import Settings, SettingsError
+from kvrelay.proxy.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 

@@ -285,7 +285,7 @@ class Settings(BaseSettings):
     def _dns_spec(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        from proxy.discovery import parse_dns_spec  # here: discovery imports the settings
+        from kvrelay.proxy.discovery import parse_dns_spec  # here: discovery imports the settings
 
         parse_dns_spec(value)
         return value.strip()

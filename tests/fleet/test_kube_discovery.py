@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
-from proxy.discovery import Discovered
-from proxy.discovery_kube import KubeRoleWatch, ready_engines
-from proxy.fleet_sync import LocalFleetSync
-from proxy.pools import Pool
+from kvrelay.proxy.discovery import Discovered
+from kvrelay.proxy.discovery_kube import KubeRoleWatch, ready_engines
+from kvrelay.proxy.fleet_sync import LocalFleetSync
+from kvrelay.proxy.pools import Pool
 from tests.engines import EngineFactory, EngineSim
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load

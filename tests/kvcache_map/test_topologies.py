@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from kvcache_map import EvictionReason, KVMap, MapUnavailableError, RedisMap, open_map
-from kvcache_map._redis_topology import KeyLayout
+from kvrelay.kvcache_map import EvictionReason, KVMap, MapUnavailableError, RedisMap, open_map
+from kvrelay.kvcache_map._redis_topology import KeyLayout
 from tests.harness import free_port
 from tests.kvcache_map.helpers import Recorder, eventually, key, make_entry
 from tests.kvcache_map.topologies import RedisCluster, SentinelSet, cli
