@@ -19,11 +19,12 @@ COPY pyproject.toml README.md ./
 COPY kvrelay ./kvrelay
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# ---- proxy-venv: the proxy's runtime environment (base dependencies, no extras) -------------
+# ---- proxy-venv: the proxy's runtime environment (base dependencies + Kubernetes discovery) --
 FROM ${PYTHON_IMAGE} AS proxy-venv
 COPY --from=build /wheels /wheels
 RUN python -m venv /opt/kvrelay \
-    && /opt/kvrelay/bin/pip install --no-cache-dir /wheels/kvrelay-*.whl \
+    && wheel="$(echo /wheels/kvrelay-*.whl)" \
+    && /opt/kvrelay/bin/pip install --no-cache-dir "${wheel}[kubernetes]" \
     && /opt/kvrelay/bin/kvrelay serve --help > /dev/null
 
 # ---- vllm-worker: official vLLM image + the kvrelay connector for P and D workers -----------

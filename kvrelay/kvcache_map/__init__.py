@@ -20,7 +20,7 @@ from kvrelay.kvcache_map._errors import (
 )
 from kvrelay.kvcache_map._memory import MemoryMap
 from kvrelay.kvcache_map._redis import RedisMap
-from kvrelay.kvcache_map._url import open_map
+from kvrelay.kvcache_map._url import open_map, open_redis_client
 
 __all__ = [
     "MAX_CONVERSATION_ID_BYTES",
@@ -40,4 +40,5 @@ __all__ = [
     "decode_key",
     "encode_key",
     "open_map",
+    "open_redis_client",
 ]

@@ -5,6 +5,8 @@ Layout under `prefix` (member = `encode_key(key)`, only `[A-Za-z0-9_.-]`):
 - `prefix:s:<member>`  a shadow copy living `shadow_grace` seconds longer, so the entry can
   still be reported after Redis has dropped the main key;
 - `prefix:idx`         sorted set member → expiry (ms, Redis server clock).
+On Redis Cluster the index is split into shards and each entry's keys carry its shard's hash
+tag, so every script stays within one slot (`_redis_topology.KeyLayout`).
 
 Every write is one Lua script, so each is atomic across replicas: `take`/`delete` remove the
 value, the shadow and the index member together (a taken entry is never reported); `put`
@@ -15,6 +17,11 @@ under a short `SET NX PX` lock so usually one replica does the work; correctness
 depend on the lock (the pop is atomic), only the wasted effort does. Delivery is exactly once
 while the sweeping replica stays up; a replica that dies between the pop and its callback
 loses those reports (the holder's lease then frees the blocks).
+
+With `wait_replicas=N` (Sentinel deployments) every write is followed, on the same connection,
+by `WAIT N`: a take or put that N replicas did not confirm raises `MapUnavailableError`, so the
+proxy never uses an entry whose removal a failover could undo (it may instead be left to the
+holder's lease). The sweep's pops are confirmed the same way before they are reported.
 
 Connectivity problems of any kind raise `MapUnavailableError` within `timeout` seconds (no
 client-side retries); the pool reconnects on its own when Redis is back and scripts are
@@ -33,10 +40,9 @@ from collections.abc import Awaitable
 from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.kvcache_map._base import (
@@ -52,6 +58,7 @@ from kvrelay.kvcache_map._base import (
 )
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
+from kvrelay.kvcache_map._redis_topology import KeyLayout, single_client
 
 log = logging.getLogger(__name__)
 
@@ -147,16 +154,7 @@ def make_client(
 ) -> aioredis.Redis:
     """A pooled client for `redis://` / `rediss://` URLs (password, user, db from the URL)
     whose every wait is bounded by `timeout` and that never retries on its own."""
-    pool = aioredis.BlockingConnectionPool.from_url(
-        url,
-        max_connections=max_connections,
-        timeout=timeout,  # waiting for a free pooled connection
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        retry=Retry(NoBackoff(), 0),
-        health_check_interval=0,
-    )
-    return aioredis.Redis(connection_pool=pool)
+    return single_client(url, timeout=timeout, max_connections=max_connections)
 
 
 class RedisMap:
@@ -171,9 +169,11 @@ class RedisMap:
 
     def __init__(
         self,
-        client: aioredis.Redis,
+        client: aioredis.Redis | RedisCluster,
         *,
         prefix: str = DEFAULT_PREFIX,
+        shards: int = 0,
+        wait_replicas: int = 0,
         on_evict: EvictionCallback | None = None,
         timeout: float = DEFAULT_TIMEOUT,
         sweep_interval: float = DEFAULT_SWEEP_INTERVAL,
@@ -193,6 +193,12 @@ class RedisMap:
             raise ValueError("shadow_grace must be non-negative")
         if sweep_batch < 1:
             raise ValueError("sweep_batch must be positive")
+        if not 0 <= shards <= 1024:
+            raise ValueError("shards must be 0 (one index) to 1024")
+        if wait_replicas < 0:
+            raise ValueError("wait_replicas must be non-negative")
+        if wait_replicas and isinstance(client, RedisCluster):
+            raise ValueError("wait_replicas is for single Redis and Sentinel maps")
         self.prefix = prefix
         self.timeout = timeout
         self.sweep_interval = sweep_interval
@@ -202,10 +208,11 @@ class RedisMap:
         self._grace_ms = math.ceil(shadow_grace * 1000)
         self._batch = sweep_batch
         self._sweep_enabled = sweep
-        self._vprefix = f"{prefix}:v:"
-        self._sprefix = f"{prefix}:s:"
-        self._index = f"{prefix}:idx"
-        self._lock = f"{prefix}:sweep-lock"
+        self._layout = KeyLayout(prefix, shards)
+        self._lock = self._layout.lock
+        self._wait_replicas = wait_replicas
+        # WAIT's own timeout leaves room within the operation's timeout for the script.
+        self._wait_ms = max(1, math.floor(timeout * 500))
         # The lock only saves work (see module docstring); it outlives a slow sweep briefly.
         self._lock_ms = max(1000, math.ceil(sweep_interval * 4000))
         self._put = client.register_script(_LUA_PUT)
@@ -237,7 +244,7 @@ class RedisMap:
         raw: bytes | None
         try:
             # Plain GET: Redis's own TTL decides liveness, no script needed.
-            raw = cast("bytes | None", await self._op(self._r.get(self._vprefix + member)))
+            raw = cast("bytes | None", await self._op(self._r.get(self._layout.value(member))))
         except _WrongType:
             raw = b""
         return self._found(raw)
@@ -247,12 +254,14 @@ class RedisMap:
         if not isinstance(entry, KVEntry):
             raise TypeError("entry must be a KVEntry")
         ttl_ms = max(1, math.ceil(check_ttl(ttl) * 1000))
-        result = await self._op(
-            self._put(
-                keys=[self._vprefix + member, self._sprefix + member, self._index],
-                args=[entry.to_bytes(), ttl_ms, self._grace_ms, member],
-            )
+        result, confirmed = await self._write(
+            self._put, self._layout.keys(member), [entry.to_bytes(), ttl_ms, self._grace_ms, member]
         )
+        if not confirmed:
+            # A failover may undo this put and bring back the entry it overwrote, so that
+            # entry is not reported now (reported later once, or left to its lease). The
+            # caller treats the put as failed and frees the new entry's blocks itself.
+            raise MapUnavailableError("put not confirmed by enough replicas")
         self._counters.puts += 1
         if result:
             kind, raw = result
@@ -278,7 +287,9 @@ class RedisMap:
         """Never raises: `entries` is None and `available` False while Redis is down."""
         entries: int | None
         try:
-            entries = int(await self._op(self._r.zcard(self._index)))
+            entries = 0
+            for shard in range(self._layout.shard_count):
+                entries += int(await self._op(self._r.zcard(self._layout.index(shard))))
         except MapUnavailableError:
             entries = None
         return build_stats(self.backend, entries, self._available, self._counters, self._notifier)
@@ -305,20 +316,32 @@ class RedisMap:
             return 0
         reported = 0
         try:
-            while True:
-                result = await self._op(
-                    self._sweep(
-                        keys=[self._index], args=[self._vprefix, self._sprefix, self._batch]
-                    )
-                )
-                due, pairs = int(result[0]), result[1:]
-                for i in range(0, len(pairs), 2):
-                    reported += self._report_expired(pairs[i], pairs[i + 1])
-                if due < self._batch:
-                    return reported
+            for shard in range(self._layout.shard_count):
+                reported += await self._sweep_shard(shard)
+            return reported
         finally:
             with contextlib.suppress(MapUnavailableError):
                 await self._op(self._unlock(keys=[self._lock], args=[token]))
+
+    async def _sweep_shard(self, shard: int) -> int:
+        reported = 0
+        index = self._layout.index(shard)
+        vprefix, sprefix = self._layout.sweep_prefixes(shard)
+        while True:
+            result, confirmed = await self._write(
+                self._sweep, [index], [vprefix, sprefix, self._batch]
+            )
+            due, pairs = int(result[0]), result[1:]
+            if not confirmed:
+                # A failover could put these back in the index, to be reported again by the
+                # new master: report none now (each is then reported once, or left to the
+                # holder's lease if the removal did survive).
+                log.warning("dropping %d unconfirmed expiry reports", len(pairs) // 2)
+                return reported
+            for i in range(0, len(pairs), 2):
+                reported += self._report_expired(pairs[i], pairs[i + 1])
+            if due < self._batch:
+                return reported
 
     async def drain(self) -> None:
         """Wait for the `on_evict` callbacks started so far."""
@@ -341,13 +364,33 @@ class RedisMap:
 
     async def _remove(self, key: ConversationKey) -> bytes | None:
         member = self._member(key)
-        raw: bytes | None = await self._op(
-            self._take(
-                keys=[self._vprefix + member, self._sprefix + member, self._index],
-                args=[member],
+        raw, confirmed = await self._write(self._take, self._layout.keys(member), [member])
+        if not confirmed:
+            # Removed on the master, but a failover could bring it back: using it now could
+            # make it used twice. Left unused (a later take after such a failover may use it).
+            raise MapUnavailableError("take not confirmed by enough replicas")
+        return cast("bytes | None", raw)
+
+    async def _write(self, script: Any, keys: list[str], args: list[Any]) -> tuple[Any, bool]:
+        """Run a write script; with `wait_replicas`, WAIT on the same connection afterwards.
+        Returns (script result, whether enough replicas confirmed it)."""
+        if not self._wait_replicas:
+            return await self._op(script(keys=keys, args=args)), True
+
+        async def run() -> list[Any]:
+            async with self._r.pipeline(transaction=False) as pipe:
+                await script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", self._wait_replicas, self._wait_ms)
+                return await pipe.execute()
+
+        result, acked = await self._op(run())
+        if int(acked) < self._wait_replicas:
+            self._counters.unavailable_errors += 1
+            log.warning(
+                "redis map write confirmed by %d of %d replicas", int(acked), self._wait_replicas
             )
-        )
-        return raw
+            return result, False
+        return result, True
 
     async def _op(self, awaitable: Awaitable[T]) -> T:
         """Await one Redis call within `timeout`; every failure becomes MapUnavailableError."""
@@ -359,7 +402,7 @@ class RedisMap:
                 raise _WrongType from exc
             self._failed(exc)
             raise MapUnavailableError(f"redis refused the operation: {_first_word(exc)}") from exc
-        except (RedisError, OSError, TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
             self._failed(exc)
             raise MapUnavailableError(f"redis unavailable: {type(exc).__name__}") from exc
         if not self._available:

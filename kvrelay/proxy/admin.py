@@ -1,13 +1,15 @@
 """Admin API: list, add, drain and remove engines at run time, behind the admin key.
 
 `Authorization: Bearer <admin_key>` (or `X-Admin-Key`). Without a configured admin key the
-routes answer 404, so an unconfigured proxy exposes no control surface. Changes apply to the
-worker process that receives them (with `--workers N`, configure the fleet by settings).
+routes answer 404, so an unconfigured proxy exposes no control surface. Changes go through
+the fleet sync (`kvrelay.proxy.fleet_sync`): with the Redis map they reach every worker and replica;
+with the memory map (one process) they apply to this process.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 from aiohttp import web
@@ -15,9 +17,11 @@ from aiohttp import web
 from kvrelay.proxy.body import HeldBody, read_json_object
 from kvrelay.proxy.errors import ProxyError, bad_request, json_response
 from kvrelay.proxy.headers import bearer_token, header_text
-from kvrelay.proxy.keys import BODY_BUDGET, FLEET, SETTINGS
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, SETTINGS
 from kvrelay.proxy.pools import Pool
 from kvrelay.proxy.settings import normalize_backend_url
+
+log = logging.getLogger("kvrelay.admin")
 
 
 def _check_admin(request: web.Request) -> None:
@@ -77,17 +81,36 @@ async def list_backends(request: web.Request) -> web.StreamResponse:
     )
 
 
-async def add_backend(request: web.Request) -> web.StreamResponse:
+async def _change(
+    request: web.Request, op: str, target: tuple[Pool, str] | None = None
+) -> tuple[Pool, str, bool]:
     _check_admin(request)
-    pool, url = await _target(request)
-    return json_response(pool.add(url).describe(), 201)
+    pool, url = target or await _target(request)
+    sync = request.app[FLEET_SYNC]
+    try:
+        found = await sync.apply({"op": op, "role": pool.role, "url": url, "source": "admin"})
+    except Exception as exc:  # the shared record is unreachable: change nothing anywhere
+        log.warning("fleet change %s %s refused: fleet record unavailable (%s)", op, url,
+                    type(exc).__name__)  # fmt: skip
+        raise ProxyError(
+            503,
+            "the shared fleet record is unavailable (Redis); nothing was changed, retry",
+            code="fleet_unavailable",
+        ) from None
+    return pool, url, found
+
+
+async def add_backend(request: web.Request) -> web.StreamResponse:
+    pool, url, _ = await _change(request, "add")
+    backend = pool.get(url)
+    assert backend is not None
+    return json_response(backend.describe(), 201)
 
 
 async def drain_backend(request: web.Request) -> web.StreamResponse:
-    _check_admin(request)
-    pool, url = await _target(request)
-    backend = pool.drain(url)
-    if backend is None:
+    pool, url, found = await _change(request, "drain")
+    backend = pool.get(url)
+    if not found or backend is None:
         raise ProxyError(404, f"no {pool.role} engine {url}")
     return json_response(backend.describe())
 
@@ -95,10 +118,12 @@ async def drain_backend(request: web.Request) -> web.StreamResponse:
 async def remove_backend(request: web.Request) -> web.StreamResponse:
     _check_admin(request)
     pool, url = await _target(request)
-    backend = pool.remove(url)
-    if backend is None:
+    before = pool.get(url)
+    pool, url, found = await _change(request, "remove", (pool, url))
+    if not found:
         raise ProxyError(404, f"no {pool.role} engine {url}")
-    return json_response({"removed": backend.describe()})
+    removed = before.describe() if before is not None else {"url": url, "role": pool.role}
+    return json_response({"removed": removed})
 
 
 def add_routes(app: web.Application) -> None:

@@ -30,10 +30,13 @@ from kvrelay.proxy.conversation import (
     tenant_of,
     upstream_request_id,
 )
+from kvrelay.proxy.discovery import start_discovery
+from kvrelay.proxy.discovery_kube import start_kube_discovery
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
+from kvrelay.proxy.fleet_sync import open_fleet_sync
 from kvrelay.proxy.headers import bearer_token, header_text
-from kvrelay.proxy.keys import BODY_BUDGET, FLEET, HEALTH, SETTINGS, TENANTS
+from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, HEALTH, SETTINGS, TENANTS
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
 from kvrelay.proxy.relay import Turn
@@ -297,11 +300,21 @@ def _make_state(
         )
         app[HEALTH] = checker
         started = time.monotonic()
+        sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
+        app[FLEET_SYNC] = sync
+        await sync.start()
+        discovery = await start_discovery(settings, sync)
+        kube = await start_kube_discovery(settings, sync)
         checker.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
         finally:
+            if kube is not None:
+                await kube.stop()
+            if discovery is not None:
+                await discovery.stop()
+            await sync.stop()
             await checker.stop()
             await releaser.drain()
             if injected_map is None:

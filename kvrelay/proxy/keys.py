@@ -6,6 +6,7 @@ from aiohttp import web
 
 from kvrelay.proxy.body import BodyBudget
 from kvrelay.proxy.fleet import Fleet
+from kvrelay.proxy.fleet_sync import FleetSync
 from kvrelay.proxy.pools import HealthChecker
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
@@ -15,3 +16,4 @@ FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
 HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
 TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)
+FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)

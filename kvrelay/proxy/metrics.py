@@ -74,7 +74,7 @@ BACKEND_HEALTHY = Gauge(
     "kvrelay_backend_healthy",
     "1 when the engine is in its pool, 0 when ejected.",
     ["role", "backend"],
-    multiprocess_mode="max",
+    multiprocess_mode="livemax",
 )
 INFLIGHT = Gauge(
     "kvrelay_inflight_requests",

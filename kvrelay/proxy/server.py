@@ -1,28 +1,27 @@
 """Running the proxy: logging, uvloop, one process or `workers` processes on one port.
 
-Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections)
-and aggregate their metrics through prometheus-client's multiprocess mode, for which the
-parent creates `PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared
-Redis map (`Settings.check_runnable` refuses otherwise).
-"""
+Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections) and are
+supervised by the parent (`kvrelay.proxy.supervisor`: a worker that exits is restarted). They
+aggregate their metrics through prometheus-client's multiprocess mode, for which the parent creates
+`PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared Redis map
+(`Settings.check_runnable` refuses otherwise)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
-import signal
 import sys
 import tempfile
-from types import FrameType
+from multiprocessing.context import SpawnProcess
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrelay.proxy.settings import Settings, SettingsError
+from kvrelay.proxy.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
 
@@ -126,35 +125,14 @@ def _serve_workers(settings: Settings) -> int:
         own_dir = tempfile.mkdtemp(prefix="kvrelay-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = own_dir
     ctx = multiprocessing.get_context("spawn")
-    procs = [
-        ctx.Process(target=run_worker, args=(settings, True), name=f"kvrelay-worker-{i}")
-        for i in range(settings.workers)
-    ]
-    stopping = False
 
-    def stop(signum: int, frame: FrameType | None) -> None:
-        nonlocal stopping
-        stopping = True
-        for proc in procs:
-            if proc.pid is not None and proc.is_alive():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(proc.pid, signal.SIGTERM)
+    def make_worker(index: int) -> SpawnProcess:
+        return ctx.Process(target=run_worker, args=(settings, True), name=f"kvrelay-worker-{index}")
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    for proc in procs:
-        proc.start()
-    log.info("started %d workers sharing port %d", len(procs), settings.port)
-    code = 0
+    supervisor = Supervisor(settings.workers, make_worker)
+    log.info("starting %d workers sharing port %d", settings.workers, settings.port)
     try:
-        for proc in procs:
-            proc.join()
-            if proc.exitcode not in (0, -signal.SIGTERM) and not stopping:
-                code = 1
-                log.error("worker %s exited with %s; stopping the others", proc.name,
-                          proc.exitcode)  # fmt: skip
-                stop(signal.SIGTERM, None)
+        return supervisor.run()
     finally:
         if own_dir is not None:
             shutil.rmtree(own_dir, ignore_errors=True)
-    return code

@@ -101,7 +101,10 @@ class Settings(BaseSettings):
     # Conversation map ---------------------------------------------------------------------
     map_url: str = Field(
         default="memory://",
-        description="Conversation map: memory://?max_entries=N or redis://host:port/db.",
+        description=(
+            "Conversation map: memory://?max_entries=N, redis://host:port/db, "
+            "redis+sentinel://s1:26379,s2:26379/service or redis+cluster://n1:6379,n2:6379."
+        ),
     )
     # Listener -----------------------------------------------------------------------------
     host: str = Field(default="0.0.0.0", description="Listen address.")
@@ -227,6 +230,65 @@ class Settings(BaseSettings):
         ),
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
+    # Fleet sync and discovery (proxy/fleet_sync.py, proxy/discovery/) -------------------
+    fleet_sync_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        description=(
+            "With the Redis map: seconds between checks of the shared fleet record (changes "
+            "also arrive at once by pub/sub)."
+        ),
+    )
+    prefill_dns: str | None = Field(
+        default=None,
+        description=(
+            "Discover P engines by DNS beside `prefill`: name:port (A/AAAA, e.g. a headless "
+            "Service) or an _service._proto.name SRV name."
+        ),
+    )
+    decode_dns: str | None = Field(
+        default=None, description="Discover D engines by DNS beside `decode` (as prefill_dns)."
+    )
+    dns_interval_s: float = Field(
+        default=5.0, gt=0, description="Seconds between DNS discovery lookups."
+    )
+    dns_server: str | None = Field(
+        default=None,
+        description="DNS server host:port for discovery; unset = the system resolver.",
+    )
+    discovery_side_channel_port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="Side-channel port of discovered engines (at the engine's address).",
+    )
+    prefill_selector: str | None = Field(
+        default=None,
+        description=(
+            "Discover P engines from Kubernetes EndpointSlices with this label selector "
+            "(e.g. app=vllm-p); needs the kubernetes extra and list/watch RBAC."
+        ),
+    )
+    decode_selector: str | None = Field(
+        default=None, description="Discover D engines from EndpointSlices (as prefill_selector)."
+    )
+    kube_namespace: str | None = Field(
+        default=None,
+        description="Namespace of the engines' EndpointSlices; unset = the proxy's own.",
+    )
+    kube_config: str | None = Field(
+        default=None, description="Kubeconfig file; unset = the in-cluster service account."
+    )
+    kube_port_name: str = Field(
+        default="http", description="EndpointSlice port name of the engines' HTTP port."
+    )
+    kube_side_channel_port_name: str = Field(
+        default="side-channel",
+        description=(
+            "EndpointSlice port name of the connector side channel (else the slice "
+            "annotation kvrelay.io/side-channel-port)."
+        ),
+    )
 
     @field_validator("prefill", "decode", "api_keys", mode="before")
     @classmethod
@@ -261,8 +323,33 @@ class Settings(BaseSettings):
     @classmethod
     def _map_url(cls, value: str) -> str:
         scheme = urlsplit(value).scheme
-        if scheme not in ("memory", "redis", "rediss"):
-            raise ValueError("must start with memory://, redis:// or rediss://")
+        schemes = ("memory", "redis", "rediss", "redis+sentinel", "rediss+sentinel",
+                   "redis+cluster", "rediss+cluster")  # fmt: skip
+        if scheme not in schemes:
+            raise ValueError(
+                "must start with memory://, redis[s]://, redis[s]+sentinel:// or "
+                "redis[s]+cluster://"
+            )
+        return value
+
+    @field_validator("prefill_dns", "decode_dns")
+    @classmethod
+    def _dns_spec(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        from kvrelay.proxy.discovery import parse_dns_spec  # here: discovery imports the settings
+
+        parse_dns_spec(value)
+        return value.strip()
+
+    @field_validator("dns_server")
+    @classmethod
+    def _dns_server(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        host, sep, port = value.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{value!r} is not host:port")
         return value
 
     @field_validator("log_level", mode="before")
@@ -289,12 +376,12 @@ class Settings(BaseSettings):
 
     def check_runnable(self) -> None:
         """Checks that only `serve` needs (a fleet to route to, a shared map for workers)."""
-        if not self.decode:
+        if not self.decode and not self.discovers("decode"):
             raise SettingsError(
                 "setting `decode` (KVRELAY_DECODE / --decode) is empty: give at least one "
                 "decode engine URL"
             )
-        if not self.prefill:
+        if not self.prefill and not self.discovers("prefill"):
             raise SettingsError(
                 "setting `prefill` (KVRELAY_PREFILL / --prefill) is empty: give at least one "
                 "prefill engine URL"
@@ -305,6 +392,12 @@ class Settings(BaseSettings):
                 "several workers need the shared Redis map (KVRELAY_MAP_URL=redis://...), "
                 "otherwise a conversation's next turn misses on another worker"
             )
+
+    def discovers(self, role: str) -> bool:
+        """True when engines of `role` come from a discovery source."""
+        if role == "prefill":
+            return self.prefill_dns is not None or self.prefill_selector is not None
+        return self.decode_dns is not None or self.decode_selector is not None
 
     def public_dict(self) -> dict[str, Any]:
         """Settings for logs and /admin: secrets reduced to whether they are set."""

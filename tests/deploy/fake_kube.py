@@ -37,6 +37,10 @@ RESOURCES: dict[str, list[tuple[str, str, bool]]] = {
     "policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True)],
     "networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True)],
     "monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True)],
+    "rbac.authorization.k8s.io/v1": [
+        ("roles", "Role", True),
+        ("rolebindings", "RoleBinding", True),
+    ],
 }
 
 

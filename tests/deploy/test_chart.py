@@ -212,6 +212,29 @@ def test_notes_warn_about_missing_fleet_and_connector_secret(helm: Helm) -> None
     assert "WARNING" not in quiet and "in-chart Redis" in quiet
 
 
+def test_kubernetes_discovery_adds_a_least_privilege_role(helm: Helm) -> None:
+    assert not helm.render().all("Role")
+    out = helm.render(
+        set_values={
+            "redis": {"enabled": True},
+            "config": {"decode_selector": "app=vllm-d", "prefill_selector": "app=vllm-p",
+                       "kube_namespace": "llm"},
+        }
+    )  # fmt: skip
+    role = out.one("Role", "rel-kvrelay-discovery")
+    assert role["metadata"]["namespace"] == "llm"
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["list", "watch"]}]  # fmt: skip
+    binding = out.one("RoleBinding", "rel-kvrelay-discovery")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    account = out.one("ServiceAccount")["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == account
+    pod = out.one("Deployment")["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == account and pod["automountServiceAccountToken"] is True
+    assert out.one("ConfigMap")["data"]["KVRELAY_DECODE_SELECTOR"] == "app=vllm-d"
+    assert "config.prefill and/or config.decode are empty" not in out.notes
+
+
 def test_values_cover_every_proxy_setting_with_its_default() -> None:
     values = _values()
     secret = {name for name, f in Settings.model_fields.items() if "SecretStr" in str(f.annotation)}

@@ -124,3 +124,10 @@ true
 {{- toYaml . | nindent 0 }}
 {{- end }}
 {{- end }}
+
+{{/*
+Non-empty when the proxy discovers engines from Kubernetes EndpointSlices.
+*/}}
+{{- define "kvrelay.kubeDiscovery" -}}
+{{- if or .Values.config.prefill_selector .Values.config.decode_selector }}true{{- end }}
+{{- end }}
