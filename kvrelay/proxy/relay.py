@@ -5,17 +5,18 @@ check it (history, expiry, verifiability) → P prefills, pulling the old turn's
 usable entry → D decodes with P's params and, when the conversation may continue, holds its
 blocks → D's final params become the conversation's new entry. Every way out of a turn frees
 what the turn made someone hold: the taken entry once P is done with it, P's blocks when no D
-took them, D's blocks when they cannot be stored (`Cleanup`).
+took them, D's blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.owed`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,7 @@ from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.owed import Debt, Owed
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.streaming import SSEFilter, error_event
 
@@ -83,15 +85,29 @@ class Turn:
     p_backend: Backend | None = None
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
-    p_answered: bool = False  # P returned 2xx (its connector dealt with any reuse params)
-    d_backend: Backend | None = None
-    d_accepted: bool = False
-    d_params_handled: bool = False
-    hold: bool = False
+    hold: bool = False  # D is asked to hold its blocks for a next turn
+    owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
     every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
+
+    # -- engines -------------------------------------------------------------------------------
+
+    def _engines_to_try(
+        self, role: str, pick: Callable[[set[str]], Backend | None]
+    ) -> Iterator[Backend]:
+        """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
+        1 + `retries` of them; every try after the first counts as a retry."""
+        tried: set[str] = set()
+        for attempt in range(1 + self.fleet.settings.retries):
+            backend = pick(tried)
+            if backend is None:
+                return
+            tried.add(backend.url)
+            if attempt:
+                metrics.RETRIES.labels(role).inc()
+            yield backend
 
     # -- keys ----------------------------------------------------------------------------------
 
@@ -120,10 +136,11 @@ class Turn:
             response = await self._run()
         except BaseException:
             self._judge_5xx(served=False)
-            self._cleanup_after_failure()
+            self.owed.release_all()
             raise
-        # On success P's blocks need no call from here: D's connector either read them (the
-        # read frees them) or released them itself (skipped, mismatched or failed load).
+        # D's answer is complete, so P's blocks need no call from here: D's connector either
+        # read them (the read frees them) or released them itself (skipped or failed load).
+        self.owed.settle(Debt.PREFILL_BLOCKS)
         return response
 
     async def _run(self) -> web.StreamResponse:
@@ -135,8 +152,7 @@ class Turn:
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
-            if self.entry is not None and not self.p_answered:
-                self.fleet.releaser.release_soon("decode", self.entry.hold_ref)
+            self.owed.release(Debt.PREVIOUS_HOLD)
         return await self._decode(store_key)
 
     async def _take_entry(self) -> None:
@@ -182,6 +198,8 @@ class Turn:
         metrics.REUSE.labels("hit").inc()
         metrics.TOKENS_REUSED.inc(entry.num_tokens)
         self.entry = entry
+        releaser = self.fleet.releaser
+        self.owed.owe(Debt.PREVIOUS_HOLD, lambda: releaser.release_soon("decode", entry.hold_ref))
 
     def _work_estimate(self) -> int:
         # Prompt size in bytes is a cheap stand-in for prefill work (no tokenizer here).
@@ -193,15 +211,8 @@ class Turn:
         fleet = self.fleet
         reuse = self.entry.to_kv_transfer_params() if self.entry is not None else None
         payload = json.dumps(prefill_body(self.body, reuse), separators=(",", ":")).encode()
-        exclude: set[str] = set()
         work = self._work_estimate()
-        for attempt in range(1 + fleet.settings.retries):
-            backend = fleet.prefill.pick_least_work(exclude)
-            if backend is None:
-                break
-            exclude.add(backend.url)
-            if attempt:
-                metrics.RETRIES.labels("prefill").inc()
+        for backend in self._engines_to_try("prefill", fleet.prefill.pick_least_work):
             start = time.monotonic()
             try:
                 with fleet.prefill.busy(backend, work):
@@ -225,8 +236,13 @@ class Turn:
             fleet.prefill.record_success(backend, probe=False)
             self._judge_5xx(served=True)
             self.p_backend = backend
-            self.p_answered = True
+            self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
             self._read_prefill_answer(raw)
+            if self.p_params is not None:
+                release = functools.partial(
+                    fleet.releaser.release_soon_params, "prefill", self.p_params
+                )
+                self.owed.owe(Debt.PREFILL_BLOCKS, release)
             return
         metrics.FALLBACKS.labels("decode_only").inc()
         log.warning("no prefill engine answered; decode engine prefills (request %s)",
@@ -282,18 +298,15 @@ class Turn:
         fleet = self.fleet
         stream = self.body.get("stream") is True
         preferred = self.entry.url if self.entry is not None else None
-        exclude: set[str] = set()
         reasons: list[str] = []
         answered_5xx = 0
-        for attempt in range(1 + fleet.settings.retries):
-            backend = fleet.decode.pick_with_affinity(
+
+        def pick_decode(exclude: set[str]) -> Backend | None:
+            return fleet.decode.pick_with_affinity(
                 preferred, exclude, fleet.settings.decode_overload_inflight
             )
-            if backend is None:
-                break
-            exclude.add(backend.url)
-            if attempt:
-                metrics.RETRIES.labels("decode").inc()
+
+        for backend in self._engines_to_try("decode", pick_decode):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
             hold = self.hold and (not stream or fleet.side_channel_of(backend) is not None)
@@ -307,7 +320,6 @@ class Turn:
                 separators=(",", ":"),
             ).encode()
             start = time.monotonic()
-            self.d_backend = backend
             with fleet.decode.busy(backend, 1):
                 try:
                     resp = await self._open(backend, payload)
@@ -330,8 +342,12 @@ class Turn:
                         raise upstream_error_from_body(resp.status, raw, "decode")
                     fleet.decode.record_success(backend, probe=False)
                     self._judge_5xx(served=True)
-                    self.d_accepted = True
                     self.hold = hold
+                    if hold:
+                        self.owed.owe(
+                            Debt.DECODE_HOLD,
+                            functools.partial(self._release_decode_later, backend),
+                        )
                     if stream:
                         return await self._relay_stream(resp, backend, store_key, start)
                     return await self._relay_json(resp, backend, store_key, start)
@@ -379,8 +395,6 @@ class Turn:
             await self._settle(self._store(params, backend, store_key))
         elif self.hold:
             self._no_params()
-        else:
-            self.d_params_handled = True
         metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
         return web.Response(
             body=json.dumps(data, separators=(",", ":")).encode(),
@@ -431,10 +445,9 @@ class Turn:
                 )
             )
             await out.write_eof()
-            self._release_decode_later(backend)
-            self.d_params_handled = True
+            self.owed.release(Debt.DECODE_HOLD)
             # A D that died may never have confirmed its read of P's blocks.
-            self.fleet.releaser.release_soon_params("prefill", self.p_params)
+            self.owed.release(Debt.PREFILL_BLOCKS)
             return out
         except BaseException:
             # The client left. Once D finished the answer the turn is complete: it is stored
@@ -473,7 +486,7 @@ class Turn:
 
         From here on the task owns D's hold: the failure path must not release it too.
         """
-        self.d_params_handled = True
+        self.owed.settle(Debt.DECODE_HOLD)
         return self.fleet.releaser.spawn(work)
 
     async def _settle(self, work: Coroutine[Any, Any, None]) -> None:
@@ -483,7 +496,7 @@ class Turn:
         await asyncio.wait({task}, timeout=self.fleet.settings.side_channel_timeout)
 
     def _no_params(self) -> None:
-        self.d_params_handled = True
+        self.owed.settle(Debt.DECODE_HOLD)  # nothing to store; a stock D's lease frees it
         metrics.FINISHED_PARAMS.labels("missing").inc()
 
     async def _fetch_finished(self, backend: Backend) -> dict[str, Any] | None:
@@ -498,7 +511,7 @@ class Turn:
         self, params: dict[str, Any], backend: Backend, store_key: ConversationKey | None
     ) -> None:
         """Make D's params the conversation's entry, or release D's blocks if they cannot be."""
-        self.d_params_handled = True
+        self.owed.settle(Debt.DECODE_HOLD)  # from here on this method frees or stores them
         fleet = self.fleet
         host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
         if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
@@ -551,17 +564,6 @@ class Turn:
                 pool.record_failure(backend, reason)
             else:
                 pool.record_disputed(backend, self.tenant, reason)
-
-    def _cleanup_after_failure(self) -> None:
-        """Free what this turn made engines hold (runs on errors and client disconnects)."""
-        releaser = self.fleet.releaser
-        if self.p_params is not None:
-            # D took them only if it read them; a release after the read is a no-op.
-            releaser.release_soon_params("prefill", self.p_params)
-            self.p_params = None
-        if self.d_accepted and self.hold and not self.d_params_handled and self.d_backend:
-            self._release_decode_later(self.d_backend)
-            self.d_params_handled = True
 
     def _release_decode_later(self, backend: Backend) -> None:
         """D may have finished (and held) before the turn was abandoned: free that hold."""

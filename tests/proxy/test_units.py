@@ -261,3 +261,20 @@ def test_sse_filter_holds_back_done_for_the_relay_to_send_last() -> None:
     plain = SSEFilter()
     assert plain.feed(stream + b"data: [DONE]\n\n") == stream + b"data: [DONE]\n\n"
     assert plain.done_event is None
+
+
+def test_owed_releases_what_is_still_owed_once() -> None:
+    from kvrelay.proxy.owed import Debt, Owed
+
+    freed: list[str] = []
+    owed = Owed()
+    owed.owe(Debt.PREVIOUS_HOLD, lambda: freed.append("previous"))
+    owed.owe(Debt.PREFILL_BLOCKS, lambda: freed.append("prefill"))
+    owed.owe(Debt.DECODE_HOLD, lambda: freed.append("decode"))
+    owed.settle(Debt.PREVIOUS_HOLD)  # P's connector took it over
+    owed.release(Debt.DECODE_HOLD)  # released now
+    owed.release(Debt.DECODE_HOLD)  # and never twice
+    assert freed == ["decode"] and owed.owes(Debt.PREFILL_BLOCKS)
+    owed.release_all()
+    owed.release_all()
+    assert freed == ["decode", "prefill"] and not owed.owes(Debt.PREFILL_BLOCKS)
