@@ -33,6 +33,7 @@ from typing import Any
 
 import httpx
 
+from kvrelay.devtools import sse
 from tests.engines import EngineFactory, EngineSim
 from tests.faultproxy import FaultProxy
 from tests.harness import RedisServer, wait_until
@@ -225,22 +226,10 @@ def _error_kind(status: int, payload: Any) -> str:
 
 def _parse_sse(raw: bytes) -> tuple[str, Any | None, bool]:
     """(text, first error event or None, saw [DONE]) of a chat completion stream."""
-    text, error, done = [], None, False
-    for block in raw.split(b"\n\n"):
-        block = block.strip()
-        if not block.startswith(b"data:"):
-            continue
-        data = block[5:].strip()
-        if data == b"[DONE]":
-            done = True
-            continue
-        event = json.loads(data)
-        if "error" in event:
-            error = error or event
-            continue
-        for choice in event.get("choices", []):
-            text.append((choice.get("delta") or {}).get("content") or "")
-    return "".join(text), error, done
+    stream = sse.parse(raw)
+    errors = [e for e in stream.events if isinstance(e, dict) and "error" in e]
+    answer = [e for e in stream.events if not (isinstance(e, dict) and "error" in e)]
+    return sse.text_of(answer, chat=True), (errors[0] if errors else None), stream.done
 
 
 def one_turn(

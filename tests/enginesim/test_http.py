@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.devtools import sse
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
@@ -35,12 +36,9 @@ def engine(solo_engine: EngineSim) -> Iterator[EngineSim]:
 
 
 def sse_events(text: str) -> list[Any]:
-    events: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            data = block[len("data: ") :]
-            events.append(data if data == "[DONE]" else json.loads(data))
-    return events
+    """The stream's JSON events, then "[DONE]" when the stream ended with it."""
+    stream = sse.parse(text)
+    return [*stream.events, *(["[DONE]"] if stream.done else [])]
 
 
 def test_completion_shape_and_reference(engine: EngineSim) -> None:

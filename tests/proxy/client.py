@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
+
+from kvrelay.devtools import sse
 
 MODEL = "kvrelay-sim"
 
@@ -27,22 +28,11 @@ def stream(
         timeout=timeout,
     ) as resp:  # fmt: skip
         raw = resp.read()
-    events = []
-    for block in raw.split(b"\n\n"):
-        if block.startswith(b"data: ") and block[6:].strip() != b"[DONE]":
-            events.append(json.loads(block[6:]))
-    return resp.status_code, events, raw
+    return resp.status_code, sse.events(raw), raw
 
 
 def streamed_text(events: list[dict[str, Any]], chat: bool) -> str:
-    parts = []
-    for event in events:
-        for choice in event.get("choices", []):
-            if chat:
-                parts.append(choice.get("delta", {}).get("content") or "")
-            else:
-                parts.append(choice.get("text") or "")
-    return "".join(parts)
+    return sse.text_of(events, chat)
 
 
 def chat_body(messages: list[dict[str, Any]], max_tokens: int = 12) -> dict[str, Any]:

@@ -7,12 +7,12 @@ admission must free P's held blocks within a second, not at lease expiry.
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
 import pytest
 
+from kvrelay.devtools import sse
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 from tests.vllm.servers import (
@@ -104,12 +104,7 @@ def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet) -> None:
     status, raw, _ = kvrelay_fleet.proxy.call("POST", "/v1/chat/completions", body, timeout=120)
 
     assert status == 200
-    text = ""
-    for line in str(raw).splitlines():
-        if line.startswith("data: ") and line != "data: [DONE]":
-            delta = json.loads(line[len("data: ") :])["choices"]
-            if delta:
-                text += delta[0]["delta"].get("content") or ""
+    text = sse.text_of(sse.events(str(raw)), chat=True)
     assert text == reference_text(
         kvrelay_fleet.reference, "/v1/chat/completions", chat_body(messages)
     )
@@ -156,12 +151,7 @@ def test_streamed_turn_is_reused_by_the_next_turn(kvrelay_fleet: PDFleet) -> Non
         "POST", "/v1/chat/completions", {**chat_body(messages), "stream": True}, headers=headers
     )
     assert status == 200
-    reply = "".join(
-        (json.loads(line[len("data: ") :])["choices"] or [{"delta": {}}])[0]["delta"].get("content")
-        or ""
-        for line in str(raw).splitlines()
-        if line.startswith("data: ") and line != "data: [DONE]"
-    )
+    reply = sse.text_of(sse.events(str(raw)), chat=True)
     messages += [
         {"role": "assistant", "content": reply},
         {"role": "user", "content": USER_TURNS[0]},
