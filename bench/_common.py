@@ -52,7 +52,10 @@ from tests.harness import free_port, http_ready  # noqa: E402
 _RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
-SECTION_ORDER = ("kvmap", "transfer", "proxy overhead", "multiturn")
+SECTION_ORDER = (
+    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "http clients",
+    "multiturn",
+)  # fmt: skip
 
 RESULTS_PREAMBLE = (
     "# Benchmark results\n\n"

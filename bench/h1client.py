@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import AsyncIterator, Iterable
+from typing import cast
 
 import httptools
 
@@ -45,8 +46,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # uvloop's TCP transport implements asyncio.Transport without subclassing it.
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:

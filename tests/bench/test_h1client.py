@@ -122,3 +122,25 @@ async def test_header_injection_is_refused(origin: int) -> None:
     with pytest.raises(ValueError):
         await pool.request("POST", "/echo", b"{}", [("X-Evil", "a\r\nInjected: 1")])
     await pool.close()
+
+
+def test_runs_on_uvloop() -> None:
+    """The proxy runs on uvloop, whose transports do not subclass asyncio's."""
+    import uvloop
+
+    async def exchange() -> bytes:
+        app = web.Application()
+        app.router.add_post("/echo", _echo)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        pool = H1Pool("127.0.0.1", port)
+        try:
+            resp = await pool.request("POST", "/echo", b"hi")
+            return await resp.read()
+        finally:
+            await pool.close()
+            await runner.cleanup()
+
+    assert b'"body": "hi"' in uvloop.run(exchange())
