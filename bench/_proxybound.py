@@ -270,7 +270,8 @@ def record_profile(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     """py-spy on kvrelay-w1 during non-stream then stream c=64 (unmeasured): SVG and top costs.
 
     Recorded twice, once as a flame graph and once as raw stacks (the text summary), since
-    py-spy writes one format per recording. py-spy runs on the load generator's CPUs.
+    py-spy writes one format per recording. py-spy runs on the load generator's CPUs and stops
+    the proxy for each sample (its default), so stacks are consistent.
     """
     proc = bench.routers["kvrelay-w1"].process.proc
     assert proc is not None
@@ -280,7 +281,7 @@ def record_profile(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         spy = subprocess.Popen(
             c.pinned(
                 [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid),
-                 "--rate", "250", "--format", fmt, "--output", str(out), "--nonblocking"],
+                 "--rate", "250", "--format", fmt, "--output", str(out)],
                 args.loadgen_cpus,
             ),
             stdout=subprocess.DEVNULL,
@@ -302,10 +303,32 @@ def record_profile(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
     return summarize_stacks(raw_path.read_text())
 
 
+# Where the time goes, by area: (label, substrings of a frame's file). A stack counts once per
+# area it passes through, so the shares are inclusive and may add up to more than 100%.
+AREAS = (
+    ("aiohttp client (session, connector, response parsing)",
+     ("aiohttp/client", "aiohttp/connector")),
+    ("aiohttp server (protocol, request, response, routing)", ("aiohttp/web_",)),
+    ("aiohttp socket writes (http_writer)", ("aiohttp/http_writer",)),
+    ("stdlib json", ("json/",)),
+    ("prometheus_client", ("prometheus_client/",)),
+    ("logging", ("logging/",)),
+    ("uuid", ("uuid.py",)),
+    ("pydantic", ("pydantic",)),
+    ("side-channel client (finished params, releases)", ("kvrelay/connector/sidechannel_",)),
+    ("conversation map", ("kvrelay/kvcache_map/",)),
+    ("SSE filter", ("kvrelay/proxy/streaming.py",)),
+    ("conversation ids and fingerprints", ("kvrelay/proxy/conversation.py",)),
+)  # fmt: skip
+
+
 def summarize_stacks(text: str, top: int = 15) -> dict[str, Any]:
-    """Self and inclusive sample shares per function from py-spy's raw (collapsed) stacks."""
+    """Self and inclusive sample shares per function, and inclusive shares per area, from
+    py-spy's raw (collapsed) stacks. The entry chain every sample shares (cli, server) is left
+    out of the inclusive list: it says nothing about the hot path."""
     self_counts: collections.Counter[str] = collections.Counter()
     incl_counts: collections.Counter[str] = collections.Counter()
+    area_counts: collections.Counter[str] = collections.Counter()
     total = 0
     for line in text.splitlines():
         stack, _, count_s = line.rpartition(" ")
@@ -319,13 +342,20 @@ def summarize_stacks(text: str, top: int = 15) -> dict[str, Any]:
         self_counts[frames[-1]] += count
         for name in set(frames):
             incl_counts[name] += count
+        for label, needles in AREAS:
+            if any(n in f for f in frames for n in needles):
+                area_counts[label] += count
     share = 100.0 / total if total else 0.0
+    entry = max(incl_counts.values(), default=0) * 0.98
     return {
         "samples": total,
         "self": [(name, n * share) for name, n in self_counts.most_common(top)],
         "inclusive_kvrelay": [
-            (name, n * share) for name, n in incl_counts.most_common() if "(kvrelay/" in name
+            (name, n * share)
+            for name, n in incl_counts.most_common()
+            if "(kvrelay/" in name and n < entry
         ][:top],
+        "areas": [(label, n * share) for label, n in area_counts.most_common()],
     }
 
 
@@ -496,8 +526,12 @@ def profile_lines(profile: dict[str, Any]) -> list[str]:
         "",
     ]
     out += [f"- {share:.1f}% {name}" for name, share in profile["self"]]
-    out += ["", "Inclusive time in kvrelay's own functions:", ""]
+    out += ["", "Inclusive time in kvrelay's own functions (below the server's entry chain):", ""]
     out += [f"- {share:.1f}% {name}" for name, share in profile["inclusive_kvrelay"]]
+    out += ["", "Inclusive time by area (a sample counts in every area on its stack):", ""]
+    out += [f"- {share:.1f}% {name}" for name, share in profile.get("areas", [])]
+    out += ["", "`run_app (aiohttp/web.py)` self time is the event loop itself (uvloop, in C): "
+            "polling and the socket system calls it makes."]  # fmt: skip
     return out
 
 
