@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"py-spy flame graph of kvrelay-w1 ({c.relpath(PROFILE_SVG)})")  # fmt: skip
     g.add_argument("--profile-requests", type=int, default=3000,
                    help="requests per mode in the profiled case (c=64)")  # fmt: skip
+    g.add_argument("--max-minutes", type=float, default=None,
+                   help="start no case after this long; report the rounds done")  # fmt: skip
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -216,15 +218,23 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
     profile: dict[str, Any] | None = None
     work: dict[str, dict[str, float]] = {}
+    stopped = False
     try:
         bench.start()
         case_no = 0
+        deadline = (
+            time.monotonic() + args.max_minutes * 60 if args.max_minutes is not None else math.inf
+        )
         for rnd in range(args.rounds):
             for mode in args.modes:
                 for conc in args.concurrency:
                     targets = list(args.targets)
                     shift = case_no % len(targets)
                     case_no += 1
+                    # A case is measured for every target or not at all, so ratios stay fair.
+                    if time.monotonic() > deadline:
+                        stopped = True
+                        continue
                     for target in targets[shift:] + targets[:shift]:
                         s, samples = bench.run_case(target, mode, conc, args.requests)
                         errors[(mode, conc, target)].extend(samples)
@@ -238,7 +248,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         )
         work = bench.work_done()
         if args.profile and "kvrelay-w1" in bench.routers:
-            profile = record_profile(bench, args)
+            try:
+                profile = record_profile(bench, args)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                # The measurements stand without it; say why there is no profile.
+                print(f"profile not recorded: {exc}", file=sys.stderr, flush=True)
+                profile = {"error": str(exc)[:500]}
     finally:
         bench.stop()
     cases = []
@@ -247,12 +262,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for key in METRICS:
             case[key] = statistics.median(r[key] for r in runs)
         case["errors"] = sum(r["errors"] for r in runs)
+        case["rounds_done"] = len(runs)
         case["rounds"] = runs
         case["error_samples"] = errors[(mode, conc, target)][:5]
         cases.append(case)
     order = {t: i for i, t in enumerate(TARGETS)}
     cases.sort(key=lambda x: (MODES.index(x["mode"]), x["concurrency"], order[x["target"]]))
-    return {"cases": cases, "profile": profile, "placement": placement(args), "work": work}
+    return {"cases": cases, "profile": profile, "placement": placement(args), "work": work,
+            "stopped_early": stopped}  # fmt: skip
 
 
 def placement(args: argparse.Namespace) -> str:
@@ -399,6 +416,10 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "calling D alone. Placement: " + data["placement"] + ". Router CPU = process-group CPU "
         "time (user + system) per request."
     )
+    if data.get("stopped_early"):
+        rounds_done = sorted({int(x["rounds_done"]) for x in cases})
+        lines += ["", f"**Stopped early by `--max-minutes`**: cases have {rounds_done} of "
+                  f"{args.rounds} rounds; medians are over the rounds done."]  # fmt: skip
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
     lines.append(
@@ -419,11 +440,14 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         )
     for name, counts in sorted(data.get("work", {}).items()):
         # Workers' metrics are aggregated by kvrelay (prometheus multiprocess mode).
-        done = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
-        lines += ["", f"{name} work counters at the end (all cases): {done or 'none'}"]
+        counted = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
+        lines += ["", f"{name} work counters at the end (all cases): {counted or 'none'}"]
     lines += ["", *aim_lines(cases)]
-    if data.get("profile"):
-        lines += ["", *profile_lines(data["profile"])]
+    profile = data.get("profile")
+    if profile and "error" in profile:
+        lines += ["", f"Profile not recorded: {profile['error']}"]
+    elif profile:
+        lines += ["", *profile_lines(profile)]
     return "\n".join(lines)
 
 
