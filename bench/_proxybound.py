@@ -418,8 +418,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     )
     if data.get("stopped_early"):
         rounds_done = sorted({int(x["rounds_done"]) for x in cases})
-        lines += ["", f"**Stopped early by `--max-minutes`**: cases have {rounds_done} of "
-                  f"{args.rounds} rounds; medians are over the rounds done."]  # fmt: skip
+        lines += ["", f"**Stopped early by `--max-minutes`**: rounds done per case "
+                  f"{rounds_done[0]}-{rounds_done[-1]} of {args.rounds} (medians over those); "
+                  "cases never reached are missing from the tables."]  # fmt: skip
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
     lines.append(
