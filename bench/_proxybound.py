@@ -414,7 +414,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.requests} requests per case and round, {args.rounds} interleaved rounds "
         "(target order rotated per case), medians over rounds. `direct` = the load generator "
         "calling D alone. Placement: " + data["placement"] + ". Router CPU = process-group CPU "
-        "time (user + system) per request."
+        "time (user + system) per request, warm-up requests included in the count. Load "
+        f"average (1 min) before / after: {data.get('load', 'not recorded')}; run took "
+        f"{data.get('elapsed_s', 0) / 60:.0f} min."
     )
     if data.get("stopped_early"):
         rounds_done = sorted({int(x["rounds_done"]) for x in cases})
@@ -569,9 +571,11 @@ def main(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     else:
         header = c.run_header()
-        started = time.monotonic()
+        started, load_before = time.monotonic(), os.getloadavg()[0]
         data = measure(args)
         data["elapsed_s"] = time.monotonic() - started
+        # Other jobs on a shared machine take CPU from every target alike; this says how many.
+        data["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
         data["header"] = header
         data["settings"] = {
             k: getattr(args, k)
