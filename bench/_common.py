@@ -6,8 +6,9 @@
   `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
 - `run_header()`: the exact command, date and machine every section starts with.
 - `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
-- `start_engine()`, `start_kvrelay()`, `start_vllm_router()`: the servers the benchmarks run,
-  started and stopped through the shared test harness (bounded readiness, process groups).
+- `start_engine()`, `start_fake_engine()`, `start_kvrelay()`, `start_vllm_router()`: the
+  servers the benchmarks run, started and stopped through the shared test harness (bounded
+  readiness, process groups); `cpus=` pins a server (and every process it starts) with `taskset`.
 """
 
 from __future__ import annotations
@@ -51,7 +52,10 @@ from tests.harness import free_port, http_ready  # noqa: E402
 _RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
-SECTION_ORDER = ("kvmap", "transfer", "proxy overhead", "multiturn")
+SECTION_ORDER = (
+    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "http clients",
+    "multiturn",
+)  # fmt: skip
 
 RESULTS_PREAMBLE = (
     "# Benchmark results\n\n"
@@ -188,6 +192,21 @@ def relpath(path: Path) -> str:
 # --------------------------------------------------------------------------- servers
 
 
+def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
+    """`argv` run under `taskset -c cpus` (same pid: taskset execs), or as is for None."""
+    if cpus is None:
+        return list(argv)
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("taskset not found (util-linux): needed to place benchmark processes")
+    return [taskset, "-c", cpus, *argv]
+
+
+def pin_pid(pid: int, cpus: str) -> None:
+    """Pin a running process and all its threads to `cpus`."""
+    subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, capture_output=True)
+
+
 @dataclass
 class Engine:
     """A running enginesim: its HTTP URL and its process."""
@@ -220,6 +239,28 @@ def start_engine(engine_id: str, extra: Sequence[str] = (), ready_timeout: float
     return Engine(url=url, engine_id=engine_id, side_channel_port=side, process=proc)
 
 
+def start_fake_engine(role: str, engine_id: str, cpus: str | None = None) -> Engine:
+    """Start `bench/fake_engine.py` (zero-work, vLLM-shaped answers) and wait for `/health`."""
+    port = free_port()
+    side = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable, str(BENCH_DIR / "fake_engine.py"),
+        "--role", role,
+        "--port", str(port),
+        "--engine-id", engine_id,
+        "--side-channel-port", str(side),
+    ]  # fmt: skip
+    proc = ServerProcess(
+        pinned(argv, cpus),
+        http_ready(f"{url}/health"),
+        env=bench_env(),
+        ready_timeout=60,
+        name=f"fake-{engine_id}",
+    ).start()
+    return Engine(url=url, engine_id=engine_id, side_channel_port=side, process=proc)
+
+
 @dataclass
 class Router:
     """A running router (kvrelay or vllm-router) in front of the engines."""
@@ -237,6 +278,7 @@ def start_kvrelay(
     map_url: str | None = None,
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
+    cpus: str | None = None,
 ) -> Router:
     """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`.
 
@@ -270,7 +312,7 @@ def start_kvrelay(
         full_env.update(env)
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess(
-        argv, http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name
+        pinned(argv, cpus), http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name
     ).start()
     return Router(name=name, url=url, process=proc)
 
@@ -295,7 +337,9 @@ def ensure_router_venv(quiet: bool = True) -> Path:
     return launcher
 
 
-def start_vllm_router(prefill: Sequence[Engine], decode: Sequence[Engine]) -> Router:
+def start_vllm_router(
+    prefill: Sequence[Engine], decode: Sequence[Engine], cpus: str | None = None
+) -> Router:
     """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
 
     `round_robin` keeps it from calling the engines' `/render` endpoint for every request
@@ -326,7 +370,11 @@ def start_vllm_router(prefill: Sequence[Engine], decode: Sequence[Engine]) -> Ro
         argv += ["--decode", engine.url]
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess(
-        argv, http_ready(f"{url}/health"), env=bench_env(), ready_timeout=90, name="vllm-router"
+        pinned(argv, cpus),
+        http_ready(f"{url}/health"),
+        env=bench_env(),
+        ready_timeout=90,
+        name="vllm-router",
     ).start()
     return Router(name="vllm-router", url=url, process=proc)
 

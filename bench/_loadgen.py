@@ -1,8 +1,8 @@
 """Closed-loop HTTP load generator, run in its own process by the benchmarks.
 
-Reads one JSON job on stdin, sends a fixed number of chat requests with a fixed number of
-concurrent clients (aiohttp on uvloop, keep-alive connections), and prints one JSON result on
-stdout: per-request latency (send to last byte), time to first byte, errors and wall time.
+Reads one JSON job on stdin, sends a fixed number of chat or completion requests with a fixed
+number of concurrent clients (aiohttp on uvloop, keep-alive connections), and prints one JSON
+result on stdout: per-request latency (send to last byte), time to first byte, errors and wall time.
 
 It runs in a separate process so its CPU time is never mistaken for the server's event loop,
 and request bodies are built before the clock starts so the client costs as little as possible.
@@ -35,28 +35,45 @@ PREFILL_PARAMS = {
 
 
 def build_bodies(job: dict[str, Any], n: int, tag: str) -> list[dict[str, Any]]:
-    """Distinct chat bodies: a unique first message per request so no router finds reuse."""
+    """Distinct bodies: a unique prompt per request so no router finds reuse.
+
+    `route` "chat" (default) sends `/v1/chat/completions` messages, "completions" a `prompt`.
+    """
     words = " ".join(["lorem"] * int(job.get("prompt_words", 32)))
+    completions = job.get("route") == "completions"
     bodies = []
     for i in range(n):
-        bodies.append(
-            {
-                "model": job.get("model", "kvrelay-sim"),
-                "messages": [{"role": "user", "content": f"request {tag}-{i}: {words}"}],
-                "max_tokens": int(job.get("max_tokens", 8)),
-                "temperature": 0,
-                "stream": bool(job.get("stream", False)),
-            }
+        body: dict[str, Any] = {"model": job.get("model", "kvrelay-sim")}
+        text = f"request {tag}-{i}: {words}"
+        if completions:
+            body["prompt"] = text
+        else:
+            body["messages"] = [{"role": "user", "content": text}]
+        body.update(
+            max_tokens=int(job.get("max_tokens", 8)),
+            temperature=0,
+            stream=bool(job.get("stream", False)),
         )
+        bodies.append(body)
     return bodies
 
 
+def build_headers(job: dict[str, Any], n: int, tag: str) -> list[dict[str, str]]:
+    """Per-request headers; with `conversation_ids` each request opens its own conversation
+    (`X-Conversation-Id`), so kvrelay asks D to hold and stores D's params, as for a first turn.
+    Routers that know no conversations ignore the header."""
+    base = {"Content-Type": "application/json"}
+    if not job.get("conversation_ids"):
+        return [base] * n
+    return [{**base, "X-Conversation-Id": f"conv-{tag}-{i}"} for i in range(n)]
+
+
 async def one_single(
-    session: aiohttp.ClientSession, url: str, body: bytes, stream: bool
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
 ) -> tuple[float, float]:
     start = time.perf_counter()
     first = 0.0
-    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+    async with session.post(url, data=body, headers=headers) as resp:
         async for _chunk in resp.content.iter_any():
             if not first:
                 first = time.perf_counter()
@@ -96,17 +113,18 @@ async def run(job: dict[str, Any]) -> dict[str, Any]:
     concurrency = int(job["concurrency"])
     total = int(job["requests"])
     warmup = int(job.get("warmup", concurrency))
-    stream = bool(job.get("stream", False))
     mode = job.get("mode", "single")
     tag = str(job.get("tag", "x"))
     dicts = build_bodies(job, warmup + total, tag)
     raw = [json.dumps(b).encode() for b in dicts]
-    path = job.get("path", "/v1/chat/completions")
+    headers = build_headers(job, warmup + total, tag)
+    completions = job.get("route") == "completions"
+    path = job.get("path", "/v1/completions" if completions else "/v1/chat/completions")
 
     async def send(session: aiohttp.ClientSession, i: int) -> tuple[float, float]:
         if mode == "pd":
             return await one_pd(session, job["p_url"] + path, job["d_url"] + path, dicts[i])
-        return await one_single(session, job["url"] + path, raw[i], stream)
+        return await one_single(session, job["url"] + path, raw[i], headers[i])
 
     latencies: list[float] = []
     ttfbs: list[float] = []
@@ -134,14 +152,18 @@ async def run(job: dict[str, Any]) -> dict[str, Any]:
 
         await asyncio.gather(*(worker(warmup, False) for _ in range(concurrency)))
         started = time.perf_counter()
+        cpu_started = time.process_time()
         await asyncio.gather(*(worker(warmup + total, True) for _ in range(concurrency)))
         wall = time.perf_counter() - started
+        cpu = time.process_time() - cpu_started
     return {
         "latencies": latencies,
         "ttfbs": ttfbs,
         "errors": len(errors),
         "error_samples": errors[:5],
         "wall_s": wall,
+        "cpu_s": cpu,  # the load generator's own CPU time over the measured requests
+        "warmup": warmup,
         "requests": total,
         "concurrency": concurrency,
     }

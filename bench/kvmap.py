@@ -10,6 +10,9 @@ the map's production defaults (50 ms timeout, no retries); operations that fail 
 Aims (issue 2): memory >= 100k pairs/s with one client on one core; Redis take p99 <= 1 ms on
 loopback with 64 clients. The section says by how much an aim is missed. Rewrites the
 `## kvmap` section of bench/RESULTS.md.
+
+`--scale` measures something else (`bench/_kvmap_scale.py`): the cost of a pair as the map holds
+1k, 100k and 1M live conversations, and the bytes each entry takes, in `## kvmap at scale`.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pathlib import Path
 from typing import cast
 
 import _common as c
+import _kvmap_scale
 from redis.exceptions import RedisError
 
 from kvrelay.kvcache_map import (
@@ -87,9 +91,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", type=str, default=None, help="also write raw results here")
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    _kvmap_scale.add_arguments(p)
     args = p.parse_args(argv)
     if args.quick:
         args.duration, args.warmup = 0.5, 0.1
+    if args.quick and args.scale:
+        _kvmap_scale.apply_quick(args)
     if any(n < 1 for n in args.clients) or args.duration <= 0:
         p.error("--clients must be >= 1 and --duration > 0")
     return args
@@ -331,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             loop_name, loop_factory = "uvloop", uvloop.new_event_loop
         except ImportError:
             pass
+    if args.scale:
+        return _kvmap_scale.main(args, loop_factory)
     load_before = os.getloadavg()[0]
     with (
         maybe_redis(any(b.startswith("redis") for b in args.backends)) as server,

@@ -12,6 +12,8 @@ differs) serve the same closed-loop load (non-streaming and streaming chat, conc
   into `.venv-router`).
 
 Every case runs all targets back to back (order rotated per case) so drift hits all alike.
+`--proxy-bound` runs the other mode instead (`bench/_proxybound.py`): zero-work fake engines,
+processes pinned so the router is the bottleneck, its own `## proxy-bound` section.
 Reports requests/s, latency p50/p99, added latency (target minus `direct` at the same
 concurrency), streaming time to first byte, and the kvrelay/vllm-router ratios; rewrites the
 `## proxy overhead` section of bench/RESULTS.md and draws bench/proxy_overhead.png.
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import _common as c
+import _proxybound
 from _common import ServerProcess
 
 SECTION = "proxy overhead"
@@ -61,9 +64,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--min-requests", type=int, default=80, help="lower bound per case")
     p.add_argument("--max-requests", type=int, default=384, help="upper bound per case")
     p.add_argument(
-        "--rounds", type=int, default=2, help="interleaved rounds the requests are split over"
+        "--rounds",
+        type=int,
+        default=None,
+        help="interleaved rounds (enginesim: the requests are split over them; default 2; "
+        "proxy-bound: each round runs --requests, default 3)",
     )
-    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="tokens generated per request (default 8; proxy-bound 16)",
+    )
     p.add_argument("--prompt-words", type=int, default=32, help="words in each prompt")
     p.add_argument(
         "--engine-arg",
@@ -82,8 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="measure nothing: redraw the tables and plot from the --json file of an earlier run",
     )
+    _proxybound.add_arguments(p)
     args = p.parse_args(argv)
-    if args.quick:
+    if args.rounds is None:
+        args.rounds = 3 if args.proxy_bound else 2
+    if args.max_tokens is None:
+        args.max_tokens = 16 if args.proxy_bound else 8
+    if args.quick and args.proxy_bound:
+        _proxybound.apply_quick(args)
+    elif args.quick:
         args.concurrency = [1, 8]
         args.min_requests = 40
         args.max_requests = 40
@@ -459,6 +478,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.proxy_bound:
+        return _proxybound.main(args)
     if args.render_only:
         # Tables and plot again from saved raw results (the header keeps the measuring command).
         data = json.loads(args.json.read_text())

@@ -1,4 +1,4 @@
-"""Run every benchmark (`make bench`): kvmap, transfer, proxy overhead, multi-turn reuse.
+"""Run every benchmark (`make bench`): kvmap, transfer, proxy overhead, HTTP clients, multi-turn.
 
 Each script measures its own comparison side by side in one run and rewrites only its own
 section of bench/RESULTS.md and its own plot; this runner installs what they need first
@@ -19,7 +19,7 @@ from pathlib import Path
 import _common as c
 import _plots
 
-SCRIPTS = ("kvmap", "transfer", "proxy_overhead", "multiturn")
+SCRIPTS = ("kvmap", "transfer", "proxy_overhead", "http_clients", "multiturn")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

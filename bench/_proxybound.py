@@ -1,0 +1,591 @@
+"""Proxy-bound mode of `proxy_overhead.py`: routers in front of zero-work fake engines.
+
+The engines (`bench/fake_engine.py`, one P and one D) do no model work, so whatever limits
+throughput is the router itself. Placement makes that so on purpose: the router under test and
+both fakes are pinned to the same CPU set (`--proxy-cpus`, default CPU 0) and the closed-loop
+load generator to another (`--loadgen-cpus`, default CPU 1). `kvrelay --workers 2` gets
+`--w2-cpus` (default CPUs 0 and 1, so its second worker has a core to scale onto; on a
+two-core machine that core is the load generator's, which the report says) and its Redis map
+server runs on the same CPUs, its CPU time counted as the proxy's.
+
+Targets: `direct` (the load generator calling D alone: the floor), `kvrelay-w1` (memory map),
+`kvrelay-w2` (real redis-server map), `vllm-router` (0.1.17, `--vllm-pd-disaggregation
+--policy round_robin`). Requests are `/v1/completions` with a unique prompt and a unique
+`X-Conversation-Id` each: every request is a conversation's first turn, so kvrelay asks D to
+hold, stores D's params in its map (and, for streams, fetches them from D's side channel first,
+since streams carry none) and releases what the map evicts: its real work on the success path.
+vllm-router ignores the header.
+
+Each case (mode x concurrency) runs every target back to back, the order rotated per case,
+and the whole set of cases is repeated in `--rounds` interleaved rounds; each figure reported
+is the median over rounds. Router CPU per request is the process group's CPU time (workers
+included) over the requests served. `--profile` records the kvrelay proxy with py-spy during
+an extra, unmeasured case and writes a flame graph SVG beside RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import _common as c
+from _common import ServerProcess
+
+SECTION = "proxy-bound"
+TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
+MODES = ("non-stream", "stream")
+METRICS = ("rps", "p50", "p99", "ttfb_p50", "ttfb_p99", "router_cpu_us", "engine_cpu_us",
+           "loadgen_cpu_us")  # fmt: skip
+# The issue's "Done when" aims.
+AIM_RPS_RATIO = 1.0
+AIM_ADDED_P50_C1_S = 0.001
+AIM_P99_RATIO_C256 = 1.5
+AIM_W2_SCALING = 1.6
+PROFILE_SVG = c.BENCH_DIR / "proxy_bound_flame.svg"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("proxy-bound mode (--proxy-bound)")
+    g.add_argument("--proxy-bound", action="store_true",
+                   help="fake zero-work engines; the router is the bottleneck")  # fmt: skip
+    g.add_argument("--requests", type=int, default=3000, help="requests per case and round")
+    g.add_argument("--proxy-cpus", default="0", help="CPUs of the router, fakes (taskset list)")
+    g.add_argument("--w2-cpus", default="0,1", help="CPUs of kvrelay --workers 2 and its Redis")
+    g.add_argument("--loadgen-cpus", default="1", help="CPUs of the load generator")
+    g.add_argument("--profile", action="store_true",
+                   help=f"py-spy flame graph of kvrelay-w1 ({c.relpath(PROFILE_SVG)})")  # fmt: skip
+    g.add_argument("--profile-requests", type=int, default=3000,
+                   help="requests per mode in the profiled case (c=64)")  # fmt: skip
+    g.add_argument("--max-minutes", type=float, default=None,
+                   help="start no case after this long; report the rounds done")  # fmt: skip
+
+
+def apply_quick(args: argparse.Namespace) -> None:
+    args.concurrency = [1, 64]
+    args.requests = 300
+    args.rounds = 1
+    args.profile_requests = 600
+
+
+def run_loadgen(job: dict[str, Any], cpus: str | None, timeout: float = 600.0) -> dict[str, Any]:
+    """bench/_loadgen.py on `cpus`; returns its JSON result."""
+    proc = subprocess.run(
+        c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
+        input=json.dumps(job).encode(),
+        capture_output=True,
+        timeout=timeout,
+        env=c.bench_env(),
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
+    result: dict[str, Any] = json.loads(proc.stdout)
+    return result
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    """One round of one target in one case: throughput, latency and CPU per request.
+
+    Servers' CPU is read around the whole load-generator run, warm-up included, so it is
+    divided by every request served; the load generator times only its measured requests.
+    """
+    lat, ttfb = result["latencies"], result["ttfbs"]
+    ok = max(len(lat), 1)
+    served = max(len(lat) + int(result.get("warmup", 0)), 1)
+    return {
+        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
+        "p50": c.percentile(lat, 50),
+        "p99": c.percentile(lat, 99),
+        "ttfb_p50": c.percentile(ttfb, 50),
+        "ttfb_p99": c.percentile(ttfb, 99),
+        "router_cpu_us": result["router_cpu_s"] / served * 1e6,
+        "engine_cpu_us": result["engine_cpu_s"] / served * 1e6,
+        "loadgen_cpu_us": result["cpu_s"] / ok * 1e6,
+        "errors": float(result["errors"]),
+    }
+
+
+class Bench:
+    """The fakes and the routers of one proxy-bound run, started once for all cases."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.p: c.Engine | None = None
+        self.d: c.Engine | None = None
+        self.routers: dict[str, c.Router] = {}
+        self.redis: c.RedisServer | None = None
+
+    def start(self) -> None:
+        a = self.args
+        self.p = c.start_fake_engine("prefill", "fake-p", a.proxy_cpus)
+        self.d = c.start_fake_engine("decode", "fake-d", a.proxy_cpus)
+        quiet = {"KVRELAY_LOG_LEVEL": "warning"}
+        if "kvrelay-w1" in a.targets:
+            self.routers["kvrelay-w1"] = c.start_kvrelay(
+                "kvrelay-w1", [self.p], [self.d], workers=1, env=quiet, cpus=a.proxy_cpus
+            )
+        if "kvrelay-w2" in a.targets:
+            self.redis = c.RedisServer().start()
+            assert self.redis.process is not None and self.redis.process.proc is not None
+            c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
+            self.routers["kvrelay-w2"] = c.start_kvrelay(
+                "kvrelay-w2", [self.p], [self.d], workers=2, map_url=self.redis.url,
+                env=quiet, cpus=a.w2_cpus,
+            )  # fmt: skip
+        if "vllm-router" in a.targets:
+            self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
+
+    def work_done(self) -> dict[str, dict[str, float]]:
+        """What each kvrelay did besides relaying (params stored, side-channel fetches, releases,
+        map errors), from its own metrics: evidence the success path ran in full."""
+        out: dict[str, dict[str, float]] = {}
+        for name, router in self.routers.items():
+            if not name.startswith("kvrelay"):
+                continue
+            with contextlib.suppress(OSError):
+                samples = c.scrape_metrics(router.url, labels=True)
+                out[name] = {
+                    k.removeprefix("kvrelay_"): v
+                    for k, v in samples.items()
+                    if k.startswith(("kvrelay_finished_params_total", "kvrelay_releases_total",
+                                     "kvrelay_map_errors_total", "kvrelay_reuse_total"))
+                }  # fmt: skip
+        return out
+
+    def stop(self) -> None:
+        c.stop_all(*(r.process for r in self.routers.values()))
+        if self.redis is not None:
+            with contextlib.suppress(Exception):
+                self.redis.stop()
+        c.stop_all(self.p.process if self.p else None, self.d.process if self.d else None)
+
+    def _router_procs(self, target: str) -> list[ServerProcess]:
+        procs = [self.routers[target].process] if target in self.routers else []
+        if target == "kvrelay-w2" and self.redis is not None and self.redis.process is not None:
+            procs.append(self.redis.process)  # the map is part of what the proxy costs
+        return procs
+
+    def _engines_cpu(self) -> float:
+        assert self.p is not None and self.d is not None
+        return c.server_cpu_s(self.p.process) + c.server_cpu_s(self.d.process)
+
+    def job(self, target: str, mode: str, conc: int, requests: int) -> dict[str, Any]:
+        assert self.d is not None
+        job: dict[str, Any] = {
+            "concurrency": conc,
+            "requests": requests,
+            "warmup": max(conc, 32),
+            "stream": mode == "stream",
+            "route": "completions",
+            "model": "fake",
+            "max_tokens": self.args.max_tokens,
+            "prompt_words": self.args.prompt_words,
+            "conversation_ids": True,
+            "tag": f"{target}-{mode}-{conc}-{time.time_ns()}",
+            "mode": "single",
+            "url": self.d.url if target == "direct" else self.routers[target].url,
+        }
+        return job
+
+    def run_case(
+        self, target: str, mode: str, conc: int, requests: int
+    ) -> tuple[dict[str, float], list[str]]:
+        """One target on one case: its summary and a few error messages."""
+        procs = self._router_procs(target)
+        cpu0 = sum(c.server_cpu_s(p) for p in procs)
+        eng0 = self._engines_cpu()
+        result = run_loadgen(self.job(target, mode, conc, requests), self.args.loadgen_cpus)
+        result["router_cpu_s"] = sum(c.server_cpu_s(p) for p in procs) - cpu0
+        result["engine_cpu_s"] = self._engines_cpu() - eng0
+        return summarize(result), list(result["error_samples"])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every case in every round; per (mode, concurrency, target) the medians over rounds."""
+    bench = Bench(args)
+    rounds: dict[tuple[str, int, str], list[dict[str, float]]] = collections.defaultdict(list)
+    errors: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
+    profile: dict[str, Any] | None = None
+    work: dict[str, dict[str, float]] = {}
+    stopped = False
+    try:
+        bench.start()
+        case_no = 0
+        deadline = (
+            time.monotonic() + args.max_minutes * 60 if args.max_minutes is not None else math.inf
+        )
+        for rnd in range(args.rounds):
+            for mode in args.modes:
+                for conc in args.concurrency:
+                    targets = list(args.targets)
+                    shift = case_no % len(targets)
+                    case_no += 1
+                    # A case is measured for every target or not at all, so ratios stay fair.
+                    if time.monotonic() > deadline:
+                        stopped = True
+                        continue
+                    for target in targets[shift:] + targets[:shift]:
+                        s, samples = bench.run_case(target, mode, conc, args.requests)
+                        errors[(mode, conc, target)].extend(samples)
+                        rounds[(mode, conc, target)].append(s)
+                        print(
+                            f"round {rnd + 1} {mode:10s} c={conc:<4d} {target:12s} "
+                            f"{s['rps']:8.1f} req/s p50 {c.fmt_ms(s['p50'])} ms "
+                            f"p99 {c.fmt_ms(s['p99'])} ms ttfb {c.fmt_ms(s['ttfb_p50'])} ms "
+                            f"router {s['router_cpu_us']:.0f} us/req err {int(s['errors'])}",
+                            flush=True,
+                        )
+        work = bench.work_done()
+        if args.profile and "kvrelay-w1" in bench.routers:
+            try:
+                profile = record_profile(bench, args)
+            except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
+                # The measurements stand without it; say why there is no profile.
+                print(f"profile not recorded: {exc}", file=sys.stderr, flush=True)
+                profile = {"error": str(exc)[:500]}
+    finally:
+        bench.stop()
+    cases = []
+    for (mode, conc, target), runs in rounds.items():
+        case: dict[str, Any] = {"mode": mode, "concurrency": conc, "target": target}
+        for key in METRICS:
+            case[key] = statistics.median(r[key] for r in runs)
+        case["errors"] = sum(r["errors"] for r in runs)
+        case["rounds_done"] = len(runs)
+        case["rounds"] = runs
+        case["error_samples"] = errors[(mode, conc, target)][:5]
+        cases.append(case)
+    order = {t: i for i, t in enumerate(TARGETS)}
+    cases.sort(key=lambda x: (MODES.index(x["mode"]), x["concurrency"], order[x["target"]]))
+    return {"cases": cases, "profile": profile, "placement": placement(args), "work": work,
+            "stopped_early": stopped}  # fmt: skip
+
+
+def placement(args: argparse.Namespace) -> str:
+    return (
+        f"fakes, kvrelay-w1 and vllm-router pinned to CPU {args.proxy_cpus}; kvrelay-w2 (both "
+        f"workers and its redis-server) to CPUs {args.w2_cpus}; the load generator to CPU "
+        f"{args.loadgen_cpus} (`taskset`); machine has {os.cpu_count()} CPUs"
+    )
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def record_profile(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
+    """py-spy on kvrelay-w1 during non-stream then stream c=64 (unmeasured): SVG and top costs.
+
+    Recorded twice, once as a flame graph and once as raw stacks (the text summary), since
+    py-spy writes one format per recording. py-spy runs on the load generator's CPUs and stops
+    the proxy for each sample (its default), so stacks are consistent.
+    """
+    proc = bench.routers["kvrelay-w1"].process.proc
+    assert proc is not None
+    raw_path = c.WORK_DIR / "proxy_bound_profile.txt"
+    c.WORK_DIR.mkdir(parents=True, exist_ok=True)
+    for fmt, out in (("flamegraph", PROFILE_SVG), ("raw", raw_path)):
+        spy = subprocess.Popen(
+            c.pinned(
+                [str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(proc.pid),
+                 "--rate", "250", "--format", fmt, "--output", str(out)],
+                args.loadgen_cpus,
+            ),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )  # fmt: skip
+        try:
+            time.sleep(1.0)  # py-spy attaches; nothing to poll for but its first sample
+            for mode in args.modes:
+                bench.run_case("kvrelay-w1", mode, 64, args.profile_requests)
+        finally:
+            spy.send_signal(signal.SIGINT)
+            try:
+                _, err = spy.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+                _, err = spy.communicate()
+        if spy.returncode not in (0, -signal.SIGINT) or not out.exists():
+            raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.decode()[-2000:]}")
+    return summarize_stacks(raw_path.read_text())
+
+
+# Where the time goes, by area: (label, substrings of a frame's file). A stack counts once per
+# area it passes through, so the shares are inclusive and may add up to more than 100%.
+AREAS = (
+    ("aiohttp client (session, connector, response parsing)",
+     ("aiohttp/client", "aiohttp/connector")),
+    ("aiohttp server (protocol, request, response, routing)", ("aiohttp/web_",)),
+    ("aiohttp socket writes (http_writer)", ("aiohttp/http_writer",)),
+    ("stdlib json", ("json/",)),
+    ("prometheus_client", ("prometheus_client/",)),
+    ("logging", ("logging/",)),
+    ("uuid", ("uuid.py",)),
+    ("pydantic", ("pydantic",)),
+    ("side-channel client (finished params, releases)", ("kvrelay/connector/sidechannel_",)),
+    ("conversation map", ("kvrelay/kvcache_map/",)),
+    ("SSE filter", ("kvrelay/proxy/streaming.py",)),
+    ("conversation ids and fingerprints", ("kvrelay/proxy/conversation.py",)),
+)  # fmt: skip
+
+
+def summarize_stacks(text: str, top: int = 15) -> dict[str, Any]:
+    """Self and inclusive sample shares per function, and inclusive shares per area, from
+    py-spy's raw (collapsed) stacks. The entry chain every sample shares (cli, server) is left
+    out of the inclusive list: it says nothing about the hot path."""
+    self_counts: collections.Counter[str] = collections.Counter()
+    incl_counts: collections.Counter[str] = collections.Counter()
+    area_counts: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in text.splitlines():
+        stack, _, count_s = line.rpartition(" ")
+        if not stack or not count_s.isdigit():
+            continue
+        count = int(count_s)
+        total += count
+        frames = [_function(f) for f in stack.split(";") if f]
+        if not frames:
+            continue
+        self_counts[frames[-1]] += count
+        for name in set(frames):
+            incl_counts[name] += count
+        for label, needles in AREAS:
+            if any(n in f for f in frames for n in needles):
+                area_counts[label] += count
+    share = 100.0 / total if total else 0.0
+    entry = max(incl_counts.values(), default=0) * 0.98
+    return {
+        "samples": total,
+        "self": [(name, n * share) for name, n in self_counts.most_common(top)],
+        "inclusive_kvrelay": [
+            (name, n * share)
+            for name, n in incl_counts.most_common()
+            if "(kvrelay/" in name and n < entry
+        ][:top],
+        "areas": [(label, n * share) for label, n in area_counts.most_common()],
+    }
+
+
+def _function(frame: str) -> str:
+    """`func (path/file.py:123)` as `func (pkg/file.py)`: lines folded together."""
+    name, _, where = frame.partition(" (")
+    path = where.rstrip(")").rpartition(":")[0] or where.rstrip(")")
+    parts = Path(path).parts
+    if "kvrelay" in parts:  # the project's own code, from its package root
+        start = len(parts) - 1 - parts[::-1].index("kvrelay")
+        short = "/".join(parts[start:])
+    else:
+        short = "/".join(parts[-2:]) if len(parts) >= 2 else path
+    return f"{name} ({short})"
+
+
+# --------------------------------------------------------------------------- report
+
+
+def find(cases: list[dict[str, Any]], mode: str, conc: int, target: str) -> dict[str, Any] | None:
+    for case in cases:
+        if (case["mode"], case["concurrency"], case["target"]) == (mode, conc, target):
+            return case
+    return None
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b and not math.isnan(b) else math.nan
+
+
+def render(data: dict[str, Any], args: argparse.Namespace) -> str:
+    cases = data["cases"]
+    lines = [data.get("header") or c.run_header(), ""]
+    lines.append(
+        f"Zero-work fake engines (`bench/fake_engine.py`: 1 P + 1 D, vLLM 0.32-shaped answers, "
+        f"D streams {args.max_tokens} SSE chunks without params); `/v1/completions`, a unique "
+        f"{args.prompt_words}-word prompt and `X-Conversation-Id` per request (first turns: "
+        "kvrelay holds, stores and, for streams, fetches D's params from its side channel); "
+        f"{args.requests} requests per case and round, {args.rounds} interleaved rounds "
+        "(target order rotated per case), medians over rounds. `direct` = the load generator "
+        "calling D alone. Placement: " + data["placement"] + ". Router CPU = process-group CPU "
+        "time (user + system) per request, warm-up requests included in the count. Load "
+        f"average (1 min) before / after: {data.get('load', 'not recorded')}; run took "
+        f"{data.get('elapsed_s', 0) / 60:.0f} min."
+    )
+    if data.get("stopped_early"):
+        rounds_done = sorted({int(x["rounds_done"]) for x in cases})
+        lines += ["", f"**Stopped early by `--max-minutes`**: rounds done per case "
+                  f"{rounds_done[0]}-{rounds_done[-1]} of {args.rounds} (medians over those); "
+                  "cases never reached are missing from the tables."]  # fmt: skip
+    lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
+    lines += ["", "All targets (medians over rounds):", ""]
+    lines.append(
+        "| mode | conc | target | req/s | p50 ms | p99 ms | TTFB p50 ms | TTFB p99 ms "
+        "| router CPU us/req | fakes CPU us/req | load gen CPU us/req | errors |"
+    )
+    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for x in cases:
+        stream = x["mode"] == "stream"
+        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
+        lines.append(
+            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
+            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} "
+            f"| {c.fmt_ms(x['ttfb_p50']) if stream else '-'} "
+            f"| {c.fmt_ms(x['ttfb_p99']) if stream else '-'} "
+            f"| {router_cpu} | {x['engine_cpu_us']:.0f} "
+            f"| {x['loadgen_cpu_us']:.0f} | {int(x['errors'])} |"
+        )
+    for name, counts in sorted(data.get("work", {}).items()):
+        # Workers' metrics are aggregated by kvrelay (prometheus multiprocess mode).
+        counted = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
+        lines += ["", f"{name} work counters at the end (all cases): {counted or 'none'}"]
+    lines += ["", *aim_lines(cases)]
+    profile = data.get("profile")
+    if profile and "error" in profile:
+        lines += ["", f"Profile not recorded: {profile['error']}"]
+    elif profile:
+        lines += ["", *profile_lines(profile)]
+    return "\n".join(lines)
+
+
+def summary_table(cases: list[dict[str, Any]], kv: str) -> list[str]:
+    """The issue's table for one kvrelay target."""
+    out = [
+        f"| case | {kv} req/s | vllm-router req/s | ratio | p50 {kv} / router / direct ms "
+        f"| p99 {kv} / router ms | TTFB p50 {kv} / router ms | CPU us/req {kv} / router |",
+        "|---|---:|---:|---:|---|---|---|---|",
+    ]
+    concs = sorted({int(x["concurrency"]) for x in cases})
+    for mode in MODES:
+        for conc in concs:
+            k, r, d = (find(cases, mode, conc, t) for t in (kv, "vllm-router", "direct"))
+            if k is None:
+                continue
+            nan = {key: math.nan for key in METRICS}
+            r, d = r or nan, d or nan
+            ttfb = (
+                f"{c.fmt_ms(k['ttfb_p50'])} / {c.fmt_ms(r['ttfb_p50'])}"
+                if mode == "stream"
+                else "-"
+            )
+            out.append(
+                f"| {mode} c={conc} | {k['rps']:.0f} | {r['rps']:.0f} "
+                f"| {c.fmt_ratio(_ratio(k['rps'], r['rps']))} "
+                f"| {c.fmt_ms(k['p50'])} / {c.fmt_ms(r['p50'])} / {c.fmt_ms(d['p50'])} "
+                f"| {c.fmt_ms(k['p99'])} / {c.fmt_ms(r['p99'])} | {ttfb} "
+                f"| {k['router_cpu_us']:.0f} / {r['router_cpu_us']:.0f} |"
+            )
+    return out
+
+
+def _verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
+    """Each aim of the issue's "Done when", met or missed, with its ratio."""
+    out = ["Aims (kvrelay `--workers 1` unless said):", ""]
+    concs = sorted({int(x["concurrency"]) for x in cases})
+    for mode in MODES:
+        for conc in concs:
+            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
+            if k is None or r is None:
+                continue
+            ratio = _ratio(k["rps"], r["rps"])
+            out.append(
+                f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
+                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
+            )
+    for mode in MODES:
+        k, d = find(cases, mode, 1, "kvrelay-w1"), find(cases, mode, 1, "direct")
+        if k is not None and d is not None:
+            added = k["p50"] - d["p50"]
+            out.append(
+                f"- added p50 at c=1 <= {AIM_ADDED_P50_C1_S * 1000:.1f} ms over direct, {mode}: "
+                f"{c.fmt_ms(added)} ms ({c.fmt_ratio(added / AIM_ADDED_P50_C1_S)}x the aim), "
+                f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
+            )
+    top = max(concs, default=0)
+    for mode in MODES:
+        k, r = find(cases, mode, top, "kvrelay-w1"), find(cases, mode, top, "vllm-router")
+        if k is not None and r is not None:
+            ratio = _ratio(k["p99"], r["p99"])
+            out.append(
+                f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
+                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
+            )
+    for mode in MODES:
+        for conc in concs:
+            if conc == 1:
+                continue  # one client in a closed loop cannot use a second worker
+            w1, w2 = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "kvrelay-w2")
+            if w1 is None or w2 is None:
+                continue
+            ratio = _ratio(w2["rps"], w1["rps"])
+            out.append(
+                f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
+                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
+            )
+    for mode in MODES:
+        for conc in concs:
+            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
+            if k is None or r is None:
+                continue
+            ratio = _ratio(k["router_cpu_us"], r["router_cpu_us"])
+            out.append(
+                f"- proxy CPU/request <= vllm-router's, {mode} c={conc}: "
+                f"{k['router_cpu_us']:.0f} vs {r['router_cpu_us']:.0f} us "
+                f"({c.fmt_ratio(ratio)}x), {_verdict(ratio <= 1.0)}"
+            )
+    return out
+
+
+def profile_lines(profile: dict[str, Any]) -> list[str]:
+    out = [
+        f"Profile of kvrelay-w1 (py-spy, {profile['samples']} samples over non-stream and "
+        f"stream c=64; flame graph [{PROFILE_SVG.name}]({PROFILE_SVG.name})). Top self time:",
+        "",
+    ]
+    out += [f"- {share:.1f}% {name}" for name, share in profile["self"]]
+    out += ["", "Inclusive time in kvrelay's own functions (below the server's entry chain):", ""]
+    out += [f"- {share:.1f}% {name}" for name, share in profile["inclusive_kvrelay"]]
+    out += ["", "Inclusive time by area (a sample counts in every area on its stack):", ""]
+    out += [f"- {share:.1f}% {name}" for name, share in profile.get("areas", [])]
+    out += ["", "`run_app (aiohttp/web.py)` self time is the event loop itself (uvloop, in C): "
+            "polling and the socket system calls it makes."]  # fmt: skip
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Measure (or reload with --render-only), write JSON, print and record the section."""
+    json_path = args.json.with_name("proxy_bound.json")
+    if args.render_only:
+        data = json.loads(json_path.read_text())
+        for key, value in data.get("settings", {}).items():
+            setattr(args, key, value)
+    else:
+        header = c.run_header()
+        started, load_before = time.monotonic(), os.getloadavg()[0]
+        data = measure(args)
+        data["elapsed_s"] = time.monotonic() - started
+        # Other jobs on a shared machine take CPU from every target alike; this says how many.
+        data["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        data["header"] = header
+        data["settings"] = {
+            k: getattr(args, k)
+            for k in ("concurrency", "modes", "targets", "requests", "rounds", "max_tokens",
+                      "prompt_words", "proxy_cpus", "w2_cpus", "loadgen_cpus")
+        }  # fmt: skip
+    c.write_json(json_path, data)
+    text = render(data, args)
+    if not args.no_results:
+        c.update_results_section(SECTION, text)
+    print(text)
+    print(f"\nwrote {c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s")
+    return 0
