@@ -18,7 +18,6 @@ channel is its address on that port.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ipaddress
 import logging
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import dns.exception
 import dns.rdatatype
 import dns.resolver
 
+from kvrelay.proxy.background import cancel_and_wait
 from kvrelay.proxy.fleet_sync import FleetSync
 from kvrelay.proxy.settings import Settings
 
@@ -166,11 +166,8 @@ class DiscoveryLoop:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-dns")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     async def _run(self) -> None:
         while True:

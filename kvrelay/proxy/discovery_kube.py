@@ -27,6 +27,7 @@ from typing import Any
 
 import aiohttp
 
+from kvrelay.proxy.background import cancel_and_wait
 from kvrelay.proxy.discovery import Discovered, engine_url
 from kvrelay.proxy.fleet_sync import FleetSync
 from kvrelay.proxy.settings import Settings
@@ -183,11 +184,7 @@ class KubeDiscovery:
                 await asyncio.gather(*(w.synced.wait() for w in self._watches))
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await cancel_and_wait(self._tasks)
         await self._client.close()
 
 

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from typing import Any, Literal, Protocol
 
 from kvrelay.kvcache_map import open_redis_client
+from kvrelay.proxy.background import cancel_and_wait
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.settings import Settings
 
@@ -278,10 +279,8 @@ class RedisFleetSync:
 
     async def stop(self) -> None:
         self._stopping = True  # also ends the loops if a client library swallows the cancel
-        for task in self._tasks:
-            task.cancel()
         # Bounded: a Redis connection stuck mid-close must not hold up the proxy's shutdown.
-        await asyncio.wait(self._tasks, timeout=self._timeout) if self._tasks else None
+        await cancel_and_wait(self._tasks, bound_s=self._timeout)
         self._tasks.clear()
         with contextlib.suppress(Exception):
             async with asyncio.timeout(self._timeout):

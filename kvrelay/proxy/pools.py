@@ -32,6 +32,8 @@ from typing import Literal
 
 import aiohttp
 
+from kvrelay.proxy.background import cancel_and_wait
+
 Role = Literal["prefill", "decode"]
 log = logging.getLogger(__name__)
 
@@ -219,11 +221,8 @@ class HealthChecker:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-health")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait([self._task])
+        self._task = None
 
     async def probe_all(self) -> None:
         probes = [
