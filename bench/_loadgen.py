@@ -177,7 +177,13 @@ def main() -> int:
         result = asyncio.run(run(job))
     else:
         result = uvloop.run(run(job))
-    sys.stdout.write(json.dumps(result))
+    if job.get("out"):
+        # A file, not stdout: results of thousands of requests outgrow a pipe's buffer, and a
+        # pipe write can come back short once the event loop has made the descriptor non-blocking.
+        with open(job["out"], "w") as f:
+            f.write(json.dumps(result))
+    else:
+        sys.stdout.write(json.dumps(result))
     return 0
 
 

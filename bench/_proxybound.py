@@ -35,6 +35,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -79,18 +80,20 @@ def apply_quick(args: argparse.Namespace) -> None:
 
 
 def run_loadgen(job: dict[str, Any], cpus: str | None, timeout: float = 600.0) -> dict[str, Any]:
-    """bench/_loadgen.py on `cpus`; returns its JSON result."""
-    proc = subprocess.run(
-        c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
-        input=json.dumps(job).encode(),
-        capture_output=True,
-        timeout=timeout,
-        env=c.bench_env(),
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
+    """bench/_loadgen.py on `cpus`; returns its JSON result (passed through a file)."""
+    with tempfile.TemporaryDirectory(prefix="kvrelay-loadgen-") as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run(
+            c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
+            input=json.dumps({**job, "out": str(out)}).encode(),
+            capture_output=True,
+            timeout=timeout,
+            env=c.bench_env(),
+            check=False,
+        )
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
     return result
 
 
