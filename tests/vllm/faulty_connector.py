@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrelay.connector.vllm_adapter import KVRelayConnector
+from kvrelay.connector.vllm.adapter import KVRelayConnector
 
 RESUME_TIMEOUT_S = 60.0
 _POLL_S = 0.02  # how often a blocked step looks for the resume file
