@@ -48,13 +48,14 @@ def worker_inflight(metrics_dir: Path, pid: int) -> float:
 class Load:
     """`threads` clients, each on its own keep-alive connection, sending completions until
     stopped; every outcome is recorded (status code or exception name), with `started` the
-    `time.monotonic()` at which its request was sent."""
+    `time.monotonic()` at which its request was sent and `client` the index of the client."""
 
     base_url: str
     threads: int = 4
     max_tokens: int = 16
     outcomes: list[str] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
+    client: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _workers: list[threading.Thread] = field(default_factory=list)
@@ -74,6 +75,7 @@ class Load:
                 with self._lock:
                     self.outcomes.append(outcome)
                     self.started.append(sent)
+                    self.client.append(index)
 
     def start(self) -> Load:
         for i in range(self.threads):
