@@ -14,7 +14,8 @@ Clients:
 - `aiohttp-tuned`: one `ClientSession`, `TCPConnector(limit=0, ttl_dns_cache=None)`, no
   per-request timeout, no automatic decompression;
 - `pyreqwest`: the Rust reqwest client behind an asyncio API (PyPI `pyreqwest`), HTTP/1.1 only;
-- `h1`: `bench/h1client.py`, a keep-alive HTTP/1.1 client on asyncio protocols with httptools.
+- `h1`: `kvrelay.proxy.upstream` (the proxy's engine client since this comparison picked it), a
+  keep-alive HTTP/1.1 client on asyncio protocols with httptools.
 
 All clients run on uvloop. Rewrites the `## http clients` section of bench/RESULTS.md.
 """
@@ -88,20 +89,25 @@ async def _pyreqwest_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[No
 async def _h1_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[None]]]:
     from urllib.parse import urlsplit
 
-    from h1client import H1Pool
+    from kvrelay.proxy.upstream import Upstream
 
     parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
-    pool = H1Pool(parts.hostname, parts.port)
+    upstream = Upstream(connect_timeout=5.0)
+    origin = upstream.for_url(url)
 
     async def send(body: bytes, headers: dict[str, str]) -> int:
-        resp = await pool.request("POST", parts.path, body, headers.items())
+        resp = await origin.request(
+            "POST", parts.path, body, headers.items(), read_timeout=60.0, total_timeout=600.0
+        )
         n = 0
         async for chunk in resp.iter_chunks():
             n += len(chunk)
         return n
 
-    return send, pool.close
+    async def close() -> None:
+        upstream.close()
+
+    return send, close
 
 
 async def run_client(job: dict[str, Any]) -> dict[str, Any]:

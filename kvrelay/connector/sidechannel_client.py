@@ -1,7 +1,8 @@
 """Clients for a holder's side channel (CONTRACTS §2). Torch-free.
 
 `SideChannelClient` is synchronous on a pooled `httpx.Client` (worker and scheduler threads);
-`AsyncSideChannelClient` uses aiohttp (the proxy). Both sign every request for the address
+`AsyncSideChannelClient` (the proxy) uses aiohttp, or the proxy's own engine connections passed
+in as a `SideChannelCall`. Both sign every request for the address
 they send it to, bound the time and the size of every answer, and believe an answer only when
 the holder signed it for that very request. With an allowlist (readers: `allowed_holders`) a
 holder outside it is never contacted. Network failures, unsigned or forged answers and refused
@@ -12,6 +13,7 @@ answer, not an error.
 from __future__ import annotations
 
 import json
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -192,24 +194,44 @@ class SideChannelClient:
         self._client.close()
 
 
+# (host, port, method, path, headers, body, timeout_s, max_bytes) -> (status, body, signature);
+# raises ConnectionError or TimeoutError when the exchange fails.
+SideChannelCall = Callable[
+    [str, int, str, str, dict[str, str], bytes, float, int],
+    Awaitable[tuple[int, bytes, str | None]],
+]
+
+
 class AsyncSideChannelClient:
-    """aiohttp client for the proxy; pass a shared session or let it own one."""
+    """Async client for the proxy: over `transport` when given, else over an aiohttp session
+    (a shared one, or one it owns)."""
 
     def __init__(
         self,
         secret: bytes,
         timeout_s: float = 2.0,
         session: aiohttp.ClientSession | None = None,
+        transport: SideChannelCall | None = None,
     ) -> None:
         self._secret = secret
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session = session
         self._owns_session = session is None
+        self._transport = transport
 
     async def _call(
         self, host: str, port: int, method: str, path: str, body: bytes
     ) -> tuple[int, bytes]:
         headers = _signed_request(self._secret, None, host, port, method, path, body)
+        if self._transport is not None:
+            try:
+                status, answer, signature = await self._transport(
+                    host, port, method, path, headers, body, self._timeout_s, MAX_RESPONSE_BYTES
+                )
+            except (ConnectionError, TimeoutError) as exc:
+                raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
+            return _authentic(self._secret, headers, status, answer, signature)
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:

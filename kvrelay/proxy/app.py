@@ -43,6 +43,7 @@ from kvrelay.proxy.relay import Turn
 from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
+from kvrelay.proxy.upstream import Upstream
 from kvrelay.proxy.validation import validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,8 @@ def _make_state(
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
         session = aiohttp.ClientSession(connector=connector)
         secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
-        releaser = Releaser(secret, session, settings.side_channel_timeout)
+        upstream = Upstream(connect_timeout=settings.connect_timeout)
+        releaser = Releaser(secret, upstream, settings.side_channel_timeout)
         if not releaser.enabled:
             log.warning(
                 "connector_secret is unset: the proxy cannot release held blocks or fetch "
@@ -293,7 +295,7 @@ def _make_state(
             prefill.add(url)
         for url in settings.decode:
             decode.add(url)
-        fleet = Fleet(settings, prefill, decode, kvmap, session, releaser)
+        fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
         app[FLEET] = fleet
         checker = HealthChecker(
             [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
@@ -320,6 +322,7 @@ def _make_state(
             if injected_map is None:
                 await kvmap.close()
                 await releaser.drain()
+            upstream.close()
             await session.close()
 
     return state

@@ -1,5 +1,5 @@
 """`Fleet`: what every turn shares (settings, engine pools, the conversation map, the engine
-session, the releaser), built once per worker process by `kvrelay.proxy.app` and handed to each
+connections, the releaser), built once per worker process by `kvrelay.proxy.app` and handed to each
 `kvrelay.proxy.relay.Turn`."""
 
 from __future__ import annotations
@@ -15,30 +15,23 @@ from kvrelay.proxy import metrics
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Fleet:
-    """What every turn shares: settings, pools, the map, the engine session, the releaser."""
+    """What every turn shares: settings, pools, the map, the engine connections, the releaser."""
 
     settings: Settings
     prefill: Pool
     decode: Pool
     kvmap: KVMap
-    session: aiohttp.ClientSession
+    session: aiohttp.ClientSession  # probes and /v1/models (off the request path)
+    upstream: Upstream  # the turns' engine calls: P, D and side channels
     releaser: Releaser
     map_errors_logged_at: float = 0.0
-
-    def leg_timeout(self) -> aiohttp.ClientTimeout:
-        s = self.settings
-        return aiohttp.ClientTimeout(
-            total=s.total_timeout,
-            connect=s.connect_timeout,
-            sock_connect=s.connect_timeout,
-            sock_read=s.first_byte_timeout,
-        )
 
     def map_unavailable(self, op: str, exc: Exception) -> None:
         metrics.MAP_ERRORS.labels(op).inc()

@@ -47,6 +47,12 @@ from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.owed import Debt, Owed
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.streaming import SSEFilter, error_event
+from kvrelay.proxy.upstream import (
+    H1Response,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+)
 
 log = logging.getLogger(__name__)
 
@@ -270,26 +276,28 @@ class Turn:
         resp = await self._open(backend, payload)
         try:
             return resp.status, await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             raise LegFailure(f"reading the answer failed: {type(exc).__name__}") from exc
         finally:
             resp.release()
 
-    async def _open(self, backend: Backend, payload: bytes) -> aiohttp.ClientResponse:
+    async def _open(self, backend: Backend, payload: bytes) -> H1Response:
         path = "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
-        headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        settings = self.fleet.settings
         try:
-            return await self.fleet.session.post(
-                backend.url + path,
-                data=payload,
-                headers=headers,
-                timeout=self.fleet.leg_timeout(),
+            return await self.fleet.upstream.for_url(backend.url).request(
+                "POST",
+                path,
+                payload,
+                (("Content-Type", "application/json"), ("X-Request-Id", self.request_id)),
+                read_timeout=settings.first_byte_timeout,
+                total_timeout=settings.total_timeout,
             )
-        except aiohttp.ClientConnectorError as exc:
-            raise LegFailure(f"cannot connect ({exc.os_error})", "cannot connect") from exc
-        except (aiohttp.ServerTimeoutError, TimeoutError) as exc:
+        except UpstreamConnectError as exc:
+            raise LegFailure(f"cannot connect ({exc})", "cannot connect") from exc
+        except UpstreamTimeout as exc:
             raise LegFailure("no answer within the first-byte timeout") from exc
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             raise LegFailure(f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
 
     # -- D ---------------------------------------------------------------------------------------
@@ -368,14 +376,14 @@ class Turn:
 
     async def _relay_json(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: H1Response,
         backend: Backend,
         store_key: ConversationKey | None,
         start: float,
     ) -> web.StreamResponse:
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except UpstreamError as exc:
             metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
             raise ProxyError(
                 502,
@@ -405,15 +413,18 @@ class Turn:
 
     async def _relay_stream(
         self,
-        resp: aiohttp.ClientResponse,
+        resp: H1Response,
         backend: Backend,
         store_key: ConversationKey | None,
         start: float,
     ) -> web.StreamResponse:
+        content_type = resp.header(b"content-type")
         out = web.StreamResponse(
             status=resp.status,
             headers={
-                "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
+                "Content-Type": content_type.decode("latin-1")
+                if content_type
+                else "text/event-stream",
                 "Cache-Control": "no-cache",
                 "X-Request-Id": self.client_request_id or self.request_id,
             },
@@ -424,7 +435,7 @@ class Turn:
         sse = SSEFilter(hold_done=True)
         first = True
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.iter_chunks():
                 data = sse.feed(chunk)
                 if data:
                     if first:
@@ -434,7 +445,7 @@ class Turn:
             tail = sse.flush()
             if tail:
                 await out.write(tail)
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+        except UpstreamError as exc:
             # D broke after the first byte: nothing can be retried, the client learns why.
             metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
             log.warning("decode stream from %s broke: %s", backend.url, type(exc).__name__)
@@ -587,6 +598,6 @@ class Turn:
         releaser.spawn(fetch_and_release())
 
 
-async def _drain(resp: aiohttp.ClientResponse) -> None:
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+async def _drain(resp: H1Response) -> None:
+    with contextlib.suppress(UpstreamError):
         await resp.read()

@@ -15,12 +15,11 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-import aiohttp
-
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
 from kvrelay.proxy import metrics
+from kvrelay.proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +30,11 @@ _BACKOFF_S = 0.1
 class Releaser:
     """Side-channel calls the proxy makes: release (fire and forget) and finished-params."""
 
-    def __init__(
-        self, secret: str | None, session: aiohttp.ClientSession, timeout_s: float
-    ) -> None:
+    def __init__(self, secret: str | None, upstream: Upstream, timeout_s: float) -> None:
         self._client = (
-            AsyncSideChannelClient(secret.encode(), timeout_s=timeout_s, session=session)
+            AsyncSideChannelClient(
+                secret.encode(), timeout_s=timeout_s, transport=upstream.side_channel_call
+            )
             if secret
             else None
         )

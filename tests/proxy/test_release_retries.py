@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import aiohttp
 import pytest
 
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
+from kvrelay.proxy.upstream import Upstream
 from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder
 from tests.faultproxy import FaultProxy
@@ -27,9 +27,12 @@ def relay() -> Iterator[tuple[FakeHolder, FaultProxy]]:
 
 
 async def _release(port: int) -> bool:
-    async with aiohttp.ClientSession() as session:
-        releaser = Releaser(SECRET, session, timeout_s=2.0)
+    upstream = Upstream(connect_timeout=2.0)
+    try:
+        releaser = Releaser(SECRET, upstream, timeout_s=2.0)
         return await releaser.release("decode", HoldRef("127.0.0.1", port, "h1", "token"))
+    finally:
+        upstream.close()
 
 
 async def test_release_is_retried_after_reset_connections(
