@@ -12,12 +12,12 @@ objects.
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from kvrelay.proxy import jsoncodec
 from kvrelay.proxy.errors import ProxyError, bad_request
 from kvrelay.proxy.settings import Settings
 
@@ -81,13 +81,13 @@ async def read_body(request: web.Request, settings: Settings, held: HeldBody) ->
     if length:
         held.grow_to(length)  # reserve up front: a body that cannot fit is refused unread
     buf = bytearray()
+    if request.content.is_eof():
+        # The whole body came with the headers (the common case): nothing to time.
+        await _read_into(request, buf, limit, held)
+        return buf
     try:
         async with asyncio.timeout(settings.body_read_timeout_s):
-            while chunk := await request.content.readany():
-                if len(buf) + len(chunk) > limit:
-                    raise too_large(limit)
-                held.grow_to(len(buf) + len(chunk))
-                buf += chunk
+            await _read_into(request, buf, limit, held)
     except TimeoutError:
         raise ProxyError(
             408,
@@ -98,12 +98,20 @@ async def read_body(request: web.Request, settings: Settings, held: HeldBody) ->
     return buf
 
 
+async def _read_into(request: web.Request, buf: bytearray, limit: int, held: HeldBody) -> None:
+    while chunk := await request.content.readany():
+        if len(buf) + len(chunk) > limit:
+            raise too_large(limit)
+        held.grow_to(len(buf) + len(chunk))
+        buf += chunk
+
+
 def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
     """A JSON object from `raw`, refusing invalid JSON and nesting deeper than `max_depth`."""
     if not raw.strip():
         raise bad_request("the request body is empty; send a JSON object", code="empty_body")
     try:
-        body = json.loads(raw)
+        body = jsoncodec.loads(raw)
     except RecursionError:
         raise too_deep(max_depth) from None
     except ValueError as exc:  # UnicodeDecodeError included

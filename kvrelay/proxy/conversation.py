@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,7 @@ def request_id_from(header: str | None) -> str:
     """The client's `X-Request-Id` when it is a sane token, otherwise a fresh one."""
     if header and _REQUEST_ID_RE.match(header):
         return header
-    return "kvr-" + uuid.uuid4().hex
+    return "kvr-" + os.urandom(16).hex()  # as random as uuid4, without building a UUID
 
 
 def upstream_request_id(client_request_id: str, supplied: bool) -> str:
@@ -53,7 +53,7 @@ def upstream_request_id(client_request_id: str, supplied: bool) -> str:
     """
     if not supplied:
         return client_request_id
-    return f"{client_request_id}-{uuid.uuid4().hex[:8]}"
+    return f"{client_request_id}-{os.urandom(4).hex()}"
 
 
 def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None:

@@ -9,6 +9,7 @@ Labels never carry API keys, conversation ids or request ids.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -20,29 +21,53 @@ from prometheus_client import (
     multiprocess,
 )
 
+
+class Labelled:
+    """A labelled metric whose children are looked up once per label values.
+
+    prometheus-client's `labels()` validates, builds a tuple and takes a lock on every call;
+    the request path calls it several times per turn with a handful of distinct values."""
+
+    def __init__(self, metric: Any) -> None:  # prometheus-client is untyped here
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
-REQUESTS = Counter(
-    "kvrelay_requests_total", "Client requests by route and outcome.", ["route", "outcome"]
+REQUESTS = Labelled(
+    Counter("kvrelay_requests_total", "Client requests by route and outcome.", ["route", "outcome"])
 )
-LEG_LATENCY = Histogram(
-    "kvrelay_leg_latency_seconds",
-    "Time of one engine leg (prefill: whole response; decode: to the last byte).",
-    ["leg", "outcome"],
-    buckets=_LATENCY_BUCKETS,
+LEG_LATENCY = Labelled(
+    Histogram(
+        "kvrelay_leg_latency_seconds",
+        "Time of one engine leg (prefill: whole response; decode: to the last byte).",
+        ["leg", "outcome"],
+        buckets=_LATENCY_BUCKETS,
+    )
 )
-TTFT = Histogram(
-    "kvrelay_ttft_seconds",
-    "Time from the client's request to the first byte of D's answer sent to the client.",
-    ["route"],
-    buckets=_LATENCY_BUCKETS,
+TTFT = Labelled(
+    Histogram(
+        "kvrelay_ttft_seconds",
+        "Time from the client's request to the first byte of D's answer sent to the client.",
+        ["route"],
+        buckets=_LATENCY_BUCKETS,
+    )
 )
-REUSE = Counter(
-    "kvrelay_reuse_total",
-    "Reuse lookups: hit, miss, refused (history check failed), expired (too close to "
-    "expiry), unverifiable (engine without block hashes), holder_unavailable (the D that "
-    "holds the blocks is ejected or gone), map_unavailable.",
-    ["result"],
+REUSE = Labelled(
+    Counter(
+        "kvrelay_reuse_total",
+        "Reuse lookups: hit, miss, refused (history check failed), expired (too close to "
+        "expiry), unverifiable (engine without block hashes), holder_unavailable (the D that "
+        "holds the blocks is ejected or gone), map_unavailable.",
+        ["result"],
+    )
 )
 TOKENS_REUSED = Counter(
     "kvrelay_tokens_reused_total",
@@ -52,35 +77,49 @@ TOKENS_PULLED = Counter(
     "kvrelay_tokens_pulled_total",
     "Tokens P reported as loaded from a holder (when the engine reports cached tokens).",
 )
-RELEASES = Counter(
-    "kvrelay_releases_total",
-    "Side-channel releases by holder role and result (released, already_free, failed, "
-    "unsupported = no release token / no secret).",
-    ["holder", "result"],
+RELEASES = Labelled(
+    Counter(
+        "kvrelay_releases_total",
+        "Side-channel releases by holder role and result (released, already_free, failed, "
+        "unsupported = no release token / no secret).",
+        ["holder", "result"],
+    )
 )
-RETRIES = Counter("kvrelay_retries_total", "Leg attempts on another engine.", ["leg"])
-FALLBACKS = Counter(
-    "kvrelay_fallbacks_total", "Degraded paths taken (decode_only: no P answered).", ["kind"]
+RETRIES = Labelled(Counter("kvrelay_retries_total", "Leg attempts on another engine.", ["leg"]))
+FALLBACKS = Labelled(
+    Counter(
+        "kvrelay_fallbacks_total", "Degraded paths taken (decode_only: no P answered).", ["kind"]
+    )
 )
-FINISHED_PARAMS = Counter(
-    "kvrelay_finished_params_total",
-    "Where D's final params came from: response, stream, side_channel, or missing.",
-    ["source"],
+FINISHED_PARAMS = Labelled(
+    Counter(
+        "kvrelay_finished_params_total",
+        "Where D's final params came from: response, stream, side_channel, or missing.",
+        ["source"],
+    )
 )
-MAP_ERRORS = Counter(
-    "kvrelay_map_unavailable_total", "Map operations that failed (served without reuse).", ["op"]
+MAP_ERRORS = Labelled(
+    Counter(
+        "kvrelay_map_unavailable_total",
+        "Map operations that failed (served without reuse).",
+        ["op"],
+    )
 )
-BACKEND_HEALTHY = Gauge(
-    "kvrelay_backend_healthy",
-    "1 when the engine is in its pool, 0 when ejected.",
-    ["role", "backend"],
-    multiprocess_mode="livemax",
+BACKEND_HEALTHY = Labelled(
+    Gauge(
+        "kvrelay_backend_healthy",
+        "1 when the engine is in its pool, 0 when ejected.",
+        ["role", "backend"],
+        multiprocess_mode="livemax",
+    )
 )
-INFLIGHT = Gauge(
-    "kvrelay_inflight_requests",
-    "Client requests being served.",
-    ["route"],
-    multiprocess_mode="livesum",
+INFLIGHT = Labelled(
+    Gauge(
+        "kvrelay_inflight_requests",
+        "Client requests being served.",
+        ["route"],
+        multiprocess_mode="livesum",
+    )
 )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 from collections.abc import Callable, Coroutine, Iterator
@@ -39,7 +38,7 @@ from kvrelay.kvcache_map import (
     MapUnavailableError,
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
-from kvrelay.proxy import metrics
+from kvrelay.proxy import jsoncodec, metrics
 from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
@@ -216,7 +215,7 @@ class Turn:
     async def _prefill(self) -> None:
         fleet = self.fleet
         reuse = self.entry.to_kv_transfer_params() if self.entry is not None else None
-        payload = json.dumps(prefill_body(self.body, reuse), separators=(",", ":")).encode()
+        payload = jsoncodec.dumps(prefill_body(self.body, reuse))
         work = self._work_estimate()
         for backend in self._engines_to_try("prefill", fleet.prefill.pick_least_work):
             start = time.monotonic()
@@ -256,8 +255,8 @@ class Turn:
 
     def _read_prefill_answer(self, raw: bytes) -> None:
         try:
-            data = json.loads(raw)
-        except ValueError:
+            data = jsoncodec.loads(raw)
+        except (ValueError, RecursionError):
             return
         if not isinstance(data, dict):
             return
@@ -318,15 +317,11 @@ class Turn:
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
             hold = self.hold and (not stream or fleet.side_channel_of(backend) is not None)
-            payload = json.dumps(
+            payload = jsoncodec.dumps(
                 decode_body(
-                    self.body,
-                    self.p_params,
-                    self.p_backend.url if self.p_backend else None,
-                    hold,
-                ),
-                separators=(",", ":"),
-            ).encode()
+                    self.body, self.p_params, self.p_backend.url if self.p_backend else None, hold
+                )
+            )
             start = time.monotonic()
             with fleet.decode.busy(backend, 1):
                 try:
@@ -392,12 +387,15 @@ class Turn:
             ) from exc
         metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
         try:
-            data = json.loads(raw)
-        except ValueError as exc:
+            data = jsoncodec.loads(raw)
+        except (ValueError, RecursionError) as exc:
             raise ProxyError(
                 502, "the decode engine answered with invalid JSON", code="decode_failed"
             ) from exc
-        params = data.pop(KV_TRANSFER_PARAMS, None) if isinstance(data, dict) else None
+        params = None
+        if isinstance(data, dict) and KV_TRANSFER_PARAMS in data:
+            params = data.pop(KV_TRANSFER_PARAMS)
+            raw = jsoncodec.dumps(data)  # the params stay between the proxy and the engines
         if isinstance(params, dict):
             metrics.FINISHED_PARAMS.labels("response").inc()
             await self._settle(self._store(params, backend, store_key))
@@ -405,7 +403,7 @@ class Turn:
             self._no_params()
         metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
         return web.Response(
-            body=json.dumps(data, separators=(",", ":")).encode(),
+            body=raw,
             status=resp.status,
             content_type="application/json",
             headers={"X-Request-Id": self.client_request_id or self.request_id},
@@ -419,7 +417,7 @@ class Turn:
         start: float,
     ) -> web.StreamResponse:
         content_type = resp.header(b"content-type")
-        out = web.StreamResponse(
+        out = _EventStream(
             status=resp.status,
             headers={
                 "Content-Type": content_type.decode("latin-1")
@@ -504,7 +502,24 @@ class Turn:
         """Wait for the entry to be stored, at most the side-channel timeout; a client that
         leaves meanwhile cancels only this wait, never the storing."""
         task = self._settle_in_background(work)
-        await asyncio.wait({task}, timeout=self.fleet.settings.side_channel_timeout)
+        if task.done():
+            return
+        # One future and one timer rather than `asyncio.wait` (sets, a waiter per call): this
+        # runs on every turn that stores params.
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+
+        def wake(_: object = None) -> None:
+            if not waiter.done():
+                waiter.set_result(None)
+
+        task.add_done_callback(wake)
+        timer = loop.call_later(self.fleet.settings.side_channel_timeout, wake)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            task.remove_done_callback(wake)
 
     def _no_params(self) -> None:
         self.owed.settle(Debt.DECODE_HOLD)  # nothing to store; a stock D's lease frees it
@@ -596,6 +611,13 @@ class Turn:
                     return
 
         releaser.spawn(fetch_and_release())
+
+
+class _EventStream(web.StreamResponse):
+    """The client's stream; its headers go out with the first event, in one write with it,
+    not in a write of their own (aiohttp's `web.Response` buffers them the same way)."""
+
+    _send_headers_immediately = False
 
 
 async def _drain(resp: H1Response) -> None:

@@ -7,9 +7,10 @@ SSE event.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from kvrelay.proxy import jsoncodec
 
 KV_MARKER = b'"kv_transfer_params"'
 DONE = b"[DONE]"
@@ -81,8 +82,8 @@ class SSEFilter:
         lines = event.split(b"\n")
         data = b"\n".join(_field_value(line) for line in lines if line.startswith(b"data:"))
         try:
-            obj = json.loads(data)
-        except ValueError:
+            obj = jsoncodec.loads(data)
+        except (ValueError, RecursionError):
             return event
         if not isinstance(obj, dict) or "kv_transfer_params" not in obj:
             return event
@@ -90,7 +91,7 @@ class SSEFilter:
         if isinstance(params, dict):
             self.params = params
         others = [line for line in lines if not line.startswith(b"data:")]
-        return b"\n".join([*others, b"data: " + json.dumps(obj, separators=(",", ":")).encode()])
+        return b"\n".join([*others, b"data: " + jsoncodec.dumps(obj)])
 
 
 def _is_done(event: bytes) -> bool:
@@ -107,4 +108,4 @@ def _field_value(line: bytes) -> bytes:
 def error_event(message: str, type: str = "server_error", code: str | None = None) -> bytes:
     """An OpenAI-style error event for failures after the stream has started."""
     payload = {"error": {"message": message, "type": type, "param": None, "code": code}}
-    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + jsoncodec.dumps(payload) + b"\n\n"

@@ -227,10 +227,15 @@ class H1Response:
         return data
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
-        """Body bytes as they arrive (transfer-encoding removed)."""
+        """Body bytes as they arrive (transfer-encoding removed); what arrived while the
+        reader was busy comes as one piece, so a relay writes it on with one system call."""
         while True:
             if self._chunks:
-                chunk = self._chunks.popleft()
+                if len(self._chunks) == 1:
+                    chunk = self._chunks.popleft()
+                else:
+                    chunk = b"".join(self._chunks)
+                    self._chunks.clear()
                 self._buffered -= len(chunk)
                 if self._buffered < _HIGH_WATER and self._conn is not None:
                     transport = self._conn.transport
