@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -20,14 +19,14 @@ from aiohttp import web
 
 from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
 from kvrelay.kvcache_map._errors import InvalidKeyError
-from kvrelay.proxy import admin, metrics
+from kvrelay.proxy import admin, metrics, passthrough
+from kvrelay.proxy.access import admit, authenticate
 from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
     chat_shape,
     completion_shape,
     conversation_id_from,
     request_id_from,
-    tenant_of,
     upstream_request_id,
 )
 from kvrelay.proxy.discovery import start_discovery
@@ -36,7 +35,18 @@ from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
 from kvrelay.proxy.headers import bearer_token, header_text
-from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, HEALTH, SETTINGS, TENANTS
+from kvrelay.proxy.keys import (
+    BODY_BUDGET,
+    FLEET,
+    FLEET_SYNC,
+    HEALTH,
+    LIMITS,
+    MODELS,
+    SETTINGS,
+    TENANTS,
+)
+from kvrelay.proxy.limits import Slot, open_limiter
+from kvrelay.proxy.models import ModelCatalog
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
 from kvrelay.proxy.relay import Turn
@@ -48,27 +58,6 @@ from kvrelay.proxy.validation import validate_chat, validate_completion
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def authenticate(request: web.Request) -> str:
-    """The caller's tenant; 401 when keys are configured and none matches."""
-    settings = request.app[SETTINGS]
-    token = bearer_token(request)
-    if not settings.api_keys:
-        return tenant_of(token)
-    if token is not None:
-        matched = False
-        for key in settings.api_keys:
-            # Compare against every key so timing does not reveal which one was close.
-            matched |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
-        if matched:
-            return tenant_of(token)
-    raise ProxyError(
-        401,
-        "missing or invalid API key: send `Authorization: Bearer <key>` with a key the "
-        "proxy was configured with",
-        code="invalid_api_key",
-    )
 
 
 @web.middleware
@@ -96,20 +85,6 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         ).response()  # fmt: skip
 
 
-def _check_breaker(request: web.Request, tenant: str) -> None:
-    left = request.app[TENANTS].retry_after(tenant)
-    if left is not None:
-        wait = max(1, math.ceil(left))
-        raise ProxyError(
-            429,
-            "this API key's recent requests made every engine fail, so its requests are paused "
-            f"for {wait} s (settings tenant_failure_limit, tenant_cooldown_s); check the input "
-            "those requests sent",
-            code="tenant_paused",
-            headers={"Retry-After": str(wait)},
-        )
-
-
 async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     metrics.INFLIGHT.labels(route).inc()
@@ -119,14 +94,15 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     held = HeldBody(request.app[BODY_BUDGET])
     turn: Turn | None = None
     tenant = ""
+    slot: Slot | None = None
     try:
-        tenant = authenticate(request)
-        _check_breaker(request, tenant)
+        tenant, slot = await admit(request)
         body = await read_json_object(request, fleet.settings, held)
         if route == "chat":
             validate_chat(body)
         else:
             validate_completion(body)
+        await request.app[MODELS].check(body.get("model"))
         conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
@@ -156,6 +132,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
+        if slot is not None:
+            await slot.release()
         held.release()
         metrics.INFLIGHT.labels(route).dec()
         metrics.REQUESTS.labels(route, outcome).inc()
@@ -171,18 +149,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.StreamResponse:
     authenticate(request)
-    fleet = request.app[FLEET]
-    timeout = aiohttp.ClientTimeout(total=fleet.settings.first_byte_timeout)
-    for backend in fleet.decode.usable() + fleet.prefill.usable():
-        try:
-            async with fleet.session.get(backend.url + "/v1/models", timeout=timeout) as resp:
-                if resp.status == 200:
-                    return web.Response(body=await resp.read(), content_type="application/json")
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-    raise ProxyError(
-        503, "no engine answered /v1/models; check /ready", code="backends_unavailable"
-    )
+    return json_response(await request.app[MODELS].listing())
 
 
 async def health(request: web.Request) -> web.StreamResponse:
@@ -262,6 +229,7 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/openapi.json", openapi)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     admin.add_routes(app)
+    passthrough.add_routes(app, settings.passthrough_routes)
     app.cleanup_ctx.append(_make_state(settings, kvmap))
     return app
 
@@ -295,6 +263,10 @@ def _make_state(
             decode.add(url)
         fleet = Fleet(settings, prefill, decode, kvmap, session, releaser)
         app[FLEET] = fleet
+        app[MODELS] = ModelCatalog(fleet)
+        limiter = open_limiter(settings)
+        app[LIMITS] = limiter
+        await limiter.start()
         checker = HealthChecker(
             [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
         )
@@ -316,6 +288,7 @@ def _make_state(
                 await discovery.stop()
             await sync.stop()
             await checker.stop()
+            await limiter.stop()
             await releaser.drain()
             if injected_map is None:
                 await kvmap.close()

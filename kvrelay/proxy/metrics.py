@@ -70,6 +70,19 @@ FINISHED_PARAMS = Counter(
 MAP_ERRORS = Counter(
     "kvrelay_map_unavailable_total", "Map operations that failed (served without reuse).", ["op"]
 )
+TENANT_LIMITS = Counter(
+    "kvrelay_tenant_limit_total",
+    "Per-tenant limit checks: admitted, rejected_rps, rejected_inflight, unchecked (Redis "
+    "unreachable, admitted).",
+    ["outcome"],
+)
+PASSTHROUGH = Counter(
+    "kvrelay_passthrough_total",
+    "Pass-through requests by route (one of passthrough_routes) and outcome (ok, "
+    "client_error, upstream_error, upstream_cut (the engine broke mid-answer), unavailable, "
+    "client_disconnected).",
+    ["route", "outcome"],
+)
 BACKEND_HEALTHY = Gauge(
     "kvrelay_backend_healthy",
     "1 when the engine is in its pool, 0 when ejected.",

@@ -201,6 +201,22 @@ class Pool:
             backend.outstanding_work -= work
 
 
+def engines_to_try(
+    pick: Callable[[set[str]], Backend | None], attempts: int, on_retry: Callable[[], None]
+) -> Iterator[Backend]:
+    """The engines a request tries, in order: `pick` chooses among those not tried yet, at
+    most `attempts` of them; `on_retry` is called before every try after the first."""
+    tried: set[str] = set()
+    for attempt in range(attempts):
+        backend = pick(tried)
+        if backend is None:
+            return
+        tried.add(backend.url)
+        if attempt:
+            on_retry()
+        yield backend
+
+
 class HealthChecker:
     """Probes every engine of the given pools on an interval until stopped."""
 

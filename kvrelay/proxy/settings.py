@@ -71,6 +71,11 @@ def normalize_backend_url(url: str) -> str:
 
 BackendList = Annotated[list[str], NoDecode]
 
+DEFAULT_PASSTHROUGH_ROUTES = ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize")
+# Routes the proxy answers itself: a pass-through route may not shadow them.
+OWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
+              "/metrics", "/openapi.json")  # fmt: skip
+
 
 class Settings(BaseSettings):
     """All proxy settings. Field name = CLI flag (`--first-byte-timeout`) = env var
@@ -188,6 +193,65 @@ class Settings(BaseSettings):
             "engine, and only once they come from at least two API keys."
         ),
     )
+    # Per-tenant limits (proxy/limits.py) ------------------------------------------------
+    tenant_max_inflight: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Requests one API key may have in flight at once, over all workers and replicas "
+            "when the map is Redis (else per process); more get 429; 0 = unlimited."
+        ),
+    )
+    tenant_rps: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Requests per second one API key may start (token bucket, shared like "
+            "tenant_max_inflight); more get 429 with Retry-After; 0 = unlimited."
+        ),
+    )
+    tenant_burst: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Requests an idle API key may start at once under tenant_rps (bucket size); "
+            "0 = tenant_rps rounded up (at least 1)."
+        ),
+    )
+    tenant_limits: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "Per-key overrides: tenant id (`kvrelay tenant-id` prints a key's) -> "
+            "`inflight=N;rps=R;burst=B` (any of the three; 0 = unlimited), e.g. "
+            "`t3f9...=inflight=4;rps=2`."
+        ),
+    )
+    tenant_slot_lease_s: float = Field(
+        default=30.0,
+        ge=1,
+        description=(
+            "With Redis: an in-flight slot expires this long after its worker last renewed it "
+            "(every third of it), so a crashed worker's slots come back."
+        ),
+    )
+    # Pass-through routes (proxy/passthrough.py) ------------------------------------------
+    passthrough_routes: BackendList = Field(
+        default_factory=lambda: list(DEFAULT_PASSTHROUGH_ROUTES),
+        description=(
+            "Engine routes forwarded as they are (no disaggregation), with the proxy's auth, "
+            "limits, timeouts and engine choice; any HTTP method."
+        ),
+    )
+    passthrough_pool: Literal["decode", "prefill"] = Field(
+        default="decode", description="Engine pool that serves pass-through routes."
+    )
+    models_refresh_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "Seconds the fleet's model list is cached (/v1/models, the unknown-model 404)."
+        ),
+    )
     # Reuse --------------------------------------------------------------------------------
     entry_safety_margin_s: float = Field(
         default=5.0, ge=0, description="Never use held blocks this close to their expiry."
@@ -290,12 +354,12 @@ class Settings(BaseSettings):
         ),
     )
 
-    @field_validator("prefill", "decode", "api_keys", mode="before")
+    @field_validator("prefill", "decode", "api_keys", "passthrough_routes", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
 
-    @field_validator("side_channels", mode="before")
+    @field_validator("side_channels", "tenant_limits", mode="before")
     @classmethod
     def _mapping(cls, value: Any) -> Any:
         return _split_mapping(value)
@@ -318,6 +382,27 @@ class Settings(BaseSettings):
                 raise ValueError(f"{addr!r} for {url!r} is not host:port")
             out[normalize_backend_url(url)] = addr
         return out
+
+    @field_validator("tenant_limits")
+    @classmethod
+    def _tenant_limits(cls, value: dict[str, str]) -> dict[str, str]:
+        from kvrelay.proxy.limits import parse_limit  # here: limits imports the settings
+
+        for tenant, spec in value.items():
+            parse_limit(spec, where=tenant)
+        return value
+
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _passthrough_routes(cls, value: list[str]) -> list[str]:
+        for route in value:
+            if not route.startswith("/") or any(c in route for c in "{}?# "):
+                raise ValueError(f"{route!r} is not a plain path such as /v1/embeddings")
+            if route in OWN_ROUTES or route.startswith(("/admin", "/v1/conversations")):
+                raise ValueError(f"{route!r} is a route the proxy answers itself")
+        if len(set(value)) != len(value):
+            raise ValueError("the same route is listed twice")
+        return value
 
     @field_validator("map_url")
     @classmethod
