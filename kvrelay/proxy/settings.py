@@ -10,6 +10,7 @@ with a message that names the setting (`SettingsError`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -389,6 +390,12 @@ class Settings(BaseSettings):
         from kvrelay.proxy.limits import parse_limit  # here: limits imports the settings
 
         for tenant, spec in value.items():
+            # A tenant id, never an API key: keys are secrets and must not sit in plain config.
+            if not re.fullmatch(r"t[0-9a-f]{24}|anonymous", tenant):
+                raise ValueError(
+                    "keys must be tenant ids (t + 24 hex digits, from `kvrelay tenant-id`), "
+                    "not API keys"
+                )
             parse_limit(spec, where=tenant)
         return value
 

@@ -262,6 +262,9 @@ def test_rendered_configmap_is_read_back_by_the_settings_model(
         "body_limit_bytes": 16777216,
         "stock_vllm_reuse": True,
         "log_level": "DEBUG",
+        "tenant_rps": 2.5,
+        "tenant_limits": {"t" + "0" * 24: "inflight=4;rps=1"},
+        "passthrough_routes": ["/v1/embeddings", "/v1/rerank"],
     }
     out = helm.render(set_values={"config": chosen})
     for key in list(os.environ):

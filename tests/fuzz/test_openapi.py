@@ -87,7 +87,9 @@ def test_proxy_api_never_5xx_and_4xx_are_openai_shaped(
 
 RAW_ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
               ("GET", "/v1/models"), ("DELETE", "/v1/conversations/x"), ("GET", "/metrics"),
-              ("POST", "/admin/backends"), ("DELETE", "/admin/backends")]  # fmt: skip
+              ("POST", "/admin/backends"), ("DELETE", "/admin/backends"),
+              ("POST", "/v1/embeddings"), ("POST", "/v1/responses"), ("POST", "/tokenize"),
+              ("POST", "/detokenize")]  # fmt: skip
 _JSONISH = st.one_of(
     st.binary(max_size=300),
     st.integers(1, 3000).map(lambda n: b'{"messages":' + b"[" * n + b"]" * n + b"}"),

@@ -10,6 +10,8 @@ engine error, stream cut, client gone).
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -50,15 +52,18 @@ def test_limit_specs_parse_and_bad_ones_name_the_setting() -> None:
     for bad in ("", "inflight=-1", "rps=x", "speed=3", "inflight=1.5", "rps=inf"):
         with pytest.raises(ValueError):
             parse_limit(bad)
+    tenant = tenant_of("key-a")
     with pytest.raises(SettingsError, match="tenant_limits"):
-        load_settings({"tenant_limits": "tabc=rps=fast"}, env_file=None)
+        load_settings({"tenant_limits": f"{tenant}=rps=fast"}, env_file=None)
+    with pytest.raises(SettingsError, match="not API keys"):
+        load_settings({"tenant_limits": "key-a=rps=1"}, env_file=None)
     settings = load_settings(
-        {"tenant_max_inflight": 8, "tenant_rps": 1.5, "tenant_limits": "tabc=inflight=2"},
+        {"tenant_max_inflight": 8, "tenant_rps": 1.5, "tenant_limits": f"{tenant}=inflight=2"},
         env_file=None,
     )
     default, overrides = limits_from(settings)
     assert default == TenantLimit(8, 1.5, 0) and default.capacity == 2
-    assert overrides == {"tabc": TenantLimit(2, 1.5, 0)}  # unset fields take the default's
+    assert overrides == {tenant: TenantLimit(2, 1.5, 0)}  # unset fields take the default's
 
 
 def test_memory_limiter_inflight_and_release() -> None:
@@ -330,3 +335,11 @@ def test_per_key_override_beats_the_default(
 def test_settings_defaults_are_unlimited() -> None:
     default, overrides = limits_from(Settings.model_construct())
     assert default.unlimited and overrides == {}
+
+
+def test_tenant_id_command_prints_the_id_tenant_limits_uses() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvrelay.proxy.cli", "tenant-id"],
+        input="key-a\n", capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == tenant_of("key-a")
