@@ -1,8 +1,9 @@
-"""The aiohttp application: routes, authentication, start-up and shutdown of shared state.
+"""The aiohttp application: routes, error handling, start-up and shutdown of shared state.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json` and the
-admin routes (`kvrelay.proxy.admin`). `create_app(settings)` builds it;
+`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
+admin routes (`kvrelay.proxy.admin`) and the pass-through routes (`kvrelay.proxy.passthrough`).
+Who may send is `kvrelay.proxy.access`. `create_app(settings)` builds it;
 `kvrelay.proxy.server` runs it.
 """
 

@@ -91,6 +91,8 @@ ROUTES: list[tuple[str, str, bytes]] = [
     ("POST", "/v1/chat/completions", json.dumps(CHAT).encode()),
     ("POST", "/v1/completions", b'{"model":"kvrelay-sim","prompt":"hi","max_tokens":2}'),
     ("GET", "/v1/models", b""),
+    ("POST", "/v1/embeddings", b'{"model":"kvrelay-sim","input":"hi"}'),
+    ("POST", "/tokenize", b'{"model":"kvrelay-sim","prompt":"hi"}'),
     ("DELETE", "/v1/conversations/some-id", b""),
     ("GET", "/health", b""),
     ("GET", "/ready", b""),
