@@ -29,7 +29,7 @@ from kvrelay.proxy.limits import (
     parse_limit,
 )
 from kvrelay.proxy.settings import Settings, SettingsError, load_settings
-from tests.engines import EngineSim
+from tests.engines import EngineFactory, EngineSim
 from tests.harness import RedisServer, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
 from tests.proxy_server import ProxyFactory, ProxyServer
@@ -343,3 +343,38 @@ def test_tenant_id_command_prints_the_id_tenant_limits_uses() -> None:
         input="key-a\n", capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert out.stdout.strip() == tenant_of("key-a")
+
+
+def test_a_chat_stream_the_client_leaves_gives_its_slot_back(
+    engine_factory: EngineFactory, proxy_factory: ProxyFactory, redis: RedisServer
+) -> None:
+    p = engine_factory("LP", "--role", "prefill")
+    d = engine_factory("LD", "--role", "decode", "--decode-us-per-step", "20000")  # 50 tokens/s
+    proxy = proxy_factory(
+        [p], [d], ready_path="/ready", map_url=redis.url, api_keys=KEYS, tenant_max_inflight="1"
+    )
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "tell me"}],
+                 "max_tokens": 1000, "ignore_eos": True, "stream": True}  # fmt: skip
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        with client.stream(
+            "POST", "/v1/chat/completions", json=long_chat, headers=_auth("key-a")
+        ) as resp:
+            assert resp.status_code == 200
+            chunks = resp.iter_bytes()  # kept: a dropped iterator closes the response
+            next(chunks)  # the answer is under way: the slot is taken
+            assert _inflight_slots(redis, "key-a") == 1
+            refused = client.post(
+                "/v1/completions",
+                json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+                headers=_auth("key-a"),
+            )
+            assert refused.status_code == 429
+        wait_until(lambda: _inflight_slots(redis, "key-a") == 0, timeout=10)
+        ok = client.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": "x", "max_tokens": 2},
+            headers=_auth("key-a"),
+        )
+        assert ok.status_code == 200, ok.text
+    p.wait_idle(20)
+    d.wait_idle(20)
