@@ -40,8 +40,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as c
-from _common import ServerProcess
+from bench import _common as c
+from kvrelay.devtools.process import ServerProcess
+from kvrelay.devtools.redis import RedisServer
 
 SECTION = "proxy-bound"
 TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
@@ -84,7 +85,7 @@ def run_loadgen(job: dict[str, Any], cpus: str | None, timeout: float = 600.0) -
     with tempfile.TemporaryDirectory(prefix="kvrelay-loadgen-") as tmp:
         out = Path(tmp) / "result.json"
         proc = subprocess.run(
-            c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
+            c.pinned([sys.executable, "-m", "bench._loadgen"], cpus),
             input=json.dumps({**job, "out": str(out)}).encode(),
             capture_output=True,
             timeout=timeout,
@@ -127,7 +128,7 @@ class Bench:
         self.p: c.Engine | None = None
         self.d: c.Engine | None = None
         self.routers: dict[str, c.Router] = {}
-        self.redis: c.RedisServer | None = None
+        self.redis: RedisServer | None = None
 
     def start(self) -> None:
         a = self.args
@@ -139,7 +140,7 @@ class Bench:
                 "kvrelay-w1", [self.p], [self.d], workers=1, env=quiet, cpus=a.proxy_cpus
             )
         if "kvrelay-w2" in a.targets:
-            self.redis = c.RedisServer().start()
+            self.redis = RedisServer().start()
             assert self.redis.process is not None and self.redis.process.proc is not None
             c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
             self.routers["kvrelay-w2"] = c.start_kvrelay(

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as c
-import _proxybound
-from _common import ServerProcess
+from bench import _common as c
+from bench import _proxybound
+from kvrelay.devtools.process import ServerProcess
 
 SECTION = "proxy overhead"
 TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
@@ -50,7 +50,7 @@ SETTINGS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Example: .venv/bin/python bench/proxy_overhead.py --concurrency 1 64 256",
+        epilog="Example: .venv/bin/python -m bench.proxy_overhead --concurrency 1 64 256",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -120,7 +120,7 @@ def case_requests(args: argparse.Namespace, conc: int) -> int:
 def run_loadgen(job: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
     """Run bench/_loadgen.py in its own process on one job; return its JSON result."""
     proc = subprocess.run(
-        [sys.executable, str(c.BENCH_DIR / "_loadgen.py")],
+        [sys.executable, "-m", "bench._loadgen"],
         input=json.dumps(job).encode(),
         capture_output=True,
         timeout=timeout,

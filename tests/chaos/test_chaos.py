@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.chaos.load import (
+from kvrelay.devtools.chaos_load import (
     SUMMARIES,
     Chaos,
     ChaosFleet,

@@ -34,10 +34,11 @@ from typing import Any
 import httpx
 
 from kvrelay.devtools import sse
-from tests.engines import EngineFactory, EngineSim
-from tests.faultproxy import FaultProxy
-from tests.harness import RedisServer, wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools.process import wait_until
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.redis import RedisServer
 
 MODEL = "kvrelay-sim"
 SYSTEM = "You are a patient assistant who answers in a few words. " * 4
