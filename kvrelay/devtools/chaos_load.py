@@ -1,7 +1,7 @@
 """The chaos fleet and its load: multi-turn conversations through the proxy while faults fly.
 
 Shared by the chaos test (`tests/chaos/test_chaos.py`, bounded) and the soak script
-(`bench/soak.py`, long). Pieces:
+(`bench.soak`, long). Pieces:
 
 - `ChaosFleet`: Redis, 2 P and 2 D enginesim (short leases), a `FaultProxy` in front of every
   engine (the proxy only knows the relays' URLs) and a proxy with two workers on the Redis map.
