@@ -1,15 +1,15 @@
 """The aiohttp application: routes, authentication, start-up and shutdown of shared state.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json` and the
-admin routes (`kvrelay.proxy.admin`). `create_app(settings)` builds it;
+`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, and the
+admin sub-application under `/admin` (`kvrelay.proxy.admin`). Who may call what:
+`kvrelay.proxy.auth`. `create_app(settings)` builds it;
 `kvrelay.proxy.server` runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import time
@@ -21,13 +21,13 @@ from aiohttp import web
 from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import admin, metrics
+from kvrelay.proxy.auth import authenticate, require_metrics_key
 from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
     chat_shape,
     completion_shape,
     conversation_id_from,
     request_id_from,
-    tenant_of,
     upstream_request_id,
 )
 from kvrelay.proxy.discovery import start_discovery
@@ -35,7 +35,7 @@ from kvrelay.proxy.discovery_kube import start_kube_discovery
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
-from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.headers import header_text
 from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, HEALTH, SETTINGS, TENANTS
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
@@ -48,27 +48,6 @@ from kvrelay.proxy.validation import validate_chat, validate_completion
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def authenticate(request: web.Request) -> str:
-    """The caller's tenant; 401 when keys are configured and none matches."""
-    settings = request.app[SETTINGS]
-    token = bearer_token(request)
-    if not settings.api_keys:
-        return tenant_of(token)
-    if token is not None:
-        matched = False
-        for key in settings.api_keys:
-            # Compare against every key so timing does not reveal which one was close.
-            matched |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
-        if matched:
-            return tenant_of(token)
-    raise ProxyError(
-        401,
-        "missing or invalid API key: send `Authorization: Bearer <key>` with a key the "
-        "proxy was configured with",
-        code="invalid_api_key",
-    )
 
 
 @web.middleware
@@ -197,14 +176,7 @@ async def ready(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_page(request: web.Request) -> web.StreamResponse:
-    key = request.app[SETTINGS].metrics_key
-    if key is not None:
-        token = bearer_token(request, "invalid_metrics_key") or ""
-        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
-            raise ProxyError(
-                401, "/metrics needs `Authorization: Bearer <metrics_key>`",
-                code="invalid_metrics_key",
-            )  # fmt: skip
+    require_metrics_key(request)
     payload, content_type = metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
@@ -261,7 +233,7 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
-    admin.add_routes(app)
+    app.add_subapp("/admin", admin.admin_app())
     app.cleanup_ctx.append(_make_state(settings, kvmap))
     return app
 
