@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -384,22 +383,6 @@ def redis_for_bench() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
-
-
-def scrape_metrics(url: str, timeout: float = 5.0, labels: bool = False) -> dict[str, float]:
-    """GET `url/metrics`; sum every sample by metric name (labels folded together), or with
-    `labels=True` keep each sample apart under its full `name{labels}` key."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels if labels else name_labels.split("{", 1)[0]
-        with contextlib.suppress(ValueError):
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 def process_group_cpu_s(pgid: int) -> float:

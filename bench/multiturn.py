@@ -46,6 +46,7 @@ import aiohttp
 from openai import AsyncOpenAI
 
 from bench import _common as c
+from kvrelay.devtools import prometheus
 
 VARIANTS = ("off", "on", "fingerprint")
 AIM_RATIO = 0.20
@@ -200,7 +201,7 @@ class Conversation:
 
 def p_counters(p_url: str, kind: EngineKind) -> dict[str, float]:
     """P's prompt tokens computed and loaded (NIXL) so far."""
-    samples = c.scrape_metrics(p_url, labels=True)
+    samples = prometheus.scrape(p_url)
 
     def total(name: str) -> float:
         if "{" in name:  # one labelled series, summed over the labels the engine adds
@@ -307,7 +308,7 @@ def reuse_counts(router_url: str) -> dict[str, float]:
     """The proxy's `kvrelay_reuse_total` by result: hit, miss, and everything else (rejected
     by verification, expired, map unavailable...)."""
     out = {"hit": 0.0, "miss": 0.0, "other": 0.0}
-    for key, value in c.scrape_metrics(router_url, labels=True).items():
+    for key, value in prometheus.scrape(router_url).items():
         if not key.startswith("kvrelay_reuse_total"):
             continue
         if 'result="hit"' in key:

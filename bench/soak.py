@@ -31,7 +31,6 @@ from kvrelay.devtools.chaos_load import (
     proxy_reuse,
     summarize,
 )
-from kvrelay.devtools.process import wait_until
 
 BENCH = Path(__file__).resolve().parent
 # NIXL over loopback on CPU, for the engines this process starts.
@@ -111,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet.heal()
         fleet.wait_ready()
         reuse = proxy_reuse(fleet.proxy)
-        stranded: dict[str, float] = {}
-        try:
-            wait_until(
-                lambda: all(e.pool_idle() for e in fleet.engines.engines),
-                args.lease_seconds * 3 + 30,
-                interval=0.25,
-                what="every pool idle",
-            )
-        except TimeoutError:
-            stranded = fleet.held_blocks()
+        stranded = fleet.stranded_blocks(args.lease_seconds * 3 + 30)
         records = load.snapshot()
     summary = summarize(records)
     mismatches = [] if args.no_check else list(iter_mismatches(records))

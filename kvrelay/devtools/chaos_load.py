@@ -157,6 +157,18 @@ class ChaosFleet:
     def held_blocks(self) -> dict[str, float]:
         return {e.name: e.metric("enginesim_blocks_held_for_remote") for e in self.engines.engines}
 
+    def stranded_blocks(self, within_s: float) -> dict[str, float]:
+        """Blocks still held by each engine when its pool is not idle within `within_s`
+        (wait for the leases and the proxy's releases); empty when every pool went idle."""
+        try:
+            wait_until(
+                lambda: all(e.pool_idle() for e in self.engines.engines),
+                within_s, interval=0.25, what="every pool idle",
+            )  # fmt: skip
+        except TimeoutError:
+            return self.held_blocks()
+        return {}
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         assert self.proxy is not None
         url = self.proxy.url + "/ready"
