@@ -35,13 +35,15 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import _common as c
-from _common import ServerProcess
+from bench import _common as c
+from bench import _loadgen
+from kvrelay.devtools import prometheus
+from kvrelay.devtools.process import ServerProcess
+from kvrelay.devtools.redis import RedisServer
 
 SECTION = "proxy-bound"
 TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
@@ -79,43 +81,20 @@ def apply_quick(args: argparse.Namespace) -> None:
     args.profile_requests = 600
 
 
-def run_loadgen(job: dict[str, Any], cpus: str | None, timeout: float = 600.0) -> dict[str, Any]:
-    """bench/_loadgen.py on `cpus`; returns its JSON result (passed through a file)."""
-    with tempfile.TemporaryDirectory(prefix="kvrelay-loadgen-") as tmp:
-        out = Path(tmp) / "result.json"
-        proc = subprocess.run(
-            c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
-            input=json.dumps({**job, "out": str(out)}).encode(),
-            capture_output=True,
-            timeout=timeout,
-            env=c.bench_env(),
-            check=False,
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     """One round of one target in one case: throughput, latency and CPU per request.
 
     Servers' CPU is read around the whole load-generator run, warm-up included, so it is
     divided by every request served; the load generator times only its measured requests.
     """
-    lat, ttfb = result["latencies"], result["ttfbs"]
-    ok = max(len(lat), 1)
-    served = max(len(lat) + int(result.get("warmup", 0)), 1)
+    done = len(result["latencies"])
+    ok = max(done, 1)
+    served = max(done + int(result.get("warmup", 0)), 1)
     return {
-        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
-        "p50": c.percentile(lat, 50),
-        "p99": c.percentile(lat, 99),
-        "ttfb_p50": c.percentile(ttfb, 50),
-        "ttfb_p99": c.percentile(ttfb, 99),
+        **_loadgen.summarize(result),
         "router_cpu_us": result["router_cpu_s"] / served * 1e6,
         "engine_cpu_us": result["engine_cpu_s"] / served * 1e6,
         "loadgen_cpu_us": result["cpu_s"] / ok * 1e6,
-        "errors": float(result["errors"]),
     }
 
 
@@ -127,7 +106,7 @@ class Bench:
         self.p: c.Engine | None = None
         self.d: c.Engine | None = None
         self.routers: dict[str, c.Router] = {}
-        self.redis: c.RedisServer | None = None
+        self.redis: RedisServer | None = None
 
     def start(self) -> None:
         a = self.args
@@ -139,7 +118,7 @@ class Bench:
                 "kvrelay-w1", [self.p], [self.d], workers=1, env=quiet, cpus=a.proxy_cpus
             )
         if "kvrelay-w2" in a.targets:
-            self.redis = c.RedisServer().start()
+            self.redis = RedisServer().start()
             assert self.redis.process is not None and self.redis.process.proc is not None
             c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
             self.routers["kvrelay-w2"] = c.start_kvrelay(
@@ -157,7 +136,7 @@ class Bench:
             if not name.startswith("kvrelay"):
                 continue
             with contextlib.suppress(OSError):
-                samples = c.scrape_metrics(router.url, labels=True)
+                samples = prometheus.scrape(router.url)
                 out[name] = {
                     k.removeprefix("kvrelay_"): v
                     for k, v in samples.items()
@@ -208,7 +187,9 @@ class Bench:
         procs = self._router_procs(target)
         cpu0 = sum(c.server_cpu_s(p) for p in procs)
         eng0 = self._engines_cpu()
-        result = run_loadgen(self.job(target, mode, conc, requests), self.args.loadgen_cpus)
+        result = _loadgen.run_in_process(
+            self.job(target, mode, conc, requests), self.args.loadgen_cpus
+        )
         result["router_cpu_s"] = sum(c.server_cpu_s(p) for p in procs) - cpu0
         result["engine_cpu_s"] = self._engines_cpu() - eng0
         return summarize(result), list(result["error_samples"])

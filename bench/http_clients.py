@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import _common as c
+from bench import _common as c
 
 SECTION = "http clients"
 CLIENTS = ("aiohttp-default", "aiohttp-tuned", "pyreqwest", "h1")
@@ -88,7 +88,7 @@ async def _pyreqwest_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[No
 async def _h1_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[None]]]:
     from urllib.parse import urlsplit
 
-    from h1client import H1Pool
+    from bench.h1client import H1Pool
 
     parts = urlsplit(url)
     assert parts.hostname is not None and parts.port is not None
@@ -188,7 +188,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(job: dict[str, Any], cpus: str) -> dict[str, Any]:
     proc = subprocess.run(
-        c.pinned([sys.executable, __file__, "--worker"], cpus),
+        c.pinned([sys.executable, "-m", "bench.http_clients", "--worker"], cpus),
         input=json.dumps(job).encode(),
         capture_output=True,
         timeout=600,

@@ -2,15 +2,15 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
-admin routes (`kvrelay.proxy.admin`) and the pass-through routes (`kvrelay.proxy.passthrough`).
-Who may send is `kvrelay.proxy.access`. `create_app(settings)` builds it;
+admin sub-application under `/admin` (`kvrelay.proxy.admin`) and the pass-through routes
+(`kvrelay.proxy.passthrough`). Who may call what: `kvrelay.proxy.auth`; whether now:
+`kvrelay.proxy.access`. `create_app(settings)` builds it;
 `kvrelay.proxy.server` runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -21,7 +21,8 @@ from aiohttp import web
 from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import admin, metrics, passthrough
-from kvrelay.proxy.access import admit, authenticate
+from kvrelay.proxy.access import admit
+from kvrelay.proxy.auth import authenticate, require_metrics_key
 from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
     chat_shape,
@@ -35,7 +36,7 @@ from kvrelay.proxy.discovery_kube import start_kube_discovery
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
-from kvrelay.proxy.headers import bearer_token, header_text
+from kvrelay.proxy.headers import header_text
 from kvrelay.proxy.keys import (
     BODY_BUDGET,
     FLEET,
@@ -165,14 +166,7 @@ async def ready(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_page(request: web.Request) -> web.StreamResponse:
-    key = request.app[SETTINGS].metrics_key
-    if key is not None:
-        token = bearer_token(request, "invalid_metrics_key") or ""
-        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
-            raise ProxyError(
-                401, "/metrics needs `Authorization: Bearer <metrics_key>`",
-                code="invalid_metrics_key",
-            )  # fmt: skip
+    require_metrics_key(request)
     payload, content_type = metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
@@ -229,7 +223,7 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
-    admin.add_routes(app)
+    app.add_subapp("/admin", admin.admin_app())
     passthrough.add_routes(app, settings.passthrough_routes)
     app.cleanup_ctx.append(_make_state(settings, kvmap))
     return app

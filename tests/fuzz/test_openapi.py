@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.proxy.openapi import openapi_document
-from tests.chaos.load import is_openai_error
-from tests.engines import EngineFactory
-from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.security.rawhttp import send
 
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "25"))

@@ -9,10 +9,10 @@ import aiohttp
 import pytest
 
 from kvrelay.connector.protocol import HoldRef
+from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools.nixl_peer import SECRET
 from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
-from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder
-from tests.faultproxy import FaultProxy
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 
 from kvrelay.connector.auth import destination, sign_headers, verify_response
 from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
-from tests.chaos.load import is_openai_error
-from tests.engines import CONNECTOR_SECRET
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.engines import CONNECTOR_SECRET
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
 

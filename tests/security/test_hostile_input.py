@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.chaos.load import is_openai_error
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from tests.harness import wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.security.conftest import BODY_READ_TIMEOUT_S, SecureFleet
 from tests.security.rawhttp import (
     RawResponse,

@@ -12,7 +12,7 @@ import secrets
 
 import httpx
 
-from tests.engines import CONNECTOR_SECRET
+from kvrelay.devtools.engines import CONNECTOR_SECRET
 from tests.security.conftest import SecureFleet
 
 MODEL = "kvrelay-sim"

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.devtools.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
+from kvrelay.devtools.process import ManagedServer, ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import parse_samples
-from tests.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
-from tests.harness import ManagedServer, ServerProcess, free_port, http_ready
 
 
 @dataclass
