@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from kvrelay.devtools.threaded_app import ThreadedApp
 from tests.harness import free_port
 
 
@@ -37,7 +38,7 @@ class Seen:
 
 
 class FakeUpstream:
-    """An aiohttp server on a background thread's event loop."""
+    """An aiohttp server on a background thread (`ThreadedApp`)."""
 
     def __init__(self, models: tuple[str, ...] = ("kvrelay-sim",)) -> None:
         self.port = free_port()
@@ -46,9 +47,11 @@ class FakeUpstream:
         self.status = 200
         self.gate = threading.Event()
         self.first_event_sent = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_route("*", "/{tail:.*}", self._any)
+        self._server = ThreadedApp(app, self.port, "fake-upstream")
 
     @property
     def url(self) -> str:
@@ -90,24 +93,10 @@ class FakeUpstream:
         await out.write_eof()
         return out
 
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_route("*", "/{tail:.*}", self._any)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
     def start(self) -> FakeUpstream:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        self._server.start()
         return self
 
     def stop(self) -> None:
         self.gate.set()  # a handler still waiting ends now
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._runner = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._server.stop()

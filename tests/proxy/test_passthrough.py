@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
 from kvrelay.devtools.sse import data_fields
 from tests.harness import free_port, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
-from tests.proxy_server import Fleet, ProxyFactory
 
 MODEL = "kvrelay-sim"
 

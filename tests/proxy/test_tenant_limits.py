@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import open_redis_client
 from kvrelay.proxy.conversation import tenant_of
 from kvrelay.proxy.errors import ProxyError
@@ -29,10 +31,8 @@ from kvrelay.proxy.limits import (
     parse_limit,
 )
 from kvrelay.proxy.settings import Settings, SettingsError, load_settings
-from tests.engines import EngineFactory, EngineSim
 from tests.harness import RedisServer, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 MODEL = "kvrelay-sim"
 KEYS = "key-a,key-b"
