@@ -158,7 +158,8 @@ class Turn:
                 self.owed.release_all()
                 raise
             # D's answer is complete, so P's blocks need no call from here: D's connector
-            # either read them (the read frees them) or released them itself.
+            # either read them (the read frees them) or released them itself (skipped or
+            # failed load).
             self.owed.settle(Debt.PREFILL_BLOCKS)
             return response
 

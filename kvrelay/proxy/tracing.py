@@ -204,9 +204,13 @@ def _recording(
     finish: Callable[[], Attributes] | None,
     parent_headers: Mapping[str, str] | None,
 ) -> Iterator[Span]:
-    from opentelemetry.propagate import extract
+    context = None
+    if parent_headers is not None:
+        # Only the W3C trace context of an incoming request is continued: its baggage is the
+        # client's own data and is not passed on to the engines.
+        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-    context = extract(parent_headers) if parent_headers is not None else None
+        context = TraceContextTextMapPropagator().extract(parent_headers)
     # Exceptions are recorded by type only: their messages may quote what a client or an
     # engine sent (an engine's 400 can echo the input), which must not leave in a trace.
     with tracer.start_as_current_span(

@@ -166,10 +166,13 @@ async def test_two_turns_trace_down_to_the_engines(
         "X-Conversation-Id": conversation,
         # The client's own trace: the proxy continues it.
         "traceparent": f"00-{CLIENT_TRACE_ID}-{CLIENT_SPAN_ID}-01",
+        # The client's baggage is its own data: it must not reach the engines.
+        "baggage": f"note={canary}",
     }
     async with recorded_fleet(p, d, key) as (url, rp, rd):
         answers, _ = await two_turns(url, headers, canary)
         p_received, d_received = rp.traceparents(CHAT), rd.traceparents(CHAT)
+        engine_headers = [r.headers for r in (*rp.received, *rd.received)]
         p_url, d_url = rp.url, rd.url
     spans = memory_spans.get_finished_spans()
 
@@ -217,6 +220,7 @@ async def test_two_turns_trace_down_to_the_engines(
             assert (version, trace_id) == ("00", CLIENT_TRACE_ID)
             assert parent_id == _hex(leg.context.span_id, 16)
 
+    assert engine_headers and not any("baggage" in {k.lower() for k in h} for h in engine_headers)
     hit = dict(turns[1].attributes or {})
     assert int(str(hit["kvrelay.tokens_reused"])) > 0
     assert hit["kvrelay.conversation"] == dict(turns[0].attributes or {})["kvrelay.conversation"]
