@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import os
 import secrets
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -30,7 +33,7 @@ from kvrelay.proxy import tracing
 from kvrelay.proxy.app import create_app
 from kvrelay.proxy.settings import load_settings
 from tests.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
-from tests.harness import free_port, wait_until
+from tests.harness import REPO_ROOT, free_port, wait_until
 from tests.proxy.client import MODEL
 from tests.proxy.header_recorder import HeaderRecorder
 from tests.proxy_server import ProxyFactory
@@ -363,3 +366,41 @@ async def test_spans_reach_an_otlp_http_collector(
         await collector.stop()
     p.wait_idle()
     d.wait_idle()
+
+
+_WITHOUT_OTEL = """
+import sys
+from importlib.abc import MetaPathFinder
+
+class NoOtel(MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "opentelemetry" or name.startswith("opentelemetry."):
+            raise ImportError(f"{name} is not installed (test)")
+        return None
+
+sys.meta_path.insert(0, NoOtel())
+from kvrelay.proxy import tracing
+from kvrelay.proxy.app import create_app
+from kvrelay.proxy.settings import load_settings
+
+create_app(load_settings({"prefill": ["http://p:1"], "decode": ["http://d:1"]}, env_file=None))
+assert tracing.configure("auto") is False and not tracing.enabled()
+try:
+    tracing.configure("on")
+except tracing.TracingConfigError as exc:
+    assert "kvrelay[otel]" in str(exc), exc
+else:
+    raise AssertionError("tracing on without the packages must stop start-up")
+assert not any(m.startswith("opentelemetry") for m in sys.modules)
+print("import-safe")
+"""
+
+
+def test_the_proxy_runs_without_the_otel_packages() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "KVRELAY_"))}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_OTEL], env=env, capture_output=True, text=True,
+        timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and "import-safe" in done.stdout, done.stderr
