@@ -99,15 +99,22 @@ class Releaser:
         """D's published params of a finished request (streams carry none), or None."""
         if self._client is None:
             return None
+        if not tracing.enabled():
+            return await self._finished(self._client, host, port, client_request_id)
         attributes: tracing.Attributes = {"server.address": host, "server.port": port}
         with tracing.span("kvrelay.side_channel.finished", kind="client", attributes=attributes):
-            try:
-                params = await self._client.finished(host, port, client_request_id)
-            except SideChannelError as exc:
-                log.warning("finished-params fetch from %s:%s failed: %s", host, port, exc)
-                return None
+            params = await self._finished(self._client, host, port, client_request_id)
             tracing.annotate({"kvrelay.found": params is not None})
             return params
+
+    async def _finished(
+        self, client: AsyncSideChannelClient, host: str, port: int, client_request_id: str
+    ) -> dict[str, Any] | None:
+        try:
+            return await client.finished(host, port, client_request_id)
+        except SideChannelError as exc:
+            log.warning("finished-params fetch from %s:%s failed: %s", host, port, exc)
+            return None
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """Run `coro` in the background, tracked so `drain()` can wait for it."""

@@ -51,7 +51,8 @@ class LegRecord:
         self.attempts += 1
         self.engine = url
         self.status = None
-        tracing.event("attempt", {"kvrelay.engine.url": url, "kvrelay.attempt": self.attempts})
+        if tracing.enabled():
+            tracing.event("attempt", {"kvrelay.engine.url": url, "kvrelay.attempt": self.attempts})
 
     @property
     def retries(self) -> int:
