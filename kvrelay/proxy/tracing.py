@@ -223,7 +223,10 @@ def _recording(
             from opentelemetry.trace import Status, StatusCode
 
             current.set_attribute("error.type", type(exc).__name__)
-            current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+            # A client's mistake (an HTTP status below 500) is not the server span's error.
+            status = getattr(exc, "status", None)
+            if not (kind == "server" and isinstance(status, int) and status < 500):
+                current.set_status(Status(StatusCode.ERROR, type(exc).__name__))
             raise
         finally:
             if finish is not None:

@@ -28,6 +28,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 from kvrelay.proxy import tracing
 from kvrelay.proxy.app import create_app
@@ -252,6 +253,27 @@ async def test_tracing_off_sends_no_traceparent(engines: tuple[EngineSim, Engine
     assert received == [None] * 4
     p.wait_idle()
     d.wait_idle()
+
+
+class _Refused(Exception):
+    status = 404
+
+
+@pytest.mark.parametrize(
+    ("kind", "error", "failed"),
+    [("server", _Refused("no such model: canary-secret"), False),
+     ("server", ValueError("prompt canary-secret"), True),
+     ("client", _Refused("canary-secret"), True)],
+)  # fmt: skip
+def test_errors_are_recorded_by_type_only(
+    memory_spans: InMemorySpanExporter, kind: tracing.SpanKind, error: Exception, failed: bool
+) -> None:
+    with pytest.raises(type(error)), tracing.span("kvrelay.test", kind=kind):
+        raise error
+    (span,) = memory_spans.get_finished_spans()
+    assert span.attributes is not None and span.attributes["error.type"] == type(error).__name__
+    assert span.status.status_code == (StatusCode.ERROR if failed else StatusCode.UNSET)
+    assert not span.events and "canary" not in " ".join(_texts(span))
 
 
 @pytest.mark.parametrize(
