@@ -16,9 +16,10 @@ import datetime
 import hashlib
 import json
 import logging
-from typing import Any, Literal
+from typing import Any
 
-LogFormat = Literal["text", "json"]
+from kvrelay.proxy.settings import LogFormat
+
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s"
 
 TURN_LOG = logging.getLogger("kvrelay.turn")

@@ -21,8 +21,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrelay.proxy import logs, tracing
-from kvrelay.proxy.logs import LogFormat
-from kvrelay.proxy.settings import Settings, SettingsError
+from kvrelay.proxy.settings import LogFormat, Settings, SettingsError
 from kvrelay.proxy.supervisor import Supervisor
 
 log = logging.getLogger(__name__)

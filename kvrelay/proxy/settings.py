@@ -19,6 +19,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["text", "json"]  # kvrelay.proxy.logs
+TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.tracing
 
 
 class SettingsError(ValueError):
@@ -230,14 +232,14 @@ class Settings(BaseSettings):
         ),
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
-    log_format: Literal["text", "json"] = Field(
+    log_format: LogFormat = Field(
         default="text",
         description=(
             "Log format: text lines, or json (one JSON object per line, plus one summary line "
             "per turn on the kvrelay.turn logger)."
         ),
     )
-    tracing: Literal["auto", "on", "off"] = Field(
+    tracing: TracingMode = Field(
         default="auto",
         description=(
             "OpenTelemetry traces (needs the otel extra): auto = on when OTEL_TRACES_EXPORTER "

@@ -8,7 +8,8 @@ setting says. Everything else comes from the standard OTEL_* variables as the Op
 reads them: the exporter (`otlp`, the default, over HTTP/protobuf; `console`), its endpoint,
 headers and timeout, the service name (`kvrelay` unless OTEL_SERVICE_NAME or
 OTEL_RESOURCE_ATTRIBUTES name one), the sampler, the batch processor's limits and the
-propagators (W3C `traceparent` by default).
+propagators (W3C `traceparent` by default). Of an incoming request only the W3C trace context
+is continued; its baggage is the client's and is not passed on.
 
 The opentelemetry packages are the optional `otel` extra and are imported only once tracing is
 on. While it is off every helper here returns at once: no span objects, no context changes, no
@@ -24,7 +25,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, Literal
 
-from kvrelay.proxy.settings import SettingsError
+from kvrelay.proxy.settings import SettingsError, TracingMode
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-TracingMode = Literal["auto", "on", "off"]
 SpanKind = Literal["server", "client", "internal"]
 INSTRUMENTATION = "kvrelay.proxy"
 DEFAULT_SERVICE_NAME = "kvrelay"

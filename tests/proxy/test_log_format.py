@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from kvrelay.proxy import logs
+from kvrelay.proxy.settings import LogFormat
 
 
 def _record(**kwargs: object) -> logging.LogRecord:
@@ -42,7 +43,7 @@ def test_an_exception_is_one_field_of_the_same_line() -> None:
 
 
 @pytest.mark.parametrize(("log_format", "summaries"), [("text", False), ("json", True)])
-def test_turn_summaries_belong_to_the_json_format(log_format: logs.LogFormat,
+def test_turn_summaries_belong_to_the_json_format(log_format: LogFormat,
                                                   summaries: bool) -> None:  # fmt: skip
     root = logging.getLogger()
     level = root.level

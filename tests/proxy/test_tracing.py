@@ -32,7 +32,7 @@ from opentelemetry.trace import StatusCode
 
 from kvrelay.proxy import tracing
 from kvrelay.proxy.app import create_app
-from kvrelay.proxy.settings import load_settings
+from kvrelay.proxy.settings import TracingMode, load_settings
 from tests.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
 from tests.harness import REPO_ROOT, free_port, wait_until
 from tests.proxy.client import MODEL
@@ -291,7 +291,7 @@ def test_errors_are_recorded_by_type_only(
         ("auto", {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_SDK_DISABLED": "TRUE"}, False),
     ],
 )
-def test_when_tracing_is_on(mode: tracing.TracingMode, env: dict[str, str], on: bool) -> None:
+def test_when_tracing_is_on(mode: TracingMode, env: dict[str, str], on: bool) -> None:
     assert tracing.wanted(mode, env) is on
 
 
@@ -403,7 +403,7 @@ class NoOtel(MetaPathFinder):
 sys.meta_path.insert(0, NoOtel())
 from kvrelay.proxy import tracing
 from kvrelay.proxy.app import create_app
-from kvrelay.proxy.settings import load_settings
+from kvrelay.proxy.settings import TracingMode, load_settings
 
 create_app(load_settings({"prefill": ["http://p:1"], "decode": ["http://d:1"]}, env_file=None))
 assert tracing.configure("auto") is False and not tracing.enabled()
