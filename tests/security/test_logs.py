@@ -20,6 +20,7 @@ from tests.proxy_server import ProxyFactory
 from tests.security.conftest import SecureFleet
 
 MODEL = "kvrelay-sim"
+LEASE_BOUND_S = 45.0  # the fleet's engines hold blocks at most 30 s (--lease-seconds)
 
 
 def _drive_chatty_paths(fleet: SecureFleet, url: str) -> dict[str, str | None]:
@@ -94,7 +95,9 @@ def test_no_prompt_answer_or_secret_in_json_debug_logs(
     """A second proxy on the same engines and map, logging JSON at DEBUG (the most it says):
     every line is one JSON object, each turn has its summary, and nothing secret appears."""
     fleet = secure_fleet
-    fleet.wait_clean()
+    # Bounded by the engines' 30 s lease: what a slow release (a loaded machine) leaves held
+    # is freed by then, so the engines are idle whatever the previous test left.
+    fleet.wait_clean(LEASE_BOUND_S)
     proxy = proxy_factory(
         [fleet.prefill], [fleet.decode], ready_path="/ready",
         api_keys=f"{fleet.key_a},{fleet.key_b}", admin_key=fleet.admin_key,
@@ -102,7 +105,7 @@ def test_no_prompt_answer_or_secret_in_json_debug_logs(
         log_level="DEBUG", log_format="json",
     )  # fmt: skip
     forbidden = _drive_chatty_paths(fleet, proxy.url)
-    fleet.wait_clean()
+    fleet.wait_clean(LEASE_BOUND_S)  # every release done (and logged) before the logs are read
     assert proxy.process is not None and proxy.process.log_path is not None
     text = Path(proxy.process.log_path).read_text(errors="replace")
     leaks = _leaks({"json proxy": text, **fleet.logs()}, forbidden)
