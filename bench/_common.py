@@ -45,8 +45,8 @@ _RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
-    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "http clients",
-    "multiturn",
+    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
+    "http clients", "multiturn",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (

@@ -26,6 +26,7 @@ class ProxyServer(ManagedServer):
     prefill: Sequence[EngineSim | str]
     decode: Sequence[EngineSim | str]
     settings: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # other variables (OTEL_*)
     port: int = field(default_factory=free_port)
     process: ServerProcess | None = None
 
@@ -55,6 +56,7 @@ class ProxyServer(ManagedServer):
             "KVRELAY_LOG_LEVEL": "WARNING",
         }
         env.update({f"KVRELAY_{k.upper()}": v for k, v in self.settings.items()})
+        env.update(self.extra_env)
         return env
 
     def start(self, ready_path: str = "/health") -> ProxyServer:
@@ -117,9 +119,11 @@ class ProxyFactory:
         prefill: Sequence[EngineSim | str],
         decode: Sequence[EngineSim | str],
         ready_path: str = "/health",
+        env: dict[str, str] | None = None,
         **settings: str,
     ) -> ProxyServer:
-        proxy = ProxyServer(prefill, decode, settings)
+        """Start a proxy; `settings` become KVRELAY_* variables, `env` is added as it is."""
+        proxy = ProxyServer(prefill, decode, settings, env or {})
         self.proxies.append(proxy)
         return proxy.start(ready_path)
 

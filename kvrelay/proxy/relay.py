@@ -39,7 +39,7 @@ from kvrelay.kvcache_map import (
     MapUnavailableError,
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
-from kvrelay.proxy import metrics
+from kvrelay.proxy import metrics, tracing
 from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
@@ -47,6 +47,13 @@ from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.owed import Debt, Owed
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.streaming import SSEFilter, error_event
+from kvrelay.proxy.turn_report import (
+    LegRecord,
+    leg_scope,
+    put_scope,
+    take_scope,
+    turn_scope,
+)
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +98,11 @@ class Turn:
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
     every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
+    # What happened, for the turn's trace and log line (kvrelay.proxy.turn_report).
+    reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
+    tokens_reused: int = 0
+    prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
+    decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -100,11 +112,13 @@ class Turn:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
         tried: set[str] = set()
+        leg = self.prefill_leg if role == "prefill" else self.decode_leg
         for attempt in range(1 + self.fleet.settings.retries):
             backend = pick(tried)
             if backend is None:
                 return
             tried.add(backend.url)
+            leg.attempt(backend.url)
             if attempt:
                 metrics.RETRIES.labels(role).inc()
             yield backend
@@ -129,43 +143,59 @@ class Turn:
             return ConversationKey(self.tenant, key_id) if key_id else None
         return None
 
+    def conversation_keys(self) -> tuple[ConversationKey | None, ConversationKey | None]:
+        """The map keys this turn looks up and stores under (for its log line and trace)."""
+        return self._lookup_key(), self._store_key()
+
     # -- the turn ------------------------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
-        try:
-            response = await self._run()
-        except BaseException:
-            self._judge_5xx(served=False)
-            self.owed.release_all()
-            raise
-        # D's answer is complete, so P's blocks need no call from here: D's connector either
-        # read them (the read frees them) or released them itself (skipped or failed load).
-        self.owed.settle(Debt.PREFILL_BLOCKS)
-        return response
+        with turn_scope(self):
+            try:
+                response = await self._run()
+            except BaseException:
+                self._judge_5xx(served=False)
+                self.owed.release_all()
+                raise
+            # D's answer is complete, so P's blocks need no call from here: D's connector
+            # either read them (the read frees them) or released them itself (skipped or
+            # failed load).
+            self.owed.settle(Debt.PREFILL_BLOCKS)
+            return response
 
     async def _run(self) -> web.StreamResponse:
         store_key = self._store_key()
         self.hold = store_key is not None
         try:
-            await self._take_entry()
-            await self._prefill()
+            with take_scope(self):
+                await self._take_entry()
+            with leg_scope(self.prefill_leg):
+                await self._prefill()
+            self.prefill_leg.ended = time.monotonic()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
             self.owed.release(Debt.PREVIOUS_HOLD)
-        return await self._decode(store_key)
+        with leg_scope(self.decode_leg):
+            response = await self._decode(store_key)
+        self.decode_leg.ended = time.monotonic()
+        return response
+
+    def _count_reuse(self, result: str) -> None:
+        self.reuse = result
+        metrics.REUSE.labels(result).inc()
 
     async def _take_entry(self) -> None:
         key = self._lookup_key()
         if key is None:
             if self.route == "chat" or self.conversation_id is not None:
-                metrics.REUSE.labels("miss").inc()
+                self._count_reuse("miss")
             return
         try:
             entry = await self.fleet.kvmap.take(key)
         except MapUnavailableError as exc:
             self.fleet.map_unavailable("take", exc)
-            metrics.REUSE.labels("map_unavailable").inc()
+            self._count_reuse("map_unavailable")
             self.hold = False  # nowhere to store D's params: do not make D hold
             return
         except InvalidKeyError as exc:
@@ -173,29 +203,30 @@ class Turn:
                 400, f"conversation id not accepted: {exc}", param="conversation_id"
             ) from None
         if entry is None:
-            metrics.REUSE.labels("miss").inc()
+            self._count_reuse("miss")
             return
         settings = self.fleet.settings
         if not self.shape.extends(entry.fingerprint):
             # Edited or different history: the blocks describe another prompt.
-            metrics.REUSE.labels("refused").inc()
+            self._count_reuse("refused")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.expires_at - time.time() < settings.entry_safety_margin_s:
-            metrics.REUSE.labels("expired").inc()
+            self._count_reuse("expired")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.block_hashes is None and not settings.stock_vllm_reuse:
-            metrics.REUSE.labels("unverifiable").inc()
+            self._count_reuse("unverifiable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         holder = self.fleet.decode.get(entry.url)
         if holder is None or not holder.healthy:
             # P's pull would only wait for a handshake timeout; a draining holder still serves.
-            metrics.REUSE.labels("holder_unavailable").inc()
+            self._count_reuse("holder_unavailable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
-        metrics.REUSE.labels("hit").inc()
+        self._count_reuse("hit")
+        self.tokens_reused = entry.num_tokens
         metrics.TOKENS_REUSED.inc(entry.num_tokens)
         self.entry = entry
         releaser = self.fleet.releaser
@@ -217,6 +248,7 @@ class Turn:
             try:
                 with fleet.prefill.busy(backend, work):
                     status, raw = await self._post_read(backend, payload)
+                self.prefill_leg.status = status
             except LegFailure as exc:
                 fleet.prefill.record_failure(backend, exc.reason)
                 metrics.LEG_LATENCY.labels("prefill", "error").observe(time.monotonic() - start)
@@ -278,6 +310,7 @@ class Turn:
     async def _open(self, backend: Backend, payload: bytes) -> aiohttp.ClientResponse:
         path = "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
         headers = {"Content-Type": "application/json", "X-Request-Id": self.request_id}
+        tracing.inject(headers)  # the leg's span continues on the engine (W3C traceparent)
         try:
             return await self.fleet.session.post(
                 backend.url + path,
@@ -323,6 +356,7 @@ class Turn:
             with fleet.decode.busy(backend, 1):
                 try:
                     resp = await self._open(backend, payload)
+                    self.decode_leg.status = resp.status
                 except LegFailure as exc:
                     fleet.decode.record_failure(backend, exc.reason)
                     metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
@@ -395,7 +429,7 @@ class Turn:
             await self._settle(self._store(params, backend, store_key))
         elif self.hold:
             self._no_params()
-        metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
+        self._first_byte()
         return web.Response(
             body=json.dumps(data, separators=(",", ":")).encode(),
             status=resp.status,
@@ -428,7 +462,7 @@ class Turn:
                 data = sse.feed(chunk)
                 if data:
                     if first:
-                        metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
+                        self._first_byte()
                         first = False
                     await out.write(data)
             tail = sse.flush()
@@ -462,6 +496,11 @@ class Turn:
                 await out.write(sse.done_event)
             await out.write_eof()
         return out
+
+    def _first_byte(self) -> None:
+        now = time.monotonic()
+        self.decode_leg.first_byte = now
+        metrics.TTFT.labels(self.route).observe(now - self.started)
 
     async def _after_stream(
         self,
@@ -545,11 +584,12 @@ class Turn:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
             fleet.releaser.release_soon_params("decode", params)
             return
-        try:
-            await fleet.kvmap.put(store_key, entry, ttl)
-        except MapUnavailableError as exc:
-            fleet.map_unavailable("put", exc)
-            fleet.releaser.release_soon_params("decode", params)
+        with put_scope(entry.num_tokens, ttl):
+            try:
+                await fleet.kvmap.put(store_key, entry, ttl)
+            except MapUnavailableError as exc:
+                fleet.map_unavailable("put", exc)
+                fleet.releaser.release_soon_params("decode", params)
 
     # -- failure paths ---------------------------------------------------------------------------
 

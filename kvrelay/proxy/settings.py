@@ -20,6 +20,8 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["text", "json"]  # kvrelay.proxy.logs
+TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.tracing
 
 
 class SettingsError(ValueError):
@@ -295,6 +297,22 @@ class Settings(BaseSettings):
         ),
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
+    log_format: LogFormat = Field(
+        default="text",
+        description=(
+            "Log format: text lines, or json (one JSON object per line, plus one summary line "
+            "per turn on the kvrelay.turn logger)."
+        ),
+    )
+    tracing: TracingMode = Field(
+        default="auto",
+        description=(
+            "OpenTelemetry traces (needs the otel extra): auto = on when OTEL_TRACES_EXPORTER "
+            "names an exporter or an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set; "
+            "OTEL_SDK_DISABLED=true always turns them off. Exporter and endpoint come from "
+            "the OTEL_* variables."
+        ),
+    )
     # Fleet sync and discovery (proxy/fleet_sync.py, proxy/discovery/) -------------------
     fleet_sync_interval_s: float = Field(
         default=2.0,
@@ -448,6 +466,11 @@ class Settings(BaseSettings):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("log_format", "tracing", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
