@@ -2,6 +2,7 @@
 
 Reading order: `process` (free ports, bounded waits, server subprocesses that are always
 stopped with their children), `redis` (a throw-away `redis-server`), `prometheus` (reading a
-`/metrics` page), `sse` (reading an OpenAI-style event stream as a client does). The proxy never
-imports this package; nothing here needs torch or nixl.
+`/metrics` page), `sse` (reading an OpenAI-style event stream as a client does). The proxy imports
+only `prometheus.parse_samples`/`series_sum` (pure text parsing, for its engine load signals);
+nothing here needs torch or nixl.
 """

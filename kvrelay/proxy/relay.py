@@ -86,6 +86,7 @@ class Turn:
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
     hold: bool = False  # D is asked to hold its blocks for a next turn
+    decode_only: bool = False  # conditional routing sent the turn straight to the holding D
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
@@ -148,12 +149,23 @@ class Turn:
         self.hold = store_key is not None
         try:
             await self._take_entry()
-            await self._prefill()
+            self.decode_only = self.fleet.router.skip_prefill(self.entry, self._work_estimate())
+            if not self.decode_only:
+                await self._prefill()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
+            if not self.decode_only:
+                self.owed.release(Debt.PREVIOUS_HOLD)
+        if not self.decode_only:
+            return await self._decode(store_key)
+        # Straight to the holder: D serves the history from the held blocks (its prefix-cache
+        # hit), so the old hold is given back only once D is done with this turn.
+        metrics.ROUTING.labels("decode_only").inc()
+        try:
+            return await self._decode(store_key)
+        finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
-        return await self._decode(store_key)
 
     async def _take_entry(self) -> None:
         key = self._lookup_key()
@@ -212,7 +224,15 @@ class Turn:
         reuse = self.entry.to_kv_transfer_params() if self.entry is not None else None
         payload = json.dumps(prefill_body(self.body, reuse), separators=(",", ":")).encode()
         work = self._work_estimate()
-        for backend in self._engines_to_try("prefill", fleet.prefill.pick_least_work):
+        affine: set[str] = set()
+
+        def pick_prefill(exclude: set[str]) -> Backend | None:
+            backend, by_affinity = fleet.router.pick_prefill(self.entry, exclude)
+            if backend is not None and by_affinity:
+                affine.add(backend.url)
+            return backend
+
+        for backend in self._engines_to_try("prefill", pick_prefill):
             start = time.monotonic()
             try:
                 with fleet.prefill.busy(backend, work):
@@ -236,6 +256,8 @@ class Turn:
             fleet.prefill.record_success(backend, probe=False)
             self._judge_5xx(served=True)
             self.p_backend = backend
+            decision = "prefill_affinity" if backend.url in affine else "prefill_chosen"
+            metrics.ROUTING.labels(decision).inc()
             self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
             self._read_prefill_answer(raw)
             if self.p_params is not None:
@@ -302,9 +324,7 @@ class Turn:
         answered_5xx = 0
 
         def pick_decode(exclude: set[str]) -> Backend | None:
-            return fleet.decode.pick_with_affinity(
-                preferred, exclude, fleet.settings.decode_overload_inflight
-            )
+            return fleet.router.pick_decode(preferred, exclude)
 
         for backend in self._engines_to_try("decode", pick_decode):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
@@ -539,7 +559,10 @@ class Turn:
         try:
             assert self.shape.store_fingerprint is not None
             entry = KVEntry.from_kv_transfer_params(
-                to_store, url=backend.url, fingerprint=self.shape.store_fingerprint
+                to_store,
+                url=backend.url,
+                fingerprint=self.shape.store_fingerprint,
+                **self._routing_hints(),
             )
         except ValueError as exc:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
@@ -550,6 +573,19 @@ class Turn:
         except MapUnavailableError as exc:
             fleet.map_unavailable("put", exc)
             fleet.releaser.release_soon_params("decode", params)
+
+    def _routing_hints(self) -> dict[str, Any]:
+        """What the next turn's routing needs (kvrelay.proxy.routing): this turn's P and its
+        prompt's characters per token; a turn without P keeps the previous turn's."""
+        previous = self.entry
+        prefill_url = self.p_backend.url if self.p_backend is not None else None
+        chars_per_token = None
+        if self.p_prompt_tokens:
+            chars_per_token = round(self._work_estimate() / self.p_prompt_tokens, 4)
+        if previous is not None:
+            prefill_url = prefill_url or previous.prefill_url
+            chars_per_token = chars_per_token or previous.chars_per_token
+        return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}
 
     # -- failure paths ---------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+RoutingPolicy = Literal["always_p", "affinity", "conditional"]
 
 
 class SettingsError(ValueError):
@@ -221,6 +222,50 @@ class Settings(BaseSettings):
         default=64,
         ge=1,
         description="In-flight requests above which D affinity yields to the least loaded D.",
+    )
+    # Multi-turn routing (proxy/routing.py, proxy/engine_load.py; README "Routing policy") -
+    routing_policy: RoutingPolicy = Field(
+        default="conditional",
+        description=(
+            "How a conversation's turn is routed: always_p (every turn P then D), affinity "
+            "(P leg to the P of the previous turn) or conditional (affinity, and a short "
+            "follow-up goes straight to the D that holds the conversation, no P, no transfer)."
+        ),
+    )
+    prefill_overload_inflight: int = Field(
+        default=16,
+        ge=1,
+        description="In-flight requests above which P affinity yields to the normal choice.",
+    )
+    conditional_max_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens D does not hold (estimated from the previous "
+            "turn's characters per token) for a turn to skip P."
+        ),
+    )
+    decode_max_waiting: int = Field(
+        default=4,
+        ge=0,
+        description=(
+            "A D with more queued requests (vllm:num_requests_waiting) is busy: no "
+            "decode-only turns there, and affinity to it yields."
+        ),
+    )
+    decode_max_kv_usage: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="A D above this KV-cache usage (vllm:kv_cache_usage_perc, 0..1) is busy.",
+    )
+    load_poll_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "Seconds between scrapes of each engine's /metrics for load signals (0: off). "
+            "Readings older than 3 intervals are ignored."
+        ),
     )
     metrics_backend_urls: bool = Field(
         default=False,
