@@ -86,7 +86,9 @@ class Turn:
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
     hold: bool = False  # D is asked to hold its blocks for a next turn
-    decode_only: bool = False  # conditional routing sent the turn straight to the holding D
+    # Conditional routing sent the turn straight to the holding D, which prefills this many
+    # (estimated) tokens itself; None: the turn goes through P.
+    decode_only_tokens: int | None = None
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
@@ -149,15 +151,17 @@ class Turn:
         self.hold = store_key is not None
         try:
             await self._take_entry()
-            self.decode_only = self.fleet.router.skip_prefill(self.entry, self._work_estimate())
-            if not self.decode_only:
+            self.decode_only_tokens = self.fleet.router.decode_only_tokens(
+                self.entry, self._work_estimate()
+            )
+            if self.decode_only_tokens is None:
                 await self._prefill()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
-            if not self.decode_only:
+            if self.decode_only_tokens is None:
                 self.owed.release(Debt.PREVIOUS_HOLD)
-        if not self.decode_only:
+        if self.decode_only_tokens is None:
             return await self._decode(store_key)
         # Straight to the holder: D serves the history from the held blocks (its prefix-cache
         # hit), so the old hold is given back only once D is done with this turn.
@@ -340,7 +344,9 @@ class Turn:
                 separators=(",", ":"),
             ).encode()
             start = time.monotonic()
-            with fleet.decode.busy(backend, 1):
+            # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
+            # turn (what the router weighs against D's prefill budget).
+            with fleet.decode.busy(backend, 1 + (self.decode_only_tokens or 0)):
                 try:
                     resp = await self._open(backend, payload)
                 except LegFailure as exc:

@@ -8,7 +8,9 @@ Policies (`routing_policy`, README "Routing policy"):
 - `conditional`: `affinity`, and when the D that holds the conversation is not busy and the part
   of the new prompt it does not hold is short (`conditional_max_uncached_tokens`, estimated
   from the previous turn's characters per token), the turn goes straight to that D: D serves
-  the history from its own held blocks (a prefix-cache hit) and prefills only the rest.
+  the history from its own held blocks (a prefix-cache hit) and prefills only the rest, as
+  long as the decode-only turns in flight on that D stay within its prefill budget
+  (`conditional_max_inflight_tokens`); past it the turn goes through P.
 
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
@@ -96,11 +98,17 @@ class Router:
 
     # -- conditional disaggregation ------------------------------------------------------------
 
-    def skip_prefill(self, entry: KVEntry | None, prompt_chars: int) -> bool:
-        """Send this turn straight to the D holding the conversation (no P, no transfer)?"""
+    def decode_only_tokens(self, entry: KVEntry | None, prompt_chars: int) -> int | None:
+        """Send this turn straight to the D holding the conversation (no P, no transfer)?
+
+        Returns the prompt tokens that D would then prefill itself (estimated), or None when
+        the turn goes through P: another policy, no estimate, a holder that is unusable,
+        overloaded or busy, too long an uncached part, or a holder whose decode-only turns in
+        flight already add up to `conditional_max_inflight_tokens` (P then takes the turn:
+        prefill spread over the Ps keeps D's decode steps short)."""
         s = self.settings
         if s.routing_policy != "conditional" or entry is None or not entry.chars_per_token:
-            return False
+            return None
         holder = self.decode.get(entry.url)
         if (
             holder is None
@@ -108,8 +116,15 @@ class Router:
             or holder.inflight >= s.decode_overload_inflight
             or self.busy(holder)
         ):
-            return False
-        return uncached_tokens(entry, prompt_chars) <= s.conditional_max_uncached_tokens
+            return None
+        uncached = uncached_tokens(entry, prompt_chars)
+        if uncached > s.conditional_max_uncached_tokens:
+            return None
+        # A decode leg counts 1 of outstanding work, a decode-only one 1 + its tokens.
+        in_flight = holder.outstanding_work - holder.inflight
+        if in_flight + uncached > s.conditional_max_inflight_tokens:
+            return None
+        return uncached
 
 
 def uncached_tokens(entry: KVEntry, prompt_chars: int) -> int:

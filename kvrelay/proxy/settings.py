@@ -245,6 +245,15 @@ class Settings(BaseSettings):
             "turn's characters per token) for a turn to skip P."
         ),
     )
+    conditional_max_inflight_tokens: int = Field(
+        default=1024,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens a D prefills for decode-only turns at once "
+            "(their sum while in flight); beyond it turns go through P, so a burst of "
+            "follow-ups does not stall D's decoding."
+        ),
+    )
     decode_max_waiting: int = Field(
         default=4,
         ge=0,

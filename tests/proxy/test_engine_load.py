@@ -175,22 +175,28 @@ def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None
 
 def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() -> None:
     router, _, decode = _router(
-        routing_policy="conditional", conditional_max_uncached_tokens=50, decode_max_waiting=4
-    )
+        routing_policy="conditional", conditional_max_uncached_tokens=50,
+        conditional_max_inflight_tokens=120, decode_max_waiting=4,
+    )  # fmt: skip
     d = decode.add("http://d")
     entry = _entry("http://d", "http://p0", num_tokens=400, cpt=4.0)
     # 1,800 chars / 4 chars per token = 450 tokens; D holds 400: 50 uncached.
     assert uncached_tokens(entry, 1800) == 50
-    assert router.skip_prefill(entry, 1800)
-    assert not router.skip_prefill(entry, 1804)  # 51 uncached
-    assert not router.skip_prefill(None, 10)
-    assert not router.skip_prefill(_entry("http://d", None, cpt=None), 1600)  # no estimate
+    assert router.decode_only_tokens(entry, 1800) == 50
+    assert router.decode_only_tokens(entry, 1804) is None  # 51 uncached
+    assert router.decode_only_tokens(None, 10) is None
+    assert router.decode_only_tokens(_entry("http://d", None, cpt=None), 1600) is None
+    # D's prefill budget: decode-only turns in flight there count their tokens.
+    with decode.busy(d, 1 + 50), decode.busy(d, 1):
+        assert router.decode_only_tokens(entry, 1800) == 50  # 50 + 50 <= 120
+        with decode.busy(d, 1 + 30):
+            assert router.decode_only_tokens(entry, 1800) is None  # 80 + 50 > 120
     d.load = _reading(waiting=5)  # the holder is busy: through P as usual
-    assert not router.skip_prefill(entry, 1800)
+    assert router.decode_only_tokens(entry, 1800) is None
     d.load = None
     decode.drain("http://d")
-    assert not router.skip_prefill(entry, 1800)
+    assert router.decode_only_tokens(entry, 1800) is None
     for policy in ("always_p", "affinity"):
         other, _, decode2 = _router(routing_policy=policy)
         decode2.add("http://d")
-        assert not other.skip_prefill(entry, 1800)
+        assert other.decode_only_tokens(entry, 1800) is None
