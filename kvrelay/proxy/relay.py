@@ -587,7 +587,8 @@ class Turn:
         prefill_url = self.p_backend.url if self.p_backend is not None else None
         chars_per_token = None
         if self.p_prompt_tokens:
-            chars_per_token = round(self._work_estimate() / self.p_prompt_tokens, 4)
+            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
+            chars_per_token = round(max(self._work_estimate() / self.p_prompt_tokens, 1e-3), 4)
         if previous is not None:
             prefill_url = prefill_url or previous.prefill_url
             chars_per_token = chars_per_token or previous.chars_per_token
