@@ -60,6 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--prefill-us-per-token", type=int, default=60)
     p.add_argument("--decode-us-per-step", type=int, default=4000)
     p.add_argument("--conditional-max-uncached-tokens", type=int, default=256)
+    p.add_argument("--conditional-max-inflight-tokens", type=int, default=4096)
     p.add_argument("--vllm-router", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn_policies.json")
@@ -272,6 +273,9 @@ def run_system(
                     "KVRELAY_CONDITIONAL_MAX_UNCACHED_TOKENS": str(
                         args.conditional_max_uncached_tokens
                     ),
+                    "KVRELAY_CONDITIONAL_MAX_INFLIGHT_TOKENS": str(
+                        args.conditional_max_inflight_tokens
+                    ),
                 },
             )
             url = router.url
@@ -356,13 +360,17 @@ def render(data: dict[str, Any], args: argparse.Namespace, default: str) -> str:
     lines.append(
         f"2 P + 1 D enginesim (`--prefill-us-per-token {args.prefill_us_per_token} "
         f"--decode-us-per-step {args.decode_us_per_step} --prefix-cache-blocks 16384`), one "
-        f"kvrelay worker (`conditional_max_uncached_tokens={args.conditional_max_uncached_tokens}`"
-        f"). Multi-turn: {args.conversations} conversations x {args.turns} turns; mixed: "
+        "kvrelay worker (`conditional_max_uncached_tokens="
+        f"{args.conditional_max_uncached_tokens}`, `conditional_max_inflight_tokens="
+        f"{args.conditional_max_inflight_tokens}`). Multi-turn: {args.conversations} "
+        f"conversations x {args.turns} turns; mixed: "
         f"{args.conversations // 2} conversations x {args.turns} turns plus "
         f"{args.conversations - args.conversations // 2} single-turn requests per round. System "
         f"prompt {args.system_words} words, user messages {args.user_words} words, "
         f"`max_tokens={args.max_tokens}`, streamed via the `openai` SDK. ITL = gaps between "
-        "streamed chunks. Tokens = `enginesim_prompt_tokens_computed_total` deltas."
+        "streamed chunks as the client reads them (client, proxy and engines share the "
+        "machine's 2 cores, so chunks often arrive in bursts: ITL p50 near 0, p99 = stalls). "
+        "Tokens = `enginesim_prompt_tokens_computed_total` deltas."
     )
     lines += [
         "",

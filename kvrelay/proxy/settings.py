@@ -246,7 +246,7 @@ class Settings(BaseSettings):
         ),
     )
     conditional_max_inflight_tokens: int = Field(
-        default=1024,
+        default=4096,
         ge=0,
         description=(
             "conditional: the most prompt tokens a D prefills for decode-only turns at once "
