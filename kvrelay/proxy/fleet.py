@@ -1,12 +1,12 @@
-"""`Fleet`: what every turn shares (settings, engine pools, the conversation map, the engine
-session, the releaser), built once per worker process by `kvrelay.proxy.app` and handed to each
-`kvrelay.proxy.relay.Turn`."""
+"""`Fleet`: what every turn shares (settings, engine pools and their router, the conversation
+map, the engine session, the releaser), built once per worker process by `kvrelay.proxy.app`
+and handed to each `kvrelay.proxy.relay.Turn`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -14,6 +14,7 @@ from kvrelay.kvcache_map import KVMap
 from kvrelay.proxy import metrics
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.release import Releaser
+from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,10 @@ class Fleet:
     session: aiohttp.ClientSession
     releaser: Releaser
     map_errors_logged_at: float = 0.0
+    router: Router = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.settings, self.prefill, self.decode)
 
     def leg_timeout(self) -> aiohttp.ClientTimeout:
         s = self.settings

@@ -62,6 +62,12 @@ RETRIES = Counter("kvrelay_retries_total", "Leg attempts on another engine.", ["
 FALLBACKS = Counter(
     "kvrelay_fallbacks_total", "Degraded paths taken (decode_only: no P answered).", ["kind"]
 )
+ROUTING = Counter(
+    "kvrelay_routing_decisions_total",
+    "How turns were routed: decode_only (straight to the holding D), prefill_affinity (the "
+    "conversation's previous P), prefill_chosen (P by load).",
+    ["decision"],
+)
 FINISHED_PARAMS = Counter(
     "kvrelay_finished_params_total",
     "Where D's final params came from: response, stream, side_channel, or missing.",

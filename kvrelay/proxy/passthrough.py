@@ -33,6 +33,7 @@ from kvrelay.proxy.errors import ProxyError
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.pools import Backend, Pool, engines_to_try
+from kvrelay.proxy.routing import Router
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ async def _forward(
     settings = fleet.settings
     payload, model = body
     pool = fleet.decode if settings.passthrough_pool == "decode" else fleet.prefill
-    pick = _picker(pool, request.app[MODELS].servers_of(model))
+    pick = _picker(fleet.router, pool, request.app[MODELS].servers_of(model))
     headers = {h: request.headers[h] for h in _FORWARDED_REQUEST if h in request.headers}
     if payload is not None and not request.content_type.startswith("multipart/"):
         headers["Content-Type"] = "application/json"
@@ -176,15 +177,17 @@ async def _forward(
     )
 
 
-def _picker(pool: Pool, serving: frozenset[str] | None) -> Callable[[set[str]], Backend | None]:
-    """Least work among the engines that serve the request's model (all when none is known
+def _picker(
+    router: Router, pool: Pool, serving: frozenset[str] | None
+) -> Callable[[set[str]], Backend | None]:
+    """The least loaded among the engines that serve the request's model (all when none is known
     to: a model listed only by the other pool, or a fleet that did not answer /v1/models)."""
 
     def pick(tried: set[str]) -> Backend | None:
         if serving is None or not any(b.url in serving for b in pool.usable()):
-            return pool.pick_least_work(tried)
+            return router.least_loaded(pool, tried)
         others = {b.url for b in pool.usable() if b.url not in serving}
-        return pool.pick_least_work(tried | others)
+        return router.least_loaded(pool, tried | others)
 
     return pick
 

@@ -45,7 +45,7 @@ from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.owed import Debt, Owed
-from kvrelay.proxy.pools import Backend, Pool
+from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.streaming import SSEFilter, error_event
 from kvrelay.proxy.turn_report import (
     LegRecord,
@@ -93,6 +93,9 @@ class Turn:
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
     hold: bool = False  # D is asked to hold its blocks for a next turn
+    # Conditional routing sent the turn straight to the holding D, which prefills this many
+    # (estimated) tokens itself; None: the turn goes through P.
+    decode_only_tokens: int | None = None
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
@@ -111,16 +114,10 @@ class Turn:
     ) -> Iterator[Backend]:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
-        tried: set[str] = set()
         leg = self.prefill_leg if role == "prefill" else self.decode_leg
-        for attempt in range(1 + self.fleet.settings.retries):
-            backend = pick(tried)
-            if backend is None:
-                return
-            tried.add(backend.url)
+        retried = metrics.RETRIES.labels(role)
+        for backend in engines_to_try(pick, 1 + self.fleet.settings.retries, retried.inc):
             leg.attempt(backend.url)
-            if attempt:
-                metrics.RETRIES.labels(role).inc()
             yield backend
 
     # -- keys ----------------------------------------------------------------------------------
@@ -169,13 +166,29 @@ class Turn:
         try:
             with take_scope(self):
                 await self._take_entry()
-            with leg_scope(self.prefill_leg):
-                await self._prefill()
-            self.prefill_leg.ended = time.monotonic()
+            self.decode_only_tokens = self.fleet.router.decode_only_tokens(
+                self.entry, self._work_estimate()
+            )
+            if self.decode_only_tokens is None:
+                with leg_scope(self.prefill_leg):
+                    await self._prefill()
+                self.prefill_leg.ended = time.monotonic()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
+            if self.decode_only_tokens is None:
+                self.owed.release(Debt.PREVIOUS_HOLD)
+        if self.decode_only_tokens is None:
+            return await self._decode_leg(store_key)
+        # Straight to the holder: D serves the history from the held blocks (its prefix-cache
+        # hit), so the old hold is given back only once D is done with this turn.
+        metrics.ROUTING.labels("decode_only").inc()
+        try:
+            return await self._decode_leg(store_key)
+        finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
+
+    async def _decode_leg(self, store_key: ConversationKey | None) -> web.StreamResponse:
         with leg_scope(self.decode_leg):
             response = await self._decode(store_key)
         self.decode_leg.ended = time.monotonic()
@@ -243,7 +256,15 @@ class Turn:
         reuse = self.entry.to_kv_transfer_params() if self.entry is not None else None
         payload = json.dumps(prefill_body(self.body, reuse), separators=(",", ":")).encode()
         work = self._work_estimate()
-        for backend in self._engines_to_try("prefill", fleet.prefill.pick_least_work):
+        affine: set[str] = set()
+
+        def pick_prefill(exclude: set[str]) -> Backend | None:
+            backend, by_affinity = fleet.router.pick_prefill(self.entry, exclude)
+            if backend is not None and by_affinity:
+                affine.add(backend.url)
+            return backend
+
+        for backend in self._engines_to_try("prefill", pick_prefill):
             start = time.monotonic()
             try:
                 with fleet.prefill.busy(backend, work):
@@ -268,6 +289,8 @@ class Turn:
             fleet.prefill.record_success(backend, probe=False)
             self._judge_5xx(served=True)
             self.p_backend = backend
+            decision = "prefill_affinity" if backend.url in affine else "prefill_chosen"
+            metrics.ROUTING.labels(decision).inc()
             self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
             self._read_prefill_answer(raw)
             if self.p_params is not None:
@@ -335,9 +358,7 @@ class Turn:
         answered_5xx = 0
 
         def pick_decode(exclude: set[str]) -> Backend | None:
-            return fleet.decode.pick_with_affinity(
-                preferred, exclude, fleet.settings.decode_overload_inflight
-            )
+            return fleet.router.pick_decode(preferred, exclude)
 
         for backend in self._engines_to_try("decode", pick_decode):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
@@ -353,7 +374,9 @@ class Turn:
                 separators=(",", ":"),
             ).encode()
             start = time.monotonic()
-            with fleet.decode.busy(backend, 1):
+            # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
+            # turn (what the router weighs against D's prefill budget).
+            with fleet.decode.busy(backend, 1 + (self.decode_only_tokens or 0)):
                 try:
                     resp = await self._open(backend, payload)
                     self.decode_leg.status = resp.status
@@ -578,7 +601,10 @@ class Turn:
         try:
             assert self.shape.store_fingerprint is not None
             entry = KVEntry.from_kv_transfer_params(
-                to_store, url=backend.url, fingerprint=self.shape.store_fingerprint
+                to_store,
+                url=backend.url,
+                fingerprint=self.shape.store_fingerprint,
+                **self._routing_hints(),
             )
         except ValueError as exc:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
@@ -590,6 +616,20 @@ class Turn:
             except MapUnavailableError as exc:
                 fleet.map_unavailable("put", exc)
                 fleet.releaser.release_soon_params("decode", params)
+
+    def _routing_hints(self) -> dict[str, Any]:
+        """What the next turn's routing needs (kvrelay.proxy.routing): this turn's P and its
+        prompt's characters per token; a turn without P keeps the previous turn's."""
+        previous = self.entry
+        prefill_url = self.p_backend.url if self.p_backend is not None else None
+        chars_per_token = None
+        if self.p_prompt_tokens:
+            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
+            chars_per_token = round(max(self._work_estimate() / self.p_prompt_tokens, 1e-3), 4)
+        if previous is not None:
+            prefill_url = prefill_url or previous.prefill_url
+            chars_per_token = chars_per_token or previous.chars_per_token
+        return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}
 
     # -- failure paths ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ ENV_PREFIX = "KVRELAY_"
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]  # kvrelay.proxy.logs
 TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.tracing
+RoutingPolicy = Literal["always_p", "affinity", "conditional"]
 
 
 class SettingsError(ValueError):
@@ -288,6 +289,59 @@ class Settings(BaseSettings):
         default=64,
         ge=1,
         description="In-flight requests above which D affinity yields to the least loaded D.",
+    )
+    # Multi-turn routing (proxy/routing.py, proxy/engine_load.py; README "Routing policy") -
+    routing_policy: RoutingPolicy = Field(
+        default="conditional",
+        description=(
+            "How a conversation's turn is routed: always_p (every turn P then D), affinity "
+            "(P leg to the P of the previous turn) or conditional (affinity, and a short "
+            "follow-up goes straight to the D that holds the conversation, no P, no transfer)."
+        ),
+    )
+    prefill_overload_inflight: int = Field(
+        default=16,
+        ge=1,
+        description="In-flight requests above which P affinity yields to the normal choice.",
+    )
+    conditional_max_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens D does not hold (estimated from the previous "
+            "turn's characters per token) for a turn to skip P."
+        ),
+    )
+    conditional_max_inflight_tokens: int = Field(
+        default=4096,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens a D prefills for decode-only turns at once "
+            "(their sum while in flight); beyond it turns go through P, so a burst of "
+            "follow-ups does not stall D's decoding."
+        ),
+    )
+    decode_max_waiting: int = Field(
+        default=4,
+        ge=0,
+        description=(
+            "A D with more queued requests (vllm:num_requests_waiting) is busy: no "
+            "decode-only turns there, and affinity to it yields."
+        ),
+    )
+    decode_max_kv_usage: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="A D above this KV-cache usage (vllm:kv_cache_usage_perc, 0..1) is busy.",
+    )
+    load_poll_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "Seconds between scrapes of each engine's /metrics for load signals (0: off). "
+            "Readings older than 3 intervals are ignored."
+        ),
     )
     metrics_backend_urls: bool = Field(
         default=False,
