@@ -1,4 +1,4 @@
-"""Routing policies on multi-turn and mixed load (`bench/multiturn.py --policies`).
+"""Routing policies on multi-turn and mixed load (`python -m bench.multiturn --policies`).
 
 The same enginesim engines (2 P + 1 D, local prefix caches on, simulated prefill and decode
 cost; prefill on D slows its decode steps) serve, one after another:
@@ -35,9 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import _common as c
 import aiohttp
 from openai import AsyncOpenAI
+
+from bench import _common as c
 
 POLICIES = ("always_p", "affinity", "conditional")
 MODEL = "kvrelay-sim"
@@ -51,7 +52,7 @@ VOCAB = tuple(
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/multiturn.py --policies", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m bench.multiturn --policies", description=__doc__)
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--system-words", type=int, default=150)

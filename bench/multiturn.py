@@ -543,8 +543,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--policies"]:
-        # Routing policies compared on the same engines (issue #17): its own module.
-        import _multiturn_policies
+        # Routing policies compared on the same engines: their own module.
+        from bench import _multiturn_policies
 
         return _multiturn_policies.main(argv[1:])
     args = parse_args(argv)

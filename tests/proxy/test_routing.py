@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.enginesim.reference import reference_chat
-from tests.engines import EngineFactory, EngineSim
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 pytestmark = pytest.mark.nixl
 

@@ -15,10 +15,8 @@ from typing import Any
 
 import pytest
 
-from tests.harness import wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
-from tests.vllm.conftest import Reference
-from tests.vllm.servers import (
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.vllm_servers import (
     BLOCK_SIZE,
     CONNECTOR_SECRET,
     MODEL_NAME,
@@ -28,6 +26,8 @@ from tests.vllm.servers import (
     start_all,
     stop_all,
 )
+from tests.harness import wait_until
+from tests.vllm.conftest import Reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
