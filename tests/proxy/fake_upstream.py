@@ -10,7 +10,8 @@ what the proxy forwarded.
   rest once `gate` is set; with `"cut": true` in the body the connection is dropped after the
   first event instead. Without stream: a JSON echo of the body.
 - `POST /v1/embeddings`: a JSON echo (status `status` when set, e.g. 500).
-- `GET /v1/models`: the `models` it was given. `GET /health`: ok.
+- `GET /v1/models`: the `models` it was given. `GET /health`: ok. `GET /metrics`: empty
+  (not recorded: the proxy scrapes it for load signals).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ class FakeUpstream:
         app = web.Application()
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_get("/metrics", self._metrics)
         app.router.add_route("*", "/{tail:.*}", self._any)
         self._server = ThreadedApp(app, self.port, "fake-upstream")
 
@@ -59,6 +61,10 @@ class FakeUpstream:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        # The proxy scrapes engines' load gauges; this fake has none to report.
+        return web.Response(text="", content_type="text/plain")
 
     async def _models(self, request: web.Request) -> web.Response:
         data = [{"id": m, "object": "model", "owned_by": "fake"} for m in self.models]
