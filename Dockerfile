@@ -19,12 +19,12 @@ COPY pyproject.toml README.md ./
 COPY kvrelay ./kvrelay
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-# ---- proxy-venv: the proxy's runtime environment (base dependencies + Kubernetes discovery) --
+# ---- proxy-venv: the proxy's runtime environment (base deps, Kubernetes discovery, OTel) ---
 FROM ${PYTHON_IMAGE} AS proxy-venv
 COPY --from=build /wheels /wheels
 RUN python -m venv /opt/kvrelay \
     && wheel="$(echo /wheels/kvrelay-*.whl)" \
-    && /opt/kvrelay/bin/pip install --no-cache-dir "${wheel}[kubernetes]" \
+    && /opt/kvrelay/bin/pip install --no-cache-dir "${wheel}[kubernetes,otel]" \
     && /opt/kvrelay/bin/kvrelay serve --help > /dev/null
 
 # ---- vllm-worker: official vLLM image + the kvrelay connector for P and D workers -----------

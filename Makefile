@@ -58,7 +58,7 @@ demo: venv
 	$(PY) -m kvrelay.proxy.cli demo
 
 bench: venv redis
-	$(PY) bench/run_all.py
+	$(PY) -m bench.run_all
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache build *.egg-info

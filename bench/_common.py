@@ -1,13 +1,13 @@
 """Shared helpers for the benchmark scripts in `bench/`.
 
-- `REPO_ROOT` on `sys.path`, so scripts run as `python bench/x.py` can import `tests.harness`
-  (free ports, `ServerProcess`, `RedisServer`) and the project packages.
+- `REPO_ROOT`, `BENCH_DIR`, `RESULTS_MD`, `WORK_DIR`: where things are. Scripts run as modules
+  from the repository root (`python -m bench.kvmap`); servers come from `kvrelay.devtools`.
 - `update_results_section()`: each script rewrites only its own `## name` section of
   `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
 - `run_header()`: the exact command, date and machine every section starts with.
 - `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
 - `start_engine()`, `start_fake_engine()`, `start_kvrelay()`, `start_vllm_router()`: the
-  servers the benchmarks run, started and stopped through the shared test harness (bounded
+  servers the benchmarks run, started and stopped through `kvrelay.devtools.process` (bounded
   readiness, process groups); `cpus=` pins a server (and every process it starts) with `taskset`.
 """
 
@@ -26,10 +26,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.devtools.redis import RedisServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
@@ -38,23 +40,13 @@ WORK_DIR = BENCH_DIR / ".work"  # git-ignored scratch: JSON results, logs
 ROUTER_VENV = REPO_ROOT / ".venv-router"
 ROUTER_VERSION = "0.1.17"
 
-if str(REPO_ROOT) not in sys.path:
-    sys.path.insert(0, str(REPO_ROOT))
-
-from tests.harness import (  # noqa: E402  (needs REPO_ROOT on sys.path first)
-    RedisServer as RedisServer,
-)
-from tests.harness import (  # noqa: E402
-    ServerProcess as ServerProcess,
-)
-from tests.harness import free_port, http_ready  # noqa: E402
 
 _RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
-    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "http clients",
-    "multiturn",
+    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
+    "http clients", "multiturn", "multiturn policies",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (
@@ -99,11 +91,15 @@ def machine_description() -> str:
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The command as typed from the repository root."""
+    """The command as typed from the repository root: `python -m bench.<script> ...`."""
     args = list(sys.argv if argv is None else argv)
     script = Path(args[0])
     with contextlib.suppress(ValueError):
         script = script.resolve().relative_to(REPO_ROOT)
+    if script.suffix == ".py" and not script.is_absolute():
+        return shlex.join(
+            [".venv/bin/python", "-m", ".".join(script.with_suffix("").parts), *args[1:]]
+        )
     return shlex.join([".venv/bin/python", str(script), *args[1:]])
 
 
@@ -245,7 +241,7 @@ def start_fake_engine(role: str, engine_id: str, cpus: str | None = None) -> Eng
     side = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [
-        sys.executable, str(BENCH_DIR / "fake_engine.py"),
+        sys.executable, "-m", "bench.fake_engine",
         "--role", role,
         "--port", str(port),
         "--engine-id", engine_id,
@@ -338,13 +334,16 @@ def ensure_router_venv(quiet: bool = True) -> Path:
 
 
 def start_vllm_router(
-    prefill: Sequence[Engine], decode: Sequence[Engine], cpus: str | None = None
+    prefill: Sequence[Engine],
+    decode: Sequence[Engine],
+    cpus: str | None = None,
+    policy: str = "round_robin",
 ) -> Router:
     """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
 
-    `round_robin` keeps it from calling the engines' `/render` endpoint for every request
-    (its `cache_aware` default tokenizes each prompt on P and D first); with one P and one D the
-    policy choice does not change where requests go.
+    `round_robin` (the default here) keeps it from calling the engines' `/render` endpoint for
+    every request (its `cache_aware` policy tokenizes each prompt on P and D first); with one P
+    and one D the policy choice does not change where requests go.
     """
     launcher = ensure_router_venv()
     port = free_port()
@@ -356,7 +355,7 @@ def start_vllm_router(
         "--port", str(port),
         "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
-        "--policy", "round_robin",
+        "--policy", policy,
         "--kv-connector", "nixl",
         "--log-level", "warning",
         "--max-concurrent-requests", "4096",
@@ -387,22 +386,6 @@ def redis_for_bench() -> Iterator[RedisServer]:
         yield server
     finally:
         server.stop()
-
-
-def scrape_metrics(url: str, timeout: float = 5.0, labels: bool = False) -> dict[str, float]:
-    """GET `url/metrics`; sum every sample by metric name (labels folded together), or with
-    `labels=True` keep each sample apart under its full `name{labels}` key."""
-    with urllib.request.urlopen(f"{url}/metrics", timeout=timeout) as resp:
-        text = resp.read().decode()
-    totals: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels if labels else name_labels.split("{", 1)[0]
-        with contextlib.suppress(ValueError):
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return totals
 
 
 def process_group_cpu_s(pgid: int) -> float:

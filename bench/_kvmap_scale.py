@@ -23,8 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common as c
-
+from bench import _common as c
+from kvrelay.devtools.redis import RedisServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, KVMap, MemoryMap, RedisMap
 from kvrelay.kvcache_map._redis import make_client
 
@@ -118,7 +118,7 @@ async def pairs(m: KVMap, clients: int, duration: float, blocks: int) -> dict[st
 
 
 async def run_backend(
-    backend: str, args: argparse.Namespace, redis: c.RedisServer | None
+    backend: str, args: argparse.Namespace, redis: RedisServer | None
 ) -> list[dict[str, Any]]:
     m: KVMap
     info: Any = None

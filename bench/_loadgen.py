@@ -1,8 +1,10 @@
 """Closed-loop HTTP load generator, run in its own process by the benchmarks.
 
 Reads one JSON job on stdin, sends a fixed number of chat or completion requests with a fixed
-number of concurrent clients (aiohttp on uvloop, keep-alive connections), and prints one JSON
-result on stdout: per-request latency (send to last byte), time to first byte, errors and wall time.
+number of concurrent clients (aiohttp on uvloop, keep-alive connections), and writes one JSON
+result (to the job's `out` file, else stdout): per-request latency (send to last byte), time to
+first byte, errors and wall time. Benchmarks start it with `run_in_process` and read the result
+with `summarize`.
 
 It runs in a separate process so its CPU time is never mistaken for the server's event loop,
 and request bodies are built before the clock starts so the client costs as little as possible.
@@ -18,11 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
+
+from bench import _common as c
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -166,6 +174,43 @@ async def run(job: dict[str, Any]) -> dict[str, Any]:
         "warmup": warmup,
         "requests": total,
         "concurrency": concurrency,
+    }
+
+
+def run_in_process(
+    job: dict[str, Any], cpus: str | None = None, timeout: float = 600.0
+) -> dict[str, Any]:
+    """Run `job` in a load-generator process (pinned to `cpus`); return its JSON result.
+
+    The result comes back through a file: results of thousands of requests outgrow a pipe.
+    """
+    with tempfile.TemporaryDirectory(prefix="kvrelay-loadgen-") as tmp:
+        out = Path(tmp) / "result.json"
+        proc = subprocess.run(
+            c.pinned([sys.executable, "-m", "bench._loadgen"], cpus),
+            input=json.dumps({**job, "out": str(out)}).encode(),
+            capture_output=True,
+            timeout=timeout,
+            env=c.bench_env(),
+            check=False,
+            cwd=c.REPO_ROOT,
+        )
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
+        result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def summarize(result: dict[str, Any]) -> dict[str, float]:
+    """Throughput, latency and time-to-first-byte percentiles and errors of one result."""
+    lat, ttfb = result["latencies"], result["ttfbs"]
+    return {
+        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
+        "p50": c.percentile(lat, 50),
+        "p99": c.percentile(lat, 99),
+        "ttfb_p50": c.percentile(ttfb, 50),
+        "ttfb_p99": c.percentile(ttfb, 99),
+        "errors": float(result["errors"]),
     }
 
 

@@ -13,7 +13,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-import _common as c
+from bench import _common as c
 
 OWN_PLOTS = {
     "proxy_overhead": c.BENCH_DIR / "proxy_overhead.png",

@@ -21,6 +21,15 @@ and the whole set of cases is repeated in `--rounds` interleaved rounds; each fi
 is the median over rounds. Router CPU per request is the process group's CPU time (workers
 included) over the requests served. `--profile` records the kvrelay proxy with py-spy during
 an extra, unmeasured case and writes a flame graph SVG beside RESULTS.md.
+
+`--tracing on|both` measures what OpenTelemetry traces cost: kvrelay exports its spans over
+OTLP/HTTP to a fake collector (`bench/otlp_sink.py`, on the load generator's CPUs) that counts
+them. `on` traces every kvrelay target; `both` adds `kvrelay-w1-traced` beside an untraced
+`kvrelay-w1`, measured in the same interleaved rounds, and reports the two side by side in its
+own section (`## proxy-bound tracing`) so the full proxy-bound section is left alone. With
+`off` (the default) kvrelay runs with `KVRELAY_TRACING=off`. `--baseline-src DIR` adds
+`kvrelay-w1-base`: the same proxy from another source tree (e.g. the commit before tracing,
+`git archive REF kvrelay | tar -x -C DIR`), to show what the untraced path costs against it.
 """
 
 from __future__ import annotations
@@ -35,16 +44,22 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
-import _common as c
-from _common import ServerProcess
+from bench import _common as c
+from bench import _loadgen
+from kvrelay.devtools import prometheus
+from kvrelay.devtools.process import ServerProcess
+from kvrelay.devtools.redis import RedisServer
 
 SECTION = "proxy-bound"
-TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
+TRACING_SECTION = "proxy-bound tracing"
+TRACED = "kvrelay-w1-traced"
+BASE = "kvrelay-w1-base"
+TARGETS = ("direct", BASE, "kvrelay-w1", TRACED, "kvrelay-w2", "vllm-router")
 MODES = ("non-stream", "stream")
 METRICS = ("rps", "p50", "p99", "ttfb_p50", "ttfb_p99", "router_cpu_us", "engine_cpu_us",
            "loadgen_cpu_us")  # fmt: skip
@@ -70,6 +85,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests per mode in the profiled case (c=64)")  # fmt: skip
     g.add_argument("--max-minutes", type=float, default=None,
                    help="start no case after this long; report the rounds done")  # fmt: skip
+    g.add_argument(
+        "--tracing", choices=("off", "on", "both"), default="off",
+        help="kvrelay with OpenTelemetry traces off, on (exported over OTLP/HTTP to "
+        "bench/otlp_sink.py) or both side by side (adds kvrelay-w1-traced)",
+    )  # fmt: skip
+    g.add_argument(
+        "--baseline-src", type=Path, default=None,
+        help="a directory holding another kvrelay/ package (e.g. an older commit's, from git "
+        "archive), run as kvrelay-w1-base beside kvrelay-w1",
+    )  # fmt: skip
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -79,43 +104,20 @@ def apply_quick(args: argparse.Namespace) -> None:
     args.profile_requests = 600
 
 
-def run_loadgen(job: dict[str, Any], cpus: str | None, timeout: float = 600.0) -> dict[str, Any]:
-    """bench/_loadgen.py on `cpus`; returns its JSON result (passed through a file)."""
-    with tempfile.TemporaryDirectory(prefix="kvrelay-loadgen-") as tmp:
-        out = Path(tmp) / "result.json"
-        proc = subprocess.run(
-            c.pinned([sys.executable, str(c.BENCH_DIR / "_loadgen.py")], cpus),
-            input=json.dumps({**job, "out": str(out)}).encode(),
-            capture_output=True,
-            timeout=timeout,
-            env=c.bench_env(),
-            check=False,
-        )
-        if proc.returncode != 0 or not out.exists():
-            raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
-        result: dict[str, Any] = json.loads(out.read_text())
-    return result
-
-
 def summarize(result: dict[str, Any]) -> dict[str, float]:
     """One round of one target in one case: throughput, latency and CPU per request.
 
     Servers' CPU is read around the whole load-generator run, warm-up included, so it is
     divided by every request served; the load generator times only its measured requests.
     """
-    lat, ttfb = result["latencies"], result["ttfbs"]
-    ok = max(len(lat), 1)
-    served = max(len(lat) + int(result.get("warmup", 0)), 1)
+    done = len(result["latencies"])
+    ok = max(done, 1)
+    served = max(done + int(result.get("warmup", 0)), 1)
     return {
-        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
-        "p50": c.percentile(lat, 50),
-        "p99": c.percentile(lat, 99),
-        "ttfb_p50": c.percentile(ttfb, 50),
-        "ttfb_p99": c.percentile(ttfb, 99),
+        **_loadgen.summarize(result),
         "router_cpu_us": result["router_cpu_s"] / served * 1e6,
         "engine_cpu_us": result["engine_cpu_s"] / served * 1e6,
         "loadgen_cpu_us": result["cpu_s"] / ok * 1e6,
-        "errors": float(result["errors"]),
     }
 
 
@@ -127,24 +129,76 @@ class Bench:
         self.p: c.Engine | None = None
         self.d: c.Engine | None = None
         self.routers: dict[str, c.Router] = {}
-        self.redis: c.RedisServer | None = None
+        self.redis: RedisServer | None = None
+        self.sink: ServerProcess | None = None
+        self.sink_url = ""
+
+    def targets(self) -> list[str]:
+        """The targets measured: the chosen ones, and the traced kvrelay with --tracing both."""
+        targets = list(self.args.targets)
+        if self.args.tracing == "both" and "kvrelay-w1" in targets:
+            targets.insert(targets.index("kvrelay-w1") + 1, TRACED)
+        if getattr(self.args, "baseline_src", None) and "kvrelay-w1" in targets:
+            targets.insert(targets.index("kvrelay-w1"), BASE)
+        return targets
+
+    def _start_sink(self) -> None:
+        port = c.free_port()
+        self.sink_url = f"http://127.0.0.1:{port}"
+        self.sink = ServerProcess(
+            c.pinned([sys.executable, "-m", "bench.otlp_sink", "--port", str(port)],
+                     self.args.loadgen_cpus),
+            c.http_ready(self.sink_url + "/health"), env=c.bench_env(), ready_timeout=30,
+            name="otlp-sink",
+        ).start()  # fmt: skip
+
+    def _env(self, traced: bool) -> dict[str, str]:
+        env = {"KVRELAY_LOG_LEVEL": "warning", "KVRELAY_TRACING": "on" if traced else "off"}
+        if traced:
+            env.update({
+                "OTEL_TRACES_EXPORTER": "otlp",
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": self.sink_url + "/v1/traces",
+                "OTEL_SERVICE_NAME": "kvrelay-bench",
+            })  # fmt: skip
+        return env
+
+    def spans_exported(self) -> dict[str, int] | None:
+        """What the fake collector received (None without tracing)."""
+        if self.sink is None:
+            return None
+        with urllib.request.urlopen(self.sink_url + "/stats", timeout=5) as resp:
+            counts: dict[str, int] = json.loads(resp.read())
+        return counts
 
     def start(self) -> None:
         a = self.args
         self.p = c.start_fake_engine("prefill", "fake-p", a.proxy_cpus)
         self.d = c.start_fake_engine("decode", "fake-d", a.proxy_cpus)
-        quiet = {"KVRELAY_LOG_LEVEL": "warning"}
-        if "kvrelay-w1" in a.targets:
+        if a.tracing != "off":
+            self._start_sink()
+        trace_all = a.tracing == "on"
+        targets = self.targets()
+        if "kvrelay-w1" in targets:
             self.routers["kvrelay-w1"] = c.start_kvrelay(
-                "kvrelay-w1", [self.p], [self.d], workers=1, env=quiet, cpus=a.proxy_cpus
+                "kvrelay-w1", [self.p], [self.d], workers=1, env=self._env(trace_all),
+                cpus=a.proxy_cpus,
+            )  # fmt: skip
+        if BASE in targets:
+            base_env = {**self._env(False), "PYTHONPATH": str(a.baseline_src.resolve())}
+            self.routers[BASE] = c.start_kvrelay(
+                BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus
             )
-        if "kvrelay-w2" in a.targets:
-            self.redis = c.RedisServer().start()
+        if TRACED in targets:
+            self.routers[TRACED] = c.start_kvrelay(
+                TRACED, [self.p], [self.d], workers=1, env=self._env(True), cpus=a.proxy_cpus
+            )
+        if "kvrelay-w2" in targets:
+            self.redis = RedisServer().start()
             assert self.redis.process is not None and self.redis.process.proc is not None
             c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
             self.routers["kvrelay-w2"] = c.start_kvrelay(
                 "kvrelay-w2", [self.p], [self.d], workers=2, map_url=self.redis.url,
-                env=quiet, cpus=a.w2_cpus,
+                env=self._env(trace_all), cpus=a.w2_cpus,
             )  # fmt: skip
         if "vllm-router" in a.targets:
             self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
@@ -157,7 +211,7 @@ class Bench:
             if not name.startswith("kvrelay"):
                 continue
             with contextlib.suppress(OSError):
-                samples = c.scrape_metrics(router.url, labels=True)
+                samples = prometheus.scrape(router.url)
                 out[name] = {
                     k.removeprefix("kvrelay_"): v
                     for k, v in samples.items()
@@ -172,6 +226,7 @@ class Bench:
             with contextlib.suppress(Exception):
                 self.redis.stop()
         c.stop_all(self.p.process if self.p else None, self.d.process if self.d else None)
+        c.stop_all(self.sink)
 
     def _router_procs(self, target: str) -> list[ServerProcess]:
         procs = [self.routers[target].process] if target in self.routers else []
@@ -208,7 +263,9 @@ class Bench:
         procs = self._router_procs(target)
         cpu0 = sum(c.server_cpu_s(p) for p in procs)
         eng0 = self._engines_cpu()
-        result = run_loadgen(self.job(target, mode, conc, requests), self.args.loadgen_cpus)
+        result = _loadgen.run_in_process(
+            self.job(target, mode, conc, requests), self.args.loadgen_cpus
+        )
         result["router_cpu_s"] = sum(c.server_cpu_s(p) for p in procs) - cpu0
         result["engine_cpu_s"] = self._engines_cpu() - eng0
         return summarize(result), list(result["error_samples"])
@@ -221,6 +278,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     errors: dict[tuple[str, int, str], list[str]] = collections.defaultdict(list)
     profile: dict[str, Any] | None = None
     work: dict[str, dict[str, float]] = {}
+    spans: dict[str, int] | None = None
     stopped = False
     try:
         bench.start()
@@ -231,7 +289,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             for mode in args.modes:
                 for conc in args.concurrency:
-                    targets = list(args.targets)
+                    targets = bench.targets()
                     shift = case_no % len(targets)
                     case_no += 1
                     # A case is measured for every target or not at all, so ratios stay fair.
@@ -250,6 +308,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                             flush=True,
                         )
         work = bench.work_done()
+        spans = bench.spans_exported()
         if args.profile and "kvrelay-w1" in bench.routers:
             try:
                 profile = record_profile(bench, args)
@@ -272,7 +331,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     order = {t: i for i, t in enumerate(TARGETS)}
     cases.sort(key=lambda x: (MODES.index(x["mode"]), x["concurrency"], order[x["target"]]))
     return {"cases": cases, "profile": profile, "placement": placement(args), "work": work,
-            "stopped_early": stopped}  # fmt: skip
+            "stopped_early": stopped, "spans_exported": spans}  # fmt: skip
 
 
 def placement(args: argparse.Namespace) -> str:
@@ -565,9 +624,85 @@ def profile_lines(profile: dict[str, Any]) -> list[str]:
     return out
 
 
+def tracing_lines(data: dict[str, Any]) -> list[str]:
+    """kvrelay-w1 with traces off and on (and the baseline tree), case by case."""
+    cases = data["cases"]
+    names = {BASE: "base", "kvrelay-w1": "off", TRACED: "on"}
+    present = [t for t in names if any(x["target"] == t for x in cases)]
+    heads = " / ".join(names[t] for t in present)
+    ratios = [(t, "kvrelay-w1") for t in (TRACED,) if t in present]
+    ratios += [("kvrelay-w1", BASE)] if BASE in present else []
+    out = [
+        f"| case | req/s {heads} | "
+        + " | ".join(f"req/s {names[a]} / {names[b]}" for a, b in ratios)
+        + f" | p50 {heads} ms | p99 {heads} ms | router CPU us/req {heads} |",
+        "|---|---|" + "---:|" * len(ratios) + "---|---|---|",
+    ]
+    for mode in MODES:
+        for conc in sorted({int(x["concurrency"]) for x in cases}):
+            row = {t: find(cases, mode, conc, t) for t in present}
+            if any(v is None for v in row.values()):
+                continue
+            got = {t: v for t, v in row.items() if v is not None}
+
+            def joined(key: str, fmt: Any, got: dict[str, dict[str, Any]] = got) -> str:
+                return " / ".join(fmt(got[t][key]) for t in present)
+
+            out.append(
+                f"| {mode} c={conc} | {joined('rps', lambda v: f'{v:.0f}')} | "
+                + " | ".join(c.fmt_ratio(_ratio(got[a]["rps"], got[b]["rps"])) for a, b in ratios)
+                + f" | {joined('p50', c.fmt_ms)} | {joined('p99', c.fmt_ms)} "
+                f"| {joined('router_cpu_us', lambda v: f'{v:.0f}')} |"
+            )
+    spans = data.get("spans_exported")
+    if spans:
+        out += [
+            "",
+            f"Spans the fake collector received from the traced proxy: {spans['spans']} in "
+            f"{spans['exports']} OTLP/HTTP exports ({spans['bytes'] / 1e6:.1f} MB).",
+        ]
+    return out
+
+
+def render_tracing(data: dict[str, Any], args: argparse.Namespace) -> str:
+    """The `## proxy-bound tracing` section: traces off against on, same rounds."""
+    base = ""
+    if any(x["target"] == BASE for x in data["cases"]):
+        base = (
+            "`kvrelay-w1-base` (base): the same proxy from the source tree in `--baseline-src` "
+            f"({data.get('baseline', 'unnamed')}), which has no tracing code. "
+        )
+    lines = [data.get("header") or c.run_header(), ""]
+    lines.append(
+        "What OpenTelemetry traces cost kvrelay `--workers 1` in front of the zero-work fakes "
+        f"(setup as in `## proxy-bound`: `/v1/completions`, unique {args.prompt_words}-word "
+        f"prompt and `X-Conversation-Id` per request, D answers {args.max_tokens} tokens). "
+        "`kvrelay-w1` (off): `KVRELAY_TRACING=off`, the default path; `kvrelay-w1-traced` "
+        "(on): every span exported over OTLP/HTTP (batch processor defaults, which drop spans "
+        "beyond a 2048-span queue) to `bench/otlp_sink.py`, a fake collector on the load "
+        f"generator's CPU. {base}{args.requests} requests per case and round, {args.rounds} "
+        "interleaved rounds (order rotated per case), medians. Placement: "
+        + data["placement"]
+        + f". Load average (1 min) before / after: {data.get('load', 'not recorded')}; run took "
+        f"{data.get('elapsed_s', 0) / 60:.1f} min."
+    )
+    lines += ["", *tracing_lines(data), "", "All targets (medians over rounds):", ""]
+    lines.append("| mode | conc | target | req/s | p50 ms | p99 ms | router CPU us/req | errors |")
+    lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
+    for x in data["cases"]:
+        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
+        lines.append(
+            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
+            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} | {router_cpu} "
+            f"| {int(x['errors'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(args: argparse.Namespace) -> int:
     """Measure (or reload with --render-only), write JSON, print and record the section."""
-    json_path = args.json.with_name("proxy_bound.json")
+    tracing = getattr(args, "tracing", "off") != "off"
+    json_path = args.json.with_name("proxy_bound_tracing.json" if tracing else "proxy_bound.json")
     if args.render_only:
         data = json.loads(json_path.read_text())
         for key, value in data.get("settings", {}).items():
@@ -583,12 +718,14 @@ def main(args: argparse.Namespace) -> int:
         data["settings"] = {
             k: getattr(args, k)
             for k in ("concurrency", "modes", "targets", "requests", "rounds", "max_tokens",
-                      "prompt_words", "proxy_cpus", "w2_cpus", "loadgen_cpus")
+                      "prompt_words", "proxy_cpus", "w2_cpus", "loadgen_cpus", "tracing")
         }  # fmt: skip
+        if args.baseline_src is not None:
+            data["baseline"] = c.relpath(args.baseline_src)
     c.write_json(json_path, data)
-    text = render(data, args)
+    text = render_tracing(data, args) if tracing else render(data, args)
     if not args.no_results:
-        c.update_results_section(SECTION, text)
+        c.update_results_section(TRACING_SECTION if tracing else SECTION, text)
     print(text)
     print(f"\nwrote {c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s")
     return 0

@@ -1,4 +1,4 @@
-"""Zero-work fake vLLM engine for proxy-bound benchmarks: `python bench/fake_engine.py`.
+"""Zero-work fake vLLM engine for proxy-bound benchmarks: `python -m bench.fake_engine`.
 
 A fake, and named so: it does no model work at all, so that in front of it a router's own cost
 is all that limits throughput. On the wire it answers like vLLM 0.32 with kvrelay's connector:

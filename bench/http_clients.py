@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-import _common as c
+from bench import _common as c
 
 SECTION = "http clients"
 CLIENTS = ("aiohttp-default", "aiohttp-tuned", "pyreqwest", "h1")
@@ -194,7 +194,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_one(job: dict[str, Any], cpus: str) -> dict[str, Any]:
     proc = subprocess.run(
-        c.pinned([sys.executable, __file__, "--worker"], cpus),
+        c.pinned([sys.executable, "-m", "bench.http_clients", "--worker"], cpus),
         input=json.dumps(job).encode(),
         capture_output=True,
         timeout=600,

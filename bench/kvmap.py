@@ -32,10 +32,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import cast
 
-import _common as c
-import _kvmap_scale
 from redis.exceptions import RedisError
 
+from bench import _common as c
+from bench import _kvmap_scale
+from kvrelay.devtools.redis import RedisServer
 from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
@@ -46,7 +47,6 @@ from kvrelay.kvcache_map import (
     encode_key,
 )
 from kvrelay.kvcache_map._redis import make_client
-from tests.harness import RedisServer
 
 SECTION = "kvmap"
 AIM_MEMORY_PAIRS_S = 100_000.0
@@ -74,7 +74,7 @@ class CaseResult:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Example: .venv/bin/python bench/kvmap.py --duration 3 --clients 1 64",
+        epilog="Example: .venv/bin/python -m bench.kvmap --duration 3 --clients 1 64",
     )
     p.add_argument(
         "--backends", nargs="+", choices=BACKENDS, default=list(BACKENDS), help="what to measure"

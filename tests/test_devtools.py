@@ -1,8 +1,18 @@
-"""The dev tools' readers: one Prometheus parser and one SSE reader for demo, tests and bench."""
+"""The dev tools: one Prometheus parser and one SSE reader for demo, tests and bench; every
+module light to import; a threaded app that stops."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import urllib.request
+
+from aiohttp import web
+
 from kvrelay.devtools import prometheus, sse
+from kvrelay.devtools.process import free_port, tcp_ready
+from kvrelay.devtools.threaded_app import ThreadedApp
+from tests.harness import REPO_ROOT
 
 PAGE = """# HELP x_total things
 # TYPE x_total counter
@@ -49,3 +59,31 @@ def test_sse_text_of_chat_and_completion_streams() -> None:
     assert sse.text_of(chat, chat=True) == "Hello"
     completion = [{"choices": [{"text": "a"}]}, {"choices": [{"text": "b"}]}]
     assert sse.text_of(completion, chat=False) == "ab"
+
+
+def test_every_devtools_module_imports_without_torch_nixl_vllm_or_tests() -> None:
+    # bench imports these from the wheel's package: none may drag in heavy extras or tests/.
+    code = (
+        "import importlib, pkgutil, sys, kvrelay.devtools as d\n"
+        "for m in pkgutil.iter_modules(d.__path__):\n"
+        "    importlib.import_module('kvrelay.devtools.' + m.name)\n"
+        "heavy = ('torch', 'nixl', 'vllm', 'transformers', 'tests', 'bench')\n"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in heavy))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def test_threaded_app_serves_until_stopped() -> None:
+    async def hello(request: web.Request) -> web.Response:
+        return web.Response(text="hi")
+
+    app = web.Application()
+    app.router.add_get("/", hello)
+    server = ThreadedApp(app, free_port(), "hello")
+    with server, urllib.request.urlopen(server.url + "/", timeout=5) as resp:
+        assert resp.read() == b"hi"
+    assert not tcp_ready("127.0.0.1", server.port)()

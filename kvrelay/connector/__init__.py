@@ -4,6 +4,10 @@ Public API (CONTRACTS §4)::
 
     from kvrelay.connector import ConnectorConfig, ConnectorScheduler, ConnectorWorker
     from kvrelay.connector import CacheLayout, RequestView, ConnectorMetadata
+    from kvrelay.connector import ConnectorError, ConnectorErrorKind
+
+Every exception the connector raises on purpose is a `ConnectorError` whose `kind` (an enum,
+`kvrelay.connector.errors`) says what failed.
 
 Names resolve lazily so that importing `kvrelay.connector.protocol`, `kvrelay.connector.auth` or
 `kvrelay.connector.sidechannel_client` (the proxy does) never pulls in torch or nixl.
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvrelay.connector.config import ConnectorConfig
+    from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
     from kvrelay.connector.layout import CacheLayout
     from kvrelay.connector.metadata import ConnectorMetadata, RequestView
     from kvrelay.connector.scheduler import ConnectorScheduler
@@ -54,6 +59,8 @@ if TYPE_CHECKING:
 __all__ = [
     "CacheLayout",
     "ConnectorConfig",
+    "ConnectorError",
+    "ConnectorErrorKind",
     "ConnectorMetadata",
     "ConnectorScheduler",
     "ConnectorWorker",
@@ -62,6 +69,8 @@ __all__ = [
 
 _LAZY = {
     "ConnectorConfig": "kvrelay.connector.config",
+    "ConnectorError": "kvrelay.connector.errors",
+    "ConnectorErrorKind": "kvrelay.connector.errors",
     "CacheLayout": "kvrelay.connector.layout",
     "ConnectorMetadata": "kvrelay.connector.metadata",
     "RequestView": "kvrelay.connector.metadata",

@@ -15,12 +15,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
+
 if TYPE_CHECKING:
     import torch
 
 
-class LayoutError(ValueError):
+class LayoutError(ConnectorError, ValueError):
     """The cache tensors do not fit the declared layout."""
+
+    kind = ConnectorErrorKind.LAYOUT
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.auth import destination, sign_headers, verify_response
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
@@ -41,8 +42,10 @@ from kvrelay.connector.protocol import (
 MAX_RESPONSE_BYTES = 16 * 1024 * 1024
 
 
-class SideChannelError(Exception):
+class SideChannelError(ConnectorError):
     """The holder could not be reached or answered something unexpected."""
+
+    kind = ConnectorErrorKind.SIDE_CHANNEL
 
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
@@ -51,6 +54,8 @@ class SideChannelError(Exception):
 
 class HolderNotAllowedError(SideChannelError):
     """The holder's address is outside the allowlist: it was not contacted (final)."""
+
+    kind = ConnectorErrorKind.HOLDER_NOT_ALLOWED
 
 
 def _base(host: str, port: int) -> str:

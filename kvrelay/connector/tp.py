@@ -13,9 +13,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 
-class TPMismatchError(ValueError):
+
+class TPMismatchError(ConnectorError, ValueError):
     """The two engines' TP sizes or block geometries cannot be mapped onto each other."""
+
+    kind = ConnectorErrorKind.TP_MISMATCH
 
 
 @dataclass(frozen=True)

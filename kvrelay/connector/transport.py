@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch  # nixl needs torch imported first
 
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.layout import CacheGeometry
 from kvrelay.connector.tp import ReadPiece
 
@@ -27,8 +28,10 @@ except ImportError:  # pragma: no cover - the connector extra is required for th
     nixl_agent_config = None
 
 
-class TransportError(RuntimeError):
+class TransportError(ConnectorError, RuntimeError):
     """Any NIXL failure (registration, metadata, transfer posting or state)."""
+
+    kind = ConnectorErrorKind.TRANSPORT
 
 
 XferHandle = Any

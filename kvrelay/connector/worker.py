@@ -43,6 +43,7 @@ import torch
 
 from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec
 from kvrelay.connector.protocol import ClaimResponse, HandshakeResponse
@@ -75,12 +76,11 @@ def parse_notif(message: bytes) -> tuple[str, int] | None:
     return rid, count
 
 
-class LoadFailure(Exception):
+class LoadFailure(ConnectorError):
     """A read could not be done; `kind` labels the failure counter."""
 
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
+    def __init__(self, kind: ConnectorErrorKind, message: str) -> None:
+        super().__init__(message, kind)
 
 
 @dataclass
@@ -262,24 +262,32 @@ class ConnectorWorker:
                     self.config.engine_id, spec.request_id,
                 )  # fmt: skip
             except SideChannelError as exc:
-                raise LoadFailure("claim", f"claim failed: {exc}") from exc
+                raise LoadFailure(ConnectorErrorKind.CLAIM, f"claim failed: {exc}") from exc
             if claim.status == "claimed":
-                raise LoadFailure("claimed", "another reader request claimed these blocks")
+                raise LoadFailure(
+                    ConnectorErrorKind.CLAIMED, "another reader request claimed these blocks"
+                )
             if claim.status != "held":
-                raise LoadFailure("gone", "holder no longer holds the blocks")
+                raise LoadFailure(ConnectorErrorKind.GONE, "holder no longer holds the blocks")
             held = set(claim.block_ids[0]) if claim.block_ids else set()
             if not set(spec.remote_block_ids) <= held:
-                raise LoadFailure("gone", "holder holds other blocks than the params said")
+                raise LoadFailure(
+                    ConnectorErrorKind.GONE, "holder holds other blocks than the params said"
+                )
             handshake = None
             if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
                 handshake = self._handshake(spec)
                 if handshake.instance_id != claim.instance_id:
-                    raise LoadFailure("gone", "holder restarted between claim and handshake")
+                    raise LoadFailure(
+                        ConnectorErrorKind.GONE, "holder restarted between claim and handshake"
+                    )
             self._prepared.put(_Prepared(spec, claim, handshake, claimed_at))
         except LoadFailure as exc:
             self._failures.put((spec.request_id, exc))
         except Exception as exc:  # anything else still ends in the one failure handler
-            self._failures.put((spec.request_id, LoadFailure("exception", repr(exc))))
+            self._failures.put(
+                (spec.request_id, LoadFailure(ConnectorErrorKind.EXCEPTION, repr(exc)))
+            )
 
     def _handshake(self, spec: RecvSpec) -> HandshakeResponse:
         client = self._side_channel()
@@ -294,16 +302,17 @@ class ConnectorWorker:
                 continue
             if hs.engine_id != spec.remote_engine_id:
                 raise LoadFailure(
-                    "handshake", f"{spec.remote_host}:{spec.remote_port} is {hs.engine_id}"
+                    ConnectorErrorKind.HANDSHAKE,
+                    f"{spec.remote_host}:{spec.remote_port} is {hs.engine_id}",
                 )
             if hs.compat_hash != self.config.compat_hash():
                 raise LoadFailure(
-                    "incompatible",
+                    ConnectorErrorKind.INCOMPATIBLE,
                     f"holder {hs.engine_id} compat hash {hs.compat_hash} != "
                     f"{self.config.compat_hash()} (model/dtype/layout/block size/layers/version)",
                 )
             return hs
-        raise LoadFailure("handshake", f"handshake failed after retries: {last}")
+        raise LoadFailure(ConnectorErrorKind.HANDSHAKE, f"handshake failed after retries: {last}")
 
     # --- reader: engine thread -------------------------------------------------------------
     def _start_prepared(self) -> None:
@@ -320,9 +329,9 @@ class ConnectorWorker:
             except LoadFailure as exc:
                 self._fail(rid, exc)
             except (TransportError, TPMismatchError, LayoutError) as exc:
-                self._fail(rid, LoadFailure("setup", str(exc)))
+                self._fail(rid, LoadFailure(ConnectorErrorKind.SETUP, str(exc)))
             except Exception as exc:
-                self._fail(rid, LoadFailure("exception", repr(exc)))
+                self._fail(rid, LoadFailure(ConnectorErrorKind.EXCEPTION, repr(exc)))
 
     def _remote_engine(self, prep: _Prepared) -> _RemoteEngine:
         """The holder instance's agent entry: loaded once, replaced only on a new instance."""
@@ -332,7 +341,7 @@ class ConnectorWorker:
         if current is not None and current.instance_id == prep.claim.instance_id:
             return current  # another read's handshake of the same instance changes nothing
         if prep.handshake is None:
-            raise LoadFailure("handshake", "no cached metadata for the holder")
+            raise LoadFailure(ConnectorErrorKind.HANDSHAKE, "no cached metadata for the holder")
         if current is not None:
             # A restarted holder: its old agents must go before the new ones are loaded.
             self._forget_remote(engine_id)
@@ -370,7 +379,7 @@ class ConnectorWorker:
             theirs = (geom.dtype, geom.head_major, geom.layout_name)
             if mine != theirs:
                 raise LoadFailure(
-                    "incompatible",
+                    ConnectorErrorKind.INCOMPATIBLE,
                     f"holder rank {rank} cache layout (dtype, head-major, name) {theirs} "
                     f"!= {mine} here",
                 )
@@ -380,7 +389,7 @@ class ConnectorWorker:
         spec = prep.spec
         remote = self._remote_engine(prep)
         if remote.tp_size != spec.remote_tp_size:
-            raise LoadFailure("setup", "holder TP size differs from the params")
+            raise LoadFailure(ConnectorErrorKind.SETUP, "holder TP size differs from the params")
         self._check_layouts(local, remote)
         first = remote.geometries[min(remote.geometries)]
         plan: ReadPlan = plan_reads(
@@ -388,7 +397,7 @@ class ConnectorWorker:
             local.region_len, first.region_len, local.head_major,
         )  # fmt: skip
         if max(spec.local_block_ids, default=0) >= local.num_blocks:
-            raise LoadFailure("setup", "local block id out of range")
+            raise LoadFailure(ConnectorErrorKind.SETUP, "local block id out of range")
         message = notif_message(spec.remote_request_id, plan.expected_per_holder_rank)
         read = _Read(
             spec=spec,
@@ -410,7 +419,7 @@ class ConnectorWorker:
         for piece in plan.pieces:
             geom = remote.geometries[piece.remote_rank]
             if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
-                raise LoadFailure("setup", "remote block id out of range")
+                raise LoadFailure(ConnectorErrorKind.SETUP, "remote block id out of range")
             l_descs, r_descs = build_descs(
                 local, geom, spec.local_block_ids, spec.remote_block_ids, piece,
                 self.config.coalesce,
@@ -440,9 +449,14 @@ class ConnectorWorker:
                         rid, self.config.cancel_grace_s,
                     )  # fmt: skip
             elif "ERR" in states:
-                self._fail(rid, LoadFailure("transfer", "NIXL READ failed"))
+                self._fail(rid, LoadFailure(ConnectorErrorKind.TRANSFER, "NIXL READ failed"))
             elif now > read.pin_deadline:
-                self._fail(rid, LoadFailure("timeout", "READ outlasted the holder's claim pin"))
+                self._fail(
+                    rid,
+                    LoadFailure(
+                        ConnectorErrorKind.TIMEOUT, "READ outlasted the holder's claim pin"
+                    ),
+                )
             elif over:
                 for handle in read.handles:
                     transport.release(handle)
@@ -457,7 +471,7 @@ class ConnectorWorker:
                 self.counters.inc("blocks_read", read.num_blocks)
                 self._done_recving.add(rid)
             elif now > read.deadline:
-                self._fail(rid, LoadFailure("timeout", "NIXL READ timed out"))
+                self._fail(rid, LoadFailure(ConnectorErrorKind.TIMEOUT, "NIXL READ timed out"))
 
     def _drain_failures(self) -> None:
         while True:
@@ -474,10 +488,10 @@ class ConnectorWorker:
         read = self._reads.get(rid)
         if spec is None or (read is not None and read.failure is not None):
             return
-        log.warning("KV load for %s failed (%s): %s", rid, exc.kind, exc)
+        log.warning("KV load for %s failed (%s): %s", rid, exc.kind.value, exc)
         self.counters.inc("failures")
-        self.counters.inc(f"failures_{exc.kind}")
-        if spec.release_token and exc.kind not in ("gone", "claimed"):
+        self.counters.inc(f"failures_{exc.kind.value}")
+        if spec.release_token and exc.kind.releases_holder:
             # Ends our own claim's pin at once; another reader's claim is not ours to end.
             self._side_channel()
             assert self._releases is not None

@@ -9,7 +9,8 @@ import os
 import signal
 import sys
 
-from kvrelay.enginesim.config import DEFAULT_MODEL, ConnectorSettings, EngineConfig
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.enginesim.config import DEFAULT_MODEL, EngineConfig
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import DTYPES, ModelGeometry
 
@@ -29,9 +30,16 @@ def build_parser() -> argparse.ArgumentParser:
         "engine without KV transfer",
     )  # fmt: skip
     p.add_argument("--side-channel-host", default="127.0.0.1")
-    p.add_argument("--role", choices=["both", "prefill", "decode"], default="both")
+    p.add_argument(
+        "--role", choices=["both", "prefill", "decode"], default="both",
+        help="a label for launch scripts: every engine's connector serves both directions",
+    )  # fmt: skip
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-us-per-step", type=float, default=0.0)
+    p.add_argument(
+        "--prefix-cache-blocks", type=int, default=0,
+        help="local prefix cache size in blocks (0: none)",
+    )  # fmt: skip
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -63,11 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     connector = None
     if args.side_channel_port is not None:
-        connector = ConnectorSettings(
+        connector = ConnectorConfig(
             engine_id=args.engine_id or f"sim-{args.port}",
             side_channel_port=args.side_channel_port,
             side_channel_host=args.side_channel_host,
-            role=args.role,
             kv_recompute_threshold=args.kv_recompute_threshold,
             kv_load_failure_policy=args.kv_load_failure_policy,
             lease_seconds=args.lease_seconds,
@@ -84,6 +91,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_seqs=args.max_num_seqs,
         prefill_us_per_token=args.prefill_us_per_token,
         decode_us_per_step=args.decode_us_per_step,
+        prefix_cache_blocks=args.prefix_cache_blocks,
         eos_period=args.eos_period,
         params_in_stream=args.params_in_stream,
         connector=connector,

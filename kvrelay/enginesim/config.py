@@ -4,26 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrelay.connector.config import ConnectorConfig
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import ModelGeometry
 
 DEFAULT_MODEL = "kvrelay-sim"
-
-
-@dataclass(frozen=True)
-class ConnectorSettings:
-    """How this engine hosts the NIXL connector (absent: a single engine, no KV transfer)."""
-
-    engine_id: str
-    side_channel_port: int = 0
-    side_channel_host: str = "127.0.0.1"
-    role: str = "both"
-    kv_recompute_threshold: int = 0
-    kv_load_failure_policy: str = "recompute"
-    lease_seconds: float = 120.0
-    publish_finished_params: bool = True
-    handshake_timeout_s: float = 5.0
-    transfer_timeout_s: float = 30.0
 
 
 @dataclass(frozen=True)
@@ -39,14 +24,21 @@ class EngineConfig:
     max_num_seqs: int = 64
     # Simulated compute: prefill sleeps this long per locally computed prompt token.
     prefill_us_per_token: float = 0.0
+    # One decode step of the running batch; prefill computed in the same step adds its own
+    # time to that step, so prefill work on an engine slows its decoding requests.
     decode_us_per_step: float = 0.0
+    # Local prefix cache (full blocks of finished requests), in blocks; 0: none.
+    prefix_cache_blocks: int = 0
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
     eos_period: int = 64
     params_in_stream: bool = False
     # A request waiting longer for remote KV means the connector never ended its load
     # (every connector timeout is far shorter): the engine stops with an error.
     remote_kv_wait_limit_s: float = 300.0
-    connector: ConnectorSettings | None = None
+    # How this engine hosts the NIXL connector (None: a single engine, no KV transfer). The
+    # connector's own settings type; the KV identity fields (model, dtype, block size, layers,
+    # layout) are filled in from this config when the connector starts (`nixl_host`).
+    connector: ConnectorConfig | None = None
 
     def validate(self) -> None:
         if self.max_model_len < 2:

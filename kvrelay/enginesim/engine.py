@@ -31,6 +31,7 @@ from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
+from kvrelay.enginesim.prefix_cache import PrefixCache
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
@@ -57,6 +58,7 @@ class EngineCore:
             config.num_blocks, config.block_size, config.geometry, config.kv_layout
         )
         self.kv: KVHost = kv_host or NoConnector()
+        self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
         self.running: dict[str, SimRequest] = {}
@@ -73,6 +75,7 @@ class EngineCore:
             "requests_rejected": 0,
             "prompt_tokens_computed": 0,
             "prompt_tokens_loaded": 0,
+            "prompt_tokens_cached": 0,
             "generation_tokens": 0,
             "preemptions": 0,
             "reclaim_requests": 0,
@@ -151,19 +154,23 @@ class EngineCore:
                     return
                 continue
             # Asked on every admission attempt, as vLLM does (a retry after a failed
-            # allocation may see a different local hit).
-            n_ext, is_async = req.external = self._ask_connector(req)
+            # allocation may see a different local hit). The connector is told the local
+            # hit, so it loads only what lies beyond it.
+            local = self.prefix_cache.hit_tokens(req.hashes, req.num_prompt_tokens)
+            n_ext, is_async = req.external = self._ask_connector(req, local)
             # Blocks for the prompt plus the first generated token's KV.
             blocks = self._allocate(self.pool.blocks_for(req.num_prompt_tokens + 1))
             if blocks is None:
                 return
             self.waiting.popleft()
             req.block_ids = blocks
+            self.prefix_cache.load(self.pool, blocks, req.hashes, local)
+            req.cached_tokens = local
             self.kv.update_state_after_alloc(req, blocks, n_ext)
             if is_async:
                 self._start_loading(req)
             else:
-                req.num_computed = n_ext
+                req.num_computed = local + n_ext
                 req.loaded_tokens = n_ext
                 req.state = ReqState.PREFILL
                 self.running[req.request_id] = req
@@ -178,6 +185,7 @@ class EngineCore:
         self.waiting.popleft()
         req.block_ids = blocks
         req.num_computed = 0
+        req.cached_tokens = 0
         self.kv.update_state_after_alloc(req, blocks, n_ext)
         if is_async:
             self._start_loading(req)
@@ -186,8 +194,8 @@ class EngineCore:
         self.running[req.request_id] = req
         return True
 
-    def _ask_connector(self, req: SimRequest) -> tuple[int, bool]:
-        n_ext, is_async = self.kv.get_num_new_matched_tokens(req, 0)
+    def _ask_connector(self, req: SimRequest, local_hit: int = 0) -> tuple[int, bool]:
+        n_ext, is_async = self.kv.get_num_new_matched_tokens(req, local_hit)
         if is_async and n_ext <= 0:
             # vLLM: `assert num_external_computed_tokens > 0` for an async load.
             raise EngineInvariantError(
@@ -240,9 +248,11 @@ class EngineCore:
             req.preempted = False
             req.state = ReqState.RUNNING
             return 0
+        cached = min(req.cached_tokens, start)
         self.counters["prompt_tokens_computed"] += end - start
-        self.counters["prompt_tokens_loaded"] += start
-        req.loaded_tokens = start
+        self.counters["prompt_tokens_loaded"] += start - cached
+        self.counters["prompt_tokens_cached"] += cached
+        req.loaded_tokens = start - cached
         # The request's state after prefill: every prompt position's KV, read back.
         req.digest = self.model.prompt_digest(self.pool.read(req.block_ids, 0, end))
         req.state = ReqState.RUNNING
@@ -332,6 +342,9 @@ class EngineCore:
         req.state = ReqState.FINISHED
         # An aborted or failed request offers no blocks: nothing of it is worth holding.
         offered = req.block_ids if hold else []
+        if hold and req.block_ids:
+            # Every position of a finished request has its KV written: cache the full blocks.
+            self.prefix_cache.store(self.pool, req.block_ids, req.hashes)
         delay_free, params = self.kv.request_finished(req, offered)
         if delay_free:
             keep = list(offered)
@@ -377,7 +390,7 @@ class EngineCore:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
                 continue
             arrived = self.kv.loaded_tokens(req)
-            req.num_computed = arrived
+            req.num_computed = max(arrived, req.cached_tokens)
             req.state = ReqState.PREFILL
             self.running[request_id] = req
         for request_id in out.failed - out.finished_recving:

@@ -21,6 +21,7 @@ _GAUGES = {
 _COUNTERS = {
     "prompt_tokens_computed": "prompt tokens whose KV was computed locally",
     "prompt_tokens_loaded": "prompt tokens whose KV was loaded from a remote engine",
+    "prompt_tokens_cached": "prompt tokens found in the engine's local prefix cache",
     "generation_tokens": "generated tokens",
     "preemptions": "running requests preempted for lack of blocks",
     "reclaim_requests": "times the engine asked the connector to reclaim holds",
@@ -39,6 +40,7 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(f"enginesim_{name}", doc, value=snap.get(name, 0))
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"enginesim_{name}", doc, value=snap.get(name, 0))
+        yield from _vllm_load_gauges(snap)
         total = CounterMetricFamily("enginesim_requests", "requests by outcome")
         # A plain total plus per-outcome series.
         requests = CounterMetricFamily(
@@ -63,6 +65,20 @@ class _SnapshotCollector:
                     f"enginesim_connector_{_NAME_OK.sub('_', key)}", f"connector stat {key}",
                     value=value,
                 )  # fmt: skip
+
+
+def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
+    """The load gauges vLLM exports, under vLLM's names, so the proxy reads both alike."""
+    total = snap.get("blocks_total", 0)
+    used = 1.0 - snap.get("blocks_free", 0) / total if total else 0.0
+    yield GaugeMetricFamily(
+        "vllm:num_requests_running", "requests in the running batch",
+        value=snap.get("requests_running", 0),
+    )  # fmt: skip
+    # vLLM counts requests waiting for remote KV among the waiting ones.
+    waiting = snap.get("requests_waiting", 0) + snap.get("requests_loading", 0)
+    yield GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting", value=waiting)
+    yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", value=used)
 
 
 def render_metrics(snapshot: Callable[[], dict[str, Any]]) -> Callable[[], bytes]:

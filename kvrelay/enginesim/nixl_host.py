@@ -21,27 +21,19 @@ log = logging.getLogger(__name__)
 
 
 def connector_config(config: EngineConfig) -> ConnectorConfig:
-    """The connector settings implied by an engine config (KV identity from the pool)."""
+    """The engine's connector settings with the KV identity taken from its pool (validated)."""
     settings = config.connector
     if settings is None:
         raise ValueError("engine has no connector settings")
-    return ConnectorConfig(
-        engine_id=settings.engine_id,
-        side_channel_host=settings.side_channel_host,
-        side_channel_port=settings.side_channel_port,
-        model=config.model,
-        dtype=config.geometry.dtype,
-        block_size=config.block_size,
-        num_layers=config.geometry.num_layers,
-        kv_layout=config.kv_layout.value,
-        tp_size=1,
-        lease_seconds=settings.lease_seconds,
-        publish_finished_params=settings.publish_finished_params,
-        kv_recompute_threshold=settings.kv_recompute_threshold,
-        kv_load_failure_policy="fail" if settings.kv_load_failure_policy == "fail" else "recompute",
-        handshake_timeout_s=settings.handshake_timeout_s,
-        transfer_timeout_s=settings.transfer_timeout_s,
-    )
+    identity = {
+        "model": config.model,
+        "dtype": config.geometry.dtype,
+        "block_size": config.block_size,
+        "num_layers": config.geometry.num_layers,
+        "kv_layout": config.kv_layout.value,
+        "tp_size": 1,
+    }
+    return ConnectorConfig.model_validate({**settings.model_dump(), **identity})
 
 
 class NixlHost:

@@ -74,6 +74,7 @@ class SimRequest:
     digest: bytes | None = None
     external: tuple[int, bool] | None = None
     loaded_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens found in the engine's own prefix cache
     text: str = ""
     emitted_chars: int = 0
     aborted: bool = False

@@ -1,7 +1,8 @@
 """The aiohttp OpenAI-compatible front end of one simulated engine.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streams and plain JSON),
-`GET /v1/models`, `GET /health`, `GET /metrics`, `GET|POST /admin/faults`,
+`GET /v1/models`, `GET /health`, `POST /tokenize`, `/detokenize`, `/v1/embeddings`,
+`/v1/responses` (`kvrelay.enginesim.extras`), `GET /metrics`, `GET|POST /admin/faults`,
 `POST /admin/corrupt_blocks` (tests). Validation and faults act before admission; a refused
 request that carried `do_remote_prefill` params is reported to the connector
 (`request_rejected`) so the holder frees its blocks at once.
@@ -22,6 +23,7 @@ from typing import Any
 from aiohttp import web
 
 from kvrelay.connector.protocol import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
+from kvrelay.enginesim import extras
 from kvrelay.enginesim.engine import EngineCore
 from kvrelay.enginesim.faults import Faults
 from kvrelay.enginesim.metrics import render_metrics
@@ -72,6 +74,9 @@ class EngineServer:
                 web.post("/admin/faults", self.set_faults),
                 web.post("/admin/corrupt_blocks", self.corrupt_blocks),
             ]
+        )
+        extras.add_routes(
+            self.app, self.core.tokenizer, self.config.model, self.config.max_model_len
         )
 
     # ----- simple endpoints --------------------------------------------------------------------

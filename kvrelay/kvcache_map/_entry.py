@@ -67,6 +67,8 @@ _SHORT = {
     "expires_at": "t",
     "release_token": "k",
     "tp_size": "s",
+    "prefill_url": "q",
+    "chars_per_token": "c",
 }
 _LONG = {short: long for long, short in _SHORT.items()}
 _FORMAT_VERSION = 1
@@ -93,10 +95,16 @@ class KVEntry(BaseModel):
     expires_at: float = Field(gt=0)
     release_token: str | None = Field(default=None, min_length=1, max_length=_MAX_TEXT)
     tp_size: int = Field(default=1, ge=1, le=MAX_TP_SIZE)
+    # Routing hints (kvrelay.proxy.routing), never sent to engines: the P that prefilled the
+    # turn (P affinity) and the turn's prompt characters per token (decode-only estimate).
+    prefill_url: str | None = Field(default=None, min_length=1, max_length=_MAX_URL)
+    chars_per_token: float | None = Field(default=None, gt=0, le=1 << 20)
 
-    @field_validator("url")
+    @field_validator("url", "prefill_url")
     @classmethod
-    def _http_url(cls, value: str) -> str:
+    def _http_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise ValueError("url must be an absolute http(s) URL")
@@ -123,11 +131,11 @@ class KVEntry(BaseModel):
                     raise ValueError("block hashes must be 16 lower-case hex characters")
         return value
 
-    @field_validator("expires_at")
+    @field_validator("expires_at", "chars_per_token")
     @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
-            raise ValueError("expires_at must be finite")
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be finite")
         return value
 
     @model_validator(mode="after")
@@ -207,7 +215,13 @@ class KVEntry(BaseModel):
 
     @classmethod
     def from_kv_transfer_params(
-        cls, params: Mapping[str, Any], *, url: str, fingerprint: str
+        cls,
+        params: Mapping[str, Any],
+        *,
+        url: str,
+        fingerprint: str,
+        prefill_url: str | None = None,
+        chars_per_token: float | None = None,
     ) -> KVEntry:
         """Build an entry from the params D returned when it finished a turn.
 
@@ -241,6 +255,8 @@ class KVEntry(BaseModel):
             "fingerprint": fingerprint,
             "expires_at": params[REMOTE_BLOCKS_EXPIRY_TIME],
             "release_token": params.get(RELEASE_TOKEN),
+            "prefill_url": prefill_url,
+            "chars_per_token": chars_per_token,
         }
         if params.get(TP_SIZE) is not None:
             fields["tp_size"] = params[TP_SIZE]

@@ -1,47 +1,31 @@
 """Admin API: list, add, drain and remove engines at run time, behind the admin key.
 
-`Authorization: Bearer <admin_key>` (or `X-Admin-Key`). Without a configured admin key the
-routes answer 404, so an unconfigured proxy exposes no control surface. Changes go through
+A sub-application mounted at `/admin` (`admin_app`). `Authorization: Bearer <admin_key>` (or
+`X-Admin-Key`, read by `kvrelay.proxy.auth`). Without a configured admin key the routes answer
+404, so an unconfigured proxy exposes no control surface. Changes go through
 the fleet sync (`kvrelay.proxy.fleet_sync`): with the Redis map they reach every worker and replica;
 with the memory map (one process) they apply to this process.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from typing import Any
 
 from aiohttp import web
 
+from kvrelay.proxy.auth import require_admin
 from kvrelay.proxy.body import HeldBody, read_json_object
 from kvrelay.proxy.errors import ProxyError, bad_request, json_response
-from kvrelay.proxy.headers import bearer_token, header_text
 from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, SETTINGS
 from kvrelay.proxy.pools import Pool
 from kvrelay.proxy.settings import normalize_backend_url
 
-log = logging.getLogger("kvrelay.admin")
-
-
-def _check_admin(request: web.Request) -> None:
-    key = request.app[SETTINGS].admin_key
-    if key is None:
-        raise ProxyError(
-            404, "the admin API is disabled: set admin_key (KVRELAY_ADMIN_KEY) to enable it"
-        )
-    code = "invalid_admin_key"
-    given = bearer_token(request, code) or header_text(request, "X-Admin-Key", code) or ""
-    if not given or not hmac.compare_digest(given.encode(), key.get_secret_value().encode()):
-        raise ProxyError(
-            401,
-            "admin endpoints need `Authorization: Bearer <admin_key>`",
-            code="invalid_admin_key",
-        )
+log = logging.getLogger(__name__)
 
 
 def _pools(request: web.Request) -> dict[str, Pool]:
-    fleet = request.app[FLEET]
+    fleet = request.config_dict[FLEET]
     return {"prefill": fleet.prefill, "decode": fleet.decode}
 
 
@@ -49,10 +33,10 @@ async def _target(request: web.Request) -> tuple[Pool, str]:
     if request.method == "DELETE" and not request.can_read_body:
         data: Any = dict(request.query)
     else:
-        held = HeldBody(request.app[BODY_BUDGET])
+        held = HeldBody(request.config_dict[BODY_BUDGET])
         try:
             # The same size, time and depth limits as the client routes.
-            data = await read_json_object(request, request.app[SETTINGS], held)
+            data = await read_json_object(request, request.config_dict[SETTINGS], held)
         except ProxyError as exc:
             if exc.code not in ("invalid_json", "empty_body"):
                 raise
@@ -72,7 +56,7 @@ async def _target(request: web.Request) -> tuple[Pool, str]:
 
 
 async def list_backends(request: web.Request) -> web.StreamResponse:
-    _check_admin(request)
+    require_admin(request)
     return json_response(
         {
             role: [b.describe() for b in pool.backends.values()]
@@ -84,9 +68,9 @@ async def list_backends(request: web.Request) -> web.StreamResponse:
 async def _change(
     request: web.Request, op: str, target: tuple[Pool, str] | None = None
 ) -> tuple[Pool, str, bool]:
-    _check_admin(request)
+    require_admin(request)
     pool, url = target or await _target(request)
-    sync = request.app[FLEET_SYNC]
+    sync = request.config_dict[FLEET_SYNC]
     try:
         found = await sync.apply({"op": op, "role": pool.role, "url": url, "source": "admin"})
     except Exception as exc:  # the shared record is unreachable: change nothing anywhere
@@ -116,7 +100,7 @@ async def drain_backend(request: web.Request) -> web.StreamResponse:
 
 
 async def remove_backend(request: web.Request) -> web.StreamResponse:
-    _check_admin(request)
+    require_admin(request)
     pool, url = await _target(request)
     before = pool.get(url)
     pool, url, found = await _change(request, "remove", (pool, url))
@@ -126,8 +110,15 @@ async def remove_backend(request: web.Request) -> web.StreamResponse:
     return json_response({"removed": removed})
 
 
-def add_routes(app: web.Application) -> None:
-    app.router.add_get("/admin/backends", list_backends)
-    app.router.add_post("/admin/backends", add_backend)
-    app.router.add_post("/admin/backends/drain", drain_backend)
-    app.router.add_delete("/admin/backends", remove_backend)
+def admin_app() -> web.Application:
+    """The admin routes as a sub-application; `create_app` mounts it at `/admin`.
+
+    Its handlers read the proxy's shared state through `request.config_dict` (the parent
+    application's keys), and the parent's middlewares (error shaping) wrap them too.
+    """
+    sub = web.Application()
+    sub.router.add_get("/backends", list_backends)
+    sub.router.add_post("/backends", add_backend)
+    sub.router.add_post("/backends/drain", drain_backend)
+    sub.router.add_delete("/backends", remove_backend)
+    return sub

@@ -1,17 +1,17 @@
-"""The aiohttp application: routes, authentication, start-up and shutdown of shared state.
+"""The aiohttp application: routes, error handling, start-up and shutdown of shared state.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json` and the
-admin routes (`kvrelay.proxy.admin`). `create_app(settings)` builds it;
+`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
+admin sub-application under `/admin` (`kvrelay.proxy.admin`) and the pass-through routes
+(`kvrelay.proxy.passthrough`). Who may call what: `kvrelay.proxy.auth`; whether now:
+`kvrelay.proxy.access`. `create_app(settings)` builds it;
 `kvrelay.proxy.server` runs it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -20,23 +20,36 @@ from aiohttp import web
 
 from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
 from kvrelay.kvcache_map._errors import InvalidKeyError
-from kvrelay.proxy import admin, metrics
+from kvrelay.proxy import admin, metrics, passthrough
+from kvrelay.proxy.access import admit
+from kvrelay.proxy.auth import authenticate, require_metrics_key
 from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
     chat_shape,
     completion_shape,
     conversation_id_from,
     request_id_from,
-    tenant_of,
     upstream_request_id,
 )
 from kvrelay.proxy.discovery import start_discovery
 from kvrelay.proxy.discovery_kube import start_kube_discovery
+from kvrelay.proxy.engine_load import LoadPoller
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
-from kvrelay.proxy.headers import bearer_token, header_text
-from kvrelay.proxy.keys import BODY_BUDGET, FLEET, FLEET_SYNC, HEALTH, SETTINGS, TENANTS
+from kvrelay.proxy.headers import header_text
+from kvrelay.proxy.keys import (
+    BODY_BUDGET,
+    FLEET,
+    FLEET_SYNC,
+    HEALTH,
+    LIMITS,
+    MODELS,
+    SETTINGS,
+    TENANTS,
+)
+from kvrelay.proxy.limits import Slot, open_limiter
+from kvrelay.proxy.models import ModelCatalog
 from kvrelay.proxy.openapi import openapi_document
 from kvrelay.proxy.pools import Backend, HealthChecker, Pool
 from kvrelay.proxy.relay import Turn
@@ -49,27 +62,6 @@ from kvrelay.proxy.validation import validate_chat, validate_completion
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def authenticate(request: web.Request) -> str:
-    """The caller's tenant; 401 when keys are configured and none matches."""
-    settings = request.app[SETTINGS]
-    token = bearer_token(request)
-    if not settings.api_keys:
-        return tenant_of(token)
-    if token is not None:
-        matched = False
-        for key in settings.api_keys:
-            # Compare against every key so timing does not reveal which one was close.
-            matched |= hmac.compare_digest(token.encode(), key.get_secret_value().encode())
-        if matched:
-            return tenant_of(token)
-    raise ProxyError(
-        401,
-        "missing or invalid API key: send `Authorization: Bearer <key>` with a key the "
-        "proxy was configured with",
-        code="invalid_api_key",
-    )
 
 
 @web.middleware
@@ -97,20 +89,6 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         ).response()  # fmt: skip
 
 
-def _check_breaker(request: web.Request, tenant: str) -> None:
-    left = request.app[TENANTS].retry_after(tenant)
-    if left is not None:
-        wait = max(1, math.ceil(left))
-        raise ProxyError(
-            429,
-            "this API key's recent requests made every engine fail, so its requests are paused "
-            f"for {wait} s (settings tenant_failure_limit, tenant_cooldown_s); check the input "
-            "those requests sent",
-            code="tenant_paused",
-            headers={"Retry-After": str(wait)},
-        )
-
-
 async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     fleet = request.app[FLEET]
     metrics.INFLIGHT.labels(route).inc()
@@ -120,14 +98,15 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     held = HeldBody(request.app[BODY_BUDGET])
     turn: Turn | None = None
     tenant = ""
+    slot: Slot | None = None
     try:
-        tenant = authenticate(request)
-        _check_breaker(request, tenant)
+        tenant, slot = await admit(request)
         body = await read_json_object(request, fleet.settings, held)
         if route == "chat":
             validate_chat(body)
         else:
             validate_completion(body)
+        await request.app[MODELS].check(body.get("model"))
         conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
@@ -157,6 +136,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
+        if slot is not None:
+            await slot.release()
         held.release()
         metrics.INFLIGHT.labels(route).dec()
         metrics.REQUESTS.labels(route, outcome).inc()
@@ -172,18 +153,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def models(request: web.Request) -> web.StreamResponse:
     authenticate(request)
-    fleet = request.app[FLEET]
-    timeout = aiohttp.ClientTimeout(total=fleet.settings.first_byte_timeout)
-    for backend in fleet.decode.usable() + fleet.prefill.usable():
-        try:
-            async with fleet.session.get(backend.url + "/v1/models", timeout=timeout) as resp:
-                if resp.status == 200:
-                    return web.Response(body=await resp.read(), content_type="application/json")
-        except (aiohttp.ClientError, TimeoutError):
-            continue
-    raise ProxyError(
-        503, "no engine answered /v1/models; check /ready", code="backends_unavailable"
-    )
+    return json_response(await request.app[MODELS].listing())
 
 
 async def health(request: web.Request) -> web.StreamResponse:
@@ -198,14 +168,7 @@ async def ready(request: web.Request) -> web.StreamResponse:
 
 
 async def metrics_page(request: web.Request) -> web.StreamResponse:
-    key = request.app[SETTINGS].metrics_key
-    if key is not None:
-        token = bearer_token(request, "invalid_metrics_key") or ""
-        if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
-            raise ProxyError(
-                401, "/metrics needs `Authorization: Bearer <metrics_key>`",
-                code="invalid_metrics_key",
-            )  # fmt: skip
+    require_metrics_key(request)
     payload, content_type = metrics.render()
     return web.Response(body=payload, headers={"Content-Type": content_type})
 
@@ -262,7 +225,8 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
-    admin.add_routes(app)
+    app.add_subapp("/admin", admin.admin_app())
+    passthrough.add_routes(app, settings.passthrough_routes)
     app.cleanup_ctx.append(_make_state(settings, kvmap))
     return app
 
@@ -297,10 +261,18 @@ def _make_state(
             decode.add(url)
         fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
         app[FLEET] = fleet
+        app[MODELS] = ModelCatalog(fleet)
+        limiter = open_limiter(settings)
+        app[LIMITS] = limiter
+        await limiter.start()
         checker = HealthChecker(
             [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
         )
         app[HEALTH] = checker
+        # Engine load signals for routing (kvrelay.proxy.engine_load); off with interval 0.
+        poller = LoadPoller(
+            [prefill, decode], session, settings.load_poll_interval_s, settings.probe_timeout_s
+        )
         started = time.monotonic()
         sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
         app[FLEET_SYNC] = sync
@@ -308,6 +280,7 @@ def _make_state(
         discovery = await start_discovery(settings, sync)
         kube = await start_kube_discovery(settings, sync)
         checker.start()
+        poller.start()
         log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
         try:
             yield
@@ -318,6 +291,8 @@ def _make_state(
                 await discovery.stop()
             await sync.stop()
             await checker.stop()
+            await limiter.stop()
+            await poller.stop()
             await releaser.drain()
             if injected_map is None:
                 await kvmap.close()

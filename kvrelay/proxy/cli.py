@@ -1,4 +1,4 @@
-"""`kvrelay` command line: `serve` (the proxy), `sim` (an engine simulator), `demo`.
+"""`kvrelay` command line: `serve` (the proxy), `sim` (an engine simulator), `demo`, `tenant-id`.
 
 `serve` has one flag per setting, generated from `kvrelay.proxy.settings.Settings` so the flags, the
 env vars and the Helm values never drift apart. Flags override `KVRELAY_*` env vars.
@@ -105,6 +105,25 @@ def cmd_sim(argv: list[str]) -> int:
     return result
 
 
+def cmd_tenant_id(argv: list[str]) -> int:
+    """Print the tenant id of the API key read from stdin (what `tenant_limits` is keyed by).
+
+    The key is read from stdin, not argv, so it does not land in shell history or `ps`."""
+    parser = argparse.ArgumentParser(
+        prog="kvrelay tenant-id",
+        description="Print the tenant id (for tenant_limits) of the API key given on stdin.",
+    )
+    parser.parse_args(argv)
+    from kvrelay.proxy.conversation import tenant_of
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("kvrelay: give the API key on stdin", file=sys.stderr)
+        return 2
+    print(tenant_of(key))
+    return 0
+
+
 def cmd_demo(argv: list[str]) -> int:
     from kvrelay.proxy.demo import main as demo_main
 
@@ -115,12 +134,13 @@ COMMANDS = {
     "serve": (cmd_serve, "run the proxy"),
     "sim": (cmd_sim, "run an engine simulator (enginesim)"),
     "demo": (cmd_demo, "local demo fleet and a five-turn chat"),
+    "tenant-id": (cmd_tenant_id, "the tenant id of an API key (stdin), for tenant_limits"),
 }
 
 
 def usage() -> str:
     lines = ["usage: kvrelay <command> [options]", "", "commands:"]
-    lines += [f"  {name:<6} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items()]
     lines.append("\n`kvrelay <command> --help` shows the command's options.")
     return "\n".join(lines)
 

@@ -121,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("UCX_NET_DEVICES", "lo")
     env.setdefault("UCX_TLS", "tcp,self,sm")
     env["KVRELAY_CONNECTOR_SECRET"] = env.get("KVRELAY_CONNECTOR_SECRET") or secrets.token_hex(16)
+    # The demo shows D->P reuse turn by turn: every turn through P (README "Routing policy").
+    env.setdefault("KVRELAY_ROUTING_POLICY", "always_p")
     py = sys.executable
     p_port, p_sc, d_port, d_sc = (free_port() for _ in range(4))
     proxy_port = free_port(preferred=args.port)

@@ -31,7 +31,7 @@ from kvrelay.proxy.background import cancel_and_wait
 from kvrelay.proxy.fleet_sync import FleetSync
 from kvrelay.proxy.settings import Settings
 
-log = logging.getLogger("kvrelay.discovery")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from kvrelay.proxy.discovery import Discovered, engine_url
 from kvrelay.proxy.fleet_sync import FleetSync
 from kvrelay.proxy.settings import Settings
 
-log = logging.getLogger("kvrelay.discovery.kube")
+log = logging.getLogger(__name__)
 
 SIDE_CHANNEL_ANNOTATION = "kvrelay.io/side-channel-port"
 IN_CLUSTER_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")

@@ -1,12 +1,12 @@
-"""`Fleet`: what every turn shares (settings, engine pools, the conversation map, the engine
-connections, the releaser), built once per worker process by `kvrelay.proxy.app` and handed to each
-`kvrelay.proxy.relay.Turn`."""
+"""`Fleet`: what every turn shares (settings, engine pools and their router, the conversation
+map, the engine connections, the releaser), built once per worker process by
+`kvrelay.proxy.app` and handed to each `kvrelay.proxy.relay.Turn`."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import aiohttp
 
@@ -14,6 +14,7 @@ from kvrelay.kvcache_map import KVMap
 from kvrelay.proxy import metrics
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.release import Releaser
+from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.upstream import Upstream
 
@@ -28,10 +29,14 @@ class Fleet:
     prefill: Pool
     decode: Pool
     kvmap: KVMap
-    session: aiohttp.ClientSession  # probes and /v1/models (off the request path)
+    session: aiohttp.ClientSession  # probes, /v1/models and the pass-through routes
     upstream: Upstream  # the turns' engine calls: P, D and side channels
     releaser: Releaser
     map_errors_logged_at: float = 0.0
+    router: Router = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.settings, self.prefill, self.decode)
 
     def map_unavailable(self, op: str, exc: Exception) -> None:
         metrics.MAP_ERRORS.labels(op).inc()

@@ -35,7 +35,7 @@ from kvrelay.proxy.background import cancel_and_wait
 from kvrelay.proxy.pools import Backend, Pool
 from kvrelay.proxy.settings import Settings
 
-log = logging.getLogger("kvrelay.fleet")
+log = logging.getLogger(__name__)
 
 Op = Literal["add", "drain", "remove", "sync"]
 ROLES = ("prefill", "decode")

@@ -7,6 +7,8 @@ from aiohttp import web
 from kvrelay.proxy.body import BodyBudget
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import FleetSync
+from kvrelay.proxy.limits import Limiter
+from kvrelay.proxy.models import ModelCatalog
 from kvrelay.proxy.pools import HealthChecker
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
@@ -17,3 +19,5 @@ HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
 TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)
 FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)
+LIMITS: web.AppKey[Limiter] = web.AppKey("limits", Limiter)
+MODELS: web.AppKey[ModelCatalog] = web.AppKey("models", ModelCatalog)

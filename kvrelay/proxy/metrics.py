@@ -91,6 +91,14 @@ FALLBACKS = Labelled(
         "kvrelay_fallbacks_total", "Degraded paths taken (decode_only: no P answered).", ["kind"]
     )
 )
+ROUTING = Labelled(
+    Counter(
+        "kvrelay_routing_decisions_total",
+        "How turns were routed: decode_only (straight to the holding D), prefill_affinity (the "
+        "conversation's previous P), prefill_chosen (P by load).",
+        ["decision"],
+    )
+)
 FINISHED_PARAMS = Labelled(
     Counter(
         "kvrelay_finished_params_total",
@@ -103,6 +111,23 @@ MAP_ERRORS = Labelled(
         "kvrelay_map_unavailable_total",
         "Map operations that failed (served without reuse).",
         ["op"],
+    )
+)
+TENANT_LIMITS = Labelled(
+    Counter(
+        "kvrelay_tenant_limit_total",
+        "Per-tenant limit checks: admitted, rejected_rps, rejected_inflight, unchecked (Redis "
+        "unreachable, admitted).",
+        ["outcome"],
+    )
+)
+PASSTHROUGH = Labelled(
+    Counter(
+        "kvrelay_passthrough_total",
+        "Pass-through requests by route (one of passthrough_routes) and outcome (ok, "
+        "client_error, upstream_error, upstream_cut (the engine broke mid-answer), unavailable, "
+        "client_disconnected).",
+        ["route", "outcome"],
     )
 )
 BACKEND_HEALTHY = Labelled(

@@ -25,7 +25,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         404: "Not found.",
         408: "The body did not arrive within body_read_timeout_s.",
         413: "Body larger than body_limit_bytes.",
-        429: "This API key is paused: its recent requests made every engine fail.",
+        429: "Over this API key's limits (rate_limit_exceeded, with Retry-After), or the key is "
+        "paused: its recent requests made every engine fail (tenant_paused).",
         502: "An engine failed and no other could take over.",
         503: "No healthy engine, the map is unavailable, or inflight_body_bytes is used up.",
     }
@@ -52,6 +53,27 @@ def _completion_op(summary: str, schema: str) -> dict[str, Any]:
                 },
             },
             **_errors(400, 401, 408, 413, 429, 502, 503),
+        },
+    }
+
+
+def _passthrough_op(summary: str) -> dict[str, Any]:
+    return {
+        "summary": f"{summary} (passed through to an engine; passthrough_routes)",
+        "parameters": [{"$ref": "#/components/parameters/RequestId"}],
+        "requestBody": {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Body"}}},
+        },
+        "responses": {
+            "200": {
+                "description": "The engine's answer as it sent it (streams stream).",
+                "content": {
+                    "application/json": {"schema": {"type": "object"}},
+                    "text/event-stream": {"schema": {"type": "string"}},
+                },
+            },
+            **_errors(400, 401, 404, 408, 413, 429, 502, 503),
         },
     }
 
@@ -86,6 +108,10 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/v1/embeddings": {"post": _passthrough_op("Embeddings")},
+            "/v1/responses": {"post": _passthrough_op("Responses")},
+            "/tokenize": {"post": _passthrough_op("Tokenize (vLLM)")},
+            "/detokenize": {"post": _passthrough_op("Detokenize (vLLM)")},
             "/v1/conversations/{conversation_id}": {
                 "delete": {
                     "summary": "End a conversation and release the KV it holds",
@@ -235,6 +261,11 @@ def openapi_document() -> dict[str, Any]:
                         **common,
                         "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
                     },
+                },
+                "Body": {
+                    "type": "object",
+                    "additionalProperties": True,
+                    "properties": {"model": {"type": "string"}},
                 },
                 "BackendRef": {
                     "type": "object",

@@ -14,9 +14,8 @@ engine then served the same request (`record_failure`); when none did, it is *di
 
 Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
 URL), never by their internal URL.
-P is chosen by least outstanding work (prompt size in flight); D by conversation affinity
-unless that D is unhealthy or above `decode_overload_inflight`, then by fewest in flight.
-Draining engines finish what they have but get nothing new.
+Which engine a leg goes to is `kvrelay.proxy.routing`'s choice among the usable ones;
+draining engines finish what they have but get nothing new.
 """
 
 from __future__ import annotations
@@ -28,11 +27,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import aiohttp
 
 from kvrelay.proxy.background import cancel_and_wait
+
+if TYPE_CHECKING:
+    from kvrelay.proxy.engine_load import EngineLoad
 
 Role = Literal["prefill", "decode"]
 log = logging.getLogger(__name__)
@@ -52,6 +54,8 @@ class Backend:
     outstanding_work: int = 0
     side_channel: tuple[str, int] | None = None
     last_error: str | None = None
+    # The engine's own latest load reading (`kvrelay.proxy.engine_load`), None until scraped.
+    load: EngineLoad | None = None
     # API key (tenant hash) -> when it last got a disputed 5xx from this engine.
     disputed_by: dict[str, float] = field(default_factory=dict)
 
@@ -171,24 +175,6 @@ class Pool:
         if self.on_health_change is not None:
             self.on_health_change(backend)
 
-    def pick_least_work(self, exclude: set[str]) -> Backend | None:
-        candidates = [b for b in self.usable() if b.url not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda b: (b.outstanding_work, b.inflight))
-
-    def pick_with_affinity(
-        self, preferred: str | None, exclude: set[str], overload: int
-    ) -> Backend | None:
-        if preferred is not None and preferred not in exclude:
-            backend = self.backends.get(preferred)
-            if backend is not None and backend.usable and backend.inflight < overload:
-                return backend
-        candidates = [b for b in self.usable() if b.url not in exclude]
-        if not candidates:
-            return None
-        return min(candidates, key=lambda b: (b.inflight, b.outstanding_work))
-
     @contextlib.contextmanager
     def busy(self, backend: Backend, work: int) -> Iterator[None]:
         """Count a request against the backend while it runs."""
@@ -199,6 +185,22 @@ class Pool:
         finally:
             backend.inflight -= 1
             backend.outstanding_work -= work
+
+
+def engines_to_try(
+    pick: Callable[[set[str]], Backend | None], attempts: int, on_retry: Callable[[], None]
+) -> Iterator[Backend]:
+    """The engines a request tries, in order: `pick` chooses among those not tried yet, at
+    most `attempts` of them; `on_retry` is called before every try after the first."""
+    tried: set[str] = set()
+    for attempt in range(attempts):
+        backend = pick(tried)
+        if backend is None:
+            return
+        tried.add(backend.url)
+        if attempt:
+            on_retry()
+        yield backend
 
 
 class HealthChecker:

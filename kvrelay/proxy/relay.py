@@ -38,14 +38,21 @@ from kvrelay.kvcache_map import (
     MapUnavailableError,
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
-from kvrelay.proxy import jsoncodec, metrics
+from kvrelay.proxy import jsoncodec, metrics, tracing
 from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.owed import Debt, Owed
-from kvrelay.proxy.pools import Backend, Pool
+from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.streaming import SSEFilter, error_event
+from kvrelay.proxy.turn_report import (
+    LegRecord,
+    leg_scope,
+    put_scope,
+    take_scope,
+    turn_scope,
+)
 from kvrelay.proxy.upstream import (
     H1Response,
     UpstreamConnectError,
@@ -91,11 +98,19 @@ class Turn:
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
     hold: bool = False  # D is asked to hold its blocks for a next turn
+    # Conditional routing sent the turn straight to the holding D, which prefills this many
+    # (estimated) tokens itself; None: the turn goes through P.
+    decode_only_tokens: int | None = None
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
     every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
+    # What happened, for the turn's trace and log line (kvrelay.proxy.turn_report).
+    reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
+    tokens_reused: int = 0
+    prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
+    decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -104,14 +119,10 @@ class Turn:
     ) -> Iterator[Backend]:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
-        tried: set[str] = set()
-        for attempt in range(1 + self.fleet.settings.retries):
-            backend = pick(tried)
-            if backend is None:
-                return
-            tried.add(backend.url)
-            if attempt:
-                metrics.RETRIES.labels(role).inc()
+        leg = self.prefill_leg if role == "prefill" else self.decode_leg
+        retried = metrics.RETRIES.labels(role)
+        for backend in engines_to_try(pick, 1 + self.fleet.settings.retries, retried.inc):
+            leg.attempt(backend.url)
             yield backend
 
     # -- keys ----------------------------------------------------------------------------------
@@ -134,43 +145,75 @@ class Turn:
             return ConversationKey(self.tenant, key_id) if key_id else None
         return None
 
+    def conversation_keys(self) -> tuple[ConversationKey | None, ConversationKey | None]:
+        """The map keys this turn looks up and stores under (for its log line and trace)."""
+        return self._lookup_key(), self._store_key()
+
     # -- the turn ------------------------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
-        try:
-            response = await self._run()
-        except BaseException:
-            self._judge_5xx(served=False)
-            self.owed.release_all()
-            raise
-        # D's answer is complete, so P's blocks need no call from here: D's connector either
-        # read them (the read frees them) or released them itself (skipped or failed load).
-        self.owed.settle(Debt.PREFILL_BLOCKS)
-        return response
+        with turn_scope(self):
+            try:
+                response = await self._run()
+            except BaseException:
+                self._judge_5xx(served=False)
+                self.owed.release_all()
+                raise
+            # D's answer is complete, so P's blocks need no call from here: D's connector
+            # either read them (the read frees them) or released them itself (skipped or
+            # failed load).
+            self.owed.settle(Debt.PREFILL_BLOCKS)
+            return response
 
     async def _run(self) -> web.StreamResponse:
         store_key = self._store_key()
         self.hold = store_key is not None
         try:
-            await self._take_entry()
-            await self._prefill()
+            with take_scope(self):
+                await self._take_entry()
+            self.decode_only_tokens = self.fleet.router.decode_only_tokens(
+                self.entry, self._work_estimate()
+            )
+            if self.decode_only_tokens is None:
+                with leg_scope(self.prefill_leg):
+                    await self._prefill()
+                self.prefill_leg.ended = time.monotonic()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
+            if self.decode_only_tokens is None:
+                self.owed.release(Debt.PREVIOUS_HOLD)
+        if self.decode_only_tokens is None:
+            return await self._decode_leg(store_key)
+        # Straight to the holder: D serves the history from the held blocks (its prefix-cache
+        # hit), so the old hold is given back only once D is done with this turn.
+        metrics.ROUTING.labels("decode_only").inc()
+        try:
+            return await self._decode_leg(store_key)
+        finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
-        return await self._decode(store_key)
+
+    async def _decode_leg(self, store_key: ConversationKey | None) -> web.StreamResponse:
+        with leg_scope(self.decode_leg):
+            response = await self._decode(store_key)
+        self.decode_leg.ended = time.monotonic()
+        return response
+
+    def _count_reuse(self, result: str) -> None:
+        self.reuse = result
+        metrics.REUSE.labels(result).inc()
 
     async def _take_entry(self) -> None:
         key = self._lookup_key()
         if key is None:
             if self.route == "chat" or self.conversation_id is not None:
-                metrics.REUSE.labels("miss").inc()
+                self._count_reuse("miss")
             return
         try:
             entry = await self.fleet.kvmap.take(key)
         except MapUnavailableError as exc:
             self.fleet.map_unavailable("take", exc)
-            metrics.REUSE.labels("map_unavailable").inc()
+            self._count_reuse("map_unavailable")
             self.hold = False  # nowhere to store D's params: do not make D hold
             return
         except InvalidKeyError as exc:
@@ -178,29 +221,30 @@ class Turn:
                 400, f"conversation id not accepted: {exc}", param="conversation_id"
             ) from None
         if entry is None:
-            metrics.REUSE.labels("miss").inc()
+            self._count_reuse("miss")
             return
         settings = self.fleet.settings
         if not self.shape.extends(entry.fingerprint):
             # Edited or different history: the blocks describe another prompt.
-            metrics.REUSE.labels("refused").inc()
+            self._count_reuse("refused")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.expires_at - time.time() < settings.entry_safety_margin_s:
-            metrics.REUSE.labels("expired").inc()
+            self._count_reuse("expired")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.block_hashes is None and not settings.stock_vllm_reuse:
-            metrics.REUSE.labels("unverifiable").inc()
+            self._count_reuse("unverifiable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         holder = self.fleet.decode.get(entry.url)
         if holder is None or not holder.healthy:
             # P's pull would only wait for a handshake timeout; a draining holder still serves.
-            metrics.REUSE.labels("holder_unavailable").inc()
+            self._count_reuse("holder_unavailable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
-        metrics.REUSE.labels("hit").inc()
+        self._count_reuse("hit")
+        self.tokens_reused = entry.num_tokens
         metrics.TOKENS_REUSED.inc(entry.num_tokens)
         self.entry = entry
         releaser = self.fleet.releaser
@@ -217,11 +261,20 @@ class Turn:
         reuse = self.entry.to_kv_transfer_params() if self.entry is not None else None
         payload = jsoncodec.dumps(prefill_body(self.body, reuse))
         work = self._work_estimate()
-        for backend in self._engines_to_try("prefill", fleet.prefill.pick_least_work):
+        affine: set[str] = set()
+
+        def pick_prefill(exclude: set[str]) -> Backend | None:
+            backend, by_affinity = fleet.router.pick_prefill(self.entry, exclude)
+            if backend is not None and by_affinity:
+                affine.add(backend.url)
+            return backend
+
+        for backend in self._engines_to_try("prefill", pick_prefill):
             start = time.monotonic()
             try:
                 with fleet.prefill.busy(backend, work):
                     status, raw = await self._post_read(backend, payload)
+                self.prefill_leg.status = status
             except LegFailure as exc:
                 fleet.prefill.record_failure(backend, exc.reason)
                 metrics.LEG_LATENCY.labels("prefill", "error").observe(time.monotonic() - start)
@@ -241,6 +294,8 @@ class Turn:
             fleet.prefill.record_success(backend, probe=False)
             self._judge_5xx(served=True)
             self.p_backend = backend
+            decision = "prefill_affinity" if backend.url in affine else "prefill_chosen"
+            metrics.ROUTING.labels(decision).inc()
             self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
             self._read_prefill_answer(raw)
             if self.p_params is not None:
@@ -283,12 +338,20 @@ class Turn:
     async def _open(self, backend: Backend, payload: bytes) -> H1Response:
         path = "/v1/chat/completions" if self.route == "chat" else "/v1/completions"
         settings = self.fleet.settings
+        headers: tuple[tuple[str, str], ...] = (
+            ("Content-Type", "application/json"),
+            ("X-Request-Id", self.request_id),
+        )
+        if tracing.enabled():
+            carrier: dict[str, str] = {}
+            tracing.inject(carrier)  # the leg's span continues on the engine (W3C traceparent)
+            headers += tuple(carrier.items())
         try:
             return await self.fleet.upstream.for_url(backend.url).request(
                 "POST",
                 path,
                 payload,
-                (("Content-Type", "application/json"), ("X-Request-Id", self.request_id)),
+                headers,
                 read_timeout=settings.first_byte_timeout,
                 total_timeout=settings.total_timeout,
             )
@@ -309,9 +372,7 @@ class Turn:
         answered_5xx = 0
 
         def pick_decode(exclude: set[str]) -> Backend | None:
-            return fleet.decode.pick_with_affinity(
-                preferred, exclude, fleet.settings.decode_overload_inflight
-            )
+            return fleet.router.pick_decode(preferred, exclude)
 
         for backend in self._engines_to_try("decode", pick_decode):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
@@ -323,9 +384,12 @@ class Turn:
                 )
             )
             start = time.monotonic()
-            with fleet.decode.busy(backend, 1):
+            # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
+            # turn (what the router weighs against D's prefill budget).
+            with fleet.decode.busy(backend, 1 + (self.decode_only_tokens or 0)):
                 try:
                     resp = await self._open(backend, payload)
+                    self.decode_leg.status = resp.status
                 except LegFailure as exc:
                     fleet.decode.record_failure(backend, exc.reason)
                     metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
@@ -401,7 +465,7 @@ class Turn:
             await self._settle(self._store(params, backend, store_key))
         elif self.hold:
             self._no_params()
-        metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
+        self._first_byte()
         return web.Response(
             body=raw,
             status=resp.status,
@@ -437,7 +501,7 @@ class Turn:
                 data = sse.feed(chunk)
                 if data:
                     if first:
-                        metrics.TTFT.labels(self.route).observe(time.monotonic() - self.started)
+                        self._first_byte()
                         first = False
                     await out.write(data)
             tail = sse.flush()
@@ -471,6 +535,11 @@ class Turn:
                 await out.write(sse.done_event)
             await out.write_eof()
         return out
+
+    def _first_byte(self) -> None:
+        now = time.monotonic()
+        self.decode_leg.first_byte = now
+        metrics.TTFT.labels(self.route).observe(now - self.started)
 
     async def _after_stream(
         self,
@@ -565,17 +634,35 @@ class Turn:
         try:
             assert self.shape.store_fingerprint is not None
             entry = KVEntry.from_kv_transfer_params(
-                to_store, url=backend.url, fingerprint=self.shape.store_fingerprint
+                to_store,
+                url=backend.url,
+                fingerprint=self.shape.store_fingerprint,
+                **self._routing_hints(),
             )
         except ValueError as exc:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
             fleet.releaser.release_soon_params("decode", params)
             return
-        try:
-            await fleet.kvmap.put(store_key, entry, ttl)
-        except MapUnavailableError as exc:
-            fleet.map_unavailable("put", exc)
-            fleet.releaser.release_soon_params("decode", params)
+        with put_scope(entry.num_tokens, ttl):
+            try:
+                await fleet.kvmap.put(store_key, entry, ttl)
+            except MapUnavailableError as exc:
+                fleet.map_unavailable("put", exc)
+                fleet.releaser.release_soon_params("decode", params)
+
+    def _routing_hints(self) -> dict[str, Any]:
+        """What the next turn's routing needs (kvrelay.proxy.routing): this turn's P and its
+        prompt's characters per token; a turn without P keeps the previous turn's."""
+        previous = self.entry
+        prefill_url = self.p_backend.url if self.p_backend is not None else None
+        chars_per_token = None
+        if self.p_prompt_tokens:
+            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
+            chars_per_token = round(max(self._work_estimate() / self.p_prompt_tokens, 1e-3), 4)
+        if previous is not None:
+            prefill_url = prefill_url or previous.prefill_url
+            chars_per_token = chars_per_token or previous.chars_per_token
+        return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}
 
     # -- failure paths ---------------------------------------------------------------------------
 

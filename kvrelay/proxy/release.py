@@ -18,7 +18,7 @@ from typing import Any
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
-from kvrelay.proxy import metrics
+from kvrelay.proxy import metrics, tracing
 from kvrelay.proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -49,9 +49,23 @@ class Releaser:
         if self._client is None or ref is None:
             metrics.RELEASES.labels(holder, "unsupported").inc()
             return False
+        if not tracing.enabled():
+            return await self._release(self._client, holder, ref)
+        # The span names the holder's side channel, never the release token.
+        attributes: tracing.Attributes = {
+            "kvrelay.holder": holder, "server.address": ref.host, "server.port": ref.port,
+        }  # fmt: skip
+        with tracing.span("kvrelay.side_channel.release", kind="client", attributes=attributes):
+            released = await self._release(self._client, holder, ref)
+            tracing.annotate({"kvrelay.released": released})
+            return released
+
+    async def _release(self, client: AsyncSideChannelClient, holder: str, ref: HoldRef) -> bool:
         for attempt in range(RELEASE_ATTEMPTS):
+            if attempt:
+                tracing.annotate({"kvrelay.retries": attempt})
             try:
-                released = await self._client.release(
+                released = await client.release(
                     ref.host, ref.port, ref.request_id, ref.release_token
                 )
             except SideChannelError as exc:
@@ -84,8 +98,19 @@ class Releaser:
         """D's published params of a finished request (streams carry none), or None."""
         if self._client is None:
             return None
+        if not tracing.enabled():
+            return await self._finished(self._client, host, port, client_request_id)
+        attributes: tracing.Attributes = {"server.address": host, "server.port": port}
+        with tracing.span("kvrelay.side_channel.finished", kind="client", attributes=attributes):
+            params = await self._finished(self._client, host, port, client_request_id)
+            tracing.annotate({"kvrelay.found": params is not None})
+            return params
+
+    async def _finished(
+        self, client: AsyncSideChannelClient, host: str, port: int, client_request_id: str
+    ) -> dict[str, Any] | None:
         try:
-            return await self._client.finished(host, port, client_request_id)
+            return await client.finished(host, port, client_request_id)
         except SideChannelError as exc:
             log.warning("finished-params fetch from %s:%s failed: %s", host, port, exc)
             return None

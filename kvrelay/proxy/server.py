@@ -20,7 +20,8 @@ from multiprocessing.context import SpawnProcess
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from kvrelay.proxy.settings import Settings, SettingsError
+from kvrelay.proxy import logs, tracing
+from kvrelay.proxy.settings import LogFormat, Settings, SettingsError
 from kvrelay.proxy.supervisor import Supervisor
 
 log = logging.getLogger(__name__)
@@ -49,12 +50,11 @@ class ProtocolErrorFilter(logging.Filter):
         return True
 
 
-def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s %(levelname)s %(name)s [%(process)d] %(message)s",
-        stream=sys.stderr,
-    )
+def configure_logging(level: str, log_format: LogFormat = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logs.formatter(log_format))
+    logging.basicConfig(level=level, handlers=[handler])
+    logs.configure_turn_log(log_format)
     server_log = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, ProtocolErrorFilter) for f in server_log.filters):
         server_log.addFilter(ProtocolErrorFilter())
@@ -88,7 +88,8 @@ def run_worker(settings: Settings, reuse_port: bool) -> None:
     """One proxy process: serves until SIGINT/SIGTERM."""
     from kvrelay.proxy.app import create_app
 
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
+    tracing.configure(settings.tracing)
     _install_uvloop()
     app = create_app(settings)
     web.run_app(
@@ -104,13 +105,15 @@ def run_worker(settings: Settings, reuse_port: bool) -> None:
         shutdown_timeout=settings.total_timeout,
         lingering_time=LINGER_S,
     )
+    tracing.shutdown()  # export the spans still buffered
 
 
 def serve(settings: Settings) -> int:
     """Run the proxy in the foreground; returns the exit code."""
-    configure_logging(settings.log_level)
+    configure_logging(settings.log_level, settings.log_format)
     settings.check_runnable()
     check_map_url(settings)
+    tracing.check(settings.tracing)
     log.info("kvrelay proxy on %s:%d, settings %s", settings.host, settings.port,
              settings.public_dict())  # fmt: skip
     if settings.workers == 1:

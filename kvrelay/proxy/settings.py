@@ -10,6 +10,7 @@ with a message that names the setting (`SettingsError`).
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
@@ -19,6 +20,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+LogFormat = Literal["text", "json"]  # kvrelay.proxy.logs
+TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.tracing
+RoutingPolicy = Literal["always_p", "affinity", "conditional"]
 
 
 class SettingsError(ValueError):
@@ -70,6 +74,11 @@ def normalize_backend_url(url: str) -> str:
 
 
 BackendList = Annotated[list[str], NoDecode]
+
+DEFAULT_PASSTHROUGH_ROUTES = ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize")
+# Routes the proxy answers itself: a pass-through route may not shadow them.
+OWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
+              "/metrics", "/openapi.json")  # fmt: skip
 
 
 class Settings(BaseSettings):
@@ -188,6 +197,65 @@ class Settings(BaseSettings):
             "engine, and only once they come from at least two API keys."
         ),
     )
+    # Per-tenant limits (proxy/limits.py) ------------------------------------------------
+    tenant_max_inflight: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Requests one API key may have in flight at once, over all workers and replicas "
+            "when the map is Redis (else per process); more get 429; 0 = unlimited."
+        ),
+    )
+    tenant_rps: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "Requests per second one API key may start (token bucket, shared like "
+            "tenant_max_inflight); more get 429 with Retry-After; 0 = unlimited."
+        ),
+    )
+    tenant_burst: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Requests an idle API key may start at once under tenant_rps (bucket size); "
+            "0 = tenant_rps rounded up (at least 1)."
+        ),
+    )
+    tenant_limits: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "Per-key overrides: tenant id (`kvrelay tenant-id` prints a key's) -> "
+            "`inflight=N;rps=R;burst=B` (any of the three; 0 = unlimited), e.g. "
+            "`t3f9...=inflight=4;rps=2`."
+        ),
+    )
+    tenant_slot_lease_s: float = Field(
+        default=30.0,
+        ge=1,
+        description=(
+            "With Redis: an in-flight slot expires this long after its worker last renewed it "
+            "(every third of it), so a crashed worker's slots come back."
+        ),
+    )
+    # Pass-through routes (proxy/passthrough.py) ------------------------------------------
+    passthrough_routes: BackendList = Field(
+        default_factory=lambda: list(DEFAULT_PASSTHROUGH_ROUTES),
+        description=(
+            "Engine routes forwarded as they are (no disaggregation), with the proxy's auth, "
+            "limits, timeouts and engine choice; any HTTP method."
+        ),
+    )
+    passthrough_pool: Literal["decode", "prefill"] = Field(
+        default="decode", description="Engine pool that serves pass-through routes."
+    )
+    models_refresh_s: float = Field(
+        default=10.0,
+        gt=0,
+        description=(
+            "Seconds the fleet's model list is cached (/v1/models, the unknown-model 404)."
+        ),
+    )
     # Reuse --------------------------------------------------------------------------------
     entry_safety_margin_s: float = Field(
         default=5.0, ge=0, description="Never use held blocks this close to their expiry."
@@ -222,6 +290,59 @@ class Settings(BaseSettings):
         ge=1,
         description="In-flight requests above which D affinity yields to the least loaded D.",
     )
+    # Multi-turn routing (proxy/routing.py, proxy/engine_load.py; README "Routing policy") -
+    routing_policy: RoutingPolicy = Field(
+        default="conditional",
+        description=(
+            "How a conversation's turn is routed: always_p (every turn P then D), affinity "
+            "(P leg to the P of the previous turn) or conditional (affinity, and a short "
+            "follow-up goes straight to the D that holds the conversation, no P, no transfer)."
+        ),
+    )
+    prefill_overload_inflight: int = Field(
+        default=16,
+        ge=1,
+        description="In-flight requests above which P affinity yields to the normal choice.",
+    )
+    conditional_max_uncached_tokens: int = Field(
+        default=256,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens D does not hold (estimated from the previous "
+            "turn's characters per token) for a turn to skip P."
+        ),
+    )
+    conditional_max_inflight_tokens: int = Field(
+        default=4096,
+        ge=0,
+        description=(
+            "conditional: the most prompt tokens a D prefills for decode-only turns at once "
+            "(their sum while in flight); beyond it turns go through P, so a burst of "
+            "follow-ups does not stall D's decoding."
+        ),
+    )
+    decode_max_waiting: int = Field(
+        default=4,
+        ge=0,
+        description=(
+            "A D with more queued requests (vllm:num_requests_waiting) is busy: no "
+            "decode-only turns there, and affinity to it yields."
+        ),
+    )
+    decode_max_kv_usage: float = Field(
+        default=0.9,
+        ge=0,
+        le=1,
+        description="A D above this KV-cache usage (vllm:kv_cache_usage_perc, 0..1) is busy.",
+    )
+    load_poll_interval_s: float = Field(
+        default=1.0,
+        ge=0,
+        description=(
+            "Seconds between scrapes of each engine's /metrics for load signals (0: off). "
+            "Readings older than 3 intervals are ignored."
+        ),
+    )
     metrics_backend_urls: bool = Field(
         default=False,
         description=(
@@ -230,6 +351,22 @@ class Settings(BaseSettings):
         ),
     )
     log_level: LogLevel = Field(default="INFO", description="Log level.")
+    log_format: LogFormat = Field(
+        default="text",
+        description=(
+            "Log format: text lines, or json (one JSON object per line, plus one summary line "
+            "per turn on the kvrelay.turn logger)."
+        ),
+    )
+    tracing: TracingMode = Field(
+        default="auto",
+        description=(
+            "OpenTelemetry traces (needs the otel extra): auto = on when OTEL_TRACES_EXPORTER "
+            "names an exporter or an OTEL_EXPORTER_OTLP_(TRACES_)ENDPOINT is set; "
+            "OTEL_SDK_DISABLED=true always turns them off. Exporter and endpoint come from "
+            "the OTEL_* variables."
+        ),
+    )
     # Fleet sync and discovery (proxy/fleet_sync.py, proxy/discovery/) -------------------
     fleet_sync_interval_s: float = Field(
         default=2.0,
@@ -290,12 +427,12 @@ class Settings(BaseSettings):
         ),
     )
 
-    @field_validator("prefill", "decode", "api_keys", mode="before")
+    @field_validator("prefill", "decode", "api_keys", "passthrough_routes", mode="before")
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
 
-    @field_validator("side_channels", mode="before")
+    @field_validator("side_channels", "tenant_limits", mode="before")
     @classmethod
     def _mapping(cls, value: Any) -> Any:
         return _split_mapping(value)
@@ -318,6 +455,33 @@ class Settings(BaseSettings):
                 raise ValueError(f"{addr!r} for {url!r} is not host:port")
             out[normalize_backend_url(url)] = addr
         return out
+
+    @field_validator("tenant_limits")
+    @classmethod
+    def _tenant_limits(cls, value: dict[str, str]) -> dict[str, str]:
+        from kvrelay.proxy.limits import parse_limit  # here: limits imports the settings
+
+        for tenant, spec in value.items():
+            # A tenant id, never an API key: keys are secrets and must not sit in plain config.
+            if not re.fullmatch(r"t[0-9a-f]{24}|anonymous", tenant):
+                raise ValueError(
+                    "keys must be tenant ids (t + 24 hex digits, from `kvrelay tenant-id`), "
+                    "not API keys"
+                )
+            parse_limit(spec, where=tenant)
+        return value
+
+    @field_validator("passthrough_routes")
+    @classmethod
+    def _passthrough_routes(cls, value: list[str]) -> list[str]:
+        for route in value:
+            if not route.startswith("/") or any(c in route for c in "{}?# "):
+                raise ValueError(f"{route!r} is not a plain path such as /v1/embeddings")
+            if route in OWN_ROUTES or route.startswith(("/admin", "/v1/conversations")):
+                raise ValueError(f"{route!r} is a route the proxy answers itself")
+        if len(set(value)) != len(value):
+            raise ValueError("the same route is listed twice")
+        return value
 
     @field_validator("map_url")
     @classmethod
@@ -356,6 +520,11 @@ class Settings(BaseSettings):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+    @field_validator("log_format", "tracing", mode="before")
+    @classmethod
+    def _lower(cls, value: Any) -> Any:
+        return value.strip().lower() if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

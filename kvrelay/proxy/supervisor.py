@@ -25,7 +25,7 @@ from types import FrameType
 
 from prometheus_client import multiprocess
 
-log = logging.getLogger("kvrelay.supervisor")
+log = logging.getLogger(__name__)
 
 # A worker that lived this long before exiting is treated as healthy: its slot's back-off resets.
 STABLE_AFTER_S = 30.0

@@ -35,7 +35,7 @@ def fake_decode() -> Iterator[Fake]:
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     argv = [
-        sys.executable, str(REPO_ROOT / "bench" / "fake_engine.py"),
+        sys.executable, "-m", "bench.fake_engine",
         "--role", "decode",
         "--port", str(port),
         "--side-channel-port", str(side),

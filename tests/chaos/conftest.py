@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.chaos.load import SUMMARIES
+from kvrelay.devtools.chaos_load import SUMMARIES
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from tests.chaos.load import (
+from kvrelay.devtools.chaos_load import (
     SUMMARIES,
     Chaos,
     ChaosFleet,
@@ -29,7 +29,6 @@ from tests.chaos.load import (
     proxy_reuse,
     summarize,
 )
-from tests.harness import wait_until
 
 pytestmark = pytest.mark.chaos
 
@@ -66,15 +65,8 @@ def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks() -> N
         reuse = proxy_reuse(fleet.proxy)
 
         # 3. Nothing stranded: leases (and the proxy's releases) return every block.
-        def idle() -> bool:
-            return all(e.pool_idle() for e in fleet.engines.engines)
-
-        try:
-            wait_until(idle, LEASE_SECONDS * 3 + 20, interval=0.25, what="every pool idle")
-        except TimeoutError:
-            raise AssertionError(
-                f"blocks still held after the leases: {fleet.held_blocks()}"
-            ) from None
+        stranded = fleet.stranded_blocks(LEASE_SECONDS * 3 + 20)
+        assert not stranded, f"blocks still held after the leases: {stranded}"
 
         records = load.snapshot()
         summary = summarize(records)

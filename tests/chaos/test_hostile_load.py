@@ -21,9 +21,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.chaos.load import tree_rss_bytes
-from tests.engines import EngineFactory, EngineSim
-from tests.proxy_server import ProxyFactory
+from kvrelay.devtools.chaos_load import tree_rss_bytes
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory
 
 pytestmark = pytest.mark.chaos
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.scheduler import ConnectorScheduler
-from tests.connector.peer import SECRET, Peer, PeerSpec
+from kvrelay.devtools.nixl_peer import SECRET, Peer, PeerSpec
 
 
 @pytest.fixture

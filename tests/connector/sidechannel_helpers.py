@@ -13,7 +13,7 @@ from kvrelay.connector.auth import destination, response_signature, sign_headers
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
 from kvrelay.connector.scheduler import ConnectorScheduler
-from tests.connector.peer import SECRET
+from kvrelay.devtools.nixl_peer import SECRET
 
 
 def hold_params(

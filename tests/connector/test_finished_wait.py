@@ -17,7 +17,7 @@ import kvrelay.connector.scheduler
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S
-from tests.connector.peer import SECRET
+from kvrelay.devtools.nixl_peer import SECRET
 from tests.connector.sidechannel_helpers import hold_params
 from tests.harness import wait_until
 

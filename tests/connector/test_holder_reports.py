@@ -14,7 +14,7 @@ from collections import Counter
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.metadata import ConnectorMetadata
 from kvrelay.connector.worker import ConnectorWorker, notif_message
-from tests.connector.peer import SECRET
+from kvrelay.devtools.nixl_peer import SECRET
 
 
 class FakeNotifTransport:

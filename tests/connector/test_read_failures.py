@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.connector.peer import PeerSpec
+from kvrelay.devtools.nixl_peer import PeerSpec
 from tests.connector.test_transfer import (
     BS,
     StartPeer,

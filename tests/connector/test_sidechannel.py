@@ -20,7 +20,7 @@ from kvrelay.connector.sidechannel_client import (
     SideChannelError,
 )
 from kvrelay.connector.stats import Counters
-from tests.connector.peer import SECRET
+from kvrelay.devtools.nixl_peer import SECRET
 from tests.connector.sidechannel_helpers import drain, hold_params, raw_request, signed
 from tests.harness import wait_until
 

@@ -13,7 +13,7 @@ from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
-from tests.connector.peer import SECRET
+from kvrelay.devtools.nixl_peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder, drain, hold_params
 from tests.harness import wait_until
 

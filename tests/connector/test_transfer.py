@@ -1,7 +1,7 @@
 """Real NIXL transfers between engine processes on CPU memory (UCX over loopback).
 
-Each peer is a separate process (`tests/connector/peer.py`) running the connector exactly as an
-engine does. After every test the holder holds nothing and every block is back in its pool.
+Each peer is a separate process (`kvrelay/devtools/nixl_peer.py`) running the connector exactly
+as an engine does. After every test the holder holds nothing and every block is back in its pool.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.connector.peer import Peer, PeerSpec
+from kvrelay.devtools.nixl_peer import Peer, PeerSpec
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.nixl

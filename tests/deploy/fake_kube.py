@@ -9,9 +9,7 @@ Helm rendered. It is a fake by name: it applies nothing and schedules nothing.
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -20,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay.devtools.threaded_app import ThreadedApp
 from tests.harness import free_port
 
 # group/version -> [(plural, Kind, namespaced)] for every kind the chart may render.
@@ -173,25 +172,5 @@ class FakeKube:
 def fake_kube() -> Iterator[FakeKube]:
     """Serve a FakeKube on a free loopback port in a background thread; stop it on exit."""
     kube = FakeKube(port=free_port())
-    loop = asyncio.new_event_loop()
-    started = threading.Event()
-    runner = web.AppRunner(kube.app(), access_log=None)
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", kube.port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, name="fake-kube", daemon=True)
-    thread.start()
-    if not started.wait(timeout=10):
-        raise TimeoutError("fake kube API server did not start in 10s")
-    try:
+    with ThreadedApp(kube.app(), kube.port, "fake-kube"):
         yield kube
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()

@@ -195,6 +195,16 @@ def test_metrics_key_reaches_the_proxy_and_the_service_monitor(helm: Helm) -> No
     )
 
 
+def test_otel_values_become_the_standard_variables(helm: Helm) -> None:
+    assert "env" not in helm.render().proxy_container()  # nothing set: tracing stays off
+    otel = {"endpoint": "http://collector.obs:4318", "serviceName": "kvrelay-eu"}
+    env = {e["name"]: e for e in helm.render(set_values={"otel": otel}).proxy_container()["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"] == "http://collector.obs:4318"
+    assert env["OTEL_SERVICE_NAME"]["value"] == "kvrelay-eu"
+    assert "schema" in helm.refusal({"otel": {"endpoint": "collector:4318"}})  # not a URL
+    assert "schema" in helm.refusal({"config": {"tracing": "yes"}})
+
+
 def test_dashboard_configmap_is_labelled_for_the_grafana_sidecar(helm: Helm) -> None:
     assert helm.render().all("ConfigMap")[0]["metadata"]["name"] == "rel-kvrelay"
     out = helm.render(set_values={"dashboard": {"enabled": True}})
@@ -262,6 +272,11 @@ def test_rendered_configmap_is_read_back_by_the_settings_model(
         "body_limit_bytes": 16777216,
         "stock_vllm_reuse": True,
         "log_level": "DEBUG",
+        "tenant_rps": 2.5,
+        "tenant_limits": {"t" + "0" * 24: "inflight=4;rps=1"},
+        "passthrough_routes": ["/v1/embeddings", "/v1/rerank"],
+        "log_format": "json",
+        "tracing": "on",
     }
     out = helm.render(set_values={"config": chosen})
     for key in list(os.environ):

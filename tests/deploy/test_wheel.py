@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import EngineSim
+from kvrelay.devtools.engines import EngineSim
+from kvrelay.devtools.proxy_server import ProxyServer
 from tests.harness import REPO_ROOT, ServerProcess, http_ready, wait_until
-from tests.proxy_server import ProxyServer
 
 # What the Dockerfile's build stage copies.
 BUILD_CONTEXT = ("pyproject.toml", "README.md", "kvrelay")
@@ -79,11 +79,13 @@ def test_wheel_installs_without_torch_or_nixl_and_serve_help_runs(wheel_venv: Pa
     assert "kvrelay" in names
     assert not names & {"torch", "nixl", "numpy"}, sorted(names)
     # Everything lives under one `kvrelay` namespace: no generic top-level module is installed
-    # (a `proxy` or `connector` of ours would shadow or be shadowed by someone else's).
+    # (a `proxy` or `connector` of ours would shadow or be shadowed by someone else's). The dev
+    # tools ship (the benchmarks and tests use them); `bench` and `tests` do not.
     namespace = subprocess.run(
         [str(wheel_venv / "bin" / "python"), "-c",
          "import importlib.util as u, kvrelay, kvrelay.proxy, kvrelay.connector\n"
-         "names = ('proxy', 'connector', 'kvcache_map', 'enginesim')\n"
+         "import kvrelay.devtools.engines, kvrelay.devtools.chaos_load\n"
+         "names = ('proxy', 'connector', 'kvcache_map', 'enginesim', 'bench', 'tests')\n"
          "stray = [m for m in names if u.find_spec(m)]\n"
          "assert not stray, stray\n"
          "print(kvrelay.__version__)"],

@@ -11,8 +11,8 @@ import httpx
 import pytest
 
 from kvrelay.devtools import sse
+from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.enginesim.reference import reference_chat, reference_completion
-from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
 
 

@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.devtools.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
 from kvrelay.enginesim.reference import reference_chat, reference_completion
-from tests.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
 from tests.harness import free_port, wait_until
 
 pytestmark = pytest.mark.nixl

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engines import EngineFactory, EngineSim
+from kvrelay.devtools.engines import EngineFactory, EngineSim
 
 
 @pytest.fixture

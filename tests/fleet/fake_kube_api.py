@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -22,6 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay.devtools.threaded_app import ThreadedApp
 from tests.deploy.fake_kube import FakeKube
 from tests.harness import free_port
 
@@ -42,7 +42,8 @@ class FakeEndpointSlices:
     watches: int = 0
     gone_sent: int = 0
     loop: asyncio.AbstractEventLoop | None = None
-    _changed: asyncio.Condition | None = None
+    # Bound to the server's loop on first use there.
+    _changed: asyncio.Condition | None = field(default_factory=asyncio.Condition)
     _open: set[web.StreamResponse] = field(default_factory=set)
 
     # -- test-side API (any thread) ----------------------------------------------------------
@@ -194,28 +195,10 @@ class FakeEndpointSlices:
 def fake_endpoint_slices() -> Iterator[FakeEndpointSlices]:
     """Serve a FakeEndpointSlices on a free loopback port in a background thread."""
     kube = FakeEndpointSlices()
-    loop = asyncio.new_event_loop()
-    kube.loop = loop
-    started = threading.Event()
-    runner = web.AppRunner(kube.app(), access_log=None)
-
-    def serve() -> None:
-        asyncio.set_event_loop(loop)
-        kube._changed = asyncio.Condition()
-        loop.run_until_complete(runner.setup())
-        loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", kube.port).start())
-        started.set()
-        loop.run_forever()
-
-    thread = threading.Thread(target=serve, name="fake-kube-api", daemon=True)
-    thread.start()
-    if not started.wait(timeout=10):
-        raise TimeoutError("fake kube API server did not start in 10s")
-    try:
-        yield kube
-    finally:
-        asyncio.run_coroutine_threadsafe(kube._drop(), loop).result(timeout=10)
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    server = ThreadedApp(kube.app(), kube.port, "fake-kube-api")
+    kube.loop = server.loop
+    with server:
+        try:
+            yield kube
+        finally:
+            server.call(kube._drop())

@@ -8,12 +8,12 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.proxy.discovery import Discovered, DnsSource, ResolveError, make_resolver
-from tests.engines import EngineFactory
 from tests.fleet.dns_server import DnsServer
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 ADMIN_KEY = "dns-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from tests.engines import EngineFactory
+from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from tests.harness import RedisServer, wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 ADMIN_KEY = "fleet-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -11,16 +11,16 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.proxy.discovery import Discovered
 from kvrelay.proxy.discovery_kube import KubeRoleWatch, ready_engines
 from kvrelay.proxy.fleet_sync import LocalFleetSync
 from kvrelay.proxy.pools import Pool
-from tests.engines import EngineFactory, EngineSim
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until
 from tests.kvcache_map.helpers import eventually
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 ADMIN_KEY = "kube-admin-key"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}

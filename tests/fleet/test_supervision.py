@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines import EngineSim
+from kvrelay.devtools.engines import EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from tests.fleet.workers import Load, worker_inflight, worker_pids
 from tests.harness import RedisServer, wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 WORKERS = 2
 

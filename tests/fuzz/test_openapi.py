@@ -21,10 +21,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.proxy.openapi import openapi_document
-from tests.chaos.load import is_openai_error
-from tests.engines import EngineFactory
-from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.security.rawhttp import send
 
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "25"))
@@ -87,7 +87,9 @@ def test_proxy_api_never_5xx_and_4xx_are_openai_shaped(
 
 RAW_ROUTES = [("POST", "/v1/chat/completions"), ("POST", "/v1/completions"),
               ("GET", "/v1/models"), ("DELETE", "/v1/conversations/x"), ("GET", "/metrics"),
-              ("POST", "/admin/backends"), ("DELETE", "/admin/backends")]  # fmt: skip
+              ("POST", "/admin/backends"), ("DELETE", "/admin/backends"),
+              ("POST", "/v1/embeddings"), ("POST", "/v1/responses"), ("POST", "/tokenize"),
+              ("POST", "/detokenize")]  # fmt: skip
 _JSONISH = st.one_of(
     st.binary(max_size=300),
     st.integers(1, 3000).map(lambda n: b'{"messages":' + b"[" * n + b"]" * n + b"}"),

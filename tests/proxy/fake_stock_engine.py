@@ -8,14 +8,13 @@ default, capped reuse when opted in). The real stock-vLLM path is tested in `tes
 
 from __future__ import annotations
 
-import asyncio
 import itertools
-import threading
 import time
 from typing import Any
 
 from aiohttp import web
 
+from kvrelay.devtools.threaded_app import ThreadedApp
 from tests.harness import free_port
 
 
@@ -27,9 +26,10 @@ class FakeStockEngine:
         self.port = free_port()
         self.requests: list[dict[str, Any]] = []
         self._ids = itertools.count()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/v1/completions", self._completions)
+        self._server = ThreadedApp(app, self.port, f"fake-stock-{engine_id}")
 
     @property
     def url(self) -> str:
@@ -76,22 +76,9 @@ class FakeStockEngine:
             }
         )
 
-    async def _start(self) -> None:
-        app = web.Application()
-        app.router.add_get("/health", self._health)
-        app.router.add_post("/v1/completions", self._completions)
-        self._runner = web.AppRunner(app)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-
     def start(self) -> FakeStockEngine:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        self._server.start()
         return self
 
     def stop(self) -> None:
-        if self._runner is not None:
-            asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-            self._runner = None
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=10)
+        self._server.stop()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import httpx
 
+from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
-from tests.engines import EngineFactory
 from tests.harness import RedisServer, wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of
-from tests.proxy_server import Fleet, ProxyFactory
 
 PROMPT = "Disaggregated serving splits prefill and decode. " * 4
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from tests.harness import free_port, wait_until
 from tests.proxy.client import MODEL
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 
 @pytest.fixture

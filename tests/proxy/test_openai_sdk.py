@@ -18,12 +18,12 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat
-from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of, streamed_text
 from tests.proxy.sdk_turns import MODES, SDKConversation, TurnResult
-from tests.proxy_server import Fleet, ProxyFactory
 
 SYSTEM = "You are a careful assistant. Answer briefly. " * 6  # several full blocks
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Then what?", "Thanks!"]

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
-from tests.engines import EngineFactory, EngineSim
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
-from tests.proxy_server import Fleet, ProxyFactory
 
 LONG_SYSTEM = (
     "You are a careful assistant. Answer briefly. " * 6

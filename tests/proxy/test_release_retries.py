@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 
 from kvrelay.connector.protocol import HoldRef
+from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools.nixl_peer import SECRET
 from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
 from kvrelay.proxy.upstream import Upstream
-from tests.connector.peer import SECRET
 from tests.connector.sidechannel_helpers import FakeHolder
-from tests.faultproxy import FaultProxy
 
 
 @pytest.fixture

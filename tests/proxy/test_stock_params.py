@@ -8,9 +8,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvrelay.devtools.proxy_server import ProxyFactory
 from tests.proxy.client import post
 from tests.proxy.fake_stock_engine import FakeStockEngine
-from tests.proxy_server import ProxyFactory
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from kvrelay.proxy.conversation import (
 from kvrelay.proxy.errors import ProxyError
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings, SettingsError, load_settings
 from kvrelay.proxy.streaming import SSEFilter
 
@@ -184,16 +185,22 @@ def test_decode_body_carries_p_params_and_hold() -> None:
     assert capped_num_tokens({"remote_num_tokens": 90}, 40) == 40
 
 
+def _router(**settings: object) -> tuple[Router, Pool, Pool]:
+    prefill = Pool("prefill", eject_after=2, readmit_after=2)
+    decode = Pool("decode", eject_after=1, readmit_after=1)
+    return Router(Settings(_env_file=None, **settings), prefill, decode), prefill, decode  # type: ignore[arg-type]
+
+
 def test_pool_ejects_and_readmits_by_probe() -> None:
-    pool = Pool("prefill", eject_after=2, readmit_after=2)
+    router, pool, _ = _router()
     a, b = pool.add("http://a"), pool.add("http://b")
     a.outstanding_work = 10
-    assert pool.pick_least_work(set()) is b
+    assert router.pick_prefill(None, set()) == (b, False)
     pool.record_failure(b, "x")
     assert b.healthy
     pool.record_failure(b, "x")
     assert not b.healthy
-    assert pool.pick_least_work(set()) is a
+    assert router.pick_prefill(None, set()) == (a, False)
     pool.record_success(b, probe=False)
     pool.record_success(b, probe=True)
     assert not b.healthy
@@ -202,13 +209,13 @@ def test_pool_ejects_and_readmits_by_probe() -> None:
 
 
 def test_decode_affinity_yields_when_overloaded() -> None:
-    pool = Pool("decode", eject_after=1, readmit_after=1)
+    router, _, pool = _router(decode_overload_inflight=2)
     a, b = pool.add("http://a"), pool.add("http://b")
-    assert pool.pick_with_affinity("http://b", set(), overload=2) is b
+    assert router.pick_decode("http://b", set()) is b
     b.inflight = 2
-    assert pool.pick_with_affinity("http://b", set(), overload=2) is a
+    assert router.pick_decode("http://b", set()) is a
     pool.drain("http://a")
-    assert pool.pick_with_affinity(None, set(), overload=2) is b
+    assert router.pick_decode(None, set()) is b
 
 
 def test_client_request_ids_get_a_unique_upstream_suffix() -> None:

@@ -5,7 +5,7 @@ the chattiest output.
 Package-scoped to keep the suite fast (engines start once); tests that need a clean state
 wait for the pools to go idle themselves. `/metrics` needs the fleet's metrics key and
 request bodies must arrive within `BODY_READ_TIMEOUT_S`. Built from the shared `EngineFactory` and
-`ProxyFactory` (tests/engines.py, tests/proxy_server.py), not copied set-up.
+`ProxyFactory` (kvrelay/devtools/engines.py, kvrelay/devtools/proxy_server.py), not copied set-up.
 """
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, open_map
 from kvrelay.proxy.conversation import tenant_of
-from tests.engines import EngineFactory, EngineSim
 from tests.harness import RedisServer
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 
 @dataclass

@@ -15,8 +15,8 @@ import pytest
 
 from kvrelay.connector.auth import destination, sign_headers, verify_response
 from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
-from tests.chaos.load import is_openai_error
-from tests.engines import CONNECTOR_SECRET
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.engines import CONNECTOR_SECRET
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
 
@@ -52,6 +52,9 @@ def _bad_headers(fleet: SecureFleet) -> list[dict[str, str]]:
         ("POST", "/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
         ("GET", "/v1/models", None),
         ("DELETE", "/v1/conversations/some-id", None),
+        ("POST", "/v1/embeddings", {"model": MODEL, "input": "hi"}),
+        ("POST", "/v1/responses", {"model": MODEL, "input": "hi", "stream": True}),
+        ("POST", "/tokenize", {"model": MODEL, "prompt": "hi"}),
     ],
 )
 def test_client_routes_refuse_missing_or_wrong_keys(

@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.chaos.load import is_openai_error
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from tests.harness import wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 from tests.security.conftest import BODY_READ_TIMEOUT_S, SecureFleet
 from tests.security.rawhttp import (
     RawResponse,
@@ -91,6 +91,8 @@ ROUTES: list[tuple[str, str, bytes]] = [
     ("POST", "/v1/chat/completions", json.dumps(CHAT).encode()),
     ("POST", "/v1/completions", b'{"model":"kvrelay-sim","prompt":"hi","max_tokens":2}'),
     ("GET", "/v1/models", b""),
+    ("POST", "/v1/embeddings", b'{"model":"kvrelay-sim","input":"hi"}'),
+    ("POST", "/tokenize", b'{"model":"kvrelay-sim","prompt":"hi"}'),
     ("DELETE", "/v1/conversations/some-id", b""),
     ("GET", "/health", b""),
     ("GET", "/ready", b""),

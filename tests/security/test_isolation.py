@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.devtools.chaos_load import is_openai_error
 from kvrelay.enginesim.reference import reference_chat
-from tests.chaos.load import is_openai_error
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
 

@@ -23,11 +23,11 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.enginesim.reference import reference_chat
-from tests.chaos.load import is_openai_error
-from tests.engines import EngineFactory, EngineSim
 from tests.harness import wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
 
 MODEL = "kvrelay-sim"
 POISON_SECONDS = 12.0

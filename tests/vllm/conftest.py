@@ -16,20 +16,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.proxy_server import ProxyFactory, ProxyServer
-from tests.vllm.servers import (
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.tiny_model import create_tiny_model
+from kvrelay.devtools.vllm_servers import (
     CONNECTOR_SECRET,
     DECODE_BLOCKS,
     START_TIMEOUT_S,
     VLLMServer,
-    faulty_pair,
     kvrelay_pair,
     side_channels_setting,
     start_all,
     stock_pair,
     stop_all,
 )
-from tests.vllm.tiny_model import create_tiny_model
+from tests.vllm.faulty_pair import faulty_pair
 
 
 @pytest.fixture(scope="session")

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.devtools.vllm_servers import CONNECTOR_SECRET, MODEL_NAME, VLLMServer
 from tests.harness import wait_until
 from tests.vllm.conftest import FaultPair
-from tests.vllm.servers import CONNECTOR_SECRET, MODEL_NAME, VLLMServer
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from kvrelay.devtools.vllm_servers import MODEL_NAME
 from tests.vllm.conftest import Reference
-from tests.vllm.servers import MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
+from kvrelay.devtools.vllm_servers import BLOCK_SIZE, MODEL_NAME
 from tests.harness import wait_until
 from tests.proxy.sdk_turns import MODES, SDKConversation, TurnResult
 from tests.vllm.conftest import PDFleet
-from tests.vllm.servers import BLOCK_SIZE, MODEL_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -13,9 +13,7 @@ from typing import Any
 import pytest
 
 from kvrelay.devtools import sse
-from tests.harness import wait_until
-from tests.vllm.conftest import PDFleet
-from tests.vllm.servers import (
+from kvrelay.devtools.vllm_servers import (
     BLOCK_SIZE,
     DECODE_BLOCKS,
     LEASE_SECONDS,
@@ -23,6 +21,8 @@ from tests.vllm.servers import (
     MODEL_NAME,
     VLLMServer,
 )
+from tests.harness import wait_until
+from tests.vllm.conftest import PDFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

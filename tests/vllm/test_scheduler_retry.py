@@ -19,7 +19,7 @@ import pytest
 
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.scheduler import ConnectorScheduler
-from tests.vllm.servers import BLOCK_SIZE, CONNECTOR_SECRET, MAX_MODEL_LEN
+from kvrelay.devtools.vllm_servers import BLOCK_SIZE, CONNECTOR_SECRET, MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from kvrelay.devtools.vllm_servers import VLLMServer, kvrelay_transfer_config
 from tests.harness import free_port
-from tests.vllm.servers import VLLMServer, kvrelay_transfer_config
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 

@@ -120,6 +120,14 @@ true
 - name: KVRELAY_MAP_URL
   value: "redis://{{ include "kvrelay.redis.fullname" . }}:6379/0"
 {{- end }}
+{{- with .Values.otel.endpoint }}
+- name: OTEL_EXPORTER_OTLP_ENDPOINT
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.otel.serviceName }}
+- name: OTEL_SERVICE_NAME
+  value: {{ . | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{- toYaml . | nindent 0 }}
 {{- end }}

@@ -14,11 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.layout import CacheLayout
 
 
-class UnsupportedCacheError(ValueError):
+class UnsupportedCacheError(ConnectorError, ValueError):
     """The engine's KV cache tensors cannot be described to the connector."""
+
+    kind = ConnectorErrorKind.UNSUPPORTED_CACHE
 
 
 @dataclass(frozen=True)

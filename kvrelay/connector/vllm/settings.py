@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 
 # extra-config key -> ConnectorConfig field (same names; listed so typos fail loudly).
 EXTRA_KEYS = (
@@ -39,8 +40,10 @@ EXTRA_KEYS = (
 ADAPTER_KEYS: tuple[str, ...] = ()
 
 
-class UnsupportedConfigError(ValueError):
+class UnsupportedConfigError(ConnectorError, ValueError):
     """vLLM is configured in a way the kvrelay connector cannot serve; raised at start-up."""
+
+    kind = ConnectorErrorKind.UNSUPPORTED_CONFIG
 
 
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> Any:

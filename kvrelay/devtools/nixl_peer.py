@@ -1,6 +1,6 @@
 """A tiny engine in its own process that drives the connector exactly like an engine would.
 
-Tests and `bench/transfer.py` start holders and readers with `Peer.start(spec)` (multiprocessing
+Tests and `bench.transfer` start holders and readers with `Peer.start(spec)` (multiprocessing
 spawn, so each side has its own NIXL agents and side channel). The child runs an engine loop
 thread (build metadata → every rank's `start_load_kv`/`get_finished` → `update_connector_output`
 → free blocks the workers report), and executes commands sent over a pipe inside that loop, so

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.devtools.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
+from kvrelay.devtools.process import ManagedServer, ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import parse_samples
-from tests.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
-from tests.harness import ManagedServer, ServerProcess, free_port, http_ready
 
 
 @dataclass
@@ -26,6 +26,7 @@ class ProxyServer(ManagedServer):
     prefill: Sequence[EngineSim | str]
     decode: Sequence[EngineSim | str]
     settings: dict[str, str] = field(default_factory=dict)
+    extra_env: dict[str, str] = field(default_factory=dict)  # other variables (OTEL_*)
     port: int = field(default_factory=free_port)
     process: ServerProcess | None = None
 
@@ -52,9 +53,14 @@ class ProxyServer(ManagedServer):
             "KVRELAY_DECODE": self._urls(self.decode),
             "KVRELAY_SIDE_CHANNELS": side,
             "KVRELAY_PROBE_INTERVAL_S": "0.2",
+            # The suites check the P->D reuse path turn by turn (P's loaded tokens, reuse hits),
+            # so they pin the policy that always takes it; tests/proxy/test_routing.py and
+            # test_engine_load.py cover the other policies.
+            "KVRELAY_ROUTING_POLICY": "always_p",
             "KVRELAY_LOG_LEVEL": "WARNING",
         }
         env.update({f"KVRELAY_{k.upper()}": v for k, v in self.settings.items()})
+        env.update(self.extra_env)
         return env
 
     def start(self, ready_path: str = "/health") -> ProxyServer:
@@ -117,9 +123,11 @@ class ProxyFactory:
         prefill: Sequence[EngineSim | str],
         decode: Sequence[EngineSim | str],
         ready_path: str = "/health",
+        env: dict[str, str] | None = None,
         **settings: str,
     ) -> ProxyServer:
-        proxy = ProxyServer(prefill, decode, settings)
+        """Start a proxy; `settings` become KVRELAY_* variables, `env` is added as it is."""
+        proxy = ProxyServer(prefill, decode, settings, env or {})
         self.proxies.append(proxy)
         return proxy.start(ready_path)
 

@@ -19,7 +19,7 @@ import struct
 import threading
 from dataclasses import dataclass, field
 
-from tests.harness import free_port
+from kvrelay.devtools.process import free_port
 
 _CHUNK = 64 * 1024
 

@@ -1,4 +1,4 @@
-"""Start real vLLM (CPU build) OpenAI servers for the end-to-end suite.
+"""Start real vLLM (CPU build) OpenAI servers: the end-to-end suite and `bench.multiturn`.
 
 Three kinds: a plain server (the non-disaggregated reference), P/D workers with kvrelay's connector
 (`kvrelay.connector.vllm.adapter`), and P/D workers with vLLM's stock `NixlConnector`. Each is a
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import parse_samples, series_sum
-from tests.harness import ServerProcess, free_port, http_ready
 
 CONNECTOR_SECRET = "kvrelay-vllm-test-secret"
 MODEL_NAME = "tiny"
@@ -173,34 +173,6 @@ def kvrelay_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:
         side = free_port()
         config = kvrelay_transfer_config(side)
         servers.append(VLLMServer(name, model_dir, cpu, config, side_channel_port=side))
-    return servers[0], servers[1]
-
-
-# KV blocks of the fault pair's D: the smallest pool that still fits MAX_MODEL_LEN (vLLM
-# checks at start-up), so two long requests run it out and one is preempted.
-FAULTY_DECODE_BLOCKS = 40
-
-
-def faulty_pair(model_dir: Path, fault_dirs: tuple[Path, Path]) -> tuple[VLLMServer, VLLMServer]:
-    """P and D loading `tests.vllm.faulty_connector` (kvrelay's connector plus stalls a test
-    arms through files in each engine's fault directory), with fixed engine ids. D has a small
-    pool and no prefix cache (a preempted request must recompute or load, never hit locally);
-    both fail requests whose KV load failed (vLLM's `kv_load_failure_policy: fail`)."""
-    servers = []
-    for name, cpu, fault_dir in (("P", 0, fault_dirs[0]), ("D", 1, fault_dirs[1])):
-        side = free_port()
-        config = {
-            **kvrelay_transfer_config(side),
-            "kv_connector": "FakeStallingConnector",
-            "kv_connector_module_path": "tests.vllm.faulty_connector",
-            "engine_id": f"faulty-{name}",
-            "kv_load_failure_policy": "fail",
-        }
-        env = {"KVRELAY_FAULT_DIR": str(fault_dir)}
-        servers.append(VLLMServer(f"faulty-{name}", model_dir, cpu, config, side, extra_env=env))
-    servers[1].extra_args = [
-        "--num-gpu-blocks-override", str(FAULTY_DECODE_BLOCKS), "--no-enable-prefix-caching",
-    ]  # fmt: skip
     return servers[0], servers[1]
 
 

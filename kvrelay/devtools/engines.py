@@ -15,8 +15,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.devtools.process import (
+    ManagedServer,
+    ServerProcess,
+    free_port,
+    http_ready,
+    wait_until,
+)
 from kvrelay.devtools.prometheus import parse_samples
-from tests.harness import ManagedServer, ServerProcess, free_port, http_ready, wait_until
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
 ENGINE_ENV = {

@@ -1,7 +1,7 @@
 """The chaos fleet and its load: multi-turn conversations through the proxy while faults fly.
 
 Shared by the chaos test (`tests/chaos/test_chaos.py`, bounded) and the soak script
-(`bench/soak.py`, long). Pieces:
+(`bench.soak`, long). Pieces:
 
 - `ChaosFleet`: Redis, 2 P and 2 D enginesim (short leases), a `FaultProxy` in front of every
   engine (the proxy only knows the relays' URLs) and a proxy with two workers on the Redis map.
@@ -34,10 +34,11 @@ from typing import Any
 import httpx
 
 from kvrelay.devtools import sse
-from tests.engines import EngineFactory, EngineSim
-from tests.faultproxy import FaultProxy
-from tests.harness import RedisServer, wait_until
-from tests.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools.process import wait_until
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools.redis import RedisServer
 
 MODEL = "kvrelay-sim"
 SYSTEM = "You are a patient assistant who answers in a few words. " * 4
@@ -155,6 +156,18 @@ class ChaosFleet:
 
     def held_blocks(self) -> dict[str, float]:
         return {e.name: e.metric("enginesim_blocks_held_for_remote") for e in self.engines.engines}
+
+    def stranded_blocks(self, within_s: float) -> dict[str, float]:
+        """Blocks still held by each engine when its pool is not idle within `within_s`
+        (wait for the leases and the proxy's releases); empty when every pool went idle."""
+        try:
+            wait_until(
+                lambda: all(e.pool_idle() for e in self.engines.engines),
+                within_s, interval=0.25, what="every pool idle",
+            )  # fmt: skip
+        except TimeoutError:
+            return self.held_blocks()
+        return {}
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         assert self.proxy is not None

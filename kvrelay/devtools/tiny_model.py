@@ -5,7 +5,7 @@ size, weights drawn from a fixed seed, and a byte-level BPE tokenizer trained on
 corpus, with a chat template so `/v1/chat/completions` works. The same seed gives the same files,
 so every server in a run (P, D and the reference) serves the same model.
 
-Run as a script to create one by hand: `python -m tests.vllm.tiny_model /tmp/tiny-llama`.
+Run as a script to create one by hand: `python -m kvrelay.devtools.tiny_model /tmp/tiny-llama`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""`PrefixCache`: the engine's local prefix cache (vLLM's automatic prefix caching, simplified).
+
+Full blocks of every finished request are remembered by the prefix hash of their last position
+(which covers every token before it), least recently used first out once `capacity` blocks are
+kept. A new request whose prompt starts with remembered blocks gets their KV copied into its own
+blocks and computes only the rest. It lives beside the block pool instead of sharing its blocks
+(no reference counts to get wrong); a hit costs a copy, which the simulated clock ignores, as a
+real engine's hit costs nothing.
+
+This is what P affinity relies on (turn N+1's P finds turn N's prompt here and pulls from D only
+the blocks beyond it) and what conditional disaggregation relies on (the D that served turn N
+finds the whole history here and prefills only the new message).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvrelay.enginesim.kvpool import BlockPool
+
+
+class PrefixCache:
+    """KV of full blocks by prefix hash, bounded to `capacity` blocks (0: disabled)."""
+
+    def __init__(self, capacity: int, block_size: int) -> None:
+        self.capacity = capacity
+        self.block_size = block_size
+        self._blocks: OrderedDict[int, np.ndarray[Any, Any]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def _key(self, hashes: Sequence[int], block: int) -> int:
+        return hashes[(block + 1) * self.block_size - 1]
+
+    def hit_tokens(self, hashes: Sequence[int], num_prompt_tokens: int) -> int:
+        """Prompt tokens at the start found here, in whole blocks; the last prompt token is
+        always left to compute (its logits), as vLLM does."""
+        if not self.capacity:
+            return 0
+        usable = (num_prompt_tokens - 1) // self.block_size
+        hit = 0
+        while hit < usable and self._key(hashes, hit) in self._blocks:
+            hit += 1
+        return hit * self.block_size
+
+    def load(
+        self, pool: BlockPool, block_ids: Sequence[int], hashes: Sequence[int], n: int
+    ) -> None:
+        """Copy the first `n` tokens' KV (whole blocks, found by `hit_tokens`) into `block_ids`."""
+        bs = self.block_size
+        for block in range(n // bs):
+            kv = self._blocks[self._key(hashes, block)]
+            self._blocks.move_to_end(self._key(hashes, block))
+            pool.write(block_ids, block * bs, kv)
+
+    def store(self, pool: BlockPool, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
+        """Remember every full block of a finished request (newest last in LRU order)."""
+        if not self.capacity:
+            return
+        bs = self.block_size
+        full = min(len(hashes), len(block_ids) * bs) // bs
+        for block in range(full):
+            key = self._key(hashes, block)
+            if key in self._blocks:
+                self._blocks.move_to_end(key)
+                continue
+            self._blocks[key] = pool.read(block_ids, block * bs, (block + 1) * bs)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)

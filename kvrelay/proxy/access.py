@@ -1,0 +1,37 @@
+"""Who may send a request, and whether now: API-key authentication (`kvrelay.proxy.auth`),
+the per-key breaker (`kvrelay.proxy.tenants`) and the per-tenant limits
+(`kvrelay.proxy.limits`), the same for every client route."""
+
+from __future__ import annotations
+
+import math
+
+from aiohttp import web
+
+from kvrelay.proxy.auth import authenticate
+from kvrelay.proxy.errors import ProxyError
+from kvrelay.proxy.keys import LIMITS, TENANTS
+from kvrelay.proxy.limits import Slot
+
+
+def check_breaker(request: web.Request, tenant: str) -> None:
+    """429 `tenant_paused` while the tenant's breaker is open."""
+    left = request.app[TENANTS].retry_after(tenant)
+    if left is not None:
+        wait = max(1, math.ceil(left))
+        raise ProxyError(
+            429,
+            "this API key's recent requests made every engine fail, so its requests are paused "
+            f"for {wait} s (settings tenant_failure_limit, tenant_cooldown_s); check the input "
+            "those requests sent",
+            code="tenant_paused",
+            headers={"Retry-After": str(wait)},
+        )
+
+
+async def admit(request: web.Request) -> tuple[str, Slot]:
+    """Authenticate, check the breaker and take a slot under the tenant's limits (429 when
+    over them). The caller releases the slot on every way out."""
+    tenant = authenticate(request)
+    check_breaker(request, tenant)
+    return tenant, await request.app[LIMITS].admit(tenant)

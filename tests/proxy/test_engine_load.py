@@ -1,0 +1,202 @@
+"""Engine load signals and the routing decisions made from them.
+
+`LoadPoller` scrapes a fake engine's `/metrics` (a real HTTP server on loopback that serves
+whatever page the test sets, or fails); `Router` decisions are checked on pools whose readings
+the test sets directly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from kvrelay.kvcache_map import KVEntry
+from kvrelay.proxy.engine_load import (
+    STALE_INTERVALS,
+    EngineLoad,
+    LoadPoller,
+    fresh_load,
+    load_from_metrics,
+)
+from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.routing import Router, uncached_tokens
+from kvrelay.proxy.settings import Settings
+
+VLLM_PAGE = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
+"""
+
+
+@dataclass
+class FakeMetricsEngine:
+    """A fake engine that only serves `/metrics`: the page (or status) the test sets."""
+
+    url: str
+    page: str = VLLM_PAGE
+    status: int = 200
+    scraped: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@pytest.fixture
+async def fake_engine() -> AsyncIterator[FakeMetricsEngine]:
+    engine = FakeMetricsEngine(url="")
+
+    async def metrics(_: web.Request) -> web.Response:
+        response = web.Response(text=engine.page, status=engine.status)
+        engine.scraped.set()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    engine.url = f"http://127.0.0.1:{port}"
+    try:
+        yield engine
+    finally:
+        await runner.cleanup()
+
+
+def test_vllm_gauges_are_summed_over_engine_cores() -> None:
+    load = load_from_metrics(VLLM_PAGE, at=5.0)
+    assert load == EngineLoad(running=4.0, waiting=7.0, kv_usage=pytest.approx(0.6), at=5.0)
+    assert load_from_metrics("# nothing\nother_metric 1\n", at=0.0) is None
+
+
+async def test_poller_reads_the_engine_and_survives_failures(
+    fake_engine: FakeMetricsEngine,
+) -> None:
+    pool = Pool("decode", eject_after=1, readmit_after=1)
+    backend = pool.add(fake_engine.url)
+    dead = pool.add("http://127.0.0.1:9")  # nothing listens: connection refused
+    async with aiohttp.ClientSession() as session:
+        poller = LoadPoller([pool], session, interval=0.05, timeout=1.0)
+        await poller.scrape_all()
+        assert backend.load is not None and backend.load.waiting == 7.0
+        assert dead.load is None and dead.healthy  # a failed scrape is no health verdict
+        # The engine starts failing: the last reading stays, ages, and is then ignored.
+        old = backend.load
+        fake_engine.status = 500
+        await poller.scrape_all()
+        assert backend.load is old
+        assert fresh_load(backend, 0.05, now=old.at) is old
+        assert fresh_load(backend, 0.05, now=old.at + STALE_INTERVALS * 0.05 + 0.01) is None
+        # Garbage is not a reading either.
+        fake_engine.status, fake_engine.page = 200, "not prometheus {{{"
+        await poller.scrape_all()
+        assert backend.load is old
+        # The loop keeps scraping through all of that and picks up a good page again.
+        fake_engine.page = VLLM_PAGE.replace("7.0", "2.0")
+        fake_engine.scraped.clear()
+        poller.start()
+        try:
+            # A second scrape starts only once the round before it was read in full.
+            for _ in range(2):
+                await asyncio.wait_for(fake_engine.scraped.wait(), timeout=5.0)
+                fake_engine.scraped.clear()
+        finally:
+            await poller.stop()
+        assert backend.load is not None and backend.load.waiting == 2.0
+
+
+def _router(**settings: object) -> tuple[Router, Pool, Pool]:
+    prefill = Pool("prefill", eject_after=1, readmit_after=1)
+    decode = Pool("decode", eject_after=1, readmit_after=1)
+    config = Settings(_env_file=None, load_poll_interval_s=1.0, **settings)  # type: ignore[arg-type]
+    return Router(config, prefill, decode), prefill, decode
+
+
+def _reading(waiting: float = 0.0, kv: float = 0.1, age: float = 0.0) -> EngineLoad:
+    return EngineLoad(running=1.0, waiting=waiting, kv_usage=kv, at=time.monotonic() - age)
+
+
+def _entry(
+    d_url: str, p_url: str | None, num_tokens: int = 400, cpt: float | None = 4.0
+) -> KVEntry:
+    return KVEntry(
+        engine_id="d", host="127.0.0.1", port=5600, url=d_url, request_id="r1",
+        block_ids=[list(range(25))], num_tokens=num_tokens, fingerprint="m:3:ab",
+        expires_at=time.time() + 60, prefill_url=p_url, chars_per_token=cpt,
+    )  # fmt: skip
+
+
+def test_busy_engines_are_avoided_and_stale_readings_ignored() -> None:
+    router, _, decode = _router(decode_max_waiting=4, decode_max_kv_usage=0.9)
+    a, b = decode.add("http://a"), decode.add("http://b")
+    # Without readings: affinity to the holder.
+    assert router.pick_decode("http://a", set()) is a
+    a.load = _reading(waiting=5)  # queue past the threshold
+    assert router.busy(a) and router.pick_decode("http://a", set()) is b
+    a.load = _reading(kv=0.95)  # KV cache nearly full
+    assert router.pick_decode("http://a", set()) is b
+    a.load = _reading(waiting=50, age=STALE_INTERVALS * 1.0 + 1)  # stale: ignored
+    assert not router.busy(a) and router.pick_decode("http://a", set()) is a
+    # Without affinity the engine with the shorter queue (its own count) wins.
+    a.load, b.load = _reading(waiting=3), _reading(waiting=0)
+    assert router.pick_decode(None, set()) is b
+
+
+def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None:
+    router, prefill, _ = _router(routing_policy="affinity", prefill_overload_inflight=2)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    entry = _entry("http://d", "http://p1")
+    assert router.pick_prefill(entry, set()) == (p1, True)
+    assert router.pick_prefill(None, set()) == (p0, False)  # ties: the first P
+    p1.inflight = 2
+    assert router.pick_prefill(entry, set()) == (p0, False)
+    p1.inflight, p1.load = 0, _reading(waiting=9)
+    assert router.pick_prefill(entry, set()) == (p0, False)
+    p1.load = None
+    prefill.drain("http://p1")
+    assert router.pick_prefill(entry, set()) == (p0, False)
+    # always_p ignores the previous P.
+    plain, prefill2, _ = _router(routing_policy="always_p")
+    q0 = prefill2.add("http://p0")
+    prefill2.add("http://p1")
+    assert plain.pick_prefill(entry, set()) == (q0, False)
+
+
+def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() -> None:
+    router, _, decode = _router(
+        routing_policy="conditional", conditional_max_uncached_tokens=50,
+        conditional_max_inflight_tokens=120, decode_max_waiting=4,
+    )  # fmt: skip
+    d = decode.add("http://d")
+    entry = _entry("http://d", "http://p0", num_tokens=400, cpt=4.0)
+    # 1,800 chars / 4 chars per token = 450 tokens; D holds 400: 50 uncached.
+    assert uncached_tokens(entry, 1800) == 50
+    assert router.decode_only_tokens(entry, 1800) == 50
+    assert router.decode_only_tokens(entry, 1804) is None  # 51 uncached
+    assert router.decode_only_tokens(None, 10) is None
+    assert router.decode_only_tokens(_entry("http://d", None, cpt=None), 1600) is None
+    # D's prefill budget: decode-only turns in flight there count their tokens.
+    with decode.busy(d, 1 + 50), decode.busy(d, 1):
+        assert router.decode_only_tokens(entry, 1800) == 50  # 50 + 50 <= 120
+        with decode.busy(d, 1 + 30):
+            assert router.decode_only_tokens(entry, 1800) is None  # 80 + 50 > 120
+    d.load = _reading(waiting=5)  # the holder is busy: through P as usual
+    assert router.decode_only_tokens(entry, 1800) is None
+    d.load = None
+    decode.drain("http://d")
+    assert router.decode_only_tokens(entry, 1800) is None
+    for policy in ("always_p", "affinity"):
+        other, _, decode2 = _router(routing_policy=policy)
+        decode2.add("http://d")
+        assert other.decode_only_tokens(entry, 1800) is None

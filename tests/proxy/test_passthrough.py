@@ -1,0 +1,206 @@
+"""Pass-through routes, `/v1/models` and the unknown-model 404.
+
+Against enginesim (the engine answers the routes in vLLM's shapes) and against a fake upstream
+(`tests/proxy/fake_upstream.py`) for what enginesim cannot show: that a stream is relayed as
+it arrives, what exactly is forwarded, a retry after a dead engine, a stream cut mid-way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.sse import data_fields
+from tests.harness import free_port, wait_until
+from tests.proxy.fake_upstream import FakeUpstream
+
+MODEL = "kvrelay-sim"
+
+
+def _not_found(resp: httpx.Response) -> None:
+    assert resp.status_code == 404, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "model_not_found"
+    assert error["type"] == "not_found_error"
+    assert error["param"] == "model"
+    assert "GET /v1/models" in error["message"]
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeUpstream]:
+    upstream = FakeUpstream().start()
+    try:
+        yield upstream
+    finally:
+        upstream.stop()
+
+
+# -- enginesim ------------------------------------------------------------------------------
+
+
+def test_tokenize_detokenize_embeddings_and_responses_pass_through(pd_fleet: Fleet) -> None:
+    with httpx.Client(base_url=pd_fleet.proxy.url, timeout=30) as client:
+        tok = client.post("/tokenize", json={"model": MODEL, "prompt": "hello there"})
+        assert tok.status_code == 200, tok.text
+        tokens = tok.json()["tokens"]
+        assert tok.json()["count"] == len(tokens) > 0
+        detok = client.post("/detokenize", json={"model": MODEL, "tokens": tokens})
+        assert detok.json() == {"prompt": "hello there"}
+
+        emb = client.post("/v1/embeddings", json={"model": MODEL, "input": ["a b", "c"]})
+        assert emb.status_code == 200, emb.text
+        vectors = [d["embedding"] for d in emb.json()["data"]]
+        assert len(vectors) == 2 and vectors[0] != vectors[1]
+        again = client.post("/v1/embeddings", json={"model": MODEL, "input": "a b"})
+        assert again.json()["data"][0]["embedding"] == vectors[0]  # deterministic
+
+        resp = client.post("/v1/responses", json={"model": MODEL, "input": "hi"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["object"] == "response" and resp.json()["status"] == "completed"
+        text = resp.json()["output"][0]["content"][0]["text"]
+
+        streamed = client.post(
+            "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}
+        )
+        assert streamed.headers["content-type"].startswith("text/event-stream")
+        events = [json.loads(d) for d in data_fields(streamed.content)]
+        assert events[0]["type"] == "response.created"
+        assert events[-1]["type"] == "response.completed"
+        deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
+        assert "".join(deltas) == text
+    # Neither the P engine nor D's connector was involved: nothing held anywhere.
+    assert pd_fleet.prefill.metric("enginesim_requests_total") == 0
+    pd_fleet.wait_clean()
+    samples = pd_fleet.proxy.metrics()
+    assert samples['kvrelay_passthrough_total{outcome="ok",route="/v1/responses"}'] == 2
+    assert samples['kvrelay_passthrough_total{outcome="ok",route="/tokenize"}'] == 1
+
+
+def test_unknown_model_is_an_openai_404_on_every_route(pd_fleet: Fleet) -> None:
+    before = pd_fleet.decode.metric("enginesim_requests_total")
+    with httpx.Client(base_url=pd_fleet.proxy.url, timeout=30) as client:
+        _not_found(client.post("/v1/embeddings", json={"model": "nope", "input": "x"}))
+        _not_found(client.post("/v1/chat/completions", json={
+            "model": "nope", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2,
+        }))  # fmt: skip
+        _not_found(
+            client.post("/v1/completions", json={"model": "nope", "prompt": "x", "max_tokens": 2})
+        )
+        # No engine was asked.
+        assert pd_fleet.decode.metric("enginesim_requests_total") == before
+        ok = client.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+
+
+def test_models_merges_the_fleet_once_per_id(pd_fleet: Fleet, proxy_factory: ProxyFactory) -> None:
+    other = FakeUpstream(models=("other-model", MODEL)).start()
+    try:
+        proxy = proxy_factory([pd_fleet.prefill], [pd_fleet.decode, other.url])
+        with httpx.Client(base_url=proxy.url, timeout=30) as client:
+            listed = client.get("/v1/models").json()
+            assert listed["object"] == "list"
+            assert sorted(m["id"] for m in listed["data"]) == [MODEL, "other-model"]
+            # A model only the fake serves is known to the proxy (the fake answers it).
+            resp = client.post("/v1/embeddings", json={"model": "other-model", "input": "x"})
+            assert resp.status_code == 200 and resp.json()["path"] == "/v1/embeddings"
+    finally:
+        other.stop()
+
+
+# -- fake upstream --------------------------------------------------------------------------
+
+
+def test_stream_is_relayed_as_it_arrives(fake: FakeUpstream, proxy_factory: ProxyFactory) -> None:
+    proxy = proxy_factory([fake.url], [fake.url])
+    body = {"model": MODEL, "input": "x", "stream": True}
+    with (
+        httpx.Client(base_url=proxy.url, timeout=30) as client,
+        client.stream("POST", "/v1/responses", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        chunks = resp.iter_bytes()
+        received = b""
+        while b"\n\n" not in received:
+            received += next(chunks)
+        # The first event arrived while the fake still holds the rest back.
+        assert b'"n":1' in received and not fake.gate.is_set()
+        fake.gate.set()
+        received += b"".join(chunks)
+    assert [json.loads(d)["n"] for d in data_fields(received)] == [1, 2]
+
+
+def test_forwarded_body_has_no_kv_transfer_params_and_no_client_key(
+    fake: FakeUpstream, proxy_factory: ProxyFactory
+) -> None:
+    proxy = proxy_factory([fake.url], [fake.url], api_keys="key-a")
+    body = {"model": MODEL, "input": "x", "kv_transfer_params": {"do_remote_prefill": True}}
+    resp = httpx.post(
+        proxy.url + "/v1/embeddings?user=7",
+        json=body,
+        headers={"Authorization": "Bearer key-a", "X-Request-Id": "client-1"},
+        timeout=30,
+    )
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["x-request-id"] == "client-1"
+    seen = fake.seen[-1]
+    assert json.loads(seen.body) == {"model": MODEL, "input": "x"}
+    assert seen.query == "user=7"
+    assert "authorization" not in seen.headers
+    assert seen.headers["x-request-id"].startswith("client-1-")  # the upstream id
+    # Without the key: refused before any engine sees it.
+    refused = httpx.post(proxy.url + "/v1/embeddings", json=body, timeout=30)
+    assert refused.status_code == 401 and len(fake.seen) == 1
+
+
+def test_dead_engine_is_skipped_by_a_retry(fake: FakeUpstream, proxy_factory: ProxyFactory) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    # Probes far apart: the dead engine is still in the pool when the request comes.
+    proxy = proxy_factory([fake.url], [dead, fake.url], probe_interval_s="60")
+    resp = httpx.post(proxy.url + "/tokenize", json={"prompt": "x"}, timeout=30)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["path"] == "/tokenize"
+    samples = proxy.metrics()
+    assert samples['kvrelay_retries_total{leg="passthrough"}'] == 1
+    backends = proxy.call("GET", "/ready")[1]
+    assert backends["decode_healthy"] == 2  # one failure (+ one probe) does not eject it
+
+
+def test_all_engines_dead_is_a_shaped_503(proxy_factory: ProxyFactory) -> None:
+    dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    proxy = proxy_factory(dead[:1], dead, probe_interval_s="60")
+    resp = httpx.post(proxy.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert resp.status_code == 503, resp.text
+    error = resp.json()["error"]
+    assert error["code"] == "backends_unavailable"
+    assert "127.0.0.1" not in error["message"]  # engines are named, never addressed
+
+
+def test_engine_error_and_cut_stream_reach_the_client(
+    fake: FakeUpstream, proxy_factory: ProxyFactory
+) -> None:
+    proxy = proxy_factory([fake.url], [fake.url])
+    cut = {"model": MODEL, "input": "x", "stream": True, "cut": True}
+    with pytest.raises(httpx.RemoteProtocolError):
+        httpx.post(proxy.url + "/v1/responses", json=cut, timeout=30)
+    fake.status = 500
+    failed = httpx.post(proxy.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert failed.status_code == 500 and failed.json() == {"error": {"message": "fake failure"}}
+    wait_until(
+        lambda: (
+            proxy.metrics().get(
+                'kvrelay_passthrough_total{outcome="upstream_cut",route="/v1/responses"}'
+            )
+            == 1
+        ),
+        timeout=10,
+    )
+    assert (
+        proxy.metrics()[
+            'kvrelay_passthrough_total{outcome="upstream_error",route="/v1/embeddings"}'
+        ]
+        == 1
+    )

@@ -1,0 +1,161 @@
+"""Multi-turn routing policies through the proxy, on enginesim P and D (real NIXL) whose local
+prefix caches are on: P affinity makes turn N+1's P load from D only what its own cache lacks;
+conditional routing sends short follow-ups straight to the D holding the conversation. Answers
+equal the single-engine reference in every mode, and nothing stays held afterwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.process import wait_until
+from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.enginesim.reference import reference_chat
+from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
+
+pytestmark = pytest.mark.nixl
+
+SYSTEM = "You are a careful assistant who explains caches. Answer briefly. " * 8
+QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
+ADMIN_KEY = "routing-admin-key"
+CACHE = ("--prefix-cache-blocks", "512")
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
+    """Two P and one D with local prefix caches, shared by the module (start-up is slow)."""
+    factory = EngineFactory()
+    try:
+        p0, p1, d = factory.many(
+            ("P0", ["--role", "prefill", *CACHE]),
+            ("P1", ["--role", "prefill", *CACHE]),
+            ("D", ["--role", "decode", *CACHE]),
+        )
+        yield p0, p1, d
+    finally:
+        factory.close()
+
+
+@pytest.fixture
+def idle(
+    engines: tuple[EngineSim, EngineSim, EngineSim],
+) -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
+    """The engines, idle before and after the test."""
+    for engine in engines:
+        engine.wait_idle()
+    yield engines
+    for engine in engines:
+        engine.wait_idle(15)
+
+
+def _turn(
+    proxy: ProxyServer, messages: list[dict[str, Any]], conversation: str, streamed: bool
+) -> str:
+    headers = {"X-Conversation-Id": conversation}
+    body = chat_body(messages)
+    if streamed:
+        status, events, raw = stream(proxy.url, "/v1/chat/completions", body, headers)
+        assert status == 200, raw
+        return streamed_text(events, chat=True)
+    return reply_of(post(proxy.url, "/v1/chat/completions", body, headers))
+
+
+def _admin(proxy: ProxyServer, method: str, path: str, body: dict[str, Any]) -> None:
+    status, answer, _ = proxy.call(
+        method, path, body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status in (200, 201), answer
+
+
+def _p_loads(
+    policy: str,
+    engines: tuple[EngineSim, EngineSim, EngineSim],
+    proxy_factory: ProxyFactory,
+    conversation: str,
+) -> tuple[list[float], float]:
+    """Run QUESTIONS with turn 1 on P1 (P0 drained), P0 back for the later turns.
+
+    Returns the tokens P loaded from D per later turn, and P0's requests meanwhile."""
+    p0, p1, d = engines
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy=policy, admin_key=ADMIN_KEY
+    )
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    loads: list[float] = []
+    p0_requests = p0.metric("enginesim_requests_total")
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        before = p0.metrics(), p1.metrics()
+        answer = _turn(proxy, messages, conversation, streamed=turn % 2 == 1)
+        assert answer == reference_chat(messages, 12)
+        messages.append({"role": "assistant", "content": answer})
+        after = p0.metrics(), p1.metrics()
+        name = "enginesim_prompt_tokens_loaded_total"
+        if turn == 0:
+            # Both Ps are candidates from now on; with equal load the first one is chosen.
+            _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
+            p0_requests = after[0].get("enginesim_requests_total", 0.0)
+        else:
+            loads.append(
+                sum(a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True))
+            )
+    p0_used = p0.metric("enginesim_requests_total") - p0_requests
+    assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    proxy.stop()
+    return loads, p0_used
+
+
+def test_prefill_affinity_loads_only_what_ps_own_cache_lacks(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p1 = idle[1]
+    cached_before = p1.metric("enginesim_prompt_tokens_cached_total")
+    sticky, p0_used = _p_loads("affinity", idle, proxy_factory, "aff-1")
+    assert p0_used == 0, "every later turn should go to the P that served the first"
+    assert p1.metric("enginesim_prompt_tokens_cached_total") > cached_before
+    # always_p sends the later turns to the other P, whose cache does not have this history.
+    moving, p0_used = _p_loads("always_p", idle, proxy_factory, "aff-2")
+    assert p0_used == len(QUESTIONS) - 1
+    # Turn 2 is where they differ (without affinity P0 then has this history cached too):
+    # the other P loads the whole history from D, the previous P only what lies beyond its
+    # own previous prompt, at most the previous reply's blocks and the new message's.
+    assert moving[0] > 8 * sticky[0]
+    assert all(a <= b for a, b in zip(sticky, moving, strict=True))
+
+
+def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        conditional_max_uncached_tokens="120",
+    )  # fmt: skip
+    p_requests = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+    d_cached = d.metric("enginesim_prompt_tokens_cached_total")
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for turn, question in enumerate(QUESTIONS):
+        messages.append({"role": "user", "content": question})
+        answer = _turn(proxy, messages, "cond-1", streamed=turn % 2 == 0)
+        assert answer == reference_chat(messages, 12)
+        messages.append({"role": "assistant", "content": answer})
+        # The turn's hold replaced the previous one: D holds exactly one request (the old
+        # hold is given back in the background once D finished the turn).
+        wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    p_now = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+    assert p_now - p_requests == 1, "only the first turn needs P"
+    assert d.metric("enginesim_prompt_tokens_cached_total") > d_cached
+    m = proxy.metrics()
+    assert m['kvrelay_routing_decisions_total{decision="decode_only"}'] == len(QUESTIONS) - 1
+    # A long new message is more than the threshold: through P again, still correct.
+    messages.append({"role": "user", "content": "Please explain it all again. " * 40})
+    assert _turn(proxy, messages, "cond-1", streamed=False) == reference_chat(messages, 12)
+    p_after = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+    assert p_after - p_now == 1
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    assert proxy.call("DELETE", "/v1/conversations/cond-1")[0] == 200
