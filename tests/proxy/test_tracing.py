@@ -90,6 +90,9 @@ async def recorded_fleet(
             "connector_secret": CONNECTOR_SECRET,
             "api_keys": [api_key],
             "probe_interval_s": 0.2,
+            # Both turns take the P and D legs, so each has every span (under the default
+            # policy the second turn would skip P).
+            "routing_policy": "always_p",
         },
         env_file=None,
     )
