@@ -13,7 +13,6 @@ Scraping never touches a request's path.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -21,8 +20,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from kvrelay.prometheus_text import parse_samples, series_sum
-from kvrelay.proxy.background import cancel_and_wait
-from kvrelay.proxy.pools import Backend, Pool
+from kvrelay.proxy.pools import Backend, EngineRounds, Pool
 
 log = logging.getLogger(__name__)
 
@@ -68,35 +66,15 @@ def fresh_load(backend: Backend, interval_s: float, now: float | None = None) ->
     return load if now - load.at <= STALE_INTERVALS * interval_s else None
 
 
-class LoadPoller:
-    """Scrapes every engine of the given pools every `interval` seconds until stopped."""
+class LoadPoller(EngineRounds):
+    """Scrapes every engine's `/metrics` on an interval until stopped (0: never)."""
 
-    def __init__(
-        self,
-        pools: list[Pool],
-        session: aiohttp.ClientSession,
-        interval: float,
-        timeout: float,
-    ) -> None:
-        self._pools = pools
-        self._session = session
-        self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        if self._interval > 0:
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-load")
-
-    async def stop(self) -> None:
-        await cancel_and_wait([self._task])
-        self._task = None
+    task_name = "kvrelay-load"
 
     async def scrape_all(self) -> None:
-        backends = [b for pool in self._pools for b in list(pool.backends.values())]
-        await asyncio.gather(*(self._scrape(b) for b in backends))
+        await self.visit_all()
 
-    async def _scrape(self, backend: Backend) -> None:
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
         try:
             async with self._session.get(backend.url + "/metrics", timeout=self._timeout) as resp:
                 if resp.status != 200:
@@ -108,11 +86,3 @@ class LoadPoller:
         load = load_from_metrics(text, time.monotonic())
         if load is not None:
             backend.load = load
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.scrape_all()
-            except Exception:  # a parsing bug must not end the polling
-                log.exception("load scrape round failed")
-            await asyncio.sleep(self._interval)

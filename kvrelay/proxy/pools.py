@@ -203,8 +203,12 @@ def engines_to_try(
         yield backend
 
 
-class HealthChecker:
-    """Probes every engine of the given pools on an interval until stopped."""
+class EngineRounds:
+    """A background loop that visits every engine of the given pools once per `interval`
+    seconds until stopped (`_visit`, all engines concurrently); a bug in one round is logged
+    and the next round still runs. The health probes and the load scrapes are two of these."""
+
+    task_name = "kvrelay-rounds"
 
     def __init__(
         self,
@@ -220,21 +224,45 @@ class HealthChecker:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-health")
+        """Start the loop (an interval of 0 or less: never)."""
+        if self._interval > 0:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name=self.task_name)
 
     async def stop(self) -> None:
         await cancel_and_wait([self._task])
         self._task = None
 
-    async def probe_all(self) -> None:
-        probes = [
-            self._probe(pool, backend)
+    async def visit_all(self) -> None:
+        """One round: every engine of every pool, concurrently."""
+        visits = [
+            self._visit(pool, backend)
             for pool in self._pools
             for backend in list(pool.backends.values())
         ]
-        await asyncio.gather(*probes)
+        await asyncio.gather(*visits)
 
-    async def _probe(self, pool: Pool, backend: Backend) -> None:
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.visit_all()
+            except Exception:  # a bug in one round must not end the loop
+                log.exception("%s round failed", self.task_name)
+            await asyncio.sleep(self._interval)
+
+
+class HealthChecker(EngineRounds):
+    """Probes every engine's `/health` on an interval until stopped."""
+
+    task_name = "kvrelay-health"
+
+    async def probe_all(self) -> None:
+        await self.visit_all()
+
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
         try:
             async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
                 await resp.read()
@@ -248,11 +276,3 @@ class HealthChecker:
             pool.record_success(backend, probe=True)
         else:
             pool.record_failure(backend, reason)
-
-    async def _run(self) -> None:
-        while True:
-            try:
-                await self.probe_all()
-            except Exception:  # a probe bug must not end health checking
-                log.exception("health probe round failed")
-            await asyncio.sleep(self._interval)
