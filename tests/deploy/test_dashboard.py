@@ -32,6 +32,8 @@ def _exported() -> dict[str, set[str]]:
     """Every sample name proxy.metrics exposes -> the label names it carries."""
     out: dict[str, set[str]] = {}
     for value in vars(metrics).values():
+        if isinstance(value, metrics.Labelled):
+            value = value.metric  # children bound once; the metric itself is inside
         if isinstance(value, MetricWrapperBase):
             kind = value._type
             labels = set(value._labelnames)
