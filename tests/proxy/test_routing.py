@@ -159,3 +159,69 @@ def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
     assert p_after - p_now == 1
     wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
     assert proxy.call("DELETE", "/v1/conversations/cond-1")[0] == 200
+
+
+def _decode_waiting(proxy: ProxyServer) -> float | None:
+    """The queue the proxy last read from its D's `/metrics` (None: no fresh reading)."""
+    status, answer, _ = proxy.call(
+        "GET", "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status == 200, answer
+    load = answer["decode"][0]["load"]
+    return None if load is None or load["age_s"] > 1.0 else float(load["waiting"])
+
+
+def _decisions(proxy: ProxyServer) -> dict[str, float]:
+    m = proxy.metrics()
+    return {
+        d: m.get(f'kvrelay_routing_decisions_total{{decision="{d}"}}', 0.0)
+        for d in ("decode_only", "prefill_affinity", "prefill_chosen")
+    }
+
+
+def test_a_busy_holder_sends_the_follow_up_through_p(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        conditional_max_uncached_tokens="4096", decode_max_waiting="4",
+        load_poll_interval_s="0.5", admin_key=ADMIN_KEY,
+    )  # fmt: skip
+
+    def p_requests() -> float:
+        return p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+
+    def turn(question: str) -> None:
+        messages.append({"role": "user", "content": question})
+        answer = _turn(proxy, messages, "busy-1", streamed=False)
+        assert answer == reference_chat(messages, 12)
+        messages.append({"role": "assistant", "content": answer})
+
+    turn(QUESTIONS[0])
+    try:
+        # D reports more queued requests than decode_max_waiting: busy, however short the
+        # follow-up, so it goes through P (and, with the only D, back to the same D).
+        assert d.request("/admin/faults", {"extra_waiting": 5})[0] == 200
+        wait_until(lambda: _decode_waiting(proxy) == 5, 10, what="the proxy to read D busy")
+        before, p_before = _decisions(proxy), p_requests()
+        turn(QUESTIONS[1])
+        after = _decisions(proxy)
+        assert p_requests() - p_before == 1
+        assert after["decode_only"] == before["decode_only"]
+        assert after["prefill_affinity"] + after["prefill_chosen"] == (
+            before["prefill_affinity"] + before["prefill_chosen"] + 1
+        )
+        # D free again: the next short follow-up skips P.
+        assert d.request("/admin/faults", {"extra_waiting": 0})[0] == 200
+        wait_until(lambda: _decode_waiting(proxy) == 0, 10, what="the proxy to read D free")
+        p_before = p_requests()
+        turn(QUESTIONS[2])
+        assert p_requests() == p_before
+        assert _decisions(proxy)["decode_only"] == after["decode_only"] + 1
+    finally:
+        d.request("/admin/faults", {"extra_waiting": 0})
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    assert proxy.call("DELETE", "/v1/conversations/busy-1")[0] == 200
