@@ -1,7 +1,8 @@
 """Multi-turn routing policies through the proxy, on enginesim P and D (real NIXL) whose local
 prefix caches are on: P affinity makes turn N+1's P load from D only what its own cache lacks;
 conditional routing sends short follow-ups straight to the D holding the conversation. Answers
-equal the single-engine reference in every mode, and nothing stays held afterwards.
+equal the single-engine reference in every mode, and nothing stays held afterwards, also when
+D is busy (the follow-up goes through P) or fails a decode-only turn (the old hold is given back).
 """
 
 from __future__ import annotations
@@ -225,3 +226,32 @@ def test_a_busy_holder_sends_the_follow_up_through_p(
         d.request("/admin/faults", {"extra_waiting": 0})
     wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
     assert proxy.call("DELETE", "/v1/conversations/busy-1")[0] == 200
+
+
+def test_a_decode_only_turn_that_d_fails_gives_the_old_hold_back(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        conditional_max_uncached_tokens="4096",
+    )  # fmt: skip
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    messages.append({"role": "user", "content": QUESTIONS[0]})
+    answer = _turn(proxy, messages, "fail-1", streamed=False)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    # The follow-up goes decode-only to the holder, which fails it: the client gets a shaped
+    # error and the previous turn's hold must not stay behind (the map entry was taken).
+    assert d.request("/admin/faults", {"fail_next_n": 1, "fail_status": 503})[0] == 200
+    status, body, _ = proxy.call(
+        "POST", "/v1/chat/completions", chat_body(messages), {"X-Conversation-Id": "fail-1"}
+    )
+    assert status == 502 and body["error"]["code"] == "decode_unavailable", body
+    assert proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}'] == 1
+    wait_until(lambda: d.metric("enginesim_requests_held") == 0, 10, what="D to hold nothing")
+    # The client's retry starts over through P, with the right answer.
+    answer = _turn(proxy, messages, "fail-1", streamed=True)
+    assert answer == reference_chat(messages, 12)
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    assert proxy.call("DELETE", "/v1/conversations/fail-1")[0] == 200
