@@ -18,6 +18,7 @@ from bench import _common as c
 OWN_PLOTS = {
     "proxy_overhead": c.BENCH_DIR / "proxy_overhead.png",
     "multiturn": c.BENCH_DIR / "multiturn.png",
+    "multiturn_policies": c.BENCH_DIR / "multiturn_policies.png",
 }
 
 

@@ -1,4 +1,5 @@
-"""Run every benchmark (`make bench`): kvmap, transfer, proxy overhead, HTTP clients, multi-turn.
+"""Run every benchmark (`make bench`): kvmap, transfer, proxy overhead, HTTP clients, multi-turn,
+and the multi-turn routing policies.
 
 Each script measures its own comparison side by side in one run and rewrites only its own
 section of bench/RESULTS.md and its own plot; this runner installs what they need first
@@ -18,7 +19,18 @@ import time
 from bench import _common as c
 from bench import _plots
 
-SCRIPTS = ("kvmap", "transfer", "proxy_overhead", "http_clients", "multiturn")
+SCRIPTS = (
+    "kvmap",
+    "transfer",
+    "proxy_overhead",
+    "http_clients",
+    "multiturn",
+    "multiturn_policies",
+)
+# Benchmarks that are a mode of another script: (module, its arguments).
+MODES = {"multiturn_policies": ("multiturn", ("--policies",))}
+# Benchmarks that compare against vllm-router (installed into .venv-router first).
+NEEDS_ROUTER = {"proxy_overhead", "multiturn_policies"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,8 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def module_argv(name: str) -> list[str]:
-    """How to run benchmark `name`: as a module of the `bench` package."""
-    return [sys.executable, "-m", f"bench.{name}"]
+    """How to run benchmark `name`: as a module of the `bench` package (`MODES`: a module
+    with the arguments that select the benchmark)."""
+    module, extra = MODES.get(name, (name, ()))
+    return [sys.executable, "-m", f"bench.{module}", *extra]
 
 
 def script_help(name: str) -> str:
@@ -70,13 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = [n for n in (args.only or SCRIPTS) if n not in args.skip]
     c.WORK_DIR.mkdir(parents=True, exist_ok=True)
-    if "proxy_overhead" in names:
+    if NEEDS_ROUTER & set(names):
         print("installing vllm-router into .venv-router (once)", flush=True)
         c.ensure_router_venv()
     timings: list[tuple[str, float, str]] = []
     started = time.monotonic()
     for name in names:
-        path = c.BENCH_DIR / f"{name}.py"
+        path = c.BENCH_DIR / f"{MODES.get(name, (name, ()))[0]}.py"
         if not path.exists():
             timings.append((name, 0.0, "missing"))
             print(f"== {name}: {c.relpath(path)} not found", flush=True)
@@ -97,10 +111,10 @@ def main(argv: list[str] | None = None) -> int:
             if plotted is not None:
                 print(f"   plot {c.relpath(plotted)}", flush=True)
     total = time.monotonic() - started
-    print("\nbenchmark      seconds  status")
+    print("\nbenchmark           seconds  status")
     for name, secs, status in timings:
-        print(f"{name:14s} {secs:7.0f}  {status}")
-    print(f"{'total':14s} {total:7.0f}")
+        print(f"{name:19s} {secs:7.0f}  {status}")
+    print(f"{'total':19s} {total:7.0f}")
     return 0 if all(s == "ok" for _, _, s in timings) else 1
 
 

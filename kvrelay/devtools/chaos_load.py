@@ -89,6 +89,10 @@ class ChaosFleet:
 
     lease_seconds: float = 6.0
     workers: int = 2
+    blocks_per_engine: int = 512
+    # Extra proxy settings (KVRELAY_* without the prefix), e.g. the routing policy; the test
+    # fleets pin `always_p` unless this overrides it.
+    proxy_settings: dict[str, str] = field(default_factory=dict)
     redis: RedisServer = field(default_factory=RedisServer)
     engines: EngineFactory = field(default_factory=EngineFactory)
     proxies: ProxyFactory = field(default_factory=ProxyFactory)
@@ -105,16 +109,13 @@ class ChaosFleet:
             ("D1", "decode"),
         ):
             engine = self.engines(name, "--role", role, "--lease-seconds", lease,
-                                  "--num-blocks", "512")  # fmt: skip
+                                  "--num-blocks", str(self.blocks_per_engine))  # fmt: skip
             self.relays[name] = FaultProxy("127.0.0.1", engine.port).start()
         side = ",".join(
             f"{self.relays[e.name].url}=127.0.0.1:{e.side_channel_port}"
             for e in self.engines.engines
         )
-        self.proxy = self.proxies(
-            [self.relays["P0"].url, self.relays["P1"].url],
-            [self.relays["D0"].url, self.relays["D1"].url],
-            ready_path="/ready",
+        settings = dict(
             map_url=self.redis.url + "?timeout_ms=200",
             workers=str(self.workers),
             side_channels=side,
@@ -126,6 +127,14 @@ class ChaosFleet:
             retries="1",
             eject_after_failures="2",
             readmit_after_successes="1",
+        )
+        settings.update(self.proxy_settings)
+        self.proxy = self.proxies(
+            [self.relays["P0"].url, self.relays["P1"].url],
+            [self.relays["D0"].url, self.relays["D1"].url],
+            "/ready",
+            None,
+            **settings,
         )
         return self
 
@@ -156,6 +165,15 @@ class ChaosFleet:
 
     def held_blocks(self) -> dict[str, float]:
         return {e.name: e.metric("enginesim_blocks_held_for_remote") for e in self.engines.engines}
+
+    def held_blocks_now(self) -> float:
+        """Blocks held for a next turn or a pull, summed over the engines that answer (a
+        killed engine holds nothing: its pool went with it)."""
+        total = 0.0
+        for engine in self.engines.engines:
+            with contextlib.suppress(OSError, ValueError, KeyError):
+                total += engine.metric("enginesim_blocks_held_for_remote")
+        return total
 
     def stranded_blocks(self, within_s: float) -> dict[str, float]:
         """Blocks still held by each engine when its pool is not idle within `within_s`
@@ -500,6 +518,7 @@ class Chaos:
 class Sample:
     t: float
     rss_bytes: int
+    held_blocks: float
     requests: int
     p50_latency_s: float | None
     p95_latency_s: float | None
@@ -507,7 +526,8 @@ class Sample:
 
 @dataclass
 class Sampler:
-    """Every `period_s`: proxy RSS and the latency of the turns completed since the last one."""
+    """Every `period_s`: proxy RSS, the blocks the engines hold and the latency of the turns
+    completed since the last one."""
 
     fleet: ChaosFleet
     load: LoadRunner
@@ -537,7 +557,8 @@ class Sampler:
             p95 = sorted(fresh)[int(0.95 * (len(fresh) - 1))] if fresh else None
             with contextlib.suppress(OSError, AssertionError):
                 self.samples.append(Sample(time.monotonic() - self.t0, self.fleet.proxy_rss(),
-                                           len(records), p50, p95))  # fmt: skip
+                                           self.fleet.held_blocks_now(), len(records), p50,
+                                           p95))  # fmt: skip
             if self._stop.wait(self.period_s):
                 return
 
@@ -552,6 +573,16 @@ def proxy_reuse(proxy: ProxyServer) -> dict[str, float]:
         if series.startswith("kvrelay_reuse_total{"):
             result = series.split('result="', 1)[1].split('"', 1)[0]
             out[result] = out.get(result, 0.0) + value
+    return out
+
+
+def routing_decisions(proxy: ProxyServer) -> dict[str, float]:
+    """`kvrelay_routing_decisions_total` by decision, summed over the proxy's workers."""
+    out: dict[str, float] = {}
+    for series, value in proxy.metrics().items():
+        if series.startswith("kvrelay_routing_decisions_total{"):
+            decision = series.split('decision="', 1)[1].split('"', 1)[0]
+            out[decision] = out.get(decision, 0.0) + value
     return out
 
 

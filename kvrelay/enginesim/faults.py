@@ -12,7 +12,8 @@ from kvrelay.enginesim.openai_api import ApiError
 class Faults:
     """Current faults. `fail_next_n` counts down as requests are failed; `fail_marker`, when
     set, fails (with `fail_status`) every request whose body contains it, the way an engine
-    fails on input it cannot handle."""
+    fails on input it cannot handle. `extra_waiting` adds to the queue `/metrics` reports
+    (`vllm:num_requests_waiting`), as if other clients' requests were waiting: a busy engine."""
 
     fail_next_n: int = 0
     fail_status: int = 500
@@ -20,6 +21,7 @@ class Faults:
     delay_ms: int = 0
     refuse_admission: bool = False
     drop_nixl_agent: bool = False
+    extra_waiting: int = 0
 
     def update(self, body: Any) -> None:
         """Apply a partial update; unknown keys or wrong types are a 400."""

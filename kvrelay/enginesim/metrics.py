@@ -76,7 +76,12 @@ def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
         value=snap.get("requests_running", 0),
     )  # fmt: skip
     # vLLM counts requests waiting for remote KV among the waiting ones.
-    waiting = snap.get("requests_waiting", 0) + snap.get("requests_loading", 0)
+    # `extra_waiting` is the busy-engine fault (`Faults.extra_waiting`).
+    waiting = (
+        snap.get("requests_waiting", 0)
+        + snap.get("requests_loading", 0)
+        + snap.get("extra_waiting", 0)
+    )
     yield GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting", value=waiting)
     yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", value=used)
 

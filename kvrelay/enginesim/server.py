@@ -61,7 +61,9 @@ class EngineServer:
         self.config = runner.core.config
         self.faults = Faults()
         self._ids = itertools.count()
-        self._metrics = render_metrics(lambda: self.runner.snapshot)
+        self._metrics = render_metrics(
+            lambda: {**self.runner.snapshot, "extra_waiting": self.faults.extra_waiting}
+        )
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.add_routes(
             [

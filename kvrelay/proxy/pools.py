@@ -78,6 +78,15 @@ class Backend:
             "inflight": self.inflight,
             "consecutive_failures": self.failures,
             "last_error": self.last_error,
+            # This worker's latest reading of the engine's own load (why it may be skipped).
+            "load": None
+            if self.load is None
+            else {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "kv_usage": self.load.kv_usage,
+                "age_s": round(time.monotonic() - self.load.at, 3),
+            },
         }
 
 

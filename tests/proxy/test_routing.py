@@ -1,7 +1,8 @@
 """Multi-turn routing policies through the proxy, on enginesim P and D (real NIXL) whose local
 prefix caches are on: P affinity makes turn N+1's P load from D only what its own cache lacks;
 conditional routing sends short follow-ups straight to the D holding the conversation. Answers
-equal the single-engine reference in every mode, and nothing stays held afterwards.
+equal the single-engine reference in every mode, and nothing stays held afterwards, also when
+D is busy (the follow-up goes through P) or fails a decode-only turn (the old hold is given back).
 """
 
 from __future__ import annotations
@@ -159,3 +160,98 @@ def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
     assert p_after - p_now == 1
     wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
     assert proxy.call("DELETE", "/v1/conversations/cond-1")[0] == 200
+
+
+def _decode_waiting(proxy: ProxyServer) -> float | None:
+    """The queue the proxy last read from its D's `/metrics` (None: no fresh reading)."""
+    status, answer, _ = proxy.call(
+        "GET", "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status == 200, answer
+    load = answer["decode"][0]["load"]
+    return None if load is None or load["age_s"] > 1.0 else float(load["waiting"])
+
+
+def _decisions(proxy: ProxyServer) -> dict[str, float]:
+    m = proxy.metrics()
+    return {
+        d: m.get(f'kvrelay_routing_decisions_total{{decision="{d}"}}', 0.0)
+        for d in ("decode_only", "prefill_affinity", "prefill_chosen")
+    }
+
+
+def test_a_busy_holder_sends_the_follow_up_through_p(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        conditional_max_uncached_tokens="4096", decode_max_waiting="4",
+        load_poll_interval_s="0.5", admin_key=ADMIN_KEY,
+    )  # fmt: skip
+
+    def p_requests() -> float:
+        return p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+
+    def turn(question: str) -> None:
+        messages.append({"role": "user", "content": question})
+        answer = _turn(proxy, messages, "busy-1", streamed=False)
+        assert answer == reference_chat(messages, 12)
+        messages.append({"role": "assistant", "content": answer})
+
+    turn(QUESTIONS[0])
+    try:
+        # D reports more queued requests than decode_max_waiting: busy, however short the
+        # follow-up, so it goes through P (and, with the only D, back to the same D).
+        assert d.request("/admin/faults", {"extra_waiting": 5})[0] == 200
+        wait_until(lambda: _decode_waiting(proxy) == 5, 10, what="the proxy to read D busy")
+        before, p_before = _decisions(proxy), p_requests()
+        turn(QUESTIONS[1])
+        after = _decisions(proxy)
+        assert p_requests() - p_before == 1
+        assert after["decode_only"] == before["decode_only"]
+        assert after["prefill_affinity"] + after["prefill_chosen"] == (
+            before["prefill_affinity"] + before["prefill_chosen"] + 1
+        )
+        # D free again: the next short follow-up skips P.
+        assert d.request("/admin/faults", {"extra_waiting": 0})[0] == 200
+        wait_until(lambda: _decode_waiting(proxy) == 0, 10, what="the proxy to read D free")
+        p_before = p_requests()
+        turn(QUESTIONS[2])
+        assert p_requests() == p_before
+        assert _decisions(proxy)["decode_only"] == after["decode_only"] + 1
+    finally:
+        d.request("/admin/faults", {"extra_waiting": 0})
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    assert proxy.call("DELETE", "/v1/conversations/busy-1")[0] == 200
+
+
+def test_a_decode_only_turn_that_d_fails_gives_the_old_hold_back(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        conditional_max_uncached_tokens="4096",
+    )  # fmt: skip
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    messages.append({"role": "user", "content": QUESTIONS[0]})
+    answer = _turn(proxy, messages, "fail-1", streamed=False)
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "Why?"}]
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    # The follow-up goes decode-only to the holder, which fails it: the client gets a shaped
+    # error and the previous turn's hold must not stay behind (the map entry was taken).
+    assert d.request("/admin/faults", {"fail_next_n": 1, "fail_status": 503})[0] == 200
+    status, body, _ = proxy.call(
+        "POST", "/v1/chat/completions", chat_body(messages), {"X-Conversation-Id": "fail-1"}
+    )
+    assert status == 502 and body["error"]["code"] == "decode_unavailable", body
+    assert proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}'] == 1
+    wait_until(lambda: d.metric("enginesim_requests_held") == 0, 10, what="D to hold nothing")
+    # The client's retry starts over through P, with the right answer.
+    answer = _turn(proxy, messages, "fail-1", streamed=True)
+    assert answer == reference_chat(messages, 12)
+    wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
+    assert proxy.call("DELETE", "/v1/conversations/fail-1")[0] == 200
