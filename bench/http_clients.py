@@ -275,7 +275,34 @@ def render(cases: list[dict[str, Any]], args: argparse.Namespace, header: str) -
             f"| {c.fmt_ratio(rps_ratio)} | {c.fmt_ms(x['p50'])} | {x['cpu_us']:.0f} "
             f"| {c.fmt_ratio(cpu_ratio)} | {int(x['errors'])} |"
         )
+    lines += ["", *_verdict(cases)]
     return "\n".join(lines)
+
+
+def _verdict(cases: list[dict[str, Any]]) -> list[str]:
+    """Per client: in how many cases it had the most req/s and the least client CPU."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for x in cases:
+        groups.setdefault((x["mode"], x["concurrency"]), []).append(x)
+    fastest: dict[str, int] = {}
+    leanest: dict[str, int] = {}
+    for group in groups.values():
+        top = max(group, key=lambda y: y["rps"])["client"]
+        lean = min(group, key=lambda y: y["cpu_us"])["client"]
+        fastest[top] = fastest.get(top, 0) + 1
+        leanest[lean] = leanest.get(lean, 0) + 1
+    n = len(groups)
+    out = [
+        f"- `{name}`: most req/s in {fastest.get(name, 0)} of {n} cases, least client CPU per "
+        f"request in {leanest.get(name, 0)} of {n}"
+        for name in sorted({x["client"] for x in cases})
+    ]
+    out.append(
+        "\nThe proxy's engine client is `h1`, now `kvrelay.proxy.upstream` (P, D and side-channel "
+        "calls); aiohttp's client stays for health probes, load scrapes, `/v1/models` and the "
+        "pass-through routes."
+    )
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
