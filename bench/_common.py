@@ -275,8 +275,12 @@ def start_kvrelay(
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
     cpus: str | None = None,
+    cwd: Path | None = None,
 ) -> Router:
     """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`.
+
+    `cwd` is where the proxy runs; `python -m` imports `kvrelay` from there first, so a proxy
+    from another source tree runs with that tree as `cwd` (and on `PYTHONPATH`).
 
     The engines' side channels are configured (`--side-channels`) as an operator would: that
     is how the proxy fetches D's params after a stream, so streamed turns can be reused too.
@@ -308,9 +312,20 @@ def start_kvrelay(
         full_env.update(env)
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess(
-        pinned(argv, cpus), http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name
-    ).start()
+        pinned(argv, cpus), http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name,
+        cwd=cwd,
+    ).start()  # fmt: skip
     return Router(name=name, url=url, process=proc)
+
+
+def kvrelay_source(env: dict[str, str], cwd: Path) -> Path:
+    """The `kvrelay` package directory a proxy started with `env` in `cwd` imports."""
+    code = "import kvrelay, pathlib; print(pathlib.Path(kvrelay.__file__).parent)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**bench_env(), **env}, cwd=cwd, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return Path(out.stdout.strip())
 
 
 def ensure_router_venv(quiet: bool = True) -> Path:

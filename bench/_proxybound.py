@@ -184,10 +184,16 @@ class Bench:
                 cpus=a.proxy_cpus,
             )  # fmt: skip
         if BASE in targets:
-            base_env = {**self._env(False), "PYTHONPATH": str(a.baseline_src.resolve())}
+            base_src = a.baseline_src.resolve()
+            base_env = {**self._env(False), "PYTHONPATH": str(base_src)}
+            # Checked, not assumed: a proxy started from this checkout would import its code.
+            imported = c.kvrelay_source(base_env, base_src)
+            if not imported.is_relative_to(base_src):
+                raise SystemExit(f"--baseline-src: the base proxy would import {imported}")
             self.routers[BASE] = c.start_kvrelay(
-                BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus
-            )
+                BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
+                cwd=base_src,
+            )  # fmt: skip
         if TRACED in targets:
             self.routers[TRACED] = c.start_kvrelay(
                 TRACED, [self.p], [self.d], workers=1, env=self._env(True), cpus=a.proxy_cpus
