@@ -3,25 +3,31 @@
 orjson parses and encodes several times faster than `json`, but refuses a few things `json`
 accepts (NaN and Infinity, lone surrogate escapes, nesting deeper than 1024) and reads integers
 beyond 64 bits as floats. Those inputs go to `json` instead (a run of 20 digits anywhere sends
-the text there, a cheap scan), so what the proxy accepts and answers does not depend on which
-library read it; only the common case gets faster. Output is compact UTF-8.
+the text there), so what the proxy accepts and answers does not depend on which library read it;
+only the common case gets faster. Output is compact UTF-8.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import orjson
 
-# orjson keeps integers exact up to 2**64 - 1 (20 digits); longer ones need `json`.
-_LONG_NUMBER = re.compile(rb"[0-9]{20}")
+# orjson keeps integers exact up to 2**64 - 1 (20 digits); longer ones need `json`. The scan maps
+# every digit to 0 and every other byte to 1, then looks for twenty zeros in a row: two passes in
+# C, several times faster than a regular expression, which tries a match at every digit.
+_DIGITS_TO_ZERO = bytes(0 if chr(b).isdigit() and b < 128 else 1 for b in range(256))
+_TWENTY_DIGITS = bytes(20)
+
+
+def _has_long_number(raw: bytes | bytearray) -> bool:
+    return len(raw) >= 20 and _TWENTY_DIGITS in raw.translate(_DIGITS_TO_ZERO)
 
 
 def loads(raw: bytes | bytearray | str) -> Any:
     """Parse JSON; raises ValueError (RecursionError for absurd nesting) like `json.loads`."""
-    if _LONG_NUMBER.search(raw.encode() if isinstance(raw, str) else raw) is None:
+    if not _has_long_number(raw.encode() if isinstance(raw, str) else raw):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:

@@ -9,6 +9,7 @@ aggregate their metrics through prometheus-client's multiprocess mode, for which
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import multiprocessing
 import os
@@ -30,6 +31,9 @@ log = logging.getLogger(__name__)
 # read and drop what the client still sends for at most this long, then close. Short, so a
 # client trickling a refused body cannot keep the connection.
 LINGER_S = 1.0
+
+# Allocations between young collections (CPython's default is 700); see `tune_gc`.
+GC_YOUNG_THRESHOLD = 20_000
 
 
 class ProtocolErrorFilter(logging.Filter):
@@ -84,6 +88,26 @@ def _install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+def tune_gc(app: web.Application) -> web.Application:
+    """Keep the cyclic garbage collector off the request path's back.
+
+    Every request allocates container objects (dicts, futures, tasks), and at CPython's default
+    thresholds a young collection runs every few requests while the oldest generation's pass walks
+    every object the proxy loaded at start-up (aiohttp, pydantic, prometheus-client ...). Freezing
+    what start-up created takes those objects out of the collector's walk for good, and a larger
+    young-generation threshold runs collections less often; what a request leaves in cycles is
+    still collected.
+    """
+
+    async def freeze(_: web.Application) -> None:
+        gc.collect()
+        gc.freeze()
+
+    gc.set_threshold(GC_YOUNG_THRESHOLD, *gc.get_threshold()[1:])
+    app.on_startup.append(freeze)  # after the shared state: cleanup_ctx runs first
+    return app
+
+
 def run_worker(settings: Settings, reuse_port: bool) -> None:
     """One proxy process: serves until SIGINT/SIGTERM."""
     from kvrelay.proxy.app import create_app
@@ -91,7 +115,7 @@ def run_worker(settings: Settings, reuse_port: bool) -> None:
     configure_logging(settings.log_level, settings.log_format)
     tracing.configure(settings.tracing)
     _install_uvloop()
-    app = create_app(settings)
+    app = tune_gc(create_app(settings))
     web.run_app(
         app,
         host=settings.host,

@@ -285,3 +285,32 @@ def test_owed_releases_what_is_still_owed_once() -> None:
     owed.release_all()
     owed.release_all()
     assert freed == ["decode", "prefill"] and not owed.owes(Debt.PREFILL_BLOCKS)
+
+
+def test_worker_freezes_start_up_objects_and_collects_young_objects_less_often() -> None:
+    """The collector must not walk start-up's objects on every full collection (see
+    `server.tune_gc`); requests' own cycles are still collected."""
+    import asyncio
+    import gc
+
+    from aiohttp import web
+
+    from kvrelay.proxy import server
+
+    before = gc.get_threshold()
+    app = server.tune_gc(web.Application())
+    try:
+        assert gc.get_threshold() == (server.GC_YOUNG_THRESHOLD, *before[1:])
+
+        async def start_and_stop() -> None:
+            runner = web.AppRunner(app)
+            await runner.setup()  # runs on_startup
+            await runner.cleanup()
+
+        gc.unfreeze()
+        asyncio.run(start_and_stop())
+        assert gc.get_freeze_count() > 0
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
