@@ -11,7 +11,8 @@ is all that limits throughput. On the wire it answers like vLLM 0.32 with kvrela
   hold (`hold_blocks`) publishes its params on the side channel instead, under the request's
   `X-Request-Id`, as kvrelay's connector does; a JSON answer carries them in the body (and
   `kv_transfer_params: null` when nobody asked to hold, like stock D);
-- a side channel on its own port: `GET /v1/finished/{id}` and `POST /v1/release`, each request
+- a side channel on its own port: `GET /v1/finished/{id}`, `POST /v1/finished` (several ids,
+  no wait) and `POST /v1/release`, each request
   checked and each answer signed with `kvrelay.connector.auth` (the helpers of whichever
   protocol version the checkout has), so the proxy's side-channel client does its real work.
   No handshake or claim endpoints: nothing reads KV from a fake.
@@ -198,6 +199,14 @@ class FakeEngine:
             if published is None:
                 return self.side.answer(request, 404, b'{"error":"unknown request id"}')
             return self.side.answer(request, 200, published)
+        if request.method == "POST" and path == protocol.PATH_FINISHED_BATCH:
+            ids = orjson.loads(body).get("request_ids") or []
+            found = [
+                orjson.dumps(rid) + b":" + self._published[rid]
+                for rid in dict.fromkeys(ids)
+                if isinstance(rid, str) and rid in self._published
+            ]
+            return self.side.answer(request, 200, b'{"finished":{' + b",".join(found) + b"}}")
         if request.method == "POST" and path == protocol.PATH_RELEASE:
             msg = orjson.loads(body)
             token = self._holds.get(str(msg.get("request_id")))

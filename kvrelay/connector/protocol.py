@@ -77,6 +77,10 @@ PATH_HANDSHAKE = "/v1/handshake"
 PATH_CLAIM = "/v1/claim"
 PATH_RELEASE = "/v1/release"
 PATH_FINISHED_PREFIX = "/v1/finished/"
+PATH_FINISHED_BATCH = "/v1/finished"
+# Ids per `POST /v1/finished`: bounds the answer (a long conversation's params run to hundreds
+# of KB of block ids and hashes) well below what a reader accepts.
+MAX_FINISHED_BATCH = 32
 
 
 class KVTransferParams(BaseModel):
@@ -170,6 +174,21 @@ class ClaimResponse(BaseModel):
     instance_id: str = ""
     # How long the claim pins the blocks (additive); a reader must finish well within it.
     pinned_for_s: float = 0.0
+
+
+class FinishedBatchRequest(BaseModel):
+    """`POST /v1/finished`: the published params of several finished requests in one call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_ids: list[str] = Field(min_length=1, max_length=MAX_FINISHED_BATCH)
+
+
+class FinishedBatchResponse(BaseModel):
+    """Answer to `POST /v1/finished`: params by request id, for the ids published now; the
+    batch does not wait, so an id missing here may still be asked for alone (which waits)."""
+
+    finished: dict[str, dict[str, Any]]
 
 
 class ReleaseRequest(BaseModel):

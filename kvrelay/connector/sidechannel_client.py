@@ -29,11 +29,14 @@ from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
     PATH_CLAIM,
+    PATH_FINISHED_BATCH,
     PATH_FINISHED_PREFIX,
     PATH_HANDSHAKE,
     PATH_RELEASE,
     ClaimRequest,
     ClaimResponse,
+    FinishedBatchRequest,
+    FinishedBatchResponse,
     HandshakeResponse,
     ReleaseRequest,
     ReleaseResponse,
@@ -287,6 +290,17 @@ class AsyncSideChannelClient:
     async def finished(self, host: str, port: int, client_request_id: str) -> dict[str, Any] | None:
         path = _finished_path(client_request_id)
         return _parse_finished(*await self._call(host, port, "GET", path, b""))
+
+    async def finished_batch(
+        self, host: str, port: int, client_request_ids: list[str]
+    ) -> dict[str, dict[str, Any]]:
+        """Params of the ids the holder has published, by id; it waits for none of them.
+
+        A holder without the batch endpoint answers 404 or 405 (a `SideChannelError` with that
+        status): ask it one id at a time (`finished`)."""
+        raw = FinishedBatchRequest(request_ids=client_request_ids).model_dump_json().encode()
+        status, body = await self._call(host, port, "POST", PATH_FINISHED_BATCH, raw)
+        return _parse_answer(FinishedBatchResponse, "finished batch", status, body).finished
 
     async def close(self) -> None:
         if self._owns_session and self._session is not None:

@@ -7,7 +7,9 @@ counted per reason and never acted on. Every answer to an authenticated request 
 that request's nonce, so readers can tell the holder's answers from anyone else's. Endpoints:
 CONTRACTS §2. `GET /v1/finished/{id}` for a request not yet published waits (bounded) for its
 publication: the proxy asks as soon as the stream's last token reached it, which can be a moment
-before the engine's scheduler published the params.
+before the engine's scheduler published the params. `POST /v1/finished` answers for several ids
+at once and waits for none (the proxy asks for a missing one alone): one call instead of one per
+streamed turn, on a thread that shares the engine's interpreter.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from kvrelay.connector.protocol import (
     HEADER_SIGNATURE,
     MAX_BODY_BYTES,
     PATH_CLAIM,
+    PATH_FINISHED_BATCH,
     PATH_FINISHED_PREFIX,
     PATH_HANDSHAKE,
     PATH_RELEASE,
     ClaimRequest,
     ClaimResponse,
+    FinishedBatchRequest,
+    FinishedBatchResponse,
     ReleaseRequest,
 )
 from kvrelay.connector.stats import Counters
@@ -120,6 +125,7 @@ class SideChannelServer:
         app.router.add_post(PATH_CLAIM, self._on_claim)
         app.router.add_post(PATH_RELEASE, self._on_release)
         app.router.add_get(PATH_FINISHED_PREFIX + "{client_request_id}", self._on_finished)
+        app.router.add_post(PATH_FINISHED_BATCH, self._on_finished_batch)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self._host, self._port, reuse_address=True)
@@ -249,6 +255,19 @@ class SideChannelServer:
         if params is None:
             return _error(404, "unknown request id")
         return web.Response(text=json.dumps(params), content_type="application/json")
+
+    async def _on_finished_batch(self, request: web.Request) -> web.Response:
+        try:
+            msg = FinishedBatchRequest.model_validate_json(request[_BODY])
+        except ValidationError:
+            return self._malformed("finished batch")
+        found: dict[str, dict[str, Any]] = {}
+        for key in msg.request_ids:
+            params = self._holds.finished(key)
+            if params is not None:
+                found[key] = params
+        body = FinishedBatchResponse(finished=found).model_dump_json()
+        return web.Response(text=body, content_type="application/json")
 
     async def _wait_finished(self, key: str) -> dict[str, Any] | None:
         published = asyncio.Event()

@@ -106,6 +106,19 @@ FINISHED_PARAMS = Labelled(
         ["source"],
     )
 )
+FINISHED_CALLS = Labelled(
+    Counter(
+        "kvrelay_finished_calls_total",
+        "Side-channel calls fetching D's finished params: batch (the ids of several streams, "
+        "answered at once) or single (one id; the holder waits for its publication).",
+        ["call"],
+    )
+)
+FINISHED_BATCH_IDS = Histogram(
+    "kvrelay_finished_batch_ids",
+    "Request ids per batch call for finished params (one holder's streams coalesced).",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
 MAP_ERRORS = Labelled(
     Counter(
         "kvrelay_map_unavailable_total",

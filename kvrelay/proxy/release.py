@@ -6,6 +6,8 @@ background tasks (the client never waits on them) that `drain()` awaits at shutd
 its own task, so a dead holder delays no other release. A network failure is retried a bounded
 number of times with backoff; an answer (released, unknown, refused) is final. Without a
 release token (stock vLLM) or a connector secret nothing can be released; that is counted.
+D's finished params (for streams) are fetched through `kvrelay.proxy.finished_lookups`, which
+coalesces the lookups to one holder.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
 from kvrelay.proxy import metrics, tracing
+from kvrelay.proxy.finished_lookups import FinishedLookups
 from kvrelay.proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,7 @@ class Releaser:
             if secret
             else None
         )
+        self._lookups = FinishedLookups(self._client) if self._client is not None else None
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @property
@@ -96,21 +100,21 @@ class Releaser:
         self, host: str, port: int, client_request_id: str
     ) -> dict[str, Any] | None:
         """D's published params of a finished request (streams carry none), or None."""
-        if self._client is None:
+        if self._lookups is None:
             return None
         if not tracing.enabled():
-            return await self._finished(self._client, host, port, client_request_id)
+            return await self._finished(self._lookups, host, port, client_request_id)
         attributes: tracing.Attributes = {"server.address": host, "server.port": port}
         with tracing.span("kvrelay.side_channel.finished", kind="client", attributes=attributes):
-            params = await self._finished(self._client, host, port, client_request_id)
+            params = await self._finished(self._lookups, host, port, client_request_id)
             tracing.annotate({"kvrelay.found": params is not None})
             return params
 
     async def _finished(
-        self, client: AsyncSideChannelClient, host: str, port: int, client_request_id: str
+        self, lookups: FinishedLookups, host: str, port: int, client_request_id: str
     ) -> dict[str, Any] | None:
         try:
-            return await client.finished(host, port, client_request_id)
+            return await lookups.get(host, port, client_request_id)
         except SideChannelError as exc:
             log.warning("finished-params fetch from %s:%s failed: %s", host, port, exc)
             return None
