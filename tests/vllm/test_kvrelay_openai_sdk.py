@@ -25,6 +25,8 @@ HELD_BLOCKS = "vllm:kvrelay_held_blocks"
 HITS = 'kvrelay_reuse_total{result="hit"}'
 SIDE_CHANNEL = 'kvrelay_finished_params_total{source="side_channel"}'
 RELEASED = 'kvrelay_releases_total{holder="decode",result="released"}'
+BATCH_CALLS = 'kvrelay_finished_calls_total{call="batch"}'
+SINGLE_CALLS = 'kvrelay_finished_calls_total{call="single"}'
 SYSTEM = (
     "You are a relay engine. Each turn of the conversation is a request that the decode engine "
     "answers after the prefill engine computed the cache blocks of the prompt. Keep every reply "
@@ -86,6 +88,10 @@ def test_sdk_turns_sent_at_once_all_reuse_and_match_reference(
     after = fleet.proxy.metrics()
     streamed = sum(1 for stream, _ in (MODES * len(QUESTIONS))[: len(QUESTIONS)] if stream)
     assert after.get(SIDE_CHANNEL, 0) - before.get(SIDE_CHANNEL, 0) == streamed
+    # Through vLLM's side channel's batch endpoint (`POST /v1/finished`): D had published each
+    # turn's params before its last chunk left, so no lookup fell back to asking alone.
+    assert after.get(BATCH_CALLS, 0) - before.get(BATCH_CALLS, 0) == streamed
+    assert after.get(SINGLE_CALLS, 0) == before.get(SINGLE_CALLS, 0)
     assert after.get(RELEASED, 0) == before.get(RELEASED, 0), "the proxy gave a turn's hold back"
     # A restarted proxy releases every conversation it stored: D holds nothing afterwards.
     fleet.proxy.stop()
