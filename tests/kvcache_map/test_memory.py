@@ -6,8 +6,10 @@ import asyncio
 
 import pytest
 
-from kvrelay.kvcache_map import EvictionReason, MemoryMap
+from kvrelay.kvcache_map import ConversationKey, EvictionReason, MemoryMap
 from tests.kvcache_map.helpers import Recorder, key, make_entry
+
+EXPIRED = EvictionReason.EXPIRED
 
 
 class Clock:
@@ -81,18 +83,68 @@ async def test_put_over_expired_reports_expired_not_replaced(recorder: Recorder)
         await m.close()
 
 
-async def test_many_replacements_keep_heap_bounded_and_correct(recorder: Recorder) -> None:
+def scheduled(m: MemoryMap) -> list[ConversationKey]:
+    """Every key the map's expiry index lists, once per listing."""
+    return [k for keys in m._buckets.values() for k in keys]
+
+
+async def test_many_replacements_keep_expiry_index_exact(recorder: Recorder) -> None:
     clock = Clock()
     m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=3600)
     try:
         for i in range(5000):
             await m.put(key(f"c{i % 10}"), make_entry(request_id=f"r{i}"), ttl=5 + i % 3)
-        assert len(m._heap) <= 2 * len(m) + 1024 + 1
+        assert sorted(scheduled(m), key=str) == sorted((key(f"c{i}") for i in range(10)), key=str)
         clock.now += 100
         assert m.sweep_once() == 10
         assert len(m) == 0
         await m.drain()
         assert recorder.reasons() == {EvictionReason.REPLACED: 4990, EvictionReason.EXPIRED: 10}
+    finally:
+        await m.close()
+
+
+async def test_put_take_pairs_leave_nothing_in_the_expiry_index(recorder: Recorder) -> None:
+    # A taken entry must leave no trace to clean up later: its cost would grow with the map.
+    clock = Clock()
+    m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=0.5)
+    try:
+        kept = make_entry(request_id="kept")
+        await m.put(key("kept"), kept, ttl=30)
+        for i in range(3000):
+            clock.now += 0.01  # the pairs' deadlines move across 60 buckets
+            await m.put(key("pair"), make_entry(request_id=f"p{i}"), ttl=10)
+            assert await m.take(key("pair")) is not None
+        assert scheduled(m) == [key("kept")]
+        clock.now += 100
+        m.sweep_once()
+        await m.drain()
+        assert recorder.events == [(key("kept"), kept, EXPIRED)]
+        assert m._buckets == {} and m._due == []
+    finally:
+        await m.close()
+
+
+async def test_sweep_reports_exactly_the_due_entries_across_buckets(recorder: Recorder) -> None:
+    clock = Clock()
+    m = MemoryMap(on_evict=recorder, clock=clock, sweep_interval=1.0)
+    try:
+        ttls = [0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.25, 3.0, 7.5]
+        for t in ttls:
+            await m.put(key(f"t{t}"), make_entry(request_id=f"t{t}"), ttl=t)
+        start = clock.now
+        # Step through bucket edges and inside buckets; deadlines exactly at `now` are due.
+        for elapsed in (0.1, 0.25, 0.6, 1.0, 1.2, 2.0, 2.9, 3.0, 7.0, 8.0):
+            clock.now = start + elapsed
+            m.sweep_once()
+            await m.drain()
+            reported = {k for k, _, _ in recorder.events}
+            assert reported == {key(f"t{t}") for t in ttls if t <= elapsed}, elapsed
+            assert len(m) == sum(1 for t in ttls if t > elapsed)
+            assert sorted(scheduled(m), key=str) == sorted(
+                (key(f"t{t}") for t in ttls if t > elapsed), key=str
+            )
+        assert recorder.reasons() == {EXPIRED: len(ttls)}
     finally:
         await m.close()
 
