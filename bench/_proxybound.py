@@ -210,8 +210,9 @@ class Bench:
             self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
 
     def work_done(self) -> dict[str, dict[str, float]]:
-        """What each kvrelay did besides relaying (params stored, side-channel fetches, releases,
-        map errors), from its own metrics: evidence the success path ran in full."""
+        """What each kvrelay did besides relaying (params stored, side-channel fetches and the
+        calls they took, releases, map errors), from its own metrics: evidence the success path
+        ran in full."""
         out: dict[str, dict[str, float]] = {}
         for name, router in self.routers.items():
             if not name.startswith("kvrelay"):
@@ -222,7 +223,10 @@ class Bench:
                     k.removeprefix("kvrelay_"): v
                     for k, v in samples.items()
                     if k.startswith(("kvrelay_finished_params_total", "kvrelay_releases_total",
-                                     "kvrelay_map_errors_total", "kvrelay_reuse_total"))
+                                     "kvrelay_map_unavailable_total", "kvrelay_reuse_total",
+                                     "kvrelay_finished_calls_total",
+                                     "kvrelay_finished_batch_ids_sum",
+                                     "kvrelay_finished_batch_ids_count"))
                 }  # fmt: skip
         return out
 
