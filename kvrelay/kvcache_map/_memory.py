@@ -20,7 +20,7 @@ import heapq
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from kvrelay.kvcache_map._base import (
@@ -38,12 +38,80 @@ from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, validate_key
 
 DEFAULT_MAX_ENTRIES = 100_000
 DEFAULT_SWEEP_INTERVAL = 0.5
+# Entries per shard of the slot table (`_Slots`): a map allowed more is split into shards.
+SHARD_ENTRIES = 16_384
 
 
 class _Slot(NamedTuple):
     entry: KVEntry
     deadline: float  # on the map's clock (monotonic by default)
     bucket: int  # the deadline bucket that lists this key (`MemoryMap._bucket_of`)
+
+
+class _Slots:
+    """The live entries in least-recently-put order, split by key hash into shards of at most
+    about `SHARD_ENTRIES` once `max_entries` allows more.
+
+    Why shards: a put after a take uses a fresh slot of the table, and when churn has used them
+    all CPython rebuilds the whole table at once, with the event loop stopped. With one table of
+    1M entries that took about 0.4 s (`bench/kvmap.py --scale`); a shard rebuilds only its own
+    entries. Eviction takes the oldest entry of the shard the new key went into, which is exact
+    LRU with one shard and, with keys spread evenly over many shards, one of the oldest.
+    """
+
+    def __init__(self, max_entries: int) -> None:
+        count = -(-max_entries // SHARD_ENTRIES) if max_entries > SHARD_ENTRIES else 1
+        self._shards: list[OrderedDict[ConversationKey, _Slot]] = [
+            OrderedDict() for _ in range(count)
+        ]
+        self._len = 0
+
+    def _shard(self, key: ConversationKey) -> OrderedDict[ConversationKey, _Slot]:
+        shards = self._shards
+        return shards[0] if len(shards) == 1 else shards[hash(key) % len(shards)]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def get(self, key: ConversationKey) -> _Slot | None:
+        return self._shard(key).get(key)
+
+    def deadline_of(self, key: ConversationKey) -> float:
+        """The deadline of a live key."""
+        return self._shard(key)[key].deadline
+
+    def touch(self, key: ConversationKey) -> None:
+        """Make `key` the most recently used of its shard."""
+        self._shard(key).move_to_end(key)
+
+    def pop(self, key: ConversationKey) -> _Slot | None:
+        slot = self._shard(key).pop(key, None)
+        if slot is not None:
+            self._len -= 1
+        return slot
+
+    def add(self, key: ConversationKey, slot: _Slot) -> None:
+        """Store a key that is not present (callers pop it first)."""
+        self._shard(key)[key] = slot
+        self._len += 1
+
+    def pop_oldest(self, near: ConversationKey) -> tuple[ConversationKey, _Slot]:
+        """Remove the oldest entry of `near`'s shard, or of another when that shard holds only
+        `near` itself (just put: never the one evicted)."""
+        shard = self._shard(near)
+        if len(shard) < 2:
+            shard = max(self._shards, key=len)
+        self._len -= 1
+        return shard.popitem(last=False)
+
+    def items(self) -> Iterator[tuple[ConversationKey, _Slot]]:
+        for shard in self._shards:
+            yield from shard.items()
+
+    def clear(self) -> None:
+        for shard in self._shards:
+            shard.clear()
+        self._len = 0
 
 
 class MemoryMap:
@@ -75,7 +143,7 @@ class MemoryMap:
         self.close_timeout = close_timeout
         self._report_on_close = report_on_close
         self._clock = clock
-        self._data: OrderedDict[ConversationKey, _Slot] = OrderedDict()
+        self._data = _Slots(max_entries)
         # Every live key is in exactly one bucket; `_due` holds each bucket's number once, so
         # the sweep finds the earliest bucket without scanning. Emptied buckets stay until
         # the sweep passes them: dropping one on `take` and making it again on the next `put`
@@ -96,12 +164,12 @@ class MemoryMap:
             self._counters.misses += 1
             return None
         if slot.deadline <= self._clock():
-            del self._data[key]
+            self._data.pop(key)
             self._unschedule(key, slot)
             self._notifier.notify(key, slot.entry, EvictionReason.EXPIRED)
             self._counters.misses += 1
             return None
-        self._data.move_to_end(key)
+        self._data.touch(key)
         self._counters.hits += 1
         return slot.entry
 
@@ -111,13 +179,13 @@ class MemoryMap:
             raise TypeError("entry must be a KVEntry")
         now = self._clock()
         deadline = now + check_ttl(ttl)
-        old = self._data.pop(key, None)
+        old = self._data.pop(key)
         if old is not None:
             self._unschedule(key, old)
             reason = EvictionReason.EXPIRED if old.deadline <= now else EvictionReason.REPLACED
             self._notifier.notify(key, old.entry, reason)
         bucket = self._bucket_of(deadline)
-        self._data[key] = _Slot(entry, deadline, bucket)
+        self._data.add(key, _Slot(entry, deadline, bucket))
         keys = self._buckets.get(bucket)
         if keys is None:
             keys = self._buckets[bucket] = set()
@@ -125,7 +193,7 @@ class MemoryMap:
         keys.add(key)
         self._counters.puts += 1
         while len(self._data) > self.max_entries:
-            lru_key, lru = self._data.popitem(last=False)
+            lru_key, lru = self._data.pop_oldest(near=key)
             self._unschedule(lru_key, lru)
             reason = EvictionReason.EXPIRED if lru.deadline <= now else EvictionReason.EVICTED
             self._notifier.notify(lru_key, lru.entry, reason)
@@ -183,10 +251,11 @@ class MemoryMap:
                 due = list(keys)
             else:
                 # The bucket `now` falls in: only the deadlines up to `now`, the rest stay.
-                due = [k for k in keys if self._data[k].deadline <= now]
+                due = [k for k in keys if self._data.deadline_of(k) <= now]
                 keys.difference_update(due)
             for key in due:
                 slot = self._data.pop(key)
+                assert slot is not None  # every key in a bucket is live
                 self._notifier.notify(key, slot.entry, EvictionReason.EXPIRED)
             reported += len(due)
             if bucket == current:
@@ -219,7 +288,7 @@ class MemoryMap:
 
     def _remove(self, key: ConversationKey) -> KVEntry | None:
         self._ready(key)
-        slot = self._data.pop(key, None)
+        slot = self._data.pop(key)
         if slot is None:
             return None
         self._unschedule(key, slot)

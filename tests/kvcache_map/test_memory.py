@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from kvrelay.kvcache_map import ConversationKey, EvictionReason, MemoryMap
+from kvrelay.kvcache_map import ConversationKey, EvictionReason, MemoryMap, _memory
 from tests.kvcache_map.helpers import Recorder, key, make_entry
 
 EXPIRED = EvictionReason.EXPIRED
@@ -42,6 +42,46 @@ async def test_lru_bound_evicts_least_recently_used(recorder: Recorder) -> None:
         assert (await m.stats()).evicted == 2
     finally:
         await m.close()
+
+
+async def test_a_large_map_evicts_the_oldest_of_the_new_keys_shard(
+    recorder: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past `SHARD_ENTRIES` the slot table is sharded (so no table rebuild stops the loop for
+    all entries at once); the LRU bound still holds exactly, and the entry evicted is the
+    oldest of the shard the new key went into, never the new key itself."""
+    monkeypatch.setattr(_memory, "SHARD_ENTRIES", 4)
+    m = MemoryMap(max_entries=16, on_evict=recorder)
+    slots = m._data
+    try:
+        assert len(slots._shards) == 4
+        names = [f"k{i}" for i in range(40)]
+        order: list[ConversationKey] = []
+        for name in names:
+            await m.put(key(name), make_entry(request_id=name), ttl=60)
+            order.append(key(name))
+            assert len(m) == min(len(order), 16)
+        await m.drain()
+        evicted = [k for k, _, reason in recorder.events if reason is EvictionReason.EVICTED]
+        assert len(evicted) == 40 - 16
+        live = [k for k in order if k not in evicted]
+        assert len(live) == 16 and order[-1] in live
+        for k in live:
+            assert await m.get(k) is not None
+        # Each eviction took the oldest of some shard: within a shard, every evicted key was
+        # put before every live one.
+        for shard in slots._shards:
+            shard_keys = [k for k in order if slots._shard(k) is shard]
+            gone = [k for k in shard_keys if k in evicted]
+            assert shard_keys[: len(gone)] == gone
+    finally:
+        await m.close()
+
+
+def test_shard_count_follows_max_entries() -> None:
+    assert len(MemoryMap(max_entries=_memory.SHARD_ENTRIES)._data._shards) == 1
+    big = MemoryMap(max_entries=1_000_000)._data._shards
+    assert len(big) == -(-1_000_000 // _memory.SHARD_ENTRIES)
 
 
 async def test_ttl_on_manual_clock(recorder: Recorder) -> None:
