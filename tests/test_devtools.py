@@ -87,3 +87,22 @@ def test_threaded_app_serves_until_stopped() -> None:
     with server, urllib.request.urlopen(server.url + "/", timeout=5) as resp:
         assert resp.read() == b"hi"
     assert not tcp_ready("127.0.0.1", server.port)()
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound() -> None:
+    """A port the kernel could also give an outgoing connection is not handed to a server
+    that binds it minutes later (vLLM's side channel did hit one in use)."""
+    import socket
+    from pathlib import Path
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(port < low for port in ports), (sorted(ports), low)
+    for port in ports:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        taken = held.getsockname()[1]
+        held.listen()
+        assert free_port(preferred=taken) != taken

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -20,10 +21,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+# Free ports are looked for from here up to the kernel's ephemeral range (Linux's default start
+# when the range cannot be read).
+_LOWEST_PORT = 10000
+_EPHEMERAL_FALLBACK_LOW = 32768
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives outgoing connections."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _EPHEMERAL_FALLBACK_LOW
+
 
 def free_port(host: str = "127.0.0.1", preferred: int = 0) -> int:
-    """A TCP port that was free on `host` a moment ago: `preferred` when it is, else any."""
-    for port in (preferred, 0) if preferred else (0,):
+    """A TCP port that was free on `host` a moment ago: `preferred` when it is, else another.
+
+    Chosen below the kernel's ephemeral range. A port the kernel hands out (`bind(0)`) is one
+    it may also give an outgoing connection as its local port, and a server started minutes
+    later (vLLM's side channel binds once the engine has loaded) then finds it in use.
+    """
+    candidates: list[int] = [preferred] if preferred else []
+    low = _ephemeral_low()
+    if low - 1 > _LOWEST_PORT:
+        candidates += random.sample(range(_LOWEST_PORT, low), k=min(64, low - _LOWEST_PORT))
+    candidates.append(0)  # no room below the range: let the kernel choose
+    for port in candidates:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             try:
                 sock.bind((host, port))
