@@ -36,6 +36,9 @@ class SSEFilter:
     _buffer: bytearray = field(default_factory=bytearray)
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._buffer and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+            # The common case, one or more whole events with LF endings: no buffer copies.
+            return self._process(chunk)
         self._buffer += chunk
         if b"\r" in chunk:
             # CRLF line endings are valid SSE: normalise so events split on a blank line. A
@@ -56,13 +59,14 @@ class SSEFilter:
 
     def _process(self, data: bytes) -> bytes:
         self.events += data.count(b"\n\n")
-        if DONE in data:
+        done = DONE in data
+        if done:
             self.saw_done = True
-        if any(marker in data for marker in FINISH_MARKERS):
+        if not self.saw_finish and (FINISH_MARKERS[0] in data or FINISH_MARKERS[1] in data):
             self.saw_finish = True
         if b'"error"' in data and data.lstrip().startswith(b'data: {"error"'):
             self.saw_error = True
-        held = self.hold_done and DONE in data
+        held = self.hold_done and done
         if KV_MARKER not in data and not held:
             return data  # the fast path: no parsing, no re-encoding
         out = bytearray()
