@@ -559,19 +559,20 @@ class Turn:
             else:
                 self._no_params()
 
-    def _settle_in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
-        """Run the storing of D's params as a tracked task that a client leaving cannot cancel.
+    def _settle_in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[Any] | None:
+        """Store D's params now, going on in a tracked task that a client leaving cannot
+        cancel once it has to wait (a Redis map, D's side channel); None when it is done.
 
-        From here on the task owns D's hold: the failure path must not release it too.
+        From here on the storing owns D's hold: the failure path must not release it too.
         """
         self.owed.settle(Debt.DECODE_HOLD)
-        return self.fleet.releaser.spawn(work)
+        return self.fleet.releaser.spawn_eagerly(work)
 
     async def _settle(self, work: Coroutine[Any, Any, None]) -> None:
         """Wait for the entry to be stored, at most the side-channel timeout; a client that
         leaves meanwhile cancels only this wait, never the storing."""
         task = self._settle_in_background(work)
-        if task.done():
+        if task is None or task.done():
             return
         # One future and one timer rather than `asyncio.wait` (sets, a waiter per call): this
         # runs on every turn that stores params.
