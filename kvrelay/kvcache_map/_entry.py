@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
+import functools
 import math
 import re
 from collections.abc import Mapping
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Self
 from urllib.parse import urlsplit
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvrelay.connector.protocol import (
@@ -51,7 +52,9 @@ MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_TP_SIZE = 1024
 _MAX_TEXT = 256
 _MAX_URL = 2048
-_HASH_RE = re.compile(r"[0-9a-f]{16}")
+_HASH_CHARS = 16
+# Deleting every lower-case hex digit leaves nothing of a valid block hash.
+_DELETE_HEX = str.maketrans("", "", "0123456789abcdef")
 
 # Short field names for the stored form: entries are written on every turn, keep them small.
 _SHORT = {
@@ -103,10 +106,7 @@ class KVEntry(BaseModel):
     @field_validator("url", "prefill_url")
     @classmethod
     def _http_url(cls, value: str | None) -> str | None:
-        if value is None:
-            return None
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
+        if value is not None and not _is_http_url(value):
             raise ValueError("url must be an absolute http(s) URL")
         return value
 
@@ -116,7 +116,7 @@ class KVEntry(BaseModel):
         for group in value:
             if len(group) > MAX_BLOCKS_PER_GROUP:
                 raise ValueError(f"a KV-cache group has more than {MAX_BLOCKS_PER_GROUP} blocks")
-            if any(block < 0 for block in group):
+            if group and min(group) < 0:  # one pass in C: groups run to thousands of blocks
                 raise ValueError("block ids must be non-negative")
         if not any(value):
             raise ValueError("block_ids holds no block")
@@ -125,10 +125,11 @@ class KVEntry(BaseModel):
     @field_validator("block_hashes")
     @classmethod
     def _hashes(cls, value: list[str] | None) -> list[str] | None:
-        if value is not None:
-            for item in value:
-                if not _HASH_RE.fullmatch(item):
-                    raise ValueError("block hashes must be 16 lower-case hex characters")
+        # Checked in C passes rather than an item at a time: a long prompt has hundreds.
+        if value and (
+            set(map(len, value)) != {_HASH_CHARS} or "".join(value).translate(_DELETE_HEX)
+        ):
+            raise ValueError("block hashes must be 16 lower-case hex characters")
         return value
 
     @field_validator("expires_at", "chars_per_token")
@@ -159,14 +160,14 @@ class KVEntry(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 doc[short] = value
-        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        return orjson.dumps(doc)  # compact; floats are finite (validated)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> KVEntry:
         """Parse `to_bytes` output; anything else raises `EntryDecodeError`."""
         try:
-            doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+            doc = orjson.loads(data)
+        except ValueError as exc:  # orjson's JSONDecodeError, invalid UTF-8 included
             raise EntryDecodeError("stored entry is not JSON") from exc
         if not isinstance(doc, dict) or doc.get("v") != _FORMAT_VERSION:
             raise EntryDecodeError("stored entry has an unknown format")
@@ -261,6 +262,13 @@ class KVEntry(BaseModel):
         if params.get(TP_SIZE) is not None:
             fields["tp_size"] = params[TP_SIZE]
         return cls.model_validate(fields)
+
+
+@functools.lru_cache(maxsize=1024)
+def _is_http_url(value: str) -> bool:
+    """Absolute http(s) URL? Cached: entries name the fleet's few engine URLs over and over."""
+    parts = urlsplit(value)
+    return parts.scheme in ("http", "https") and bool(parts.netloc)
 
 
 def _list(value: Any) -> Any:

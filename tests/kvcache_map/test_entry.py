@@ -55,6 +55,10 @@ def d_params(**overrides: Any) -> dict[str, Any]:
         ("block_hashes", ["0123456789abcdef"] * 4),  # more hashes than blocks
         ("block_hashes", ["0123456789ABCDEF"]),
         ("block_hashes", ["0123"]),
+        ("block_hashes", ["0123456789abcde", "0123456789abcdef0"]),  # 15 + 17 characters
+        ("block_hashes", ["0123456789abcdeg"]),
+        ("block_hashes", ["0123456789abcde\u00e9"]),  # 16 characters, one not hex
+        ("block_ids", [[0, 1], [2, -1]]),
         ("expires_at", math.nan),
         ("expires_at", math.inf),
         ("expires_at", 0.0),
