@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.proxy import jsoncodec
 from kvrelay.proxy.errors import bad_request
 
 MAX_ID_LEN = 200
@@ -81,8 +82,8 @@ def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None
 def _canonical_message(msg: Any) -> bytes:
     if isinstance(msg, dict):
         kept = {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
-        return json.dumps(kept, sort_keys=True, separators=(",", ":")).encode()
-    return json.dumps(msg, sort_keys=True, separators=(",", ":")).encode()
+        return jsoncodec.canonical(kept)
+    return jsoncodec.canonical(msg)
 
 
 def chained_fingerprints(messages: list[Any], context: bytes = b"") -> list[str]:

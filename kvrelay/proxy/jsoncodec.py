@@ -5,6 +5,12 @@ accepts (NaN and Infinity, lone surrogate escapes, nesting deeper than 1024) and
 beyond 64 bits as floats. Those inputs go to `json` instead (a run of 20 digits anywhere sends
 the text there), so what the proxy accepts and answers does not depend on which library read it;
 only the common case gets faster. Output is compact UTF-8.
+
+`canonical` is the other encoding the proxy needs: sorted keys and ASCII only, byte for byte
+what `json.dumps(value, sort_keys=True, separators=(",", ":"))` writes, because chat
+fingerprints hash it and must not change between proxy versions. orjson writes those same
+bytes for strings that are ASCII (but for DEL, escaped here), so only other values take the
+slower standard-library path.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import orjson
 # C, several times faster than a regular expression, which tries a match at every digit.
 _DIGITS_TO_ZERO = bytes(0 if chr(b).isdigit() and b < 128 else 1 for b in range(256))
 _TWENTY_DIGITS = bytes(20)
+_STR_TYPE = {str}
 
 
 def _has_long_number(raw: bytes | bytearray) -> bool:
@@ -41,3 +48,20 @@ def dumps(value: Any) -> bytes:
         return orjson.dumps(value)
     except TypeError:  # orjson.JSONEncodeError is a TypeError: e.g. an integer beyond 64 bits
         return json.dumps(value, separators=(",", ":")).encode()
+
+
+def canonical(value: Any) -> bytes:
+    """Sorted keys, no spaces, non-ASCII escaped: `json.dumps(value, sort_keys=True,
+    separators=(",", ":")).encode()`, at orjson's speed for a string or a flat object of
+    strings (a chat message) whose text is ASCII."""
+    if isinstance(value, str) or (
+        isinstance(value, dict) and set(map(type, value.values())) <= _STR_TYPE
+    ):
+        try:
+            out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONEncodeError:  # a lone surrogate
+            pass
+        else:
+            if out.isascii():  # else `json` writes \u escapes
+                return out.replace(b"\x7f", b"\\u007f") if b"\x7f" in out else out
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()

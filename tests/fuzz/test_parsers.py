@@ -33,6 +33,7 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import ConversationKey, KVEntry
 from kvrelay.kvcache_map._entry import decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError
+from kvrelay.proxy import jsoncodec
 from kvrelay.proxy.conversation import chained_fingerprints, chat_shape, completion_shape
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.legs import decode_body, prefill_body
@@ -330,3 +331,10 @@ def test_token_prompt_prefixes_detected_exactly(a: list[int], b: list[int]) -> N
     assert completion_shape({"prompt": b}).extends(stored) == expected
     # A stored fingerprint of one kind never matches a prompt of another kind.
     assert not chat_shape({"messages": [{"role": "user", "content": str(b)}]}).extends(stored)
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.dictionaries(st.text(max_size=8), st.text(max_size=40), max_size=6))
+def test_canonical_json_equals_the_standard_library(message: dict[str, str]) -> None:
+    expected = json.dumps(message, sort_keys=True, separators=(",", ":")).encode()
+    assert jsoncodec.canonical(message) == expected

@@ -50,3 +50,34 @@ def test_dumps_round_trips_through_json(value: object) -> None:
     assert isinstance(out, bytes)
     assert b" " not in out.replace(b"caf", b"")  # compact
     assert json.loads(out) == value
+
+
+def _stdlib_canonical(value: object) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"role": "user", "content": 'plain ASCII, quotes " and \\ and / and \n\t\x01'},
+        {"role": "user", "content": "DEL \x7f in the middle"},
+        {"role": "user", "content": "caf\u00e9 \u2603 \U0001f600"},  # non-ASCII: \u escapes
+        {"role": "user", "content": "lone \ud800 surrogate"},
+        {"zeta": "1", "Alpha": "2", "alpha": "3", "": "4"},  # key order by code point
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "n": 1.5e16}]},
+        {"content": [{"type": "text", "text": "part"}], "role": "user"},
+        {},
+        "a bare string",
+        [1, 2.5, "x"],
+    ],
+)
+def test_canonical_is_byte_for_byte_what_json_writes(value: object) -> None:
+    # Chat fingerprints hash these bytes: any difference would make every stored conversation
+    # miss after an upgrade.
+    assert jsoncodec.canonical(value) == _stdlib_canonical(value)
+
+
+def test_canonical_matches_json_on_every_ascii_and_many_other_characters() -> None:
+    for code in [*range(0x80), 0xA0, 0xFF, 0x2028, 0xFFFD, 0xD7FF, 0xE000, 0x1F600]:
+        message = {"role": "user", "content": f"a{chr(code)}b"}
+        assert jsoncodec.canonical(message) == _stdlib_canonical(message), hex(code)

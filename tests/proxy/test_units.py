@@ -9,6 +9,7 @@ import pytest
 
 from kvrelay.proxy.cli import serve_parser, settings_from_args
 from kvrelay.proxy.conversation import (
+    chained_fingerprints,
     chat_shape,
     chat_store_key_id,
     completion_shape,
@@ -314,3 +315,23 @@ def test_worker_freezes_start_up_objects_and_collects_young_objects_less_often()
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_chat_fingerprints_are_stable_across_versions() -> None:
+    # Stored entries carry these: a change in how messages are encoded or hashed would make
+    # every stored conversation miss after an upgrade. Values computed by earlier releases.
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Caf\u00e9? \x7f"},
+        {"role": "assistant", "content": "Yes.", "name": "bot"},
+        {"role": "user", "content": [{"type": "text", "text": "more"}]},
+    ]
+    assert chained_fingerprints(messages, b"ctx") == [
+        "78873f56c08f4d840b4a869489754552",
+        "78a9cc6008955cc4d99e6de5aad697ee",
+        "4afca76bde80efd25edc088d02bf18ce",
+        "eaabfe38dcf8645fa0ff2264e665411e",
+        "4cff2f6a3986ab08f802a6711f5a0799",
+    ]
+    shape = chat_shape({"model": "m", "messages": messages})
+    assert shape.store_fingerprint == "m:4:c99fda70e9f09ba30d2605bfca2e2102"
