@@ -108,13 +108,15 @@ async def _read_into(request: web.Request, buf: bytearray, limit: int, held: Hel
 
 def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
     """A JSON object from `raw`, refusing invalid JSON and nesting deeper than `max_depth`."""
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", code="empty_body")
     try:
         body = jsoncodec.loads(raw)
     except RecursionError:
         raise too_deep(max_depth) from None
     except ValueError as exc:  # UnicodeDecodeError included
+        if not raw.strip():  # asked only here: it copies the whole body
+            raise bad_request(
+                "the request body is empty; send a JSON object", code="empty_body"
+            ) from None
         raise bad_request(
             f"the request body is not valid JSON ({exc}); send a JSON object",
             code="invalid_json",
@@ -134,15 +136,29 @@ def too_deep(max_depth: int) -> ProxyError:
     )
 
 
+# What JSON values are besides arrays and objects.
+_LEAF_TYPES = {str, int, float, bool, type(None)}
+
+
 def nesting_exceeds(value: Any, limit: int) -> bool:
-    """Whether arrays/objects nest deeper than `limit` (the top level is 1); no recursion."""
-    stack: list[tuple[Any, int]] = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        children = item.values() if isinstance(item, dict) else item
+    """Whether arrays/objects nest deeper than `limit` (the top level is 1); no recursion.
+
+    Walked a level at a time; a container is searched for containers only when the types of
+    its members (one pass in C) include one, so a chat's messages, objects of strings, cost
+    little however long their text."""
+    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    depth = 1
+    while level:
         if depth > limit:
             return True
-        stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+        below: list[Any] = []
+        for item in level:
+            children = item.values() if isinstance(item, dict) else item
+            kinds = set(map(type, children))
+            if not kinds <= _LEAF_TYPES:
+                below.extend(c for c in children if isinstance(c, dict | list))
+        level = below
+        depth += 1
     return False
 
 

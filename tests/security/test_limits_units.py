@@ -95,6 +95,23 @@ def test_nesting_check_counts_objects_and_arrays() -> None:
     assert not nesting_exceeds(value, 4) and nesting_exceeds(value, 3)
 
 
+def test_nesting_check_finds_one_deep_member_among_many_flat_ones() -> None:
+    messages: list[object] = [{"role": "user", "content": "x" * 100} for _ in range(200)]
+    messages.insert(137, {"role": "user", "content": [{"type": "text", "text": [[["deep"]]]}]})
+    value = {"model": "m", "messages": messages, "n": 1, "stop": None}
+    # body > messages > message > content > part > text > [] > [] : depth 8
+    assert not nesting_exceeds(value, 8) and nesting_exceeds(value, 7)
+    assert not nesting_exceeds({"a": [], "b": {}}, 2) and nesting_exceeds({"a": [[]]}, 2)
+    assert not nesting_exceeds("scalar", 1) and not nesting_exceeds({}, 1)
+
+
+@pytest.mark.parametrize("raw", [b"", b"   ", b"\n\t \r\n"])
+def test_an_empty_body_is_a_400_saying_so(raw: bytes) -> None:
+    with pytest.raises(ProxyError) as err:
+        parse_json_object(raw, 64)
+    assert err.value.status == 400 and err.value.code == "empty_body"
+
+
 def test_engine_names_are_stable_and_reveal_no_address() -> None:
     name = engine_name("decode", "http://10.1.2.3:8000")
     assert name == engine_name("decode", "http://10.1.2.3:8000")
