@@ -52,6 +52,8 @@ MAX_BLOCKS_PER_GROUP = 1 << 20
 MAX_TP_SIZE = 1024
 _MAX_TEXT = 256
 _MAX_URL = 2048
+# Block ids index an engine's KV cache; the bound keeps them 64-bit (what orjson writes).
+MAX_BLOCK_ID = (1 << 63) - 1
 _HASH_CHARS = 16
 # Deleting every lower-case hex digit leaves nothing of a valid block hash.
 _DELETE_HEX = str.maketrans("", "", "0123456789abcdef")
@@ -116,8 +118,9 @@ class KVEntry(BaseModel):
         for group in value:
             if len(group) > MAX_BLOCKS_PER_GROUP:
                 raise ValueError(f"a KV-cache group has more than {MAX_BLOCKS_PER_GROUP} blocks")
-            if group and min(group) < 0:  # one pass in C: groups run to thousands of blocks
-                raise ValueError("block ids must be non-negative")
+            # Passes in C: groups run to thousands of blocks.
+            if group and (min(group) < 0 or max(group) > MAX_BLOCK_ID):
+                raise ValueError(f"block ids must be between 0 and {MAX_BLOCK_ID}")
         if not any(value):
             raise ValueError("block_ids holds no block")
         return value

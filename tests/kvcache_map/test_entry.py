@@ -59,6 +59,7 @@ def d_params(**overrides: Any) -> dict[str, Any]:
         ("block_hashes", ["0123456789abcdeg"]),
         ("block_hashes", ["0123456789abcde\u00e9"]),  # 16 characters, one not hex
         ("block_ids", [[0, 1], [2, -1]]),
+        ("block_ids", [[0, 1 << 63]]),  # beyond 64 bits: no engine has that many blocks
         ("expires_at", math.nan),
         ("expires_at", math.inf),
         ("expires_at", 0.0),
