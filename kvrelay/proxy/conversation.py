@@ -29,6 +29,7 @@ FINGERPRINT_PREFIX = "fp:"
 
 # Message fields that shape the prompt; everything else (ids, refusal: null…) is ignored.
 _MESSAGE_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+_MESSAGE_FIELD_SET = frozenset(_MESSAGE_FIELDS)
 
 
 def tenant_of(api_key: str | None) -> str:
@@ -81,6 +82,8 @@ def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None
 
 def _canonical_message(msg: Any) -> bytes:
     if isinstance(msg, dict):
+        if msg.keys() <= _MESSAGE_FIELD_SET and None not in msg.values():
+            return jsoncodec.canonical(msg)  # the usual message: nothing to leave out
         kept = {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
         return jsoncodec.canonical(kept)
     return jsoncodec.canonical(msg)

@@ -111,6 +111,7 @@ class Turn:
     tokens_reused: int = 0
     prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
     decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
+    _work: int | None = None  # `_work_estimate`, once computed
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -251,10 +252,15 @@ class Turn:
         self.owed.owe(Debt.PREVIOUS_HOLD, lambda: releaser.release_soon("decode", entry.hold_ref))
 
     def _work_estimate(self) -> int:
-        # Prompt size in bytes is a cheap stand-in for prefill work (no tokenizer here).
-        if self.route == "chat":
-            return sum(len(str(m.get("content") or "")) for m in self.body["messages"]) + 1
-        return len(str(self.body.get("prompt"))) + 1
+        # Prompt size in characters is a cheap stand-in for prefill work (no tokenizer here).
+        # Computed once: a long chat's history makes it a pass over every message.
+        if self._work is None:
+            if self.route == "chat":
+                contents = (m.get("content") for m in self.body["messages"])
+                self._work = sum(len(str(c)) for c in contents if c) + 1
+            else:
+                self._work = len(str(self.body.get("prompt"))) + 1
+        return self._work
 
     async def _prefill(self) -> None:
         fleet = self.fleet
