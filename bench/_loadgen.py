@@ -49,6 +49,7 @@ def build_bodies(job: dict[str, Any], n: int, tag: str) -> list[dict[str, Any]]:
     """
     words = " ".join(["lorem"] * int(job.get("prompt_words", 32)))
     completions = job.get("route") == "completions"
+    history = _history(int(job.get("history_turns", 0)), int(job.get("history_words", 100)))
     bodies = []
     for i in range(n):
         body: dict[str, Any] = {"model": job.get("model", "kvrelay-sim")}
@@ -56,7 +57,7 @@ def build_bodies(job: dict[str, Any], n: int, tag: str) -> list[dict[str, Any]]:
         if completions:
             body["prompt"] = text
         else:
-            body["messages"] = [{"role": "user", "content": text}]
+            body["messages"] = [*history, {"role": "user", "content": text}]
         body.update(
             max_tokens=int(job.get("max_tokens", 8)),
             temperature=0,
@@ -64,6 +65,16 @@ def build_bodies(job: dict[str, Any], n: int, tag: str) -> list[dict[str, Any]]:
         )
         bodies.append(body)
     return bodies
+
+
+def _history(turns: int, words: int) -> list[dict[str, str]]:
+    """`turns` earlier user/assistant exchanges of `words` words per message: a long chat
+    resent whole with every request, as chat clients do."""
+    out = [{"role": "system", "content": "You are a helpful assistant."}] if turns else []
+    for t in range(turns):
+        out.append({"role": "user", "content": f"question {t}: " + " ".join(["lorem"] * words)})
+        out.append({"role": "assistant", "content": f"answer {t}: " + " ".join(["ipsum"] * words)})
+    return out
 
 
 def build_headers(job: dict[str, Any], n: int, tag: str) -> list[dict[str, str]]:

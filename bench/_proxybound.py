@@ -60,7 +60,9 @@ TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
 BASE = "kvrelay-w1-base"
 TARGETS = ("direct", BASE, "kvrelay-w1", TRACED, "kvrelay-w2", "vllm-router")
-MODES = ("non-stream", "stream")
+MODES = ("non-stream", "stream", "long-chat")
+# The issue's six cases: the aims are judged on these (long-chat is reported beside them).
+AIM_MODES = ("non-stream", "stream")
 METRICS = ("rps", "p50", "p99", "ttfb_p50", "ttfb_p99", "router_cpu_us", "engine_cpu_us",
            "loadgen_cpu_us")  # fmt: skip
 # The issue's "Done when" aims.
@@ -76,6 +78,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--proxy-bound", action="store_true",
                    help="fake zero-work engines; the router is the bottleneck")  # fmt: skip
     g.add_argument("--requests", type=int, default=3000, help="requests per case and round")
+    g.add_argument(
+        "--history-turns",
+        type=int,
+        default=20,
+        help="long-chat: earlier user/assistant exchanges sent with each request",
+    )
+    g.add_argument(
+        "--history-words", type=int, default=100, help="long-chat: words in each earlier message"
+    )
     g.add_argument("--proxy-cpus", default="0", help="CPUs of the router, fakes (taskset list)")
     g.add_argument("--w2-cpus", default="0,1", help="CPUs of kvrelay --workers 2 and its Redis")
     g.add_argument("--loadgen-cpus", default="1", help="CPUs of the load generator")
@@ -255,7 +266,7 @@ class Bench:
             "requests": requests,
             "warmup": max(conc, 32),
             "stream": mode == "stream",
-            "route": "completions",
+            "route": "chat" if mode == "long-chat" else "completions",
             "model": "fake",
             "max_tokens": self.args.max_tokens,
             "prompt_words": self.args.prompt_words,
@@ -264,6 +275,9 @@ class Bench:
             "mode": "single",
             "url": self.d.url if target == "direct" else self.routers[target].url,
         }
+        if mode == "long-chat":
+            job["history_turns"] = self.args.history_turns
+            job["history_words"] = self.args.history_words
         return job
 
     def run_case(
@@ -564,7 +578,7 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
     """Each aim of the issue's "Done when", met or missed, with its ratio."""
     out = ["Aims (kvrelay `--workers 1` unless said):", ""]
     concs = sorted({int(x["concurrency"]) for x in cases})
-    for mode in MODES:
+    for mode in AIM_MODES:
         for conc in concs:
             k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
             if k is None or r is None:
@@ -574,7 +588,7 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
                 f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
                 f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
             )
-    for mode in MODES:
+    for mode in AIM_MODES:
         k, d = find(cases, mode, 1, "kvrelay-w1"), find(cases, mode, 1, "direct")
         if k is not None and d is not None:
             added = k["p50"] - d["p50"]
@@ -584,7 +598,7 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
                 f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
             )
     top = max(concs, default=0)
-    for mode in MODES:
+    for mode in AIM_MODES:
         k, r = find(cases, mode, top, "kvrelay-w1"), find(cases, mode, top, "vllm-router")
         if k is not None and r is not None:
             ratio = _ratio(k["p99"], r["p99"])
@@ -592,7 +606,7 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
                 f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
                 f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
             )
-    for mode in MODES:
+    for mode in AIM_MODES:
         for conc in concs:
             if conc == 1:
                 continue  # one client in a closed loop cannot use a second worker
@@ -604,7 +618,7 @@ def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
                 f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
                 f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
             )
-    for mode in MODES:
+    for mode in AIM_MODES:
         for conc in concs:
             k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
             if k is None or r is None:
@@ -728,7 +742,8 @@ def main(args: argparse.Namespace) -> int:
         data["settings"] = {
             k: getattr(args, k)
             for k in ("concurrency", "modes", "targets", "requests", "rounds", "max_tokens",
-                      "prompt_words", "proxy_cpus", "w2_cpus", "loadgen_cpus", "tracing")
+                      "prompt_words", "history_turns", "history_words", "proxy_cpus",
+                      "w2_cpus", "loadgen_cpus", "tracing")
         }  # fmt: skip
         if args.baseline_src is not None:
             data["baseline"] = c.relpath(args.baseline_src)

@@ -52,7 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Example: .venv/bin/python -m bench.proxy_overhead --concurrency 1 64 256",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument(
+        "--modes", nargs="+", choices=_proxybound.MODES, default=None,
+        help=f"default: {' '.join(MODES)}; proxy-bound: {' '.join(_proxybound.MODES)}",
+    )  # fmt: skip
     p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
     p.add_argument(
         "--requests-per-client",
@@ -95,6 +98,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     _proxybound.add_arguments(p)
     args = p.parse_args(argv)
+    if args.modes is None:
+        args.modes = list(_proxybound.MODES if args.proxy_bound else MODES)
+    elif not args.proxy_bound and not set(args.modes) <= set(MODES):
+        p.error(f"--modes: the enginesim mode measures {' and '.join(MODES)} only")
     if args.rounds is None:
         args.rounds = 3 if args.proxy_bound else 2
     if args.max_tokens is None:
