@@ -16,6 +16,7 @@ from kvrelay.proxy.conversation import (
     conversation_id_from,
     request_id_from,
     tenant_of,
+    upstream_request_id,
 )
 from kvrelay.proxy.errors import ProxyError
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
@@ -88,6 +89,16 @@ def test_request_id_accepted_or_generated() -> None:
     assert request_id_from("abc-123") == "abc-123"
     assert request_id_from("bad id with spaces").startswith("kvr-")
     assert request_id_from(None) != request_id_from(None)
+
+
+def test_generated_request_ids_stay_unique_and_random_across_buffer_refills() -> None:
+    ids = [request_id_from(None) for _ in range(2000)]  # several 4 KiB refills
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 36 and int(i[4:], 16) >= 0 for i in ids)
+    # Random, not a counter: the ids' bits are spread (a counter's top bits would not be).
+    assert len({i[4] for i in ids}) == 16
+    suffixed = {upstream_request_id("client-id", supplied=True) for _ in range(600)}
+    assert len(suffixed) == 600 and all(s.startswith("client-id-") for s in suffixed)
 
 
 def test_conversation_id_header_wins_and_body_field_is_removed() -> None:
