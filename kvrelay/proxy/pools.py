@@ -21,7 +21,6 @@ draining engines finish what they have but get nothing new.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import logging
 import time
@@ -184,16 +183,29 @@ class Pool:
         if self.on_health_change is not None:
             self.on_health_change(backend)
 
-    @contextlib.contextmanager
-    def busy(self, backend: Backend, work: int) -> Iterator[None]:
-        """Count a request against the backend while it runs."""
-        backend.inflight += 1
-        backend.outstanding_work += work
-        try:
-            yield
-        finally:
-            backend.inflight -= 1
-            backend.outstanding_work -= work
+    def busy(self, backend: Backend, work: int) -> Busy:
+        """Count a request against the backend while it runs (a `with` block)."""
+        return Busy(backend, work)
+
+
+class Busy:
+    """A request counted against its backend from `__enter__` to `__exit__`.
+
+    A class rather than a generator-based context manager: it runs on every leg."""
+
+    __slots__ = ("_backend", "_work")
+
+    def __init__(self, backend: Backend, work: int) -> None:
+        self._backend = backend
+        self._work = work
+
+    def __enter__(self) -> None:
+        self._backend.inflight += 1
+        self._backend.outstanding_work += self._work
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._backend.inflight -= 1
+        self._backend.outstanding_work -= self._work
 
 
 def engines_to_try(
