@@ -125,8 +125,7 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is not None:
             response.keep_alive = self._parser.should_keep_alive()
-            self._stop_timer()
-            response._finish()
+            response._finish()  # the timer stays for the next exchange (see `send`)
 
     # -- used by the origin and the response ------------------------------------------------------
     def send(
@@ -139,12 +138,19 @@ class _Connection(asyncio.Protocol):
         self._last_read = now
         self._read_timeout = read_timeout
         self._deadline = now + total_timeout
-        self._timer = self.loop.call_at(min(now + read_timeout, self._deadline), self._on_timer)
+        first_check = min(now + read_timeout, self._deadline)
+        timer = self._timer
+        # The timer of an earlier exchange on this connection is kept when it fires no later
+        # than this one needs (it then checks this exchange and reschedules itself): a busy
+        # keep-alive connection makes a timer once per read timeout, not once per request.
+        if timer is None or timer.when() > first_check:
+            if timer is not None:
+                timer.cancel()
+            self._timer = self.loop.call_at(first_check, self._on_timer)
         self.transport.write(request)
 
     def detach(self) -> None:
-        self._response = None
-        self._stop_timer()
+        self._response = None  # the timer, if any, stays for the next exchange (see `send`)
 
     def abort(self) -> None:
         self.closed = True

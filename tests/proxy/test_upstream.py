@@ -235,6 +235,39 @@ async def test_silent_engine_times_out_on_read() -> None:
         pool.close()
 
 
+async def test_a_reused_connection_times_out_on_its_new_shorter_deadline() -> None:
+    # The first exchange leaves a timer for its long read timeout on the connection; the
+    # second, on the same connection, must not inherit that later deadline.
+    async def answers_once(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(_OK)
+        await writer.drain()
+        await _read_request(reader)
+        await reader.read()  # the second request is never answered
+
+    async with RawServer(answers_once) as server:
+        pool = _origin(server.port)
+        first = await _request(pool, "POST", "/v1/completions", b"{}", read_timeout=60.0)
+        assert await first.read() == b"ok"
+        async with asyncio.timeout(5):  # a plain TimeoutError here: the deadline was missed
+            with pytest.raises(UpstreamTimeout):
+                await _request(pool, "POST", "/v1/completions", b"{}", read_timeout=0.2)
+        assert pool.opened == 1
+        pool.close()
+
+
+async def test_back_to_back_exchanges_share_one_timer(origin: int) -> None:
+    pool = _origin(origin)
+    timers = []
+    for _ in range(3):
+        resp = await _request(pool, "POST", "/echo", b"x")
+        await resp.read()
+        (conn,) = pool._idle
+        timers.append(conn._timer)
+    assert timers[0] is not None and all(t is timers[0] for t in timers)
+    pool.close()
+
+
 async def test_body_ended_by_connection_close() -> None:
     async def unframed(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await _read_request(reader)
