@@ -67,8 +67,8 @@ class Router:
             ):
                 return backend, True
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
-        if not candidates:
-            return None, False
+        if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
+            return (candidates[0] if candidates else None), False
         best = min(
             candidates,
             key=lambda b: (self.busy(b), b.outstanding_work, self._queued(b), b.inflight),
@@ -94,8 +94,8 @@ class Router:
         """The usable engine of `pool` (not in `exclude`) with the least queued, busy ones
         last: D without affinity, and the pass-through routes."""
         candidates = [b for b in pool.usable() if b.url not in exclude]
-        if not candidates:
-            return None
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
         return min(
             candidates,
             key=lambda b: (self.busy(b), self._queued(b), b.inflight, b.outstanding_work),
