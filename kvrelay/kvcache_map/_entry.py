@@ -18,7 +18,7 @@ from typing import Any, Self
 from urllib.parse import urlsplit
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvrelay.connector.protocol import (
     DO_REMOTE_DECODE,
@@ -105,52 +105,39 @@ class KVEntry(BaseModel):
     prefill_url: str | None = Field(default=None, min_length=1, max_length=_MAX_URL)
     chars_per_token: float | None = Field(default=None, gt=0, le=1 << 20)
 
-    @field_validator("url", "prefill_url")
-    @classmethod
-    def _http_url(cls, value: str | None) -> str | None:
-        if value is not None and not _is_http_url(value):
+    # One validator for every check beyond the field types and bounds: each validator is a
+    # call from pydantic's core back into Python, and entries are built on every turn.
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        if not _is_http_url(self.url) or (
+            self.prefill_url is not None and not _is_http_url(self.prefill_url)
+        ):
             raise ValueError("url must be an absolute http(s) URL")
-        return value
-
-    @field_validator("block_ids")
-    @classmethod
-    def _block_ids(cls, value: list[list[int]]) -> list[list[int]]:
-        for group in value:
+        if not math.isfinite(self.expires_at) or (
+            self.chars_per_token is not None and not math.isfinite(self.chars_per_token)
+        ):
+            raise ValueError("expires_at and chars_per_token must be finite")
+        for group in self.block_ids:
             if len(group) > MAX_BLOCKS_PER_GROUP:
                 raise ValueError(f"a KV-cache group has more than {MAX_BLOCKS_PER_GROUP} blocks")
             # Passes in C: groups run to thousands of blocks.
             if group and (min(group) < 0 or max(group) > MAX_BLOCK_ID):
                 raise ValueError(f"block ids must be between 0 and {MAX_BLOCK_ID}")
-        if not any(value):
+        blocks = max(map(len, self.block_ids))
+        if not blocks:
             raise ValueError("block_ids holds no block")
-        return value
-
-    @field_validator("block_hashes")
-    @classmethod
-    def _hashes(cls, value: list[str] | None) -> list[str] | None:
+        hashes = self.block_hashes
         # Checked in C passes rather than an item at a time: a long prompt has hundreds.
-        if value and (
-            set(map(len, value)) != {_HASH_CHARS} or "".join(value).translate(_DELETE_HEX)
+        if hashes and (
+            set(map(len, hashes)) != {_HASH_CHARS} or "".join(hashes).translate(_DELETE_HEX)
         ):
             raise ValueError("block hashes must be 16 lower-case hex characters")
-        return value
-
-    @field_validator("expires_at", "chars_per_token")
-    @classmethod
-    def _finite(cls, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise ValueError("must be finite")
-        return value
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Self:
-        blocks = max(len(group) for group in self.block_ids)
         # Every block holds at least one token and at most MAX_BLOCK_SIZE tokens.
         if blocks > self.num_tokens:
             raise ValueError(f"{blocks} blocks cannot hold only {self.num_tokens} tokens")
         if self.num_tokens > blocks * MAX_BLOCK_SIZE:
             raise ValueError(f"{blocks} blocks cannot hold {self.num_tokens} tokens")
-        if self.block_hashes is not None and len(self.block_hashes) > blocks:
+        if hashes is not None and len(hashes) > blocks:
             raise ValueError("more block hashes than blocks")
         return self
 
