@@ -46,7 +46,7 @@ _RUN_SECRET = secrets.token_hex(16)
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
     "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
-    "http clients", "multiturn", "multiturn policies",
+    "instructions per request", "http clients", "multiturn", "multiturn policies",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (

@@ -1,0 +1,196 @@
+"""Instructions per request of the proxy, counted by valgrind: a measure that does not drift.
+
+Timings on a shared machine move by 10% between runs, more than most single changes to the
+hot path gain, so this script counts instead: kvrelay (`--workers 1`, in-process map) runs
+under `valgrind --tool=callgrind` in front of the zero-work fake engines
+(`bench/fake_engine.py`), instrumentation is switched on (`callgrind_control`) only for the
+measured requests, after a warm-up, and the user-space instructions the proxy executed are
+divided by the requests served. Kernel work (the socket calls) is not counted; the count
+repeats within a fraction of a percent from run to run.
+
+Sources: this checkout, and with `--baseline REV` the `kvrelay/` package of another commit
+(`git archive`), measured with the same engines and load, so the table reads as before/after.
+Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`): non-stream,
+stream, long-chat. Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the
+`## instructions per request` section of bench/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bench import _common as c
+from bench import _loadgen
+from bench._proxybound import MODES
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+
+SECTION = "instructions per request"
+WARMUP = 200
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--baseline", help="a git revision whose kvrelay/ is measured beside this one")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    p.add_argument("--requests", type=int, default=500, help="measured requests per case")
+    p.add_argument("--history-turns", type=int, default=20, help="long-chat: earlier exchanges")
+    p.add_argument("--history-words", type=int, default=100, help="long-chat: words per message")
+    p.add_argument("--json", type=Path, default=c.WORK_DIR / "instructions.json")
+    p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
+    return p.parse_args(argv)
+
+
+@contextlib.contextmanager
+def source_trees(baseline: str | None) -> Iterator[list[tuple[str, Path]]]:
+    """(label, directory holding `kvrelay/`) per source: the baseline's first, if any."""
+    trees = [("this checkout", c.REPO_ROOT)]
+    if baseline is None:
+        yield trees
+        return
+    with tempfile.TemporaryDirectory(prefix="kvrelay-baseline-") as tmp:
+        archive = subprocess.run(
+            ["git", "archive", baseline, "kvrelay"], cwd=c.REPO_ROOT, check=True,
+            capture_output=True,
+        ).stdout  # fmt: skip
+        archive_path = Path(tmp) / "kvrelay.tar"
+        archive_path.write_bytes(archive)
+        with tarfile.open(archive_path) as tar:
+            tar.extractall(tmp, filter="data")
+        yield [(f"baseline {baseline}", Path(tmp)), *trees]
+
+
+def _job(args: argparse.Namespace, mode: str, url: str, requests: int) -> dict[str, Any]:
+    return {
+        "concurrency": args.concurrency,
+        "requests": requests,
+        "warmup": args.concurrency,
+        "stream": mode == "stream",
+        "route": "chat" if mode == "long-chat" else "completions",
+        "history_turns": args.history_turns if mode == "long-chat" else 0,
+        "history_words": args.history_words,
+        "model": "fake",
+        "max_tokens": 16,
+        "prompt_words": 32,
+        "conversation_ids": True,
+        "tag": f"{mode}-{time.time_ns()}",
+        "mode": "single",
+        "url": url,
+    }
+
+
+def _total_instructions(out_prefix: Path) -> int:
+    """The largest `totals:`/`summary:` count among the dumps callgrind wrote."""
+    total = 0
+    for dump in out_prefix.parent.glob(out_prefix.name + "*"):
+        for line in dump.read_text(errors="replace").splitlines():
+            if line.startswith(("totals:", "summary:")):
+                total = max(total, int(line.split()[1]))
+    return total
+
+
+def count(
+    args: argparse.Namespace, src: Path, mode: str, p: c.Engine, d: c.Engine, work: Path
+) -> float:
+    """Instructions per request of the proxy from `src` on one mode."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    out_prefix = work / f"callgrind-{mode}-{time.time_ns()}.out"
+    argv = [
+        "valgrind", "--tool=callgrind", "--instr-atstart=no",
+        f"--callgrind-out-file={out_prefix}",
+        sys.executable, "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1",
+        "--port", str(port), "--prefill", p.url, "--decode", d.url,
+        "--side-channels", *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (p, d)),
+    ]  # fmt: skip
+    env = {**c.bench_env(), "KVRELAY_LOG_LEVEL": "warning", "KVRELAY_TRACING": "off"}
+    env["PYTHONPATH"] = str(src)  # `python -m` from `src` imports that tree's kvrelay
+    proxy = ServerProcess(
+        argv, http_ready(url + "/ready"), env=env, ready_timeout=600, name="kvrelay-callgrind",
+        cwd=src,
+    ).start()  # fmt: skip
+    try:
+        assert proxy.proc is not None
+        pid = str(proxy.proc.pid)
+        _loadgen.run_in_process(_job(args, mode, url, WARMUP))
+        subprocess.run(["callgrind_control", "--instr=on", pid], check=True, capture_output=True)
+        result = _loadgen.run_in_process(_job(args, mode, url, args.requests))
+        subprocess.run(["callgrind_control", "--instr=off", pid], check=True, capture_output=True)
+        subprocess.run(["callgrind_control", "--dump", pid], check=True, capture_output=True)
+    finally:
+        c.stop_all(proxy)
+    served = len(result["latencies"]) + args.concurrency  # the job's own warm-up ran measured
+    if result["errors"]:
+        raise RuntimeError(f"{result['errors']} requests failed: {result['error_samples'][:3]}")
+    return float(_total_instructions(out_prefix) / served)
+
+
+def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    p = c.start_fake_engine("prefill", "fake-p")
+    d = c.start_fake_engine("decode", "fake-d")
+    try:
+        with (
+            source_trees(args.baseline) as trees,
+            tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
+        ):
+            for mode in args.modes:
+                for label, src in trees:
+                    per_request = count(args, src, mode, p, d, Path(tmp))
+                    rows.append({"mode": mode, "source": label, "instructions": per_request})
+                    print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
+    finally:
+        c.stop_all(p.process, d.process)
+    return rows
+
+
+def render(rows: list[dict[str, Any]], args: argparse.Namespace, header: str) -> str:
+    lines = [
+        header,
+        "",
+        f"kvrelay `--workers 1` (in-process map) under callgrind in front of the zero-work fake "
+        f"engines; {args.requests} measured requests per case after {WARMUP} warm-up ones, "
+        f"{args.concurrency} concurrent clients, each request a conversation's first turn "
+        "(`X-Conversation-Id`); user-space instructions of the proxy process per request "
+        "(the kernel's socket work is not counted). Long-chat: "
+        f"{args.history_turns} earlier exchanges of {args.history_words} words per message.",
+        "",
+        "| mode | source | instructions per request | vs first |",
+        "|---|---|---:|---:|",
+    ]
+    first: dict[str, float] = {}
+    for row in rows:
+        base = first.setdefault(row["mode"], row["instructions"])
+        lines.append(
+            f"| {row['mode']} | {row['source']} | {row['instructions'] / 1e3:.0f} k "
+            f"| {c.fmt_ratio(row['instructions'] / base)} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("valgrind is not installed (Debian: apt-get install valgrind)")
+    header = c.run_header()
+    rows = measure(args)
+    c.write_json(args.json, {"rows": rows, "header": header})
+    text = render(rows, args, header)
+    if not args.no_results:
+        c.update_results_section(SECTION, text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
