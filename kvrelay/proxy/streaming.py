@@ -15,6 +15,7 @@ from kvrelay.proxy import jsoncodec
 KV_MARKER = b'"kv_transfer_params"'
 DONE = b"[DONE]"
 DONE_EVENT = b"data: [DONE]\n\n"
+_AFTER_EVENT = b"\n\n"
 # A choice with a non-null finish reason: the engine finished the request (compact or spaced JSON).
 FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
 
@@ -67,8 +68,14 @@ class SSEFilter:
         if b'"error"' in data and data.lstrip().startswith(b'data: {"error"'):
             self.saw_error = True
         held = self.hold_done and done
-        if KV_MARKER not in data and not held:
-            return data  # the fast path: no parsing, no re-encoding
+        if KV_MARKER not in data:
+            if not held:
+                return data  # the fast path: no parsing, no re-encoding
+            if data == DONE_EVENT or data.endswith(_AFTER_EVENT + DONE_EVENT):
+                # The usual end of a stream (the whole answer may arrive in one read): D's
+                # terminal event, exactly as D wrote it, last.
+                self.done_event = DONE_EVENT
+                return data[: -len(DONE_EVENT)]
         out = bytearray()
         for event in data.split(b"\n\n"):
             if not event:

@@ -282,6 +282,26 @@ def test_sse_filter_holds_back_done_for_the_relay_to_send_last() -> None:
     assert plain.done_event is None
 
 
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b"data: [DONE]\n\n",  # the usual end: [DONE] last, cut off without parsing
+        b"data:[DONE]\n\n",  # no space after the colon: the general path finds it
+        b"data: [DONE]\n\n: a comment after it\n\n",  # not last: the general path
+    ],
+)
+def test_sse_filter_holds_back_done_when_the_whole_stream_comes_in_one_read(tail: bytes) -> None:
+    events = b"".join(
+        b'data: {"choices":[{"delta":{"content":"%d"},"finish_reason":null}]}\n\n' % i
+        for i in range(16)
+    )
+    sse = SSEFilter(hold_done=True)
+    out = sse.feed(events + tail) + sse.flush()
+    assert sse.done_event is not None and b"[DONE]" in sse.done_event
+    assert b"[DONE]" not in out and out.startswith(events) and sse.saw_done
+    assert sse.events == 16 + tail.count(b"\n\n")
+
+
 def test_owed_releases_what_is_still_owed_once() -> None:
     from kvrelay.proxy.owed import Debt, Owed
 
