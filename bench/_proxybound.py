@@ -8,13 +8,16 @@ load generator to another (`--loadgen-cpus`, default CPU 1). `kvrelay --workers 
 two-core machine that core is the load generator's, which the report says) and its Redis map
 server runs on the same CPUs, its CPU time counted as the proxy's.
 
-Targets: `direct` (the load generator calling D alone: the floor), `kvrelay-w1` (memory map),
-`kvrelay-w2` (real redis-server map), `vllm-router` (0.1.17, `--vllm-pd-disaggregation
+Targets: `direct` (the load generator calling D alone: the floor), `bare-relay` (on request:
+`bench/bare_relay.py`, a P→D relay on aiohttp's server and kvrelay's engine client with none
+of kvrelay's features, so the gap to kvrelay is the price of those), `kvrelay-w1` (memory
+map), `kvrelay-w2` (real redis-server map), `vllm-router` (0.1.17, `--vllm-pd-disaggregation
 --policy round_robin`). Requests are `/v1/completions` with a unique prompt and a unique
 `X-Conversation-Id` each: every request is a conversation's first turn, so kvrelay asks D to
 hold, stores D's params in its map (and, for streams, fetches them from D's side channel first,
 since streams carry none) and releases what the map evicts: its real work on the success path.
-vllm-router ignores the header.
+vllm-router ignores the header. The `long-chat` mode sends chat completions instead, each with
+a long history (`--history-turns`, `--history-words`): the work that grows with the body.
 
 Each case (mode x concurrency) runs every target back to back, the order rotated per case,
 and the whole set of cases is repeated in `--rounds` interleaved rounds; each figure reported
@@ -59,7 +62,8 @@ SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
 BASE = "kvrelay-w1-base"
-TARGETS = ("direct", BASE, "kvrelay-w1", TRACED, "kvrelay-w2", "vllm-router")
+BARE = "bare-relay"
+TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, "kvrelay-w2", "vllm-router")
 MODES = ("non-stream", "stream", "long-chat")
 # The issue's six cases: the aims are judged on these (long-chat is reported beside them).
 AIM_MODES = ("non-stream", "stream")
@@ -219,6 +223,20 @@ class Bench:
             )  # fmt: skip
         if "vllm-router" in a.targets:
             self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
+        if BARE in a.targets:
+            self.routers[BARE] = self._start_bare()
+
+    def _start_bare(self) -> c.Router:
+        assert self.p is not None and self.d is not None
+        port = c.free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = [sys.executable, "-m", "bench.bare_relay", "--port", str(port),
+                "--prefill", self.p.url, "--decode", self.d.url]  # fmt: skip
+        process = ServerProcess(
+            c.pinned(argv, self.args.proxy_cpus), c.http_ready(url + "/ready"),
+            env=c.bench_env(), ready_timeout=60, name="bare-relay",
+        ).start()  # fmt: skip
+        return c.Router(name=BARE, url=url, process=process)
 
     def work_done(self) -> dict[str, dict[str, float]]:
         """What each kvrelay did besides relaying (params stored, side-channel fetches and the

@@ -56,7 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--modes", nargs="+", choices=_proxybound.MODES, default=None,
         help=f"default: {' '.join(MODES)}; proxy-bound: {' '.join(_proxybound.MODES)}",
     )  # fmt: skip
-    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS))
+    p.add_argument(
+        "--targets", nargs="+", choices=(*TARGETS, _proxybound.BARE), default=list(TARGETS),
+        help=f"proxy-bound also: {_proxybound.BARE} (bench/bare_relay.py, no features)",
+    )  # fmt: skip
     p.add_argument(
         "--requests-per-client",
         type=int,
@@ -102,6 +105,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.modes = list(_proxybound.MODES if args.proxy_bound else MODES)
     elif not args.proxy_bound and not set(args.modes) <= set(MODES):
         p.error(f"--modes: the enginesim mode measures {' and '.join(MODES)} only")
+    if not args.proxy_bound and _proxybound.BARE in args.targets:
+        p.error(f"--targets: {_proxybound.BARE} is a target of the proxy-bound mode only")
     if args.rounds is None:
         args.rounds = 3 if args.proxy_bound else 2
     if args.max_tokens is None:
