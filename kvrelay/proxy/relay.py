@@ -537,9 +537,8 @@ class Turn:
         metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
         await self._settle(self._after_stream(sse.params, backend, store_key))
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
-            if sse.done_event is not None:
-                await out.write(sse.done_event)
-            await out.write_eof()
+            # [DONE] and the end of the chunked body leave in one write.
+            await out.write_eof(sse.done_event or b"")
         return out
 
     def _first_byte(self) -> None:
