@@ -64,6 +64,10 @@ class KVMap(Protocol):
     """Conversation → reusable KV entry. All methods may raise `MapUnavailableError` (Redis),
     and key-taking ones `KeyTooLongError`/`InvalidKeyError` for keys no backend accepts."""
 
+    # True when every operation completes without waiting (the in-process map): a caller may
+    # then run `put` inline, where a cancellation cannot reach it, instead of in a task.
+    in_process: bool
+
     async def get(self, key: ConversationKey) -> KVEntry | None: ...
 
     async def put(self, key: ConversationKey, entry: KVEntry, ttl: float) -> None:

@@ -123,6 +123,7 @@ class MemoryMap:
     """
 
     backend = "memory"
+    in_process = True  # no operation waits: `put` and `take` never suspend
 
     def __init__(
         self,

@@ -166,6 +166,7 @@ class RedisMap:
     """
 
     backend = "redis"
+    in_process = False
 
     def __init__(
         self,

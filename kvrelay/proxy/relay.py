@@ -468,7 +468,12 @@ class Turn:
             raw = jsoncodec.dumps(data)  # the params stay between the proxy and the engines
         if isinstance(params, dict):
             metrics.FINISHED_PARAMS.labels("response").inc()
-            await self._settle(self._store(params, backend, store_key))
+            if self.fleet.kvmap.in_process:
+                # Nothing here waits, so nothing can interrupt it: a cancellation (the client
+                # leaving) is delivered only at a wait. No task, and no wait for one.
+                await self._store(params, backend, store_key)
+            else:
+                await self._settle(self._store(params, backend, store_key))
         elif self.hold:
             self._no_params()
         self._first_byte()
@@ -564,20 +569,19 @@ class Turn:
             else:
                 self._no_params()
 
-    def _settle_in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[Any] | None:
-        """Store D's params now, going on in a tracked task that a client leaving cannot
-        cancel once it has to wait (a Redis map, D's side channel); None when it is done.
+    def _settle_in_background(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[Any]:
+        """Run the storing of D's params as a tracked task that a client leaving cannot cancel.
 
-        From here on the storing owns D's hold: the failure path must not release it too.
+        From here on the task owns D's hold: the failure path must not release it too.
         """
         self.owed.settle(Debt.DECODE_HOLD)
-        return self.fleet.releaser.spawn_eagerly(work)
+        return self.fleet.releaser.spawn(work)
 
     async def _settle(self, work: Coroutine[Any, Any, None]) -> None:
         """Wait for the entry to be stored, at most the side-channel timeout; a client that
         leaves meanwhile cancels only this wait, never the storing."""
         task = self._settle_in_background(work)
-        if task is None or task.done():
+        if task.done():
             return
         # One future and one timer rather than `asyncio.wait` (sets, a waiter per call): this
         # runs on every turn that stores params.

@@ -21,7 +21,6 @@ from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
 from kvrelay.proxy import metrics, tracing
-from kvrelay.proxy.eager import start_eagerly
 from kvrelay.proxy.finished_lookups import FinishedLookups
 from kvrelay.proxy.upstream import Upstream
 
@@ -125,20 +124,6 @@ class Releaser:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        return task
-
-    def spawn_eagerly(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
-        """Run `coro` now, and in a tracked background task only from its first wait on
-        (`kvrelay.proxy.eager`); None when it finished without waiting. A failure is
-        logged, as a task's would be, never raised to the caller."""
-        try:
-            task = start_eagerly(coro)
-        except Exception:
-            log.exception("background work failed")
-            return None
-        if task is not None:
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
         return task
 
     async def drain(self) -> None:

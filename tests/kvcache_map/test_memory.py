@@ -241,3 +241,19 @@ async def test_close_does_not_hang_on_a_stuck_callback() -> None:
     await asyncio.wait_for(m.close(), 10)
     stats = await m.stats()
     assert stats.callback_errors == 2  # the replaced one and the one dropped at close
+
+
+async def test_in_process_map_operations_never_wait() -> None:
+    # The proxy stores a non-streamed turn inline when `in_process` (relay.py): that is safe
+    # only while put and take complete without suspending, where no cancellation can land.
+    m = MemoryMap(max_entries=2)
+    assert m.in_process
+    for _ in range(3):  # the third put evicts
+        put = m.put(key("t", f"c{_}"), make_entry(), 60.0)
+        with pytest.raises(StopIteration):
+            put.send(None)
+    take = m.take(key("t", "c2"))
+    with pytest.raises(StopIteration) as done:
+        take.send(None)
+    assert done.value.value is not None
+    await m.close()
