@@ -66,6 +66,11 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.reused = False
+        # Body pieces of the current read. httptools calls `on_body` once per piece (a stream
+        # sends one per event); bound to the deque's own `append`, that is a call in C, and the
+        # response takes all of a read's pieces at once after the parser returns.
+        self._body: collections.deque[bytes] = collections.deque()
+        self.on_body = self._body.append  # before the parser: it looks its callbacks up once
         self._parser = httptools.HttpResponseParser(self)
         self._response: H1Response | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -81,14 +86,21 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self._last_read = self.loop.time()
-        if self._response is not None:
-            self._response.received = True
+        response = self._response
+        if response is not None:
+            response.received = True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._fail(UpstreamBroken("protocol upgrades are not supported"))
         except httptools.HttpParserError as exc:
             self._fail(UpstreamBroken(f"malformed HTTP response: {exc}"))
+        if self._body:
+            if response is not None:
+                # After the parser returned: a reader woken by the message's end (in
+                # `on_message_complete`) runs only later, and finds every piece in place.
+                response._take(self._body)
+            self._body.clear()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -116,10 +128,6 @@ class _Connection(asyncio.Protocol):
         if response is not None:
             response.status = self._parser.get_status_code()
             response._headers_done()
-
-    def on_body(self, body: bytes) -> None:
-        if self._response is not None:
-            self._response._feed(body)
 
     def on_message_complete(self) -> None:
         response = self._response
@@ -283,13 +291,16 @@ class H1Response:
         if not self._head.done():
             self._head.set_result(None)
 
-    def _feed(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-        self._buffered += len(chunk)
+    def _take(self, pieces: collections.deque[bytes]) -> None:
+        """The body pieces of one read, in order; the caller clears `pieces`."""
+        self._buffered += sum(map(len, pieces)) if len(pieces) > 1 else len(pieces[0])
+        self._chunks.extend(pieces)
         conn = self._conn
         if self._buffered >= _HIGH_WATER and conn is not None and conn.transport is not None:
             conn.transport.pause_reading()
-        self._wake()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _finish(self) -> None:
         self.complete = True

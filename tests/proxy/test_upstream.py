@@ -18,6 +18,7 @@ from kvrelay.proxy.upstream import (
     UpstreamTimeout,
 )
 from tests.harness import free_port
+from tests.kvcache_map.helpers import eventually
 
 CHUNKS = [f'data: {{"i": {i}}}\n\n'.encode() for i in range(16)]
 
@@ -266,6 +267,56 @@ async def test_back_to_back_exchanges_share_one_timer(origin: int) -> None:
         timers.append(conn._timer)
     assert timers[0] is not None and all(t is timers[0] for t in timers)
     pool.close()
+
+
+async def test_chunks_of_one_read_come_as_one_piece_in_order() -> None:
+    """Sixteen chunks sent in one write reach the reader joined, in order, and the connection
+    goes back to the pool for the next exchange."""
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(c), c) for c in CHUNKS) + b"0\r\n\r\n"
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+    async def burst(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(head + framed)
+        await _read_request(reader)
+        writer.write(_OK)
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(burst) as server:
+        pool = _origin(server.port)
+        resp = await _request(pool, "GET", "/")
+        await eventually(lambda: resp.complete, within=5, what="the whole answer")
+        pieces = [chunk async for chunk in resp.iter_chunks()]
+        assert pieces == [b"".join(CHUNKS)]
+        again = await _request(pool, "GET", "/")
+        assert await again.read() == b"ok"
+        assert pool.opened == 1
+        pool.close()
+
+
+async def test_unread_body_past_the_high_water_mark_pauses_reading() -> None:
+    """A reader that lags stops the socket reads; reading on resumes them and loses nothing."""
+    size = 1024 * 1024
+    body = bytes(range(256)) * (size // 256)
+
+    async def big(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size + body)
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(big) as server:
+        pool = _origin(server.port)
+        resp = await _request(pool, "GET", "/")
+        conn = resp._conn
+        assert conn is not None and conn.transport is not None
+        transport = conn.transport
+        await eventually(lambda: not transport.is_reading(), within=5, what="reading paused")
+        assert not resp.complete
+        assert await resp.read() == body
+        assert pool.opened == 1
+        pool.close()
 
 
 async def test_body_ended_by_connection_close() -> None:
