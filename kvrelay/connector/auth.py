@@ -10,6 +10,7 @@ body, so a reader believes only the holder it asked. Comparisons are constant-ti
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -19,6 +20,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Collection, Mapping
 from enum import StrEnum
+from typing import Any
 
 from kvrelay.connector.protocol import (
     HEADER_DESTINATION,
@@ -57,6 +59,35 @@ def destination(host: str, port: int) -> str:
     return f"{host.strip('[]').lower()}:{int(port)}"
 
 
+_BLOCK = 64  # SHA-256's block size: HMAC pads or hashes the key to it (RFC 2104)
+
+
+@functools.lru_cache(maxsize=16)
+def _keyed(secret: bytes) -> tuple[Any, Any]:
+    """SHA-256 states that have absorbed the padded key XOR ipad and XOR opad.
+
+    A deployment has one secret and signs or checks a message on every side-channel call, on
+    the proxy and on every engine; `hmac.new` derives these two states from the key on each
+    call (and, with OpenSSL 3, looks the digest up again). Copying them is all a message needs.
+    """
+    key = hashlib.sha256(secret).digest() if len(secret) > _BLOCK else secret
+    key = key.ljust(_BLOCK, b"\0")
+    inner = hashlib.sha256(bytes(b ^ 0x36 for b in key))
+    outer = hashlib.sha256(bytes(b ^ 0x5C for b in key))
+    return inner, outer
+
+
+def _hmac_sha256_hex(secret: bytes, message: bytes) -> str:
+    """`hmac.new(secret, message, hashlib.sha256).hexdigest()`, from the cached key states
+    (copying a hash object is safe from several threads)."""
+    inner_keyed, outer_keyed = _keyed(secret)
+    inner = inner_keyed.copy()
+    inner.update(message)
+    outer = outer_keyed.copy()
+    outer.update(inner.digest())
+    return str(outer.hexdigest())
+
+
 def signature(
     secret: bytes,
     timestamp: str,
@@ -68,7 +99,7 @@ def signature(
 ) -> str:
     fields = [_REQUEST_DOMAIN, timestamp.encode(), nonce.encode(), dest.encode()]
     message = b"\n".join([*fields, method.upper().encode(), path.encode(), body])
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return _hmac_sha256_hex(secret, message)
 
 
 def sign_headers(
@@ -165,7 +196,7 @@ class NonceCache:
 def response_signature(secret: bytes, request_nonce: str, status: int, body: bytes) -> str:
     """The holder's signature over its answer to the request that carried `request_nonce`."""
     message = b"\n".join([_RESPONSE_DOMAIN, request_nonce.encode(), str(status).encode(), body])
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return _hmac_sha256_hex(secret, message)
 
 
 def verify_response(

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import hmac
 import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from kvrelay.connector.allowlist import DEFAULT_ALLOWED_HOLDERS, HolderAllowlist
 from kvrelay.connector.auth import (
     AuthFailure,
     NonceCache,
+    _hmac_sha256_hex,
     response_signature,
     sign_headers,
+    signature,
     verify,
     verify_response,
 )
@@ -109,6 +114,20 @@ def test_answers_are_signed_for_one_request() -> None:
     assert not verify_response(SECRET, "nonce-1", 200, b'{"ok":2}', sig)
     assert not verify_response(b"other", "nonce-1", 200, b'{"ok":1}', sig)
     assert not verify_response(SECRET, "nonce-1", 200, b'{"ok":1}', None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(secret=st.binary(max_size=200), message=st.binary(max_size=300))
+def test_signatures_are_standard_hmac_sha256(secret: bytes, message: bytes) -> None:
+    """The cached-key HMAC writes what `hmac.new` writes, for keys shorter and longer than
+    SHA-256's block: engines and proxies of other versions must keep verifying each other."""
+    assert _hmac_sha256_hex(secret, message) == hmac.new(secret, message, "sha256").hexdigest()
+
+
+def test_signature_golden_value() -> None:
+    """The signature of one fixed request, as the previous release wrote it (wire format)."""
+    expected = "0dcf961495403f8f38265c74331914226899159c3097a98defaed32ffbadc34f"
+    assert signature(SECRET, "1000.000000", "n", DEST, "POST", "/v1/claim", b"x") == expected
 
 
 def test_holder_allowlist() -> None:
