@@ -13,8 +13,9 @@ import enum
 from collections.abc import Callable
 
 
-class Debt(enum.Enum):
-    """The holds a turn can owe."""
+class Debt(enum.StrEnum):
+    """The holds a turn can owe. A `StrEnum` hashes in C (a plain `Enum` member's hash is a
+    Python call), and a turn looks debts up several times."""
 
     PREVIOUS_HOLD = "previous_hold"  # D's blocks of the taken entry, until P answered
     PREFILL_BLOCKS = "prefill_blocks"  # P's blocks for D, until D's answer is complete
