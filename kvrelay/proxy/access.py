@@ -10,13 +10,13 @@ from aiohttp import web
 
 from kvrelay.proxy.auth import authenticate
 from kvrelay.proxy.errors import ProxyError
-from kvrelay.proxy.keys import LIMITS, TENANTS
+from kvrelay.proxy.keys import LIMITS, SETTINGS, TENANTS
 from kvrelay.proxy.limits import Slot
 
 
-def check_breaker(request: web.Request, tenant: str) -> None:
+def check_breaker(app: web.Application, tenant: str) -> None:
     """429 `tenant_paused` while the tenant's breaker is open."""
-    left = request.app[TENANTS].retry_after(tenant)
+    left = app[TENANTS].retry_after(tenant)
     if left is not None:
         wait = max(1, math.ceil(left))
         raise ProxyError(
@@ -32,6 +32,7 @@ def check_breaker(request: web.Request, tenant: str) -> None:
 async def admit(request: web.Request) -> tuple[str, Slot]:
     """Authenticate, check the breaker and take a slot under the tenant's limits (429 when
     over them). The caller releases the slot on every way out."""
-    tenant = authenticate(request)
-    check_breaker(request, tenant)
-    return tenant, await request.app[LIMITS].admit(tenant)
+    app = request.app  # a property chain in aiohttp: looked up once
+    tenant = authenticate(request, app[SETTINGS])
+    check_breaker(app, tenant)
+    return tenant, await app[LIMITS].admit(tenant)

@@ -90,12 +90,13 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 async def _completion(request: web.Request, route: str) -> web.StreamResponse:
-    fleet = request.app[FLEET]
+    app = request.app  # a property chain in aiohttp: looked up once
+    fleet = app[FLEET]
     metrics.INFLIGHT.labels(route).inc()
     outcome = "error"
     supplied = request.headers.get("X-Request-Id")
     request_id = request_id_from(supplied)
-    held = HeldBody(request.app[BODY_BUDGET])
+    held = HeldBody(app[BODY_BUDGET])
     turn: Turn | None = None
     tenant = ""
     slot: Slot | None = None
@@ -106,7 +107,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             validate_chat(body)
         else:
             validate_completion(body)
-        await request.app[MODELS].check(body.get("model"))
+        await app[MODELS].check(body.get("model"))
         conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
@@ -125,7 +126,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         return response
     except ProxyError as exc:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
-        if turn is not None and turn.every_decode_5xx and request.app[TENANTS].strike(tenant):
+        if turn is not None and turn.every_decode_5xx and app[TENANTS].strike(tenant):
             log.warning("paused an API key (tenant %s) whose requests every engine failed",
                         tenant)  # fmt: skip
         return exc.response({"X-Request-Id": request_id})

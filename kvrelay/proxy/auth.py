@@ -18,6 +18,7 @@ from kvrelay.proxy.conversation import tenant_of
 from kvrelay.proxy.errors import ProxyError
 from kvrelay.proxy.headers import bearer_token, header_text
 from kvrelay.proxy.keys import SETTINGS
+from kvrelay.proxy.settings import Settings
 
 
 def presented_key(
@@ -44,9 +45,11 @@ def key_matches(given: str | None, keys: Iterable[SecretStr]) -> bool:
     return matched
 
 
-def authenticate(request: web.Request) -> str:
-    """The caller's tenant; 401 when API keys are configured and none matches."""
-    settings = request.config_dict[SETTINGS]
+def authenticate(request: web.Request, settings: Settings | None = None) -> str:
+    """The caller's tenant; 401 when API keys are configured and none matches. `settings`
+    spares the lookup through `config_dict` (which a sub-application's handler needs)."""
+    if settings is None:
+        settings = request.config_dict[SETTINGS]
     token = presented_key(request, "invalid_api_key")
     if not settings.api_keys or key_matches(token, settings.api_keys):
         return tenant_of(token)
