@@ -72,7 +72,9 @@ def too_large(limit: int) -> ProxyError:
     )
 
 
-async def read_body(request: web.Request, settings: Settings, held: HeldBody) -> bytearray:
+async def read_body(
+    request: web.Request, settings: Settings, held: HeldBody
+) -> bytes | bytearray:
     """The raw body, read within the size, time and budget limits."""
     limit = settings.body_limit_bytes
     length = request.content_length
@@ -80,11 +82,15 @@ async def read_body(request: web.Request, settings: Settings, held: HeldBody) ->
         raise too_large(limit)
     if length:
         held.grow_to(length)  # reserve up front: a body that cannot fit is refused unread
-    buf = bytearray()
     if request.content.is_eof():
-        # The whole body came with the headers (the common case): nothing to time.
-        await _read_into(request, buf, limit, held)
-        return buf
+        # The whole body came with the headers (the common case): it is all buffered, so it is
+        # taken at once, with nothing to wait for or time.
+        whole = request.content.read_nowait()
+        if len(whole) > limit:
+            raise too_large(limit)
+        held.grow_to(len(whole))
+        return whole
+    buf = bytearray()
     try:
         async with asyncio.timeout(settings.body_read_timeout_s):
             await _read_into(request, buf, limit, held)
