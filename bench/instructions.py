@@ -8,10 +8,10 @@ measured requests, after a warm-up, and the user-space instructions the proxy ex
 divided by the requests served. Kernel work (the socket calls) is not counted; the count
 repeats within a fraction of a percent from run to run.
 
-Sources: this checkout, and with `--baseline REV` the `kvrelay/` package of another commit
-(`git archive`), measured with the same engines and load, so the table reads as before/after.
-Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`): non-stream,
-stream, long-chat. Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the
+Sources: this checkout, and with `--baseline REV [REV ...]` the `kvrelay/` package of other
+commits (`git archive`), measured with the same engines and load, so the table reads as
+before/after. Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`):
+non-stream, stream, long-chat. Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the
 `## instructions per request` section of bench/RESULTS.md.
 """
 
@@ -40,7 +40,10 @@ WARMUP = 200
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--baseline", help="a git revision whose kvrelay/ is measured beside this one")
+    p.add_argument(
+        "--baseline", nargs="+", default=[], metavar="REV",
+        help="git revisions whose kvrelay/ is measured beside this one, oldest first",
+    )  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--requests", type=int, default=500, help="measured requests per case")
@@ -52,22 +55,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 @contextlib.contextmanager
-def source_trees(baseline: str | None) -> Iterator[list[tuple[str, Path]]]:
-    """(label, directory holding `kvrelay/`) per source: the baseline's first, if any."""
-    trees = [("this checkout", c.REPO_ROOT)]
-    if baseline is None:
-        yield trees
-        return
+def source_trees(baselines: list[str]) -> Iterator[list[tuple[str, Path]]]:
+    """(label, directory holding `kvrelay/`) per source: the baselines' first, in order."""
     with tempfile.TemporaryDirectory(prefix="kvrelay-baseline-") as tmp:
-        archive = subprocess.run(
-            ["git", "archive", baseline, "kvrelay"], cwd=c.REPO_ROOT, check=True,
-            capture_output=True,
-        ).stdout  # fmt: skip
-        archive_path = Path(tmp) / "kvrelay.tar"
-        archive_path.write_bytes(archive)
-        with tarfile.open(archive_path) as tar:
-            tar.extractall(tmp, filter="data")
-        yield [(f"baseline {baseline}", Path(tmp)), *trees]
+        trees: list[tuple[str, Path]] = []
+        for i, revision in enumerate(baselines):
+            archive = subprocess.run(
+                ["git", "archive", revision, "kvrelay"], cwd=c.REPO_ROOT, check=True,
+                capture_output=True,
+            ).stdout  # fmt: skip
+            tree = Path(tmp) / str(i)
+            tree.mkdir()
+            archive_path = tree / "kvrelay.tar"
+            archive_path.write_bytes(archive)
+            with tarfile.open(archive_path) as tar:
+                tar.extractall(tree, filter="data")
+            trees.append((f"baseline {revision}", tree))
+        yield [*trees, ("this checkout", c.REPO_ROOT)]
 
 
 def _job(args: argparse.Namespace, mode: str, url: str, requests: int) -> dict[str, Any]:
