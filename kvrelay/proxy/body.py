@@ -72,9 +72,7 @@ def too_large(limit: int) -> ProxyError:
     )
 
 
-async def read_body(
-    request: web.Request, settings: Settings, held: HeldBody
-) -> bytes | bytearray:
+async def read_body(request: web.Request, settings: Settings, held: HeldBody) -> bytes | bytearray:
     """The raw body, read within the size, time and budget limits."""
     limit = settings.body_limit_bytes
     length = request.content_length

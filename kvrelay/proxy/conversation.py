@@ -108,22 +108,29 @@ def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None
     return text
 
 
-def _canonical_message(msg: Any) -> bytes:
+def _prompt_fields(msg: Any) -> Any:
+    """What of a message shapes the prompt: its known fields that are set (a non-object as
+    it is, for the engine to refuse)."""
     if isinstance(msg, dict):
-        if msg.keys() <= _MESSAGE_FIELD_SET and None not in msg.values():
-            return jsoncodec.canonical(msg)  # the usual message: nothing to leave out
-        kept = {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
-        return jsoncodec.canonical(kept)
-    return jsoncodec.canonical(msg)
+        return {k: msg[k] for k in _MESSAGE_FIELDS if msg.get(k) is not None}
+    return msg
 
 
 def chained_fingerprints(messages: list[Any], context: bytes = b"") -> list[str]:
     """`out[i]` is the fingerprint of `messages[:i]` (so `out[0]` is the empty history)."""
-    h = hashlib.sha256(b"kvrelay-msgs-v1\n" + context).digest()
-    out = [h.hex()[:32]]
-    for msg in messages:
-        h = hashlib.sha256(h + _canonical_message(msg)).digest()
-        out.append(h.hex()[:32])
+    sha256 = hashlib.sha256
+    h = sha256(b"kvrelay-msgs-v1\n" + context).digest()
+    out = [h[:16].hex()]  # the first 32 hex digits
+    # The usual message (known fields, none null) is encoded as it is: no call per message.
+    kept = [
+        m
+        if type(m) is dict and m.keys() <= _MESSAGE_FIELD_SET and None not in m.values()
+        else _prompt_fields(m)
+        for m in messages
+    ]
+    for encoded in jsoncodec.canonical_all(kept):
+        h = sha256(h + encoded).digest()
+        out.append(h[:16].hex())
     return out
 
 
@@ -168,6 +175,15 @@ class PromptShape:
             head = self._tokens[:count]
             return count < len(self._tokens) and _tokens_digest(head, self._model) == digest
         return False
+
+
+def prompt_chars(route: str, body: dict[str, Any]) -> int:
+    """Characters of a validated request's prompt: the chat's non-empty message contents (as
+    text), or the completion's prompt as text."""
+    if route == "chat":
+        contents = [m.get("content") for m in body["messages"]]
+        return sum(map(len, map(str, filter(None, contents))))  # passes in C
+    return len(str(body.get("prompt")))
 
 
 def _text_digest(text: str, model: str) -> str:

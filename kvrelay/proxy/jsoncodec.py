@@ -16,6 +16,7 @@ slower standard-library path.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -54,14 +55,26 @@ def canonical(value: Any) -> bytes:
     """Sorted keys, no spaces, non-ASCII escaped: `json.dumps(value, sort_keys=True,
     separators=(",", ":")).encode()`, at orjson's speed for a string or a flat object of
     strings (a chat message) whose text is ASCII."""
-    if isinstance(value, str) or (
-        isinstance(value, dict) and set(map(type, value.values())) <= _STR_TYPE
-    ):
-        try:
-            out = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
-        except orjson.JSONEncodeError:  # a lone surrogate
-            pass
-        else:
-            if out.isascii():  # else `json` writes \u escapes
-                return out.replace(b"\x7f", b"\\u007f") if b"\x7f" in out else out
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+    return canonical_all((value,))[0]
+
+
+def canonical_all(values: Iterable[Any]) -> list[bytes]:
+    """`canonical` of each value, in one call: a long chat's fingerprints encode every
+    message, and the loop here costs no call per message."""
+    out: list[bytes] = []
+    for value in values:
+        if isinstance(value, str) or (
+            isinstance(value, dict) and set(map(type, value.values())) <= _STR_TYPE
+        ):
+            try:
+                encoded = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+            except orjson.JSONEncodeError:  # a lone surrogate
+                pass
+            else:
+                if encoded.isascii():  # else `json` writes \u escapes
+                    out.append(
+                        encoded.replace(b"\x7f", b"\\u007f") if b"\x7f" in encoded else encoded
+                    )
+                    continue
+        out.append(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
+    return out

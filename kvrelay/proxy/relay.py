@@ -39,7 +39,7 @@ from kvrelay.kvcache_map import (
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import jsoncodec, metrics, tracing
-from kvrelay.proxy.conversation import PromptShape, chat_store_key_id
+from kvrelay.proxy.conversation import PromptShape, chat_store_key_id, prompt_chars
 from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
@@ -255,11 +255,7 @@ class Turn:
         # Prompt size in characters is a cheap stand-in for prefill work (no tokenizer here).
         # Computed once: a long chat's history makes it a pass over every message.
         if self._work is None:
-            if self.route == "chat":
-                contents = (m.get("content") for m in self.body["messages"])
-                self._work = sum(len(str(c)) for c in contents if c) + 1
-            else:
-                self._work = len(str(self.body.get("prompt"))) + 1
+            self._work = prompt_chars(self.route, self.body) + 1
         return self._work
 
     async def _prefill(self) -> None:

@@ -8,10 +8,15 @@ from the proxy instead of a confusing engine error or a half-started P/D exchang
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.errors import bad_request
+
+_DICT = {dict}
+_STR = {str}
+_ROLE = itertools.repeat("role")
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> None:
@@ -45,6 +50,10 @@ def validate_chat(body: dict[str, Any]) -> None:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_request("`messages` must be a non-empty array of messages", param="messages")
+    # Passes in C for the usual history (objects, each with a string role); a long chat has
+    # hundreds of messages. Anything else is looked at one message at a time, for the error.
+    if set(map(type, messages)) == _DICT and set(map(type, map(dict.get, messages, _ROLE))) == _STR:
+        return
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad_request(

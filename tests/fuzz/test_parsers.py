@@ -14,6 +14,7 @@ Each property raises only the documented error type on bad input; nothing else e
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from typing import Any
@@ -331,6 +332,37 @@ def test_token_prompt_prefixes_detected_exactly(a: list[int], b: list[int]) -> N
     assert completion_shape({"prompt": b}).extends(stored) == expected
     # A stored fingerprint of one kind never matches a prompt of another kind.
     assert not chat_shape({"messages": [{"role": "user", "content": str(b)}]}).extends(stored)
+
+
+_PROMPT_FIELDS = ("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content")
+field_value = st.one_of(
+    st.none(), st.text(max_size=30), st.integers(), st.lists(st.text(max_size=5), max_size=2)
+)
+any_message = st.one_of(
+    st.dictionaries(st.sampled_from([*_PROMPT_FIELDS, "id", "refusal"]), field_value, max_size=5),
+    st.text(max_size=10),
+)
+
+
+def _fingerprints_by_definition(messages: list[Any], context: bytes) -> list[str]:
+    """The chain as `kvrelay.proxy.conversation` defines it, with the standard library only."""
+    h = hashlib.sha256(b"kvrelay-msgs-v1\n" + context).digest()
+    out = [h.hex()[:32]]
+    for msg in messages:
+        if isinstance(msg, dict):
+            msg = {k: v for k, v in msg.items() if k in _PROMPT_FIELDS and v is not None}
+        encoded = json.dumps(msg, sort_keys=True, separators=(",", ":")).encode()
+        h = hashlib.sha256(h + encoded).digest()
+        out.append(h.hex()[:32])
+    return out
+
+
+@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(any_message, max_size=6), st.binary(max_size=8))
+def test_fingerprints_follow_their_definition(messages: list[Any], context: bytes) -> None:
+    """Stored conversations keep matching across versions only while every shortcut in the
+    fingerprint code writes the bytes of the definition."""
+    assert chained_fingerprints(messages, context) == _fingerprints_by_definition(messages, context)
 
 
 @settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])

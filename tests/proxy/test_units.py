@@ -4,6 +4,7 @@ bodies and pool decisions. No servers; the behaviour through real HTTP is in the
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -14,6 +15,7 @@ from kvrelay.proxy.conversation import (
     chat_store_key_id,
     completion_shape,
     conversation_id_from,
+    prompt_chars,
     request_id_from,
     tenant_of,
     upstream_request_id,
@@ -24,6 +26,7 @@ from kvrelay.proxy.pools import Pool
 from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings, SettingsError, load_settings
 from kvrelay.proxy.streaming import SSEFilter
+from kvrelay.proxy.validation import validate_chat
 
 
 def test_settings_from_env_lists_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -155,6 +158,35 @@ def test_completion_fingerprints_are_scoped_by_model() -> None:
         assert stored is not None
         assert completion_shape({"model": "base", "prompt": longer}).extends(stored)
         assert not completion_shape({"model": "adapter-a", "prompt": longer}).extends(stored)
+
+
+def test_prompt_chars_count_contents_as_text() -> None:
+    parts = [{"type": "text", "text": "hi"}]
+    messages = [
+        {"role": "system", "content": "abc"},
+        {"role": "user", "content": ""},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": parts},
+    ]
+    chat = {"messages": messages}
+    assert prompt_chars("chat", chat) == 3 + len(str(parts))
+    assert prompt_chars("completions", {"prompt": "hello"}) == 5
+    assert prompt_chars("completions", {"prompt": [1, 2, 3]}) == len("[1, 2, 3]")
+
+
+@pytest.mark.parametrize(
+    ("messages", "param"),
+    [
+        ([{"role": "user", "content": "x"}, "not an object"], "messages[1]"),
+        ([{"role": "user"}, {"role": "assistant"}, {"role": 7}], "messages[2]"),
+        ([{"content": "no role"}], "messages[0]"),
+    ],
+)
+def test_chat_messages_need_objects_with_string_roles(messages: list[Any], param: str) -> None:
+    validate_chat({"model": "m", "messages": [{"role": "user", "content": "ok"}] * 3})
+    with pytest.raises(ProxyError) as refused:
+        validate_chat({"model": "m", "messages": messages})
+    assert refused.value.status == 400 and refused.value.param == param
 
 
 def test_sse_filter_passes_bytes_through_and_strips_params() -> None:
