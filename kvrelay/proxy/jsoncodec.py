@@ -23,14 +23,23 @@ import orjson
 
 # orjson keeps integers exact up to 2**64 - 1 (20 digits); longer ones need `json`. The scan maps
 # every digit to 0 and every other byte to 1, then looks for twenty zeros in a row: two passes in
-# C, several times faster than a regular expression, which tries a match at every digit.
+# C, several times faster than a regular expression, which tries a match at every digit. Before
+# it, a look at every tenth byte: twenty digits in a row always cover two consecutive multiples
+# of ten, so a body without two digits there (almost every body) needs no full scan; on a long
+# chat's 25 KB that takes the check from more than orjson's whole parse to a tenth of it.
 _DIGITS_TO_ZERO = bytes(0 if chr(b).isdigit() and b < 128 else 1 for b in range(256))
 _TWENTY_DIGITS = bytes(20)
+_TWO_DIGITS = bytes(2)
+_SAMPLE_STRIDE = 10
 _STR_TYPE = {str}
 
 
 def _has_long_number(raw: bytes | bytearray) -> bool:
-    return len(raw) >= 20 and _TWENTY_DIGITS in raw.translate(_DIGITS_TO_ZERO)
+    if len(raw) < 20:
+        return False
+    if _TWO_DIGITS not in raw[::_SAMPLE_STRIDE].translate(_DIGITS_TO_ZERO):
+        return False
+    return _TWENTY_DIGITS in raw.translate(_DIGITS_TO_ZERO)
 
 
 def loads(raw: bytes | bytearray | str) -> Any:
@@ -72,9 +81,8 @@ def canonical_all(values: Iterable[Any]) -> list[bytes]:
                 pass
             else:
                 if encoded.isascii():  # else `json` writes \u escapes
-                    out.append(
-                        encoded.replace(b"\x7f", b"\\u007f") if b"\x7f" in encoded else encoded
-                    )
+                    # (An int operand makes `in` a memchr: several times faster than b"\x7f".)
+                    out.append(encoded.replace(b"\x7f", b"\\u007f") if 0x7F in encoded else encoded)
                     continue
         out.append(json.dumps(value, sort_keys=True, separators=(",", ":")).encode())
     return out

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrelay.proxy import jsoncodec
 
@@ -81,3 +84,24 @@ def test_canonical_matches_json_on_every_ascii_and_many_other_characters() -> No
     for code in [*range(0x80), 0xA0, 0xFF, 0x2028, 0xFFFD, 0xD7FF, 0xE000, 0x1F600]:
         message = {"role": "user", "content": f"a{chr(code)}b"}
         assert jsoncodec.canonical(message) == _stdlib_canonical(message), hex(code)
+
+
+_TWENTY_DIGIT_RUN = re.compile(rb"[0-9]{20}")
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.sampled_from([b"1", b"7", b"0", b"a", b" ", b'"', b"\xff"]), max_size=400))
+def test_long_number_check_finds_every_run_of_twenty_digits(parts: list[bytes]) -> None:
+    raw = b"".join(parts)
+    assert jsoncodec._has_long_number(raw) == bool(_TWENTY_DIGIT_RUN.search(raw))
+
+
+@pytest.mark.parametrize("offset", range(23))
+def test_a_big_integer_anywhere_in_a_long_body_stays_exact(offset: int) -> None:
+    """The check looks at every tenth byte first: a 20-digit number at any offset modulo ten
+    must still send the body to the standard library."""
+    big = 12345678901234567890123
+    text = '{"pad": "' + "x" * offset + '", "n": ' + str(big) + ', "tail": "' + "y" * 300 + '"}'
+    assert jsoncodec.loads(text.encode())["n"] == big
+    short = text.replace(str(big), str(big)[:19])  # 19 digits: orjson's own
+    assert jsoncodec.loads(short.encode())["n"] == int(str(big)[:19])
