@@ -46,7 +46,14 @@ def _drive(
     histogram("prefill").observe(0.02)
 
 
-def test_fast_children_expose_what_the_clients_own_methods_expose() -> None:
+@pytest.mark.parametrize("direct", [True, False], ids=["in-process", "multiprocess-path"])
+def test_fast_children_expose_what_the_clients_own_methods_expose(
+    direct: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In one process the wrappers add to the client's floats themselves; in multiprocess mode
+    (forced here) they call the mmap-backed stores' own `inc`. Both expose the same."""
+    if not direct:
+        monkeypatch.setattr(metrics, "_direct", lambda store: False)
     slow, fast = CollectorRegistry(), CollectorRegistry()
     s_counter, s_gauge, s_histogram = _metrics(slow)
     f_counter, f_gauge, f_histogram = (Labelled(m) for m in _metrics(fast))
@@ -56,21 +63,7 @@ def test_fast_children_expose_what_the_clients_own_methods_expose() -> None:
     # The installed client has the layout the wrappers expect: the fast path is in use.
     for child in (f_counter.labels("chat"), f_gauge.labels("chat"), f_histogram.labels("decode")):
         assert type(child).__name__.startswith("_Fast")
-        assert child._direct  # in one process: the float itself, without its lock
-
-
-def test_stores_updated_through_their_own_inc_expose_the_same(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The path of multiprocess mode, whose mmap-backed stores must be updated by their `inc`."""
-    monkeypatch.setattr(metrics, "_direct", lambda store: False)
-    slow, fast = CollectorRegistry(), CollectorRegistry()
-    s_counter, s_gauge, s_histogram = _metrics(slow)
-    f_counter, f_gauge, f_histogram = (Labelled(m) for m in _metrics(fast))
-    _drive(s_counter.labels, s_gauge.labels, s_histogram.labels)
-    _drive(f_counter.labels, f_gauge.labels, f_histogram.labels)
-    assert _exposition(fast) == _exposition(slow)
-    assert not f_counter.labels("chat")._direct
+        assert child._direct is direct
 
 
 def test_a_fast_counter_still_refuses_to_go_down() -> None:
