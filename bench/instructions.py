@@ -10,7 +10,8 @@ repeats within a fraction of a percent from run to run.
 
 Sources: this checkout, and with `--baseline REV [REV ...]` the `kvrelay/` package of other
 commits (`git archive`), measured with the same engines and load, so the table reads as
-before/after. Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`):
+before/after; with `--bare-relay`, also `bench/bare_relay.py`, the relay without kvrelay's
+features. Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`):
 non-stream, stream, long-chat. Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the
 `## instructions per request` section of bench/RESULTS.md.
 """
@@ -45,6 +46,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="git revisions whose kvrelay/ is measured beside this one, oldest first",
     )  # fmt: skip
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument(
+        "--bare-relay", action="store_true",
+        help="also count bench/bare_relay.py: what the relay costs without kvrelay's features",
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--requests", type=int, default=500, help="measured requests per case")
     p.add_argument("--history-turns", type=int, default=20, help="long-chat: earlier exchanges")
@@ -103,20 +108,30 @@ def _total_instructions(out_prefix: Path) -> int:
     return total
 
 
+def _server_argv(src: Path | None, port: int, p: c.Engine, d: c.Engine) -> list[str]:
+    """kvrelay from the source tree `src`, or with None the featureless relay of the
+    proxy-bound mode (`bench/bare_relay.py`): the floor kvrelay's features sit on."""
+    engines = ["--prefill", p.url, "--decode", d.url]
+    if src is None:
+        return ["-m", "bench.bare_relay", "--host", "127.0.0.1", "--port", str(port), *engines]
+    return [
+        "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *engines,
+        "--side-channels", *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (p, d)),
+    ]  # fmt: skip
+
+
 def count(
-    args: argparse.Namespace, src: Path, mode: str, p: c.Engine, d: c.Engine, work: Path
+    args: argparse.Namespace, src: Path | None, mode: str, p: c.Engine, d: c.Engine, work: Path
 ) -> float:
-    """Instructions per request of the proxy from `src` on one mode."""
+    """Instructions per request of the proxy from `src` (None: the bare relay) on one mode."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     out_prefix = work / f"callgrind-{mode}-{time.time_ns()}.out"
     argv = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no",
-        f"--callgrind-out-file={out_prefix}",
-        sys.executable, "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1",
-        "--port", str(port), "--prefill", p.url, "--decode", d.url,
-        "--side-channels", *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (p, d)),
+        f"--callgrind-out-file={out_prefix}", sys.executable, *_server_argv(src, port, p, d),
     ]  # fmt: skip
+    src = src or c.REPO_ROOT  # the bare relay is this checkout's
     env = {**c.bench_env(), "KVRELAY_LOG_LEVEL": "warning", "KVRELAY_TRACING": "off"}
     env["PYTHONPATH"] = str(src)  # `python -m` from `src` imports that tree's kvrelay
     proxy = ServerProcess(
@@ -148,8 +163,11 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             source_trees(args.baseline) as trees,
             tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
         ):
+            sources: list[tuple[str, Path | None]] = list(trees)
+            if args.bare_relay:
+                sources.append(("bare-relay (no features)", None))
             for mode in args.modes:
-                for label, src in trees:
+                for label, src in sources:
                     per_request = count(args, src, mode, p, d, Path(tmp))
                     rows.append({"mode": mode, "source": label, "instructions": per_request})
                     print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
