@@ -29,7 +29,7 @@ from typing import Any
 from bench import _common as c
 from kvrelay.devtools.redis import RedisServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, KVMap, MemoryMap, RedisMap
-from kvrelay.kvcache_map._redis_topology import single_client
+from kvrelay.kvcache_map._redis import make_client
 
 SECTION = "kvmap at scale"
 AIM_FLAT = 1.2
@@ -156,7 +156,7 @@ async def run_backend(
     else:
         assert redis is not None
         m = RedisMap.from_url(redis.url, timeout=5.0)  # the fill must not count as an outage
-        info = single_client(redis.url, timeout=5.0, max_connections=2)  # reads bounded
+        info = make_client(redis.url, timeout=5.0)
     out: list[dict[str, Any]] = []
     try:
         size = 0

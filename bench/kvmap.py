@@ -191,20 +191,17 @@ class RawRedisPair:
 
     def __init__(self, url: str, timeout: float) -> None:
         self._r = make_client(url, timeout=timeout)
-        self._timeout = timeout  # each call bounded as the map bounds its operations
 
     async def put(self, key: ConversationKey, entry: KVEntry, ttl: float) -> None:
         try:
-            async with asyncio.timeout(self._timeout):
-                await self._r.set(encode_key(key), entry.to_bytes(), px=int(ttl * 1000))
-        except (RedisError, TimeoutError) as exc:
+            await self._r.set(encode_key(key), entry.to_bytes(), px=int(ttl * 1000))
+        except RedisError as exc:
             raise MapUnavailableError(str(exc)) from exc
 
     async def take(self, key: ConversationKey) -> KVEntry | None:
         try:
-            async with asyncio.timeout(self._timeout):
-                raw = await self._r.getdel(encode_key(key))
-        except (RedisError, TimeoutError) as exc:
+            raw = await self._r.getdel(encode_key(key))
+        except RedisError as exc:
             raise MapUnavailableError(str(exc)) from exc
         return None if raw is None else KVEntry.from_bytes(cast(bytes, raw))
 

@@ -153,11 +153,8 @@ def make_client(
     max_connections: int = DEFAULT_MAX_CONNECTIONS,
 ) -> aioredis.Redis:
     """A pooled client for `redis://` / `rediss://` URLs (password, user, db from the URL)
-    that never retries on its own; connecting and waiting for a pooled connection are bounded
-    by `timeout`, reads by the caller (`RedisMap` runs every operation within its timeout)."""
-    return single_client(
-        url, timeout=timeout, max_connections=max_connections, caller_bounds_reads=True
-    )
+    whose every wait is bounded by `timeout` and that never retries on its own."""
+    return single_client(url, timeout=timeout, max_connections=max_connections)
 
 
 class RedisMap:

@@ -68,27 +68,22 @@ class KeyLayout:
         return f"{self.prefix}:sweep-lock"
 
 
-def _common(timeout: float, caller_bounds_reads: bool = False) -> dict[str, Any]:
-    # `caller_bounds_reads`: the caller wraps every operation in its own timeout (the map's
-    # `_op`), which cancels a stalled read; redis-py then closes that connection. Its own
-    # read timeout on top costs a timer context per read, about 15% of a map operation's CPU.
+def _common(timeout: float) -> dict[str, Any]:
     return {
-        "socket_timeout": None if caller_bounds_reads else timeout,
+        "socket_timeout": timeout,
         "socket_connect_timeout": timeout,
         "retry": Retry(NoBackoff(), 0),
         "health_check_interval": 0,
     }
 
 
-def single_client(
-    url: str, *, timeout: float, max_connections: int, caller_bounds_reads: bool = False
-) -> aioredis.Redis:
+def single_client(url: str, *, timeout: float, max_connections: int) -> aioredis.Redis:
     """`redis://` / `rediss://`: one server (password, user, db from the URL)."""
     pool = aioredis.BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=timeout,  # waiting for a free pooled connection
-        **_common(timeout, caller_bounds_reads),
+        **_common(timeout),
     )
     return aioredis.Redis(connection_pool=pool)
 
@@ -134,12 +129,7 @@ def cluster_client(
 
 
 def sentinel_client(
-    url: MultiHostURL,
-    *,
-    timeout: float,
-    max_connections: int,
-    tls: bool,
-    caller_bounds_reads: bool = False,
+    url: MultiHostURL, *, timeout: float, max_connections: int, tls: bool
 ) -> aioredis.Redis:
     """`redis+sentinel://host:port[,host:port]/service[/db]`: the service's current master,
     asked of the sentinels on every new connection (so a failover is followed)."""
@@ -155,7 +145,7 @@ def sentinel_client(
         db=db,
         max_connections=max_connections,
         ssl=tls,
-        **_common(timeout, caller_bounds_reads),
+        **_common(timeout),
     )
     client: aioredis.Redis = sentinel.master_for(service)
     return client

@@ -143,11 +143,7 @@ def open_map(url: str, on_evict: EvictionCallback | None = None, **opts: Any) ->
         else:
             kwargs.setdefault("wait_replicas", 1)
             client = sentinel_client(
-                hosts,
-                timeout=timeout,
-                max_connections=max_connections,
-                tls=tls,
-                caller_bounds_reads=True,  # every map operation runs within `_op`'s timeout
+                hosts, timeout=timeout, max_connections=max_connections, tls=tls
             )
         return RedisMap(client, on_evict=on_evict, owns_client=True, **kwargs)
     raise ValueError(
