@@ -62,8 +62,9 @@ SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
 BASE = "kvrelay-w1-base"
+BASE_W2 = "kvrelay-w2-base"
 BARE = "bare-relay"
-TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, "kvrelay-w2", "vllm-router")
+TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, BASE_W2, "kvrelay-w2", "vllm-router")
 MODES = ("non-stream", "stream", "long-chat")
 # The six cases: the aims are judged on these (long-chat is reported beside them).
 AIM_MODES = ("non-stream", "stream")
@@ -108,7 +109,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--baseline-src", type=Path, default=None,
         help="a directory holding another kvrelay/ package (e.g. an older commit's, from git "
-        "archive), run as kvrelay-w1-base beside kvrelay-w1",
+        "archive), run as kvrelay-w1-base beside kvrelay-w1 (and kvrelay-w2-base beside "
+        "kvrelay-w2)",
     )  # fmt: skip
 
 
@@ -153,8 +155,10 @@ class Bench:
         targets = list(self.args.targets)
         if self.args.tracing == "both" and "kvrelay-w1" in targets:
             targets.insert(targets.index("kvrelay-w1") + 1, TRACED)
-        if getattr(self.args, "baseline_src", None) and "kvrelay-w1" in targets:
-            targets.insert(targets.index("kvrelay-w1"), BASE)
+        if getattr(self.args, "baseline_src", None):
+            for ours, base in (("kvrelay-w1", BASE), ("kvrelay-w2", BASE_W2)):
+                if ours in targets:
+                    targets.insert(targets.index(ours), base)
         return targets
 
     def _start_sink(self) -> None:
@@ -198,13 +202,14 @@ class Bench:
                 "kvrelay-w1", [self.p], [self.d], workers=1, env=self._env(trace_all),
                 cpus=a.proxy_cpus,
             )  # fmt: skip
-        if BASE in targets:
+        if BASE in targets or BASE_W2 in targets:
             base_src = a.baseline_src.resolve()
             base_env = {**self._env(False), "PYTHONPATH": str(base_src)}
             # Checked, not assumed: a proxy started from this checkout would import its code.
             imported = c.kvrelay_source(base_env, base_src)
             if not imported.is_relative_to(base_src):
                 raise SystemExit(f"--baseline-src: the base proxy would import {imported}")
+        if BASE in targets:
             self.routers[BASE] = c.start_kvrelay(
                 BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
                 cwd=base_src,
@@ -220,6 +225,13 @@ class Bench:
             self.routers["kvrelay-w2"] = c.start_kvrelay(
                 "kvrelay-w2", [self.p], [self.d], workers=2, map_url=self.redis.url,
                 env=self._env(trace_all), cpus=a.w2_cpus,
+            )  # fmt: skip
+        if BASE_W2 in targets and self.redis is not None:
+            # The same Redis server, under its own key prefix.
+            self.routers[BASE_W2] = c.start_kvrelay(
+                BASE_W2, [self.p], [self.d], workers=2,
+                map_url=f"{self.redis.url}?prefix=kvrelay-base", env=base_env, cpus=a.w2_cpus,
+                cwd=base_src,
             )  # fmt: skip
         if "vllm-router" in a.targets:
             self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
@@ -269,7 +281,11 @@ class Bench:
 
     def _router_procs(self, target: str) -> list[ServerProcess]:
         procs = [self.routers[target].process] if target in self.routers else []
-        if target == "kvrelay-w2" and self.redis is not None and self.redis.process is not None:
+        if (
+            target in ("kvrelay-w2", BASE_W2)
+            and self.redis is not None
+            and self.redis.process is not None
+        ):
             procs.append(self.redis.process)  # the map is part of what the proxy costs
         return procs
 
