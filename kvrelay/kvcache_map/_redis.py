@@ -41,7 +41,6 @@ from typing import Any, TypeVar, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -59,7 +58,6 @@ from kvrelay.kvcache_map._base import (
 )
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
-from kvrelay.kvcache_map._redis_batch import ScriptBatcher
 from kvrelay.kvcache_map._redis_topology import KeyLayout, single_client
 
 log = logging.getLogger(__name__)
@@ -222,12 +220,6 @@ class RedisMap:
         self._take = client.register_script(_LUA_TAKE)
         self._sweep = client.register_script(_LUA_SWEEP)
         self._unlock = client.register_script(_LUA_UNLOCK)
-        # Cluster pipelines split by slot and node; there every script call goes alone.
-        self._batcher = (
-            None
-            if isinstance(client, RedisCluster)
-            else ScriptBatcher(client, wait_replicas=wait_replicas, wait_ms=self._wait_ms)
-        )
         self._notifier = EvictionNotifier(on_evict)
         self._counters = Counters()
         self._available = True
@@ -311,10 +303,6 @@ class RedisMap:
         self._closed = True
         if self._sweeper is not None:
             await stop_task(self._sweeper)
-        if self._batcher is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.close_timeout):
-                    await self._batcher.drain()
         await self._notifier.drain(within=self.close_timeout)
         if self._owns_client:
             await self._r.aclose()
@@ -384,19 +372,23 @@ class RedisMap:
             raise MapUnavailableError("take not confirmed by enough replicas")
         return cast("bytes | None", raw)
 
-    async def _write(
-        self, script: AsyncScript, keys: list[str], args: list[Any]
-    ) -> tuple[Any, bool]:
-        """Run a write script (batched with the others made meanwhile, except on Redis
-        Cluster); with `wait_replicas`, WAIT on the same connection afterwards.
+    async def _write(self, script: Any, keys: list[str], args: list[Any]) -> tuple[Any, bool]:
+        """Run a write script; with `wait_replicas`, WAIT on the same connection afterwards.
         Returns (script result, whether enough replicas confirmed it)."""
-        if self._batcher is None:
+        if not self._wait_replicas:
             return await self._op(script(keys=keys, args=args)), True
-        result, acked = await self._op(self._batcher.run(script, keys, args))
-        if acked < self._wait_replicas:
+
+        async def run() -> list[Any]:
+            async with self._r.pipeline(transaction=False) as pipe:
+                await script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", self._wait_replicas, self._wait_ms)
+                return await pipe.execute()
+
+        result, acked = await self._op(run())
+        if int(acked) < self._wait_replicas:
             self._counters.unavailable_errors += 1
             log.warning(
-                "redis map write confirmed by %d of %d replicas", acked, self._wait_replicas
+                "redis map write confirmed by %d of %d replicas", int(acked), self._wait_replicas
             )
             return result, False
         return result, True
