@@ -59,6 +59,7 @@ from kvrelay.kvcache_map._base import (
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
 from kvrelay.kvcache_map._redis_topology import KeyLayout, single_client
+from kvrelay.kvcache_map._resp import RespConnection
 
 log = logging.getLogger(__name__)
 
@@ -220,6 +221,12 @@ class RedisMap:
         self._take = client.register_script(_LUA_TAKE)
         self._sweep = client.register_script(_LUA_SWEEP)
         self._unlock = client.register_script(_LUA_UNLOCK)
+        # The write scripts on a leaner client where it can serve (plain TCP, no WAIT).
+        self._resp = (
+            RespConnection.for_client(client, stale_after=max(1.0, 20 * timeout))
+            if not wait_replicas and not isinstance(client, RedisCluster)
+            else None
+        )
         self._notifier = EvictionNotifier(on_evict)
         self._counters = Counters()
         self._available = True
@@ -304,6 +311,8 @@ class RedisMap:
         if self._sweeper is not None:
             await stop_task(self._sweeper)
         await self._notifier.drain(within=self.close_timeout)
+        if self._resp is not None:
+            self._resp.close()
         if self._owns_client:
             await self._r.aclose()
 
@@ -376,6 +385,8 @@ class RedisMap:
         """Run a write script; with `wait_replicas`, WAIT on the same connection afterwards.
         Returns (script result, whether enough replicas confirmed it)."""
         if not self._wait_replicas:
+            if self._resp is not None:
+                return await self._op(self._resp.evalsha(script, keys, args)), True
             return await self._op(script(keys=keys, args=args)), True
 
         async def run() -> list[Any]:
