@@ -125,23 +125,24 @@ class _Protocol(asyncio.Protocol):
                 else:
                     future.set_result(reply)
         except (ValueError, IndexError) as exc:
-            self.fail(RedisConnectionError(f"redis broke the protocol: {exc}"))
+            self.fail(f"redis broke the protocol: {exc}")
             return
         del buf[:pos]
         self.owed_since = time.monotonic()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.fail(RedisConnectionError("connection to redis lost"))
+        self.fail("connection to redis lost")
 
-    def fail(self, exc: Exception) -> None:
-        """Close the connection and fail every call still waiting on it."""
+    def fail(self, why: str) -> None:
+        """Close the connection and fail every call still waiting on it (an exception each:
+        one instance raised in many tasks would gather all their tracebacks)."""
         self.lost = True
         if self.transport is not None:
             self.transport.abort()
         while self.waiting:
             future = self.waiting.popleft()
             if not future.done():
-                future.set_exception(exc)
+                future.set_exception(RedisConnectionError(why))
 
     def send(self, args: tuple[Arg, ...]) -> asyncio.Future[Any]:
         assert self.transport is not None
@@ -218,7 +219,7 @@ class RespConnection:
         if self._connecting is not None:
             self._connecting.cancel()
         if self._proto is not None:
-            self._proto.fail(RedisConnectionError("redis map closed"))
+            self._proto.fail("redis map closed")
             self._proto = None
 
     def _usable(self, proto: _Protocol) -> bool:
@@ -232,7 +233,7 @@ class RespConnection:
             if proto is not None:
                 if self._usable(proto):
                     return proto  # another caller's connect finished meanwhile
-                proto.fail(RedisConnectionError("redis stopped answering"))
+                proto.fail("redis stopped answering")
                 self._proto = None
             self._connecting = asyncio.get_running_loop().create_task(self._connect())
         # Shielded: one caller's timeout does not abort the connect the others wait for.
@@ -250,7 +251,7 @@ class RespConnection:
                     if self._db:
                         await proto.send(("SELECT", self._db))
                 except BaseException:
-                    proto.fail(RedisConnectionError("redis connection setup failed"))
+                    proto.fail("redis connection setup failed")
                     raise
             self._proto = proto
             return proto

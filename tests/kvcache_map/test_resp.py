@@ -156,14 +156,18 @@ async def test_killed_redis_fails_waiting_calls_and_a_restart_is_reconnected() -
             assert await conn.call("SET", "k", "v") == b"OK"
             assert server.process is not None and server.process.proc is not None
             pending = asyncio.ensure_future(conn.call("BLPOP", "never", 0))
+            behind = asyncio.ensure_future(conn.call("ECHO", "queued behind BLPOP"))
             other = conn_to(server)
             try:
                 assert b"cmd=blpop" in await other.call("CLIENT", "LIST")  # it reached Redis
             finally:
                 other.close()
             server.process.proc.kill()
-            with pytest.raises(RedisConnectionError):
+            with pytest.raises(RedisConnectionError) as first:
                 await asyncio.wait_for(pending, 5)
+            with pytest.raises(RedisConnectionError) as second:
+                await asyncio.wait_for(behind, 5)
+            assert first.value is not second.value  # one exception per waiting call
             with pytest.raises(RedisConnectionError):
                 await conn.call("ECHO", "down")
             server.start()
