@@ -11,9 +11,11 @@ repeats within a fraction of a percent from run to run.
 Sources: this checkout, and with `--baseline REV [REV ...]` the `kvrelay/` package of other
 commits (`git archive`), measured with the same engines and load, so the table reads as
 before/after; with `--bare-relay`, also `bench/bare_relay.py`, the relay without kvrelay's
-features. Modes are those of the proxy-bound mode (`proxy_overhead.py --proxy-bound`):
-non-stream, stream, long-chat. Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the
-`## instructions per request` section of bench/RESULTS.md.
+features; with `--without FEATURE[,FEATURE...] ...`, this checkout with those features switched
+off (`bench/_features_off.py`), one row per argument: what each feature costs. Modes are those
+of the proxy-bound mode (`proxy_overhead.py --proxy-bound`): non-stream, stream, long-chat.
+Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the `## instructions per request`
+section of bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 from bench import _common as c
 from bench import _loadgen
+from bench._features_off import FEATURES
 from bench._proxybound import MODES
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 
@@ -50,13 +53,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--bare-relay", action="store_true",
         help="also count bench/bare_relay.py: what the relay costs without kvrelay's features",
     )  # fmt: skip
+    p.add_argument(
+        "--without", nargs="+", default=[], metavar="FEATURES",
+        help="also count this checkout with these features off, one row per argument "
+        f"(comma-separated; {', '.join(FEATURES)})",
+    )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--requests", type=int, default=500, help="measured requests per case")
     p.add_argument("--history-turns", type=int, default=20, help="long-chat: earlier exchanges")
     p.add_argument("--history-words", type=int, default=100, help="long-chat: words per message")
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "instructions.json")
     p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for features in args.without:
+        unknown = set(features.split(",")) - set(FEATURES)
+        if unknown:
+            p.error(f"--without: unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
+    return args
 
 
 @contextlib.contextmanager
@@ -108,28 +121,42 @@ def _total_instructions(out_prefix: Path) -> int:
     return total
 
 
-def _server_argv(src: Path | None, port: int, p: c.Engine, d: c.Engine) -> list[str]:
-    """kvrelay from the source tree `src`, or with None the featureless relay of the
-    proxy-bound mode (`bench/bare_relay.py`): the floor kvrelay's features sit on."""
+def _server_argv(
+    src: Path | None, port: int, p: c.Engine, d: c.Engine, without: str = ""
+) -> list[str]:
+    """kvrelay from the source tree `src` (with the features in `without` off), or with None
+    the featureless relay of the proxy-bound mode (`bench/bare_relay.py`): the floor
+    kvrelay's features sit on."""
     engines = ["--prefill", p.url, "--decode", d.url]
     if src is None:
         return ["-m", "bench.bare_relay", "--host", "127.0.0.1", "--port", str(port), *engines]
+    launcher = ["-m", "bench._features_off", "--without", without, "--"] if without else [
+        "-m", "kvrelay.proxy.cli",
+    ]  # fmt: skip
     return [
-        "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1", "--port", str(port), *engines,
+        *launcher, "serve", "--host", "127.0.0.1", "--port", str(port), *engines,
         "--side-channels", *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (p, d)),
     ]  # fmt: skip
 
 
 def count(
-    args: argparse.Namespace, src: Path | None, mode: str, p: c.Engine, d: c.Engine, work: Path
+    args: argparse.Namespace,
+    src: Path | None,
+    mode: str,
+    p: c.Engine,
+    d: c.Engine,
+    work: Path,
+    without: str = "",
 ) -> float:
-    """Instructions per request of the proxy from `src` (None: the bare relay) on one mode."""
+    """Instructions per request of the proxy from `src` (None: the bare relay) on one mode,
+    with the features in `without` (comma-separated) switched off."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     out_prefix = work / f"callgrind-{mode}-{time.time_ns()}.out"
     argv = [
         "valgrind", "--tool=callgrind", "--instr-atstart=no",
-        f"--callgrind-out-file={out_prefix}", sys.executable, *_server_argv(src, port, p, d),
+        f"--callgrind-out-file={out_prefix}", sys.executable,
+        *_server_argv(src, port, p, d, without),
     ]  # fmt: skip
     src = src or c.REPO_ROOT  # the bare relay is this checkout's
     env = {**c.bench_env(), "KVRELAY_LOG_LEVEL": "warning", "KVRELAY_TRACING": "off"}
@@ -163,12 +190,14 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             source_trees(args.baseline) as trees,
             tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
         ):
-            sources: list[tuple[str, Path | None]] = list(trees)
+            sources: list[tuple[str, Path | None, str]] = [(name, tree, "") for name, tree in trees]
+            for without in args.without:
+                sources.append((f"without {without.replace(',', ', ')}", c.REPO_ROOT, without))
             if args.bare_relay:
-                sources.append(("bare-relay (no features)", None))
+                sources.append(("bare-relay (no features)", None, ""))
             for mode in args.modes:
-                for label, src in sources:
-                    per_request = count(args, src, mode, p, d, Path(tmp))
+                for label, src, off in sources:
+                    per_request = count(args, src, mode, p, d, Path(tmp), off)
                     rows.append({"mode": mode, "source": label, "instructions": per_request})
                     print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
     finally:

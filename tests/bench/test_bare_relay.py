@@ -3,37 +3,20 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
 
-from tests.harness import REPO_ROOT, ServerProcess, free_port, http_ready
-
-
-def _start(argv: list[str], ready_url: str, name: str) -> ServerProcess:
-    env = {
-        "KVRELAY_CONNECTOR_SECRET": "bare-relay-test-secret",  # the fakes' side channels need one
-        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
-    }
-    return ServerProcess(argv, http_ready(ready_url), env=env, ready_timeout=60, name=name)
-
-
-def _fake(role: str) -> tuple[list[str], str]:
-    port = free_port()
-    argv = [
-        sys.executable, "-m", "bench.fake_engine", "--role", role, "--port", str(port),
-        "--side-channel-port", str(free_port()), "--engine-id", f"fake-{role}",
-    ]  # fmt: skip
-    return argv, f"http://127.0.0.1:{port}"
+from tests.bench.helpers import fake_engine, start
+from tests.harness import free_port
 
 
 @pytest.fixture(scope="module")
 def relay_url() -> Iterator[str]:
-    p_argv, p_url = _fake("prefill")
-    d_argv, d_url = _fake("decode")
+    p_argv, p_url, _ = fake_engine("prefill")
+    d_argv, d_url, _ = fake_engine("decode")
     port = free_port()
     relay_argv = [
         sys.executable, "-m", "bench.bare_relay", "--port", str(port),
@@ -41,9 +24,9 @@ def relay_url() -> Iterator[str]:
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     with (
-        _start(p_argv, p_url + "/health", "fake-p"),
-        _start(d_argv, d_url + "/health", "fake-d"),
-        _start(relay_argv, url + "/ready", "bare-relay"),
+        start(p_argv, p_url + "/health", "fake-p"),
+        start(d_argv, d_url + "/health", "fake-d"),
+        start(relay_argv, url + "/ready", "bare-relay"),
     ):
         yield url
 

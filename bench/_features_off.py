@@ -1,0 +1,153 @@
+"""kvrelay with some of its per-turn features switched off: what each one costs, in isolation.
+
+`python -m bench._features_off --without metrics,map -- serve ARGS...` runs `kvrelay serve`
+after replacing the named features with the cheapest stand-in that still lets a turn through.
+It exists for `instructions.py --without`, which counts the instructions per request with and
+without each feature; the difference is that feature's price. A proxy started this way is
+not kvrelay: with `map` or `entry` off nothing is reused, with `admission` off nothing is
+limited or validated. Never deploy it.
+
+The features (names for `--without`):
+
+- `metrics`: every labelled metric's child is one shared object whose updates do nothing.
+- `map`: the in-process map's `take` finds nothing and its `put` stores nothing.
+- `entry`: D's params are validated into a `KVEntry` once; every later turn reuses that entry.
+- `admission`: no API-key check, rate limit, body budget, JSON depth check, request validation
+  or model check: the body is read and parsed, nothing more.
+- `fingerprint`: the first request's prompt shape (digests of the prompt) stands for all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+FEATURES = ("metrics", "map", "entry", "admission", "fingerprint")
+
+
+class _NoUpdate:
+    """A metric child whose updates do nothing."""
+
+    def inc(self, amount: float = 1) -> None:
+        return None
+
+    def dec(self, amount: float = 1) -> None:
+        return None
+
+    def observe(self, amount: float) -> None:
+        return None
+
+    def set(self, value: float) -> None:
+        return None
+
+
+def _replace(owner: object, name: str, stand_in: object) -> None:
+    """Swap `owner.name` (a module's function, a class's method) for `stand_in`."""
+    if not hasattr(owner, name):  # the proxy changed: price nothing rather than the wrong thing
+        raise SystemExit(f"{owner!r} has no {name}: bench/_features_off.py is out of date")
+    setattr(owner, name, stand_in)
+
+
+def _metrics_off() -> None:
+    from kvrelay.proxy import metrics
+
+    child = _NoUpdate()
+    _replace(metrics.Labelled, "labels", lambda self, *values: child)
+
+
+def _map_off() -> None:
+    from kvrelay.kvcache_map import _memory
+
+    async def take(self: Any, key: Any) -> None:
+        return None
+
+    async def put(self: Any, key: Any, entry: Any, ttl_s: float) -> None:
+        return None
+
+    _replace(_memory.MemoryMap, "take", take)
+    _replace(_memory.MemoryMap, "put", put)
+
+
+def _entry_off() -> None:
+    from kvrelay.kvcache_map import _entry
+
+    build = _entry.KVEntry.from_kv_transfer_params
+    first: list[_entry.KVEntry] = []
+
+    def reuse_first(params: Any, **kwargs: Any) -> _entry.KVEntry:
+        if not first:
+            first.append(build(params, **kwargs))
+        return first[0]
+
+    _replace(_entry.KVEntry, "from_kv_transfer_params", reuse_first)
+
+
+def _admission_off() -> None:
+    from kvrelay.proxy import app, models
+
+    async def admit(request: web.Request) -> tuple[str, None]:
+        return "", None
+
+    async def read_json_object(request: web.Request, settings: Any, held: Any) -> Any:
+        return orjson.loads(await request.read())
+
+    async def check(self: Any, model: Any) -> None:
+        return None
+
+    _replace(app, "admit", admit)
+    _replace(app, "read_json_object", read_json_object)
+    _replace(app, "validate_chat", lambda body: None)
+    _replace(app, "validate_completion", lambda body: None)
+    _replace(models.ModelCatalog, "check", check)
+
+
+def _fingerprint_off() -> None:
+    from kvrelay.proxy import app
+
+    def first_of(shape_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        first: list[Any] = []
+
+        def shape(body: Any) -> Any:
+            if not first:
+                first.append(shape_of(body))
+            return first[0]
+
+        return shape
+
+    for name in ("chat_shape", "completion_shape"):
+        _replace(app, name, first_of(getattr(app, name)))
+
+
+_SWITCHES: dict[str, Callable[[], None]] = {
+    "metrics": _metrics_off,
+    "map": _map_off,
+    "entry": _entry_off,
+    "admission": _admission_off,
+    "fingerprint": _fingerprint_off,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--without", required=True, help=f"comma-separated: {', '.join(FEATURES)}")
+    p.add_argument("cli", nargs=argparse.REMAINDER, help="-- then `kvrelay` CLI arguments")
+    args = p.parse_args(argv)
+    names = [name for name in args.without.split(",") if name]
+    unknown = sorted(set(names) - set(FEATURES))
+    if unknown:
+        p.error(f"unknown features {unknown}; known: {', '.join(FEATURES)}")
+    for name in names:
+        _SWITCHES[name]()
+    from kvrelay.proxy import cli
+
+    rest = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
+    return cli.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

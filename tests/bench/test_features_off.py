@@ -1,0 +1,79 @@
+"""bench/_features_off.py switches off what it names, and only that: the prices that
+`instructions.py --without` reports are differences between proxies that really differ."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack
+
+import pytest
+
+from bench import instructions
+from kvrelay.prometheus_text import parse_samples
+from tests.bench.helpers import fake_engine, start
+from tests.harness import REPO_ROOT, free_port
+
+HIT = 'kvrelay_reuse_total{result="hit"}'
+MISS = 'kvrelay_reuse_total{result="miss"}'
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[list[str]]:
+    """The `serve` arguments that point kvrelay at a fake P and D."""
+    (p_argv, p_url, p_side), (d_argv, d_url, d_side) = fake_engine("prefill"), fake_engine("decode")
+    with start(p_argv, p_url + "/health", "fake-p"), start(d_argv, d_url + "/health", "fake-d"):
+        yield [
+            "--prefill", p_url, "--decode", d_url,
+            "--side-channels", f"{p_url}=127.0.0.1:{p_side}", f"{d_url}=127.0.0.1:{d_side}",
+        ]  # fmt: skip
+
+
+def _proxy(stack: ExitStack, engines: list[str], without: str | None) -> str:
+    port = free_port()
+    launcher = ["-m", "bench._features_off", "--without", without, "--"] if without else [
+        "-m", "kvrelay.proxy.cli",
+    ]  # fmt: skip
+    argv = [sys.executable, *launcher, "serve", "--port", str(port), *engines]
+    url = f"http://127.0.0.1:{port}"
+    stack.enter_context(start(argv, url + "/ready", f"kvrelay-{without or 'all-features'}"))
+    return url
+
+
+def _two_turns(url: str) -> dict[str, float]:
+    """Two turns of one conversation, the second extending the first; /metrics after them."""
+    for prompt in ("one two three four", "one two three four five six"):
+        req = urllib.request.Request(
+            url + "/v1/completions",
+            data=json.dumps({"model": "fake", "prompt": prompt, "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json", "X-Conversation-Id": "c-1"},
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200 and json.loads(resp.read())["choices"]
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        return parse_samples(resp.read().decode())
+
+
+def test_each_switch_changes_only_what_it_names(engines: list[str]) -> None:
+    with ExitStack() as stack:
+        whole = _two_turns(_proxy(stack, engines, None))
+        assert whole.get(HIT) == 1 and whole.get(MISS) == 1  # the second turn reuses
+        no_map = _two_turns(_proxy(stack, engines, "map"))
+        assert not no_map.get(HIT) and no_map.get(MISS) == 2  # nothing stored, nothing found
+        no_metrics = _two_turns(_proxy(stack, engines, "metrics"))
+        assert not no_metrics.get(HIT) and not no_metrics.get(MISS)  # reused, but not counted
+        everything_off = ",".join(instructions.FEATURES)
+        assert not _two_turns(_proxy(stack, engines, everything_off)).get(MISS)
+
+
+def test_unknown_features_are_refused_before_anything_runs() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "bench._features_off", "--without", "map,colour", "--", "serve"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 2 and "colour" in done.stderr
+    with pytest.raises(SystemExit):
+        instructions.parse_args(["--without", "metrics", "map,colour"])
