@@ -13,11 +13,18 @@ import functools
 import math
 import re
 from collections.abc import Mapping
-from typing import Any, NamedTuple, Self
+from typing import Annotated, Any, NamedTuple, Self
 from urllib.parse import urlsplit
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    ValidationError,
+    model_validator,
+)
 
 from kvrelay.connector.protocol import (
     DO_REMOTE_DECODE,
@@ -54,8 +61,8 @@ _MAX_URL = 2048
 # Block ids index an engine's KV cache; the bound keeps them 64-bit (what orjson writes).
 MAX_BLOCK_ID = (1 << 63) - 1
 _HASH_CHARS = 16
-# Deleting every lower-case hex digit leaves nothing of a valid block hash.
-_DELETE_HEX = str.maketrans("", "", "0123456789abcdef")
+# Deleting every lower-case hex digit and the separator leaves nothing of valid block hashes.
+_HASH_BYTES = b"0123456789abcdef-"
 
 # Short field names for the stored form: entries are written on every turn, keep them small.
 _SHORT = {
@@ -94,7 +101,9 @@ class KVEntry(BaseModel):
     request_id: str = Field(min_length=1, max_length=_MAX_TEXT)
     block_ids: list[list[int]] = Field(min_length=1, max_length=MAX_GROUPS)
     num_tokens: int = Field(ge=1, le=MAX_NUM_TOKENS)
-    block_hashes: list[str] | None = None
+    # Checked in `_consistent` (one pass over them all) rather than by pydantic item by item:
+    # a long conversation's entry has hundreds of hashes, and it is built on every turn.
+    block_hashes: Annotated[list[str] | None, SkipValidation] = None
     fingerprint: str = Field(min_length=1, max_length=_MAX_TEXT)
     expires_at: float = Field(gt=0)
     release_token: str | None = Field(default=None, min_length=1, max_length=_MAX_TEXT)
@@ -126,10 +135,7 @@ class KVEntry(BaseModel):
         if not blocks:
             raise ValueError("block_ids holds no block")
         hashes = self.block_hashes
-        # Checked in C passes rather than an item at a time: a long prompt has hundreds.
-        if hashes and (
-            set(map(len, hashes)) != {_HASH_CHARS} or "".join(hashes).translate(_DELETE_HEX)
-        ):
+        if hashes is not None and (type(hashes) is not list or not _are_block_hashes(hashes)):
             raise ValueError("block hashes must be 16 lower-case hex characters")
         # Every block holds at least one token and at most MAX_BLOCK_SIZE tokens.
         if blocks > self.num_tokens:
@@ -253,6 +259,30 @@ class KVEntry(BaseModel):
         return cls.model_validate(fields)
 
 
+def _are_block_hashes(hashes: list[Any]) -> bool:
+    """Every item a string of 16 lower-case hex digits, checked in passes over the hashes
+    joined by "-" (each in C) rather than an item at a time: a long prompt has hundreds."""
+    if not hashes:
+        return True
+    try:
+        joined = "-".join(hashes)
+    except TypeError:  # an item that is not a string
+        return False
+    count = len(hashes)
+    # Separators exactly every 17th character and nowhere else: every item has 16 characters.
+    if (
+        len(joined) != (_HASH_CHARS + 1) * count - 1
+        or joined.count("-") != count - 1
+        or joined[_HASH_CHARS :: _HASH_CHARS + 1] != "-" * (count - 1)
+    ):
+        return False
+    try:
+        raw = joined.encode("ascii")
+    except UnicodeEncodeError:
+        return False
+    return not raw.translate(None, _HASH_BYTES)
+
+
 @functools.lru_cache(maxsize=1024)
 def _is_http_url(value: str) -> bool:
     """Absolute http(s) URL? Cached: entries name the fleet's few engine URLs over and over."""
@@ -261,9 +291,10 @@ def _is_http_url(value: str) -> bool:
 
 
 def _list(value: Any) -> Any:
-    """Tuples → lists (engines written in Python may hand over tuples); anything else as is,
-    so strict validation still rejects it."""
-    return list(value) if isinstance(value, tuple) else value
+    """A list or tuple (engines written in Python may hand over tuples) → a new list of its
+    own, so the entry shares nothing with the params it came from; anything else as is, so
+    strict validation still rejects it."""
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _lists(value: Any) -> Any:

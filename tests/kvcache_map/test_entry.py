@@ -1,18 +1,26 @@
-"""`KVEntry`: strict validation, compact stored form, kv_transfer_params conversion."""
+"""`KVEntry`: strict validation (its hand-written checks held against a pydantic model of the
+same rules), compact stored form, kv_transfer_params conversion."""
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Annotated, Any, Self
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from kvrelay.kvcache_map import EntryDecodeError, KVEntry
-from kvrelay.kvcache_map._entry import MAX_BLOCK_SIZE
+from kvrelay.kvcache_map._entry import (
+    MAX_BLOCK_ID,
+    MAX_BLOCK_SIZE,
+    MAX_BLOCKS_PER_GROUP,
+    MAX_GROUPS,
+    MAX_NUM_TOKENS,
+    MAX_TP_SIZE,
+)
 from tests.kvcache_map.helpers import make_entry
 
 
@@ -225,3 +233,124 @@ def test_any_valid_entry_roundtrips(
     params = entry.to_kv_transfer_params()
     back = KVEntry.from_kv_transfer_params(params, url=entry.url, fingerprint=entry.fingerprint)
     assert back == entry
+
+
+def test_entry_shares_no_list_with_the_params_it_came_from() -> None:
+    params = d_params()
+    entry = KVEntry.from_kv_transfer_params(params, url="http://d0:8000", fingerprint="fp")
+    params["remote_block_hashes"].append("not a hash")
+    params["remote_block_ids"][0].append(99)
+    assert entry.block_hashes == ["00112233445566aa", "00112233445566bb"]
+    assert entry.block_ids == [[10, 11, 12], [4, 5]]
+
+
+# -- the rules as a pydantic model ---------------------------------------------------------------
+
+_URL = r"^https?://[^/?#]"
+_HASH = Annotated[str, Field(pattern=r"^[0-9a-f]{16}$")]
+
+
+class _ReferenceEntry(BaseModel):
+    """KVEntry's rules written plainly, pydantic checking every item: KVEntry's own checks
+    (some in one pass over many items) must accept and reject exactly what this does."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    engine_id: str = Field(min_length=1, max_length=256)
+    host: str = Field(min_length=1, max_length=256)
+    port: int = Field(ge=1, le=65535)
+    url: str = Field(min_length=1, max_length=2048, pattern=_URL)
+    request_id: str = Field(min_length=1, max_length=256)
+    block_ids: list[list[int]] = Field(min_length=1, max_length=MAX_GROUPS)
+    num_tokens: int = Field(ge=1, le=MAX_NUM_TOKENS)
+    block_hashes: list[_HASH] | None = None
+    fingerprint: str = Field(min_length=1, max_length=256)
+    expires_at: float = Field(gt=0, allow_inf_nan=False)
+    release_token: str | None = Field(default=None, min_length=1, max_length=256)
+    tp_size: int = Field(default=1, ge=1, le=MAX_TP_SIZE)
+    prefill_url: str | None = Field(default=None, min_length=1, max_length=2048, pattern=_URL)
+    chars_per_token: float | None = Field(default=None, gt=0, le=1 << 20, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Self:
+        for group in self.block_ids:
+            if len(group) > MAX_BLOCKS_PER_GROUP or any(not 0 <= b <= MAX_BLOCK_ID for b in group):
+                raise ValueError("a group too long, or a block id out of range")
+        blocks = max(map(len, self.block_ids))
+        if not blocks or blocks > self.num_tokens or self.num_tokens > blocks * MAX_BLOCK_SIZE:
+            raise ValueError("token count and blocks disagree")
+        if len(self.block_hashes or ()) > blocks:
+            raise ValueError("more hashes than blocks")
+        return self
+
+
+def _valid_fields() -> dict[str, Any]:
+    return {
+        "engine_id": "decode-0",
+        "host": "10.0.0.5",
+        "port": 5600,
+        "url": "http://d0:8000",
+        "request_id": "cmpl-7",
+        "block_ids": [[1, 2, 3], [4]],
+        "num_tokens": 40,
+        "block_hashes": ["0123456789abcdef", "fedcba9876543210"],
+        "fingerprint": "fp",
+        "expires_at": 1_900_000_000.5,
+        "release_token": "tok",
+        "tp_size": 1,
+        "prefill_url": "https://p0:8000",
+        "chars_per_token": 4.0,
+    }
+
+
+_H = "0123456789abcdef"
+# Boundaries and wrong types; each is tried on every field.
+_ODD_VALUES: list[Any] = [
+    None, True, False, -1, 0, 1, 2, 3, 16, 255, 256, 257, 1024, 1025, 65535, 65536,
+    MAX_NUM_TOKENS, MAX_NUM_TOKENS + 1, MAX_BLOCK_ID, MAX_BLOCK_ID + 1, 1 << 20, (1 << 20) + 1,
+    0.0, -1.0, 1e-9, 2.5, 5.0, math.nan, math.inf, -math.inf,
+    "", "x", "5600", "x" * 256, "x" * 257, "http://d1:1", "https://d", "ftp://d", "http://",
+    "http://" + "d" * 2041, "http://" + "d" * 2042, _H, _H.upper(),
+    [], [[]], [[0]], [[-1]], [1, 2], [[1, True]], [[1.0]], [[0, MAX_BLOCK_ID]],
+    [[0, MAX_BLOCK_ID + 1]], [[0]] * MAX_GROUPS, [[0]] * (MAX_GROUPS + 1), [[0, 1, 2], []],
+    [_H] * 3, [_H] * 4, [_H[:-1] + "g"], [_H[:-1] + "\u00e9"], [_H[:-1] + "-"], ["-" * 16],
+    [_H[:-1], _H + "0"], [_H, _H[1:] + "-"], [_H + "-" + _H], [_H, ""], [_H[:8]], [_H, 7],
+    [_H.encode()], [None], (_H,), ((1, 2),), {"a": 1},
+]  # fmt: skip
+
+
+def _agree(changes: dict[str, Any]) -> None:
+    fields = {**_valid_fields(), **changes}
+    try:
+        reference: _ReferenceEntry | None = _ReferenceEntry(**fields)
+    except ValidationError:
+        reference = None
+    try:
+        entry: KVEntry | None = KVEntry(**fields)
+    except ValidationError:
+        entry = None
+    assert (entry is None) == (reference is None), (changes, reference, entry)
+    if entry is not None and reference is not None:
+        assert entry.model_dump() == reference.model_dump()
+
+
+def test_checks_agree_with_the_plain_rules_field_by_field() -> None:
+    for name in _valid_fields():
+        for value in _ODD_VALUES:
+            _agree({name: value})
+
+
+@settings(deadline=None, max_examples=300)
+@given(
+    changes=st.dictionaries(
+        st.sampled_from(sorted(_valid_fields())),
+        st.one_of(
+            st.sampled_from(_ODD_VALUES),
+            st.lists(st.sampled_from([_H, _H.upper(), _H[:15], _H + "0", "-" * 16, "g" * 16])),
+            st.text(max_size=9),
+        ),
+        max_size=3,
+    )
+)
+def test_checks_agree_with_the_plain_rules(changes: dict[str, Any]) -> None:
+    _agree(changes)
