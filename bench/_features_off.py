@@ -15,6 +15,8 @@ The features (names for `--without`):
 - `admission`: no API-key check, rate limit, body budget, JSON depth check, request validation
   or model check: the body is read and parsed, nothing more.
 - `fingerprint`: the first request's prompt shape (digests of the prompt) stands for all.
+- `finished_lookup`: a stream's end asks D's side channel for nothing (streams carry no params,
+  so D's params are not stored).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-FEATURES = ("metrics", "map", "entry", "admission", "fingerprint")
+FEATURES = ("metrics", "map", "entry", "admission", "fingerprint", "finished_lookup")
 
 
 class _NoUpdate:
@@ -123,12 +125,22 @@ def _fingerprint_off() -> None:
         _replace(app, name, first_of(getattr(app, name)))
 
 
+def _finished_lookup_off() -> None:
+    from kvrelay.proxy import release
+
+    async def finished_params(self: Any, host: str, port: int, request_id: str) -> None:
+        return None
+
+    _replace(release.Releaser, "finished_params", finished_params)
+
+
 _SWITCHES: dict[str, Callable[[], None]] = {
     "metrics": _metrics_off,
     "map": _map_off,
     "entry": _entry_off,
     "admission": _admission_off,
     "fingerprint": _fingerprint_off,
+    "finished_lookup": _finished_lookup_off,
 }
 
 

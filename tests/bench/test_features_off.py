@@ -43,24 +43,32 @@ def _proxy(stack: ExitStack, engines: list[str], without: str | None) -> str:
     return url
 
 
-def _two_turns(url: str) -> dict[str, float]:
+def _two_turns(url: str, stream: bool = False) -> dict[str, float]:
     """Two turns of one conversation, the second extending the first; /metrics after them."""
     for prompt in ("one two three four", "one two three four five six"):
+        body = {"model": "fake", "prompt": prompt, "max_tokens": 2, "stream": stream}
         req = urllib.request.Request(
             url + "/v1/completions",
-            data=json.dumps({"model": "fake", "prompt": prompt, "max_tokens": 2}).encode(),
-            headers={"Content-Type": "application/json", "X-Conversation-Id": "c-1"},
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json", "X-Conversation-Id": f"c-{stream}"},
         )
         with urllib.request.urlopen(req, timeout=10) as resp:
-            assert resp.status == 200 and json.loads(resp.read())["choices"]
+            answer = resp.read()
+            assert resp.status == 200
+            assert answer.endswith(b"data: [DONE]\n\n") if stream else json.loads(answer)["choices"]
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         return parse_samples(resp.read().decode())
 
 
 def test_each_switch_changes_only_what_it_names(engines: list[str]) -> None:
     with ExitStack() as stack:
-        whole = _two_turns(_proxy(stack, engines, None))
+        whole_url = _proxy(stack, engines, None)
+        whole = _two_turns(whole_url)
         assert whole.get(HIT) == 1 and whole.get(MISS) == 1  # the second turn reuses
+        streamed = _two_turns(whole_url, stream=True)
+        assert streamed.get(HIT) == 2 and streamed.get(MISS) == 2  # so does a streamed one
+        no_lookup = _two_turns(_proxy(stack, engines, "finished_lookup"), stream=True)
+        assert not no_lookup.get(HIT) and no_lookup.get(MISS) == 2  # D's params never fetched
         no_map = _two_turns(_proxy(stack, engines, "map"))
         assert not no_map.get(HIT) and no_map.get(MISS) == 2  # nothing stored, nothing found
         no_metrics = _two_turns(_proxy(stack, engines, "metrics"))
