@@ -247,7 +247,7 @@ class KVEntry(BaseModel):
             "request_id": params[REMOTE_REQUEST_ID],
             "block_ids": _lists(params[REMOTE_BLOCK_IDS]),
             "num_tokens": params[REMOTE_NUM_TOKENS],
-            "block_hashes": _list(params.get(REMOTE_BLOCK_HASHES)),
+            "block_hashes": _own_list(params.get(REMOTE_BLOCK_HASHES)),
             "fingerprint": fingerprint,
             "expires_at": params[REMOTE_BLOCKS_EXPIRY_TIME],
             "release_token": params.get(RELEASE_TOKEN),
@@ -291,9 +291,14 @@ def _is_http_url(value: str) -> bool:
 
 
 def _list(value: Any) -> Any:
-    """A list or tuple (engines written in Python may hand over tuples) → a new list of its
-    own, so the entry shares nothing with the params it came from; anything else as is, so
-    strict validation still rejects it."""
+    """Tuples → lists (engines written in Python may hand over tuples); anything else as is,
+    so strict validation still rejects it."""
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _own_list(value: Any) -> Any:
+    """A list or tuple → a new list, for a field pydantic does not copy (`block_hashes`): the
+    entry shares nothing with the params it came from."""
     return list(value) if isinstance(value, list | tuple) else value
 
 
