@@ -37,8 +37,10 @@ from typing import Any
 
 import aiohttp
 from openai import AsyncOpenAI
+from openai.types.chat import ChatCompletionMessageParam
 
 from bench import _common as c
+from kvrelay.devtools import prometheus
 
 POLICIES = ("always_p", "affinity", "conditional")
 MODEL = "kvrelay-sim"
@@ -88,7 +90,10 @@ class Sample:
 
 
 async def ask(
-    client: AsyncOpenAI, messages: list[dict[str, str]], headers: dict[str, str], max_tokens: int
+    client: AsyncOpenAI,
+    messages: list[ChatCompletionMessageParam],
+    headers: dict[str, str],
+    max_tokens: int,
 ) -> Sample:
     start = last = time.perf_counter()
     ttft = math.nan
@@ -103,7 +108,7 @@ async def ask(
         extra_headers=headers,
         # Every reply is max_tokens long: the same decode work for every system compared.
         extra_body={"ignore_eos": True},
-    )  # type: ignore[call-overload]
+    )
     async for chunk in stream:
         for choice in chunk.choices:
             if choice.delta.content:
@@ -124,7 +129,7 @@ class Chat:
     system: str
     rng: random.Random
     conv_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:12]}")
-    messages: list[dict[str, str]] = field(default_factory=list)
+    messages: list[ChatCompletionMessageParam] = field(default_factory=list)
 
     async def turn(self, client: AsyncOpenAI, t: int, args: argparse.Namespace) -> Sample:
         if not self.messages:
@@ -141,7 +146,7 @@ class Chat:
 
 def computed(engines: list[c.Engine]) -> float:
     return sum(
-        c.scrape_metrics(e.url).get("enginesim_prompt_tokens_computed_total", 0.0) for e in engines
+        prometheus.scrape(e.url).get("enginesim_prompt_tokens_computed_total", 0.0) for e in engines
     )
 
 

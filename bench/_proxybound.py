@@ -55,7 +55,7 @@ from typing import Any
 from bench import _common as c
 from bench import _loadgen
 from kvrelay.devtools import prometheus
-from kvrelay.devtools.process import ServerProcess
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.redis import RedisServer
 
 SECTION = "proxy-bound"
@@ -162,12 +162,12 @@ class Bench:
         return targets
 
     def _start_sink(self) -> None:
-        port = c.free_port()
+        port = free_port()
         self.sink_url = f"http://127.0.0.1:{port}"
         self.sink = ServerProcess(
             c.pinned([sys.executable, "-m", "bench.otlp_sink", "--port", str(port)],
                      self.args.loadgen_cpus),
-            c.http_ready(self.sink_url + "/health"), env=c.bench_env(), ready_timeout=30,
+            http_ready(self.sink_url + "/health"), env=c.bench_env(), ready_timeout=30,
             name="otlp-sink",
         ).start()  # fmt: skip
 
@@ -240,12 +240,12 @@ class Bench:
 
     def _start_bare(self) -> c.Router:
         assert self.p is not None and self.d is not None
-        port = c.free_port()
+        port = free_port()
         url = f"http://127.0.0.1:{port}"
         argv = [sys.executable, "-m", "bench.bare_relay", "--port", str(port),
                 "--prefill", self.p.url, "--decode", self.d.url]  # fmt: skip
         process = ServerProcess(
-            c.pinned(argv, self.args.proxy_cpus), c.http_ready(url + "/ready"),
+            c.pinned(argv, self.args.proxy_cpus), http_ready(url + "/ready"),
             env=c.bench_env(), ready_timeout=60, name="bare-relay",
         ).start()  # fmt: skip
         return c.Router(name=BARE, url=url, process=process)

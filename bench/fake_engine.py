@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import inspect
 import itertools
 import os
 import signal
@@ -50,44 +49,25 @@ _JSON = "application/json"
 
 
 class FakeSideChannel:
-    """Checks a side-channel request and signs its answer with the checkout's auth helpers.
-
-    The signing scheme is being extended (nonces, destinations, signed answers); this class
-    calls whatever `kvrelay.connector.auth` offers instead of re-implementing any of it.
-    """
+    """Checks a side-channel request and signs its answer with `kvrelay.connector.auth`, as
+    a holder does: the fake re-implements none of the scheme."""
 
     def __init__(self, secret: bytes, host: str, port: int) -> None:
         self.secret = secret
-        params = inspect.signature(auth.verify).parameters
-        self._destinations: frozenset[str] | None = None
-        if "destinations" in params:
-            make = getattr(auth, "destination", None)
-            dest = make(host, port) if make is not None else f"{host}:{port}"
-            self._destinations = frozenset({dest, dest.replace("127.0.0.1", "localhost")})
-        self._sign_answer = getattr(auth, "response_signature", None)
-        self._nonce_header: str = getattr(protocol, "HEADER_NONCE", "X-KVRelay-Nonce")
+        dest = auth.destination(host, port)
+        self._destinations = frozenset({dest, dest.replace("127.0.0.1", "localhost")})
 
     def authentic(self, request: BaseRequest, body: bytes) -> bool:
-        if self._destinations is not None:
-            failure = auth.verify(  # type: ignore[call-arg,unused-ignore]
-                self.secret,
-                request.headers,
-                request.method,
-                request.raw_path,
-                body,
-                destinations=self._destinations,
-            )
-        else:
-            failure = auth.verify(
-                self.secret, request.headers, request.method, request.raw_path, body
-            )
+        failure = auth.verify(
+            self.secret, request.headers, request.method, request.raw_path, body,
+            destinations=self._destinations,
+        )  # fmt: skip
         return failure is None
 
     def answer(self, request: BaseRequest, status: int, body: bytes) -> web.Response:
-        headers = {}
-        if self._sign_answer is not None:
-            nonce = request.headers.get(self._nonce_header, "")
-            headers[protocol.HEADER_SIGNATURE] = self._sign_answer(self.secret, nonce, status, body)
+        nonce = request.headers.get(protocol.HEADER_NONCE, "")
+        signature = auth.response_signature(self.secret, nonce, status, body)
+        headers = {protocol.HEADER_SIGNATURE: signature}
         return web.Response(status=status, body=body, content_type=_JSON, headers=headers)
 
 

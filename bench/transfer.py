@@ -19,6 +19,7 @@ import statistics
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     if rej:
         print(f"rejection to free: median {c.fmt_ms(statistics.median(rej))} ms", flush=True)
     c.write_json(
-        c.Path(args.json),
+        Path(args.json),
         {"bandwidth": rows, "rejection_to_free_s": rej, "total_mib": args.total_mib},
     )
     if not args.no_results:
