@@ -56,7 +56,7 @@ def _replace(owner: object, name: str, stand_in: object) -> None:
 
 
 def _metrics_off() -> None:
-    from kvrelay.proxy import metrics
+    from kvrelay.proxy.telemetry import metrics
 
     child = _NoUpdate()
     _replace(metrics.Labelled, "labels", lambda self, *values: child)
@@ -90,7 +90,8 @@ def _entry_off() -> None:
 
 
 def _admission_off() -> None:
-    from kvrelay.proxy import app, models
+    from kvrelay.proxy.fleet import ModelCatalog
+    from kvrelay.proxy.http import app
 
     async def admit(request: web.Request) -> tuple[str, None]:
         return "", None
@@ -105,11 +106,11 @@ def _admission_off() -> None:
     _replace(app, "read_json_object", read_json_object)
     _replace(app, "validate_chat", lambda body: None)
     _replace(app, "validate_completion", lambda body: None)
-    _replace(models.ModelCatalog, "check", check)
+    _replace(ModelCatalog, "check", check)
 
 
 def _fingerprint_off() -> None:
-    from kvrelay.proxy import app
+    from kvrelay.proxy.http import app
 
     def first_of(shape_of: Callable[[Any], Any]) -> Callable[[Any], Any]:
         first: list[Any] = []
@@ -126,12 +127,12 @@ def _fingerprint_off() -> None:
 
 
 def _finished_lookup_off() -> None:
-    from kvrelay.proxy import release
+    from kvrelay.proxy.engines import Releaser
 
     async def finished_params(self: Any, host: str, port: int, request_id: str) -> None:
         return None
 
-    _replace(release.Releaser, "finished_params", finished_params)
+    _replace(Releaser, "finished_params", finished_params)
 
 
 _SWITCHES: dict[str, Callable[[], None]] = {

@@ -450,7 +450,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def main(argv: list[str]) -> int:
-    from kvrelay.proxy.settings import Settings
+    from kvrelay.proxy.config import Settings
 
     args = parse_args(argv)
     started = time.monotonic()

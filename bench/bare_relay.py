@@ -18,7 +18,7 @@ import orjson
 import uvloop
 from aiohttp import web
 
-from kvrelay.proxy.upstream import Upstream
+from kvrelay.proxy.engines import Upstream
 
 _JSON_HEADERS = (("Content-Type", "application/json"),)
 _TIMEOUTS = {"read_timeout": 60.0, "total_timeout": 300.0}

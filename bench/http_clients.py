@@ -89,7 +89,7 @@ async def _pyreqwest_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[No
 async def _h1_sender(url: str) -> tuple[Sender, Callable[[], Awaitable[None]]]:
     from urllib.parse import urlsplit
 
-    from kvrelay.proxy.upstream import Upstream
+    from kvrelay.proxy.engines import Upstream
 
     parts = urlsplit(url)
     upstream = Upstream(connect_timeout=5.0)

@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic.fields import FieldInfo
 
-from kvrelay.proxy.settings import Settings, SettingsError, env_name, flag_name, load_settings
+from kvrelay.proxy.config import Settings, SettingsError, env_name, flag_name, load_settings
 
 
 def _is_list(annotation: Any) -> bool:
@@ -90,7 +90,7 @@ def cmd_serve(argv: list[str]) -> int:
     args = serve_parser().parse_args(argv)
     try:
         settings = settings_from_args(args)
-        from kvrelay.proxy.server import serve
+        from kvrelay.proxy.http import serve
 
         return serve(settings)
     except SettingsError as exc:
@@ -114,7 +114,7 @@ def cmd_tenant_id(argv: list[str]) -> int:
         description="Print the tenant id (for tenant_limits) of the API key given on stdin.",
     )
     parser.parse_args(argv)
-    from kvrelay.proxy.conversation import tenant_of
+    from kvrelay.proxy.turn import tenant_of
 
     key = sys.stdin.readline().strip()
     if not key:

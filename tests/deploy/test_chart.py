@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import yaml  # type: ignore[import-untyped]
 
-from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.config import Settings
 from tests.deploy.conftest import CHART, Helm
 
 HA_VALUES = CHART / "ci" / "ha-values.yaml"

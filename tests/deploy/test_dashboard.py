@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client.metrics import MetricWrapperBase
 
-from kvrelay.proxy import metrics
+from kvrelay.proxy.telemetry import metrics
 from tests.deploy.conftest import CHART
 from tests.harness import REPO_ROOT
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from types import ModuleType
 
-from kvrelay.proxy.settings import Settings, env_name
+from kvrelay.proxy.config import Settings, env_name
 from tests.harness import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "gen_env_table.py"

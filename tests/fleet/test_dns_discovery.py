@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.devtools.engines import EngineFactory
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.proxy.discovery import Discovered, DnsSource, ResolveError, make_resolver
+from kvrelay.proxy.fleet import Discovered, DnsSource, ResolveError, make_resolver
 from tests.fleet.dns_server import DnsServer
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until
@@ -59,7 +59,7 @@ async def test_missing_name_is_empty_and_failures_raise(dns_server: DnsServer) -
 
 
 def test_bad_specs_are_refused_at_start() -> None:
-    from kvrelay.proxy.settings import SettingsError, load_settings
+    from kvrelay.proxy.config import SettingsError, load_settings
 
     for spec in ("p.test", "p.test:0", "_kv._tcp.d.test:80"):
         with pytest.raises(SettingsError, match="decode_dns"):

@@ -13,10 +13,7 @@ from kubernetes_asyncio import client, config
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.proxy.discovery import Discovered
-from kvrelay.proxy.discovery_kube import KubeRoleWatch, ready_engines
-from kvrelay.proxy.fleet_sync import LocalFleetSync
-from kvrelay.proxy.pools import Pool
+from kvrelay.proxy.fleet import Discovered, KubeRoleWatch, LocalFleetSync, Pool, ready_engines
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until

@@ -24,7 +24,7 @@ from schemathesis.checks import not_a_server_error
 from kvrelay.devtools.chaos_load import is_openai_error
 from kvrelay.devtools.engines import EngineFactory
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.proxy.openapi import openapi_document
+from kvrelay.proxy.http import openapi_document
 from tests.security.rawhttp import send
 
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "25"))

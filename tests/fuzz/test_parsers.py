@@ -34,12 +34,16 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import ConversationKey, KVEntry
 from kvrelay.kvcache_map._entry import decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError
-from kvrelay.proxy import jsoncodec
-from kvrelay.proxy.conversation import chained_fingerprints, chat_shape, completion_shape
-from kvrelay.proxy.errors import ProxyError, upstream_error_from_body
-from kvrelay.proxy.legs import decode_body, prefill_body
-from kvrelay.proxy.streaming import SSEFilter
-from kvrelay.proxy.validation import validate_chat, validate_completion
+from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
+from kvrelay.proxy.http import validate_chat, validate_completion
+from kvrelay.proxy.turn import (
+    SSEFilter,
+    chained_fingerprints,
+    chat_shape,
+    completion_shape,
+    decode_body,
+    prefill_body,
+)
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -17,16 +17,17 @@ import pytest
 from aiohttp import web
 
 from kvrelay.kvcache_map import KVEntry
-from kvrelay.proxy.engine_load import (
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.fleet import (
     STALE_INTERVALS,
     EngineLoad,
     LoadPoller,
+    Pool,
+    Router,
     fresh_load,
     load_from_metrics,
+    uncached_tokens,
 )
-from kvrelay.proxy.pools import Pool
-from kvrelay.proxy.routing import Router, uncached_tokens
-from kvrelay.proxy.settings import Settings
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

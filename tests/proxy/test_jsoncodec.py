@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvrelay.proxy import jsoncodec
+from kvrelay.proxy.base import jsoncodec
 
 
 @pytest.mark.parametrize(

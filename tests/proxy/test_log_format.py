@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from kvrelay.proxy import logs
-from kvrelay.proxy.settings import LogFormat
+from kvrelay.proxy.config import LogFormat
+from kvrelay.proxy.telemetry import logs
 
 
 def _record(**kwargs: object) -> logging.LogRecord:

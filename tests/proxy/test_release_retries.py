@@ -10,8 +10,7 @@ import pytest
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.devtools.faultproxy import FaultProxy
 from kvrelay.devtools.nixl_peer import SECRET
-from kvrelay.proxy.release import RELEASE_ATTEMPTS, Releaser
-from kvrelay.proxy.upstream import Upstream
+from kvrelay.proxy.engines import RELEASE_ATTEMPTS, Releaser, Upstream
 from tests.connector.sidechannel_helpers import FakeHolder
 
 

@@ -21,16 +21,10 @@ import pytest
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import open_redis_client
-from kvrelay.proxy.conversation import tenant_of
-from kvrelay.proxy.errors import ProxyError
-from kvrelay.proxy.limits import (
-    Limiter,
-    RedisLimiter,
-    TenantLimit,
-    limits_from,
-    parse_limit,
-)
-from kvrelay.proxy.settings import Settings, SettingsError, load_settings
+from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.config import Settings, SettingsError, load_settings
+from kvrelay.proxy.tenants import Limiter, RedisLimiter, TenantLimit, limits_from, parse_limit
+from kvrelay.proxy.turn import tenant_of
 from tests.harness import RedisServer, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
 

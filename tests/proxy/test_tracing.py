@@ -32,9 +32,9 @@ from opentelemetry.trace import StatusCode
 
 from kvrelay.devtools.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxyFactory
-from kvrelay.proxy import tracing
-from kvrelay.proxy.app import create_app
-from kvrelay.proxy.settings import TracingMode, load_settings
+from kvrelay.proxy.config import TracingMode, load_settings
+from kvrelay.proxy.http import create_app
+from kvrelay.proxy.telemetry import tracing
 from tests.harness import REPO_ROOT, free_port, wait_until
 from tests.proxy.client import MODEL
 from tests.proxy.header_recorder import HeaderRecorder

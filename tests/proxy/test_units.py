@@ -8,25 +8,26 @@ from typing import Any
 
 import pytest
 
+from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.cli import serve_parser, settings_from_args
-from kvrelay.proxy.conversation import (
+from kvrelay.proxy.config import Settings, SettingsError, load_settings
+from kvrelay.proxy.fleet import Pool, Router
+from kvrelay.proxy.http import validate_chat
+from kvrelay.proxy.turn import (
+    SSEFilter,
+    capped_num_tokens,
     chained_fingerprints,
     chat_shape,
     chat_store_key_id,
     completion_shape,
     conversation_id_from,
+    decode_body,
+    prefill_body,
     prompt_chars,
     request_id_from,
     tenant_of,
     upstream_request_id,
 )
-from kvrelay.proxy.errors import ProxyError
-from kvrelay.proxy.legs import capped_num_tokens, decode_body, prefill_body
-from kvrelay.proxy.pools import Pool
-from kvrelay.proxy.routing import Router
-from kvrelay.proxy.settings import Settings, SettingsError, load_settings
-from kvrelay.proxy.streaming import SSEFilter
-from kvrelay.proxy.validation import validate_chat
 
 
 def test_settings_from_env_lists_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,7 +264,7 @@ def test_decode_affinity_yields_when_overloaded() -> None:
 
 
 def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
-    from kvrelay.proxy.conversation import upstream_request_id
+    from kvrelay.proxy.turn import upstream_request_id
 
     assert upstream_request_id("kvr-abc", supplied=False) == "kvr-abc"
     one, two = upstream_request_id("mine", True), upstream_request_id("mine", True)
@@ -335,7 +336,7 @@ def test_sse_filter_holds_back_done_when_the_whole_stream_comes_in_one_read(tail
 
 
 def test_owed_releases_what_is_still_owed_once() -> None:
-    from kvrelay.proxy.owed import Debt, Owed
+    from kvrelay.proxy.turn import Debt, Owed
 
     freed: list[str] = []
     owed = Owed()
@@ -359,12 +360,12 @@ def test_worker_freezes_start_up_objects_and_collects_young_objects_less_often()
 
     from aiohttp import web
 
-    from kvrelay.proxy import server
+    from kvrelay.proxy.http import GC_YOUNG_THRESHOLD, tune_gc
 
     before = gc.get_threshold()
-    app = server.tune_gc(web.Application())
+    app = tune_gc(web.Application())
     try:
-        assert gc.get_threshold() == (server.GC_YOUNG_THRESHOLD, *before[1:])
+        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
 
         async def start_and_stop() -> None:
             runner = web.AppRunner(app)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 import pytest
 from aiohttp import web
 
-from kvrelay.proxy.upstream import (
+from kvrelay.proxy.engines import (
     H1Response,
     Origin,
     UpstreamBroken,

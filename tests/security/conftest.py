@@ -21,7 +21,7 @@ import pytest
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, open_map
-from kvrelay.proxy.conversation import tenant_of
+from kvrelay.proxy.turn import tenant_of
 from tests.harness import RedisServer
 
 

@@ -11,11 +11,16 @@ import logging
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage
 
-from kvrelay.proxy.body import BodyBudget, HeldBody, nesting_exceeds, parse_json_object
-from kvrelay.proxy.errors import ProxyError
-from kvrelay.proxy.pools import Pool, engine_name
-from kvrelay.proxy.server import ProtocolErrorFilter
-from kvrelay.proxy.settings import SettingsError, load_settings
+from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.config import SettingsError, load_settings
+from kvrelay.proxy.fleet import Pool, engine_name
+from kvrelay.proxy.http import (
+    BodyBudget,
+    HeldBody,
+    ProtocolErrorFilter,
+    nesting_exceeds,
+    parse_json_object,
+)
 from kvrelay.proxy.tenants import TenantBreaker
 
 

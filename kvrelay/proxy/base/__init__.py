@@ -1,0 +1,21 @@
+"""What every room of the proxy uses: the OpenAI-shaped error (`ProxyError`), the JSON codec,
+stopping background tasks.
+"""
+
+from kvrelay.proxy.base import jsoncodec
+from kvrelay.proxy.base.background import cancel_and_wait
+from kvrelay.proxy.base.errors import (
+    ProxyError,
+    bad_request,
+    json_response,
+    upstream_error_from_body,
+)
+
+__all__ = [
+    "ProxyError",
+    "bad_request",
+    "cancel_and_wait",
+    "json_response",
+    "jsoncodec",
+    "upstream_error_from_body",
+]

@@ -1,0 +1,61 @@
+"""The engines and how to choose one: pools with health and ejection, each engine's load, the
+routing policy, the fleet record shared across processes, DNS and Kubernetes discovery, the
+merged model list, and `Fleet`, what every turn shares.
+"""
+
+from kvrelay.proxy.fleet.discovery import (
+    Discovered,
+    DnsSource,
+    ResolveError,
+    make_resolver,
+    parse_dns_spec,
+    start_discovery,
+)
+from kvrelay.proxy.fleet.discovery_kube import KubeRoleWatch, ready_engines, start_kube_discovery
+from kvrelay.proxy.fleet.engine_load import (
+    STALE_INTERVALS,
+    EngineLoad,
+    LoadPoller,
+    fresh_load,
+    load_from_metrics,
+)
+from kvrelay.proxy.fleet.fleet_sync import (
+    FleetSync,
+    LocalFleetSync,
+    RedisFleetSync,
+    open_fleet_sync,
+)
+from kvrelay.proxy.fleet.models import ModelCatalog
+from kvrelay.proxy.fleet.pools import Backend, HealthChecker, Pool, engine_name, engines_to_try
+from kvrelay.proxy.fleet.routing import Router, uncached_tokens
+from kvrelay.proxy.fleet.shared import Fleet
+
+__all__ = [
+    "STALE_INTERVALS",
+    "Backend",
+    "Discovered",
+    "DnsSource",
+    "EngineLoad",
+    "Fleet",
+    "FleetSync",
+    "HealthChecker",
+    "KubeRoleWatch",
+    "LoadPoller",
+    "LocalFleetSync",
+    "ModelCatalog",
+    "Pool",
+    "RedisFleetSync",
+    "ResolveError",
+    "Router",
+    "engine_name",
+    "engines_to_try",
+    "fresh_load",
+    "load_from_metrics",
+    "make_resolver",
+    "open_fleet_sync",
+    "parse_dns_spec",
+    "ready_engines",
+    "start_discovery",
+    "start_kube_discovery",
+    "uncached_tokens",
+]

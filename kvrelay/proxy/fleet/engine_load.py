@@ -1,0 +1,88 @@
+"""Engine load signals: each engine's own `/metrics`, scraped on an interval.
+
+The proxy's in-flight counts only see the requests this worker sent; an engine's queue also
+holds other workers' and other proxies' requests. `LoadPoller` reads vLLM's gauges
+(`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
+enginesim exports the same names) every `load_poll_interval_s` and keeps the latest reading on
+each `Backend` (`Backend.load`). `kvrelay.proxy.routing` combines it with the in-flight counts.
+
+A reading older than `STALE_INTERVALS` intervals is ignored (`fresh_load`), as if the engine had
+never been scraped; a scrape that fails or times out only leaves the old reading to go stale.
+Scraping never touches a request's path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import aiohttp
+
+from kvrelay.prometheus_text import parse_samples, series_sum
+from kvrelay.proxy.fleet.pools import Backend, EngineRounds, Pool
+
+log = logging.getLogger(__name__)
+
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+# Readings this many intervals old describe a queue that has long moved on.
+STALE_INTERVALS = 3
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One scrape of one engine: its queue and KV usage (0..1), and when it was read."""
+
+    running: float
+    waiting: float
+    kv_usage: float
+    at: float  # time.monotonic() of the scrape
+
+
+def load_from_metrics(text: str, at: float) -> EngineLoad | None:
+    """The load gauges of a `/metrics` page (summed over label sets), or None without them."""
+    samples = parse_samples(text)
+    names = {key.split("{", 1)[0] for key in samples}
+    if RUNNING not in names and WAITING not in names:
+        return None
+    # vLLM labels each gauge per engine core and model; several cores share one server.
+    cores = sum(1 for key in samples if key.split("{", 1)[0] == KV_USAGE) or 1
+    return EngineLoad(
+        running=series_sum(samples, RUNNING),
+        waiting=series_sum(samples, WAITING),
+        kv_usage=series_sum(samples, KV_USAGE) / cores,
+        at=at,
+    )
+
+
+def fresh_load(backend: Backend, interval_s: float, now: float | None = None) -> EngineLoad | None:
+    """The backend's reading when it is recent enough to act on, else None."""
+    load = backend.load
+    if load is None or interval_s <= 0:
+        return None
+    now = time.monotonic() if now is None else now
+    return load if now - load.at <= STALE_INTERVALS * interval_s else None
+
+
+class LoadPoller(EngineRounds):
+    """Scrapes every engine's `/metrics` on an interval until stopped (0: never)."""
+
+    task_name = "kvrelay-load"
+
+    async def scrape_all(self) -> None:
+        await self.visit_all()
+
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
+        try:
+            async with self._session.get(backend.url + "/metrics", timeout=self._timeout) as resp:
+                if resp.status != 200:
+                    return
+                text = await resp.text()
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+            log.debug("load scrape of %s failed: %s", backend.url, type(exc).__name__)
+            return
+        load = load_from_metrics(text, time.monotonic())
+        if load is not None:
+            backend.load = load

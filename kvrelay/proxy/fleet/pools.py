@@ -1,0 +1,299 @@
+"""Backend pools: health, load and the choice of engine for each leg.
+
+Each engine is a `Backend` with consecutive-failure and -success counters. Failures come from
+probes (`GET /health` every `probe_interval_s`) and from real requests (connect errors and
+timeouts at once; a 5xx only once it says something about the engine), so a dead engine is
+ejected after `eject_after_failures` whichever sees it first — that is the circuit breaker —
+and readmitted only by `readmit_after_successes` good probes.
+
+A 5xx can be caused by the request rather than the engine (input every engine fails on), so
+one client must not be able to eject the fleet with it. A 5xx counts as a failure when another
+engine then served the same request (`record_failure`); when none did, it is *disputed*
+(`record_disputed`) and counts only once a second API key saw a 5xx from that engine within
+`engine_5xx_window_s`.
+
+Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
+URL), never by their internal URL.
+Which engine a leg goes to is `kvrelay.proxy.routing`'s choice among the usable ones;
+draining engines finish what they have but get nothing new.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+import aiohttp
+
+from kvrelay.proxy.base import cancel_and_wait
+
+if TYPE_CHECKING:
+    from kvrelay.proxy.fleet.engine_load import EngineLoad
+
+Role = Literal["prefill", "decode"]
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Backend:
+    """One engine and what the proxy knows about it."""
+
+    url: str
+    role: Role
+    healthy: bool = True
+    draining: bool = False
+    failures: int = 0
+    successes: int = 0
+    inflight: int = 0
+    outstanding_work: int = 0
+    side_channel: tuple[str, int] | None = None
+    last_error: str | None = None
+    # The engine's own latest load reading (`kvrelay.proxy.engine_load`), None until scraped.
+    load: EngineLoad | None = None
+    # API key (tenant hash) -> when it last got a disputed 5xx from this engine.
+    disputed_by: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def usable(self) -> bool:
+        return self.healthy and not self.draining
+
+    @property
+    def name(self) -> str:
+        """How clients and metrics see this engine: role and a stable hash, not the URL."""
+        return engine_name(self.role, self.url)
+
+    def describe(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "url": self.url,
+            "role": self.role,
+            "healthy": self.healthy,
+            "draining": self.draining,
+            "inflight": self.inflight,
+            "consecutive_failures": self.failures,
+            "last_error": self.last_error,
+            # This worker's latest reading of the engine's own load (why it may be skipped).
+            "load": None
+            if self.load is None
+            else {
+                "running": self.load.running,
+                "waiting": self.load.waiting,
+                "kv_usage": self.load.kv_usage,
+                "age_s": round(time.monotonic() - self.load.at, 3),
+            },
+        }
+
+
+def engine_name(role: str, url: str) -> str:
+    """`decode-1a2b3c4d`: the same in every worker and across restarts, reveals no address."""
+    return f"{role}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
+
+
+# Tenants remembered per engine for disputed 5xx (bounds memory under many API keys).
+_MAX_DISPUTING_TENANTS = 64
+
+HealthListener = Callable[[Backend], None]
+
+
+@dataclass
+class Pool:
+    """The engines of one role."""
+
+    role: Role
+    eject_after: int
+    readmit_after: int
+    backends: dict[str, Backend] = field(default_factory=dict)
+    on_health_change: HealthListener | None = None
+    dispute_window_s: float = 60.0
+
+    def add(self, url: str) -> Backend:
+        if url in self.backends:
+            backend = self.backends[url]
+            backend.draining = False
+            return backend
+        backend = Backend(url=url, role=self.role)
+        self.backends[url] = backend
+        self._notify(backend)
+        return backend
+
+    def remove(self, url: str) -> Backend | None:
+        return self.backends.pop(url, None)
+
+    def drain(self, url: str) -> Backend | None:
+        backend = self.backends.get(url)
+        if backend is not None:
+            backend.draining = True
+        return backend
+
+    def get(self, url: str) -> Backend | None:
+        return self.backends.get(url)
+
+    def usable(self) -> list[Backend]:
+        return [b for b in self.backends.values() if b.usable]
+
+    def record_failure(self, backend: Backend, reason: str) -> None:
+        backend.successes = 0
+        backend.failures += 1
+        backend.last_error = reason
+        if backend.healthy and backend.failures >= self.eject_after:
+            backend.healthy = False
+            log.warning(
+                "ejected %s engine %s after %d failures (%s)",
+                self.role, backend.url, backend.failures, reason,
+            )  # fmt: skip
+            self._notify(backend)
+
+    def record_disputed(self, backend: Backend, tenant: str, reason: str) -> None:
+        """A 5xx no other engine contradicted: the request may be at fault, not the engine.
+
+        It becomes a failure only when another API key also got one from this engine within
+        the window, so a single client's poisonous input never ejects an engine."""
+        now = time.monotonic()
+        seen = backend.disputed_by
+        for other, at in list(seen.items()):
+            if now - at > self.dispute_window_s:
+                del seen[other]
+        seen.pop(tenant, None)
+        seen[tenant] = now
+        while len(seen) > _MAX_DISPUTING_TENANTS:
+            del seen[next(iter(seen))]
+        if len(seen) >= 2:
+            self.record_failure(backend, f"{reason} (for {len(seen)} API keys)")
+
+    def record_success(self, backend: Backend, *, probe: bool) -> None:
+        backend.failures = 0
+        if backend.healthy:
+            return
+        # A request success cannot readmit (ejected engines get no requests); probes do.
+        if probe:
+            backend.successes += 1
+            if backend.successes >= self.readmit_after:
+                backend.healthy = True
+                backend.successes = 0
+                backend.last_error = None
+                log.warning("readmitted %s engine %s", self.role, backend.url)
+                self._notify(backend)
+
+    def _notify(self, backend: Backend) -> None:
+        if self.on_health_change is not None:
+            self.on_health_change(backend)
+
+    def busy(self, backend: Backend, work: int) -> Busy:
+        """Count a request against the backend while it runs (a `with` block)."""
+        return Busy(backend, work)
+
+
+class Busy:
+    """A request counted against its backend from `__enter__` to `__exit__`.
+
+    A class rather than a generator-based context manager: it runs on every leg."""
+
+    __slots__ = ("_backend", "_work")
+
+    def __init__(self, backend: Backend, work: int) -> None:
+        self._backend = backend
+        self._work = work
+
+    def __enter__(self) -> None:
+        self._backend.inflight += 1
+        self._backend.outstanding_work += self._work
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._backend.inflight -= 1
+        self._backend.outstanding_work -= self._work
+
+
+def engines_to_try(
+    pick: Callable[[set[str]], Backend | None], attempts: int, on_retry: Callable[[], None]
+) -> Iterator[Backend]:
+    """The engines a request tries, in order: `pick` chooses among those not tried yet, at
+    most `attempts` of them; `on_retry` is called before every try after the first."""
+    tried: set[str] = set()
+    for attempt in range(attempts):
+        backend = pick(tried)
+        if backend is None:
+            return
+        tried.add(backend.url)
+        if attempt:
+            on_retry()
+        yield backend
+
+
+class EngineRounds:
+    """A background loop that visits every engine of the given pools once per `interval`
+    seconds until stopped (`_visit`, all engines concurrently); a bug in one round is logged
+    and the next round still runs. The health probes and the load scrapes are two of these."""
+
+    task_name = "kvrelay-rounds"
+
+    def __init__(
+        self,
+        pools: list[Pool],
+        session: aiohttp.ClientSession,
+        interval: float,
+        timeout: float,
+    ) -> None:
+        self._pools = pools
+        self._session = session
+        self._interval = interval
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the loop (an interval of 0 or less: never)."""
+        if self._interval > 0:
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name=self.task_name)
+
+    async def stop(self) -> None:
+        await cancel_and_wait([self._task])
+        self._task = None
+
+    async def visit_all(self) -> None:
+        """One round: every engine of every pool, concurrently."""
+        visits = [
+            self._visit(pool, backend)
+            for pool in self._pools
+            for backend in list(pool.backends.values())
+        ]
+        await asyncio.gather(*visits)
+
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
+        raise NotImplementedError
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.visit_all()
+            except Exception:  # a bug in one round must not end the loop
+                log.exception("%s round failed", self.task_name)
+            await asyncio.sleep(self._interval)
+
+
+class HealthChecker(EngineRounds):
+    """Probes every engine's `/health` on an interval until stopped."""
+
+    task_name = "kvrelay-health"
+
+    async def probe_all(self) -> None:
+        await self.visit_all()
+
+    async def _visit(self, pool: Pool, backend: Backend) -> None:
+        try:
+            async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                reason = f"health probe answered {resp.status}"
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            ok, reason = False, f"health probe failed: {type(exc).__name__}"
+        if pool.get(backend.url) is not backend:
+            return  # removed while probing
+        if ok:
+            pool.record_success(backend, probe=True)
+        else:
+            pool.record_failure(backend, reason)

@@ -1,0 +1,139 @@
+"""Multi-turn routing: which P and which D a turn goes to, and whether it needs P at all.
+
+Policies (`routing_policy`, README "Routing policy"):
+- `always_p`: every turn P then D; P by least outstanding work, D by conversation affinity.
+- `affinity`: as `always_p`, but the P leg goes to the P that served the conversation's
+  previous turn (kept in its map entry) while that P is usable and not overloaded: its local
+  prefix cache still has the previous prompt, so it pulls from D only the blocks beyond it.
+- `conditional`: `affinity`, and when the D that holds the conversation is not busy and the part
+  of the new prompt it does not hold is short (`conditional_max_uncached_tokens`, estimated
+  from the previous turn's characters per token), the turn goes straight to that D: D serves
+  the history from its own held blocks (a prefix-cache hit) and prefills only the rest, as
+  long as the decode-only turns in flight on that D stay within its prefill budget
+  (`conditional_max_inflight_tokens`); past it the turn goes through P.
+
+An engine is *busy* when its own fresh load reading (`kvrelay.proxy.engine_load`) shows more
+than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
+are chosen last and lose affinity. Without a fresh reading only the in-flight counts decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrelay.kvcache_map import KVEntry
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.fleet.engine_load import fresh_load
+from kvrelay.proxy.fleet.pools import Backend, Pool
+
+
+@dataclass(frozen=True)
+class Router:
+    """The routing policy of one worker, over its two pools."""
+
+    settings: Settings
+    prefill: Pool
+    decode: Pool
+
+    # -- load --------------------------------------------------------------------------------
+
+    def busy(self, backend: Backend) -> bool:
+        """The engine says its queue or KV cache is past the thresholds (fresh readings only)."""
+        load = fresh_load(backend, self.settings.load_poll_interval_s)
+        if load is None:
+            return False
+        s = self.settings
+        return load.waiting > s.decode_max_waiting or load.kv_usage > s.decode_max_kv_usage
+
+    def _queued(self, backend: Backend) -> float:
+        """Requests the engine has, as far as this worker can tell: its own in flight, or the
+        engine's running + waiting when a fresh reading says more (other workers' too)."""
+        load = fresh_load(backend, self.settings.load_poll_interval_s)
+        seen = load.running + load.waiting if load is not None else 0.0
+        return max(float(backend.inflight), seen)
+
+    # -- P -----------------------------------------------------------------------------------
+
+    def pick_prefill(self, entry: KVEntry | None, exclude: set[str]) -> tuple[Backend | None, bool]:
+        """P for the turn, and whether it is the conversation's previous P (affinity)."""
+        preferred = entry.prefill_url if entry is not None else None
+        if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
+            backend = self.prefill.get(preferred)
+            if (
+                backend is not None
+                and backend.usable
+                and backend.inflight < self.settings.prefill_overload_inflight
+                and not self.busy(backend)
+            ):
+                return backend, True
+        candidates = [b for b in self.prefill.usable() if b.url not in exclude]
+        if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
+            return (candidates[0] if candidates else None), False
+        best = min(
+            candidates,
+            key=lambda b: (self.busy(b), b.outstanding_work, self._queued(b), b.inflight),
+        )
+        return best, False
+
+    # -- D -----------------------------------------------------------------------------------
+
+    def pick_decode(self, preferred: str | None, exclude: set[str]) -> Backend | None:
+        """D by affinity (the holder) unless it is overloaded or busy, else the least loaded."""
+        if preferred is not None and preferred not in exclude:
+            backend = self.decode.get(preferred)
+            if (
+                backend is not None
+                and backend.usable
+                and backend.inflight < self.settings.decode_overload_inflight
+                and not self.busy(backend)
+            ):
+                return backend
+        return self.least_loaded(self.decode, exclude)
+
+    def least_loaded(self, pool: Pool, exclude: set[str]) -> Backend | None:
+        """The usable engine of `pool` (not in `exclude`) with the least queued, busy ones
+        last: D without affinity, and the pass-through routes."""
+        candidates = [b for b in pool.usable() if b.url not in exclude]
+        if len(candidates) <= 1:
+            return candidates[0] if candidates else None
+        return min(
+            candidates,
+            key=lambda b: (self.busy(b), self._queued(b), b.inflight, b.outstanding_work),
+        )
+
+    # -- conditional disaggregation ------------------------------------------------------------
+
+    def decode_only_tokens(self, entry: KVEntry | None, prompt_chars: int) -> int | None:
+        """Send this turn straight to the D holding the conversation (no P, no transfer)?
+
+        Returns the prompt tokens that D would then prefill itself (estimated), or None when
+        the turn goes through P: another policy, no estimate, a holder that is unusable,
+        overloaded or busy, too long an uncached part, or a holder whose decode-only turns in
+        flight already add up to `conditional_max_inflight_tokens` (P then takes the turn:
+        prefill spread over the Ps keeps D's decode steps short)."""
+        s = self.settings
+        if s.routing_policy != "conditional" or entry is None or not entry.chars_per_token:
+            return None
+        holder = self.decode.get(entry.url)
+        if (
+            holder is None
+            or not holder.usable
+            or holder.inflight >= s.decode_overload_inflight
+            or self.busy(holder)
+        ):
+            return None
+        uncached = uncached_tokens(entry, prompt_chars)
+        if uncached > s.conditional_max_uncached_tokens:
+            return None
+        # A decode leg counts 1 of outstanding work, a decode-only one 1 + its tokens.
+        in_flight = holder.outstanding_work - holder.inflight
+        if in_flight + uncached > s.conditional_max_inflight_tokens:
+            return None
+        return uncached
+
+
+def uncached_tokens(entry: KVEntry, prompt_chars: int) -> int:
+    """Estimated prompt tokens beyond what the holder keeps, from the previous turn's
+    characters per token (no tokenizer in the proxy)."""
+    assert entry.chars_per_token
+    return max(0, round(prompt_chars / entry.chars_per_token) - entry.num_tokens)

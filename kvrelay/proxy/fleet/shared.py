@@ -1,0 +1,52 @@
+"""`Fleet`: what every turn shares (settings, engine pools and their router, the conversation
+map, the engine connections, the releaser), built once per worker process by
+`kvrelay.proxy.app` and handed to each `kvrelay.proxy.relay.Turn`."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvrelay.kvcache_map import KVMap
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.engines import Releaser, Upstream
+from kvrelay.proxy.fleet.pools import Backend, Pool
+from kvrelay.proxy.fleet.routing import Router
+from kvrelay.proxy.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Fleet:
+    """What every turn shares: settings, pools, the map, the engine connections, the releaser."""
+
+    settings: Settings
+    prefill: Pool
+    decode: Pool
+    kvmap: KVMap
+    session: aiohttp.ClientSession  # probes, /v1/models and the pass-through routes
+    upstream: Upstream  # the turns' engine calls: P, D and side channels
+    releaser: Releaser
+    map_errors_logged_at: float = 0.0
+    router: Router = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.router = Router(self.settings, self.prefill, self.decode)
+
+    def map_unavailable(self, op: str, exc: Exception) -> None:
+        metrics.MAP_ERRORS.labels(op).inc()
+        now = time.monotonic()
+        if now - self.map_errors_logged_at > 10.0:  # one line per 10 s, not one per request
+            self.map_errors_logged_at = now
+            log.warning("conversation map unavailable (%s: %s); serving without reuse", op, exc)
+
+    def side_channel_of(self, backend: Backend) -> tuple[str, int] | None:
+        configured = self.settings.side_channels.get(backend.url)
+        if configured is not None:
+            host, _, port = configured.rpartition(":")
+            return host, int(port)
+        return backend.side_channel

@@ -1,0 +1,124 @@
+"""Admin API: list, add, drain and remove engines at run time, behind the admin key.
+
+A sub-application mounted at `/admin` (`admin_app`). `Authorization: Bearer <admin_key>` (or
+`X-Admin-Key`, read by `kvrelay.proxy.auth`). Without a configured admin key the routes answer
+404, so an unconfigured proxy exposes no control surface. Changes go through
+the fleet sync (`kvrelay.proxy.fleet_sync`): with the Redis map they reach every worker and replica;
+with the memory map (one process) they apply to this process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from aiohttp import web
+
+from kvrelay.proxy.base import ProxyError, bad_request, json_response
+from kvrelay.proxy.config import normalize_backend_url
+from kvrelay.proxy.fleet import Pool
+from kvrelay.proxy.http.auth import require_admin
+from kvrelay.proxy.http.body import HeldBody, read_json_object
+from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, FLEET_SYNC, SETTINGS
+
+log = logging.getLogger(__name__)
+
+
+def _pools(request: web.Request) -> dict[str, Pool]:
+    fleet = request.config_dict[FLEET]
+    return {"prefill": fleet.prefill, "decode": fleet.decode}
+
+
+async def _target(request: web.Request) -> tuple[Pool, str]:
+    if request.method == "DELETE" and not request.can_read_body:
+        data: Any = dict(request.query)
+    else:
+        held = HeldBody(request.config_dict[BODY_BUDGET])
+        try:
+            # The same size, time and depth limits as the client routes.
+            data = await read_json_object(request, request.config_dict[SETTINGS], held)
+        except ProxyError as exc:
+            if exc.code not in ("invalid_json", "empty_body"):
+                raise
+            raise bad_request('send a JSON object {"role": ..., "url": ...}') from None
+        finally:
+            held.release()
+    role, url = data.get("role"), data.get("url")
+    pools = _pools(request)
+    if role not in pools:
+        raise bad_request('`role` must be "prefill" or "decode"', param="role")
+    if not isinstance(url, str):
+        raise bad_request("`url` must be an engine base URL string", param="url")
+    try:
+        return pools[role], normalize_backend_url(url)
+    except ValueError as exc:
+        raise bad_request(str(exc), param="url") from None
+
+
+async def list_backends(request: web.Request) -> web.StreamResponse:
+    require_admin(request)
+    return json_response(
+        {
+            role: [b.describe() for b in pool.backends.values()]
+            for role, pool in _pools(request).items()
+        }
+    )
+
+
+async def _change(
+    request: web.Request, op: str, target: tuple[Pool, str] | None = None
+) -> tuple[Pool, str, bool]:
+    require_admin(request)
+    pool, url = target or await _target(request)
+    sync = request.config_dict[FLEET_SYNC]
+    try:
+        found = await sync.apply({"op": op, "role": pool.role, "url": url, "source": "admin"})
+    except Exception as exc:  # the shared record is unreachable: change nothing anywhere
+        log.warning("fleet change %s %s refused: fleet record unavailable (%s)", op, url,
+                    type(exc).__name__)  # fmt: skip
+        raise ProxyError(
+            503,
+            "the shared fleet record is unavailable (Redis); nothing was changed, retry",
+            code="fleet_unavailable",
+        ) from None
+    return pool, url, found
+
+
+async def add_backend(request: web.Request) -> web.StreamResponse:
+    pool, url, _ = await _change(request, "add")
+    backend = pool.get(url)
+    assert backend is not None
+    return json_response(backend.describe(), 201)
+
+
+async def drain_backend(request: web.Request) -> web.StreamResponse:
+    pool, url, found = await _change(request, "drain")
+    backend = pool.get(url)
+    if not found or backend is None:
+        raise ProxyError(404, f"no {pool.role} engine {url}")
+    return json_response(backend.describe())
+
+
+async def remove_backend(request: web.Request) -> web.StreamResponse:
+    require_admin(request)
+    pool, url = await _target(request)
+    before = pool.get(url)
+    pool, url, found = await _change(request, "remove", (pool, url))
+    if not found:
+        raise ProxyError(404, f"no {pool.role} engine {url}")
+    removed = before.describe() if before is not None else {"url": url, "role": pool.role}
+    return json_response({"removed": removed})
+
+
+def admin_app() -> web.Application:
+    """The admin routes as a sub-application; `create_app` mounts it at `/admin`.
+
+    Its handlers read the proxy's shared state through `request.config_dict` (the parent
+    application's keys), and the parent's middlewares (error shaping) wrap them too.
+    """
+    sub = web.Application()
+    sub.router.add_get("/backends", list_backends)
+    sub.router.add_post("/backends", add_backend)
+    sub.router.add_post("/backends/drain", drain_backend)
+    sub.router.add_delete("/backends", remove_backend)
+    return sub

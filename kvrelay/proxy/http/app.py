@@ -1,0 +1,307 @@
+"""The aiohttp application: routes, error handling, start-up and shutdown of shared state.
+
+Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
+`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
+admin sub-application under `/admin` (`kvrelay.proxy.admin`) and the pass-through routes
+(`kvrelay.proxy.passthrough`). Who may call what: `kvrelay.proxy.auth`; whether now:
+`kvrelay.proxy.access`. `create_app(settings)` builds it;
+`kvrelay.proxy.server` runs it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+from aiohttp import web
+
+from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
+from kvrelay.kvcache_map._errors import InvalidKeyError
+from kvrelay.proxy.base import ProxyError, json_response
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.engines import Releaser, Upstream
+from kvrelay.proxy.fleet import (
+    Backend,
+    Fleet,
+    HealthChecker,
+    LoadPoller,
+    ModelCatalog,
+    Pool,
+    open_fleet_sync,
+    start_discovery,
+    start_kube_discovery,
+)
+from kvrelay.proxy.http import admin, passthrough
+from kvrelay.proxy.http.access import admit
+from kvrelay.proxy.http.auth import authenticate, require_metrics_key
+from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
+from kvrelay.proxy.http.headers import header_text
+from kvrelay.proxy.http.keys import (
+    BODY_BUDGET,
+    FLEET,
+    FLEET_SYNC,
+    HEALTH,
+    LIMITS,
+    MODELS,
+    SETTINGS,
+    TENANTS,
+)
+from kvrelay.proxy.http.openapi import openapi_document
+from kvrelay.proxy.http.validation import validate_chat, validate_completion
+from kvrelay.proxy.telemetry import metrics
+from kvrelay.proxy.tenants import Slot, TenantBreaker, open_limiter
+from kvrelay.proxy.turn import (
+    Turn,
+    chat_shape,
+    completion_shape,
+    conversation_id_from,
+    request_id_from,
+    upstream_request_id,
+)
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as an OpenAI-shaped body, an unexpected one as a shaped 500."""
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = {
+            404: f"no route {request.method} {request.path}; see /openapi.json",
+            405: f"method {request.method} is not allowed on {request.path}",
+        }.get(exc.status, exc.reason)
+        return ProxyError(exc.status, message).response()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        raise  # the client is gone: nobody to answer
+    except Exception:
+        log.exception("unexpected error on %s %r", request.method, request.path)
+        return ProxyError(
+            500, "the proxy failed on this request; retry, or report it with its X-Request-Id",
+            code="internal_error",
+        ).response()  # fmt: skip
+
+
+async def _completion(request: web.Request, route: str) -> web.StreamResponse:
+    app = request.app  # a property chain in aiohttp: looked up once
+    fleet = app[FLEET]
+    metrics.INFLIGHT.labels(route).inc()
+    outcome = "error"
+    supplied = request.headers.get("X-Request-Id")
+    request_id = request_id_from(supplied)
+    held = HeldBody(app[BODY_BUDGET])
+    turn: Turn | None = None
+    tenant = ""
+    slot: Slot | None = None
+    try:
+        tenant, slot = await admit(request)
+        body = await read_json_object(request, fleet.settings, held)
+        if route == "chat":
+            validate_chat(body)
+        else:
+            validate_completion(body)
+        await app[MODELS].check(body.get("model"))
+        conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
+        shape = chat_shape(body) if route == "chat" else completion_shape(body)
+        turn = Turn(
+            fleet=fleet,
+            request=request,
+            route=route,
+            body=body,
+            request_id=upstream_request_id(request_id, supplied == request_id),
+            client_request_id=request_id,
+            tenant=tenant,
+            conversation_id=conversation_id,
+            shape=shape,
+        )
+        response = await turn.run()
+        outcome = "ok"
+        return response
+    except ProxyError as exc:
+        outcome = "client_error" if exc.status < 500 else "upstream_error"
+        if turn is not None and turn.every_decode_5xx and app[TENANTS].strike(tenant):
+            log.warning("paused an API key (tenant %s) whose requests every engine failed",
+                        tenant)  # fmt: skip
+        return exc.response({"X-Request-Id": request_id})
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        outcome = "client_disconnected"
+        raise
+    except asyncio.CancelledError:
+        outcome = "client_disconnected"
+        raise
+    finally:
+        if slot is not None:
+            await slot.release()
+        held.release()
+        metrics.INFLIGHT.labels(route).dec()
+        metrics.REQUESTS.labels(route, outcome).inc()
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _completion(request, "completions")
+
+
+async def models(request: web.Request) -> web.StreamResponse:
+    authenticate(request)
+    return json_response(await request.app[MODELS].listing())
+
+
+async def health(request: web.Request) -> web.StreamResponse:
+    return json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.StreamResponse:
+    fleet = request.app[FLEET]
+    p, d = len(fleet.prefill.usable()), len(fleet.decode.usable())
+    body = {"ready": bool(p and d), "prefill_healthy": p, "decode_healthy": d}
+    return json_response(body, 200 if p and d else 503)
+
+
+async def metrics_page(request: web.Request) -> web.StreamResponse:
+    require_metrics_key(request)
+    payload, content_type = metrics.render()
+    return web.Response(body=payload, headers={"Content-Type": content_type})
+
+
+async def delete_conversation(request: web.Request) -> web.StreamResponse:
+    tenant = authenticate(request)
+    fleet = request.app[FLEET]
+    conversation_id = request.match_info["conversation_id"]
+    try:
+        entry = await fleet.kvmap.delete(ConversationKey(tenant, conversation_id))
+    except MapUnavailableError as exc:
+        fleet.map_unavailable("delete", exc)
+        raise ProxyError(
+            503, "the conversation map is unavailable; retry later", code="map_unavailable"
+        ) from None
+    except InvalidKeyError as exc:
+        raise ProxyError(400, f"conversation id not accepted: {exc}") from None
+    if entry is None:
+        raise ProxyError(
+            404,
+            f"no conversation {conversation_id!r} holds KV for this API key (already ended, "
+            "expired, or never stored)",
+            code="conversation_not_found",
+        )
+    fleet.releaser.release_soon("decode", entry.hold_ref)
+    return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+
+async def openapi(request: web.Request) -> web.StreamResponse:
+    return json_response(openapi_document())
+
+
+def _health_gauge(with_urls: bool) -> Callable[[Backend], None]:
+    def update(backend: Backend) -> None:
+        label = backend.url if with_urls else backend.name
+        metrics.BACKEND_HEALTHY.labels(backend.role, label).set(1 if backend.healthy else 0)
+
+    return update
+
+
+def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Application:
+    """The proxy application; state is created on start-up and closed on cleanup."""
+    app = web.Application(
+        middlewares=[errors_middleware], client_max_size=settings.body_limit_bytes
+    )
+    app[SETTINGS] = settings
+    app[BODY_BUDGET] = BodyBudget(settings.inflight_body_bytes)
+    app[TENANTS] = TenantBreaker(settings.tenant_failure_limit, settings.tenant_cooldown_s)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
+    app.add_subapp("/admin", admin.admin_app())
+    passthrough.add_routes(app, settings.passthrough_routes)
+    app.cleanup_ctx.append(_make_state(settings, kvmap))
+    return app
+
+
+def _make_state(
+    settings: Settings, injected_map: KVMap | None
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    async def state(app: web.Application) -> AsyncIterator[None]:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
+        session = aiohttp.ClientSession(connector=connector)
+        secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
+        upstream = Upstream(connect_timeout=settings.connect_timeout)
+        releaser = Releaser(secret, upstream, settings.side_channel_timeout)
+        if not releaser.enabled:
+            log.warning(
+                "connector_secret is unset: the proxy cannot release held blocks or fetch "
+                "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
+            )
+        kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
+        gauge = _health_gauge(settings.metrics_backend_urls)
+        prefill = Pool(
+            "prefill", settings.eject_after_failures, settings.readmit_after_successes,
+            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+        )  # fmt: skip
+        decode = Pool(
+            "decode", settings.eject_after_failures, settings.readmit_after_successes,
+            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+        )  # fmt: skip
+        for url in settings.prefill:
+            prefill.add(url)
+        for url in settings.decode:
+            decode.add(url)
+        fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
+        app[FLEET] = fleet
+        app[MODELS] = ModelCatalog(fleet)
+        limiter = open_limiter(settings)
+        app[LIMITS] = limiter
+        await limiter.start()
+        checker = HealthChecker(
+            [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
+        )
+        app[HEALTH] = checker
+        # Engine load signals for routing (kvrelay.proxy.engine_load); off with interval 0.
+        poller = LoadPoller(
+            [prefill, decode], session, settings.load_poll_interval_s, settings.probe_timeout_s
+        )
+        started = time.monotonic()
+        sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
+        app[FLEET_SYNC] = sync
+        await sync.start()
+        discovery = await start_discovery(settings, sync)
+        kube = await start_kube_discovery(settings, sync)
+        checker.start()
+        poller.start()
+        log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
+        try:
+            yield
+        finally:
+            if kube is not None:
+                await kube.stop()
+            if discovery is not None:
+                await discovery.stop()
+            await sync.stop()
+            await checker.stop()
+            await limiter.stop()
+            await poller.stop()
+            await releaser.drain()
+            if injected_map is None:
+                await kvmap.close()
+                await releaser.drain()
+            upstream.close()
+            await session.close()
+
+    return state

@@ -1,0 +1,19 @@
+"""Application keys under which the shared state lives on the aiohttp app."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.fleet import Fleet, FleetSync, HealthChecker, ModelCatalog
+from kvrelay.proxy.http.body import BodyBudget
+from kvrelay.proxy.tenants import Limiter, TenantBreaker
+
+BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
+FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
+HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
+SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)
+TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)
+FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)
+LIMITS: web.AppKey[Limiter] = web.AppKey("limits", Limiter)
+MODELS: web.AppKey[ModelCatalog] = web.AppKey("models", ModelCatalog)

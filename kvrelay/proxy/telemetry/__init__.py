@@ -1,0 +1,13 @@
+"""What operators see: Prometheus metrics (`metrics`), OpenTelemetry spans (`tracing`), log lines
+(`logs`). Each is exported as a module: callers write `metrics.REQUESTS`, `tracing.span(...)`.
+"""
+
+from kvrelay.proxy.telemetry import logs, metrics, tracing
+from kvrelay.proxy.telemetry.metrics import Labelled
+
+__all__ = [
+    "Labelled",
+    "logs",
+    "metrics",
+    "tracing",
+]

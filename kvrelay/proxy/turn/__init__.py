@@ -1,0 +1,38 @@
+"""One turn of a conversation: identify it, take its entry, the P and D legs, relay the answer,
+store what D holds, free what the turn owes (`Turn`), and report it.
+"""
+
+from kvrelay.proxy.turn.conversation import (
+    chained_fingerprints,
+    chat_shape,
+    chat_store_key_id,
+    completion_shape,
+    conversation_id_from,
+    prompt_chars,
+    request_id_from,
+    tenant_of,
+    upstream_request_id,
+)
+from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.turn.owed import Debt, Owed
+from kvrelay.proxy.turn.relay import Turn
+from kvrelay.proxy.turn.streaming import SSEFilter
+
+__all__ = [
+    "Debt",
+    "Owed",
+    "SSEFilter",
+    "Turn",
+    "capped_num_tokens",
+    "chained_fingerprints",
+    "chat_shape",
+    "chat_store_key_id",
+    "completion_shape",
+    "conversation_id_from",
+    "decode_body",
+    "prefill_body",
+    "prompt_chars",
+    "request_id_from",
+    "tenant_of",
+    "upstream_request_id",
+]
