@@ -12,6 +12,7 @@ from kvrelay.proxy.config.settings import (
     load_settings,
     normalize_backend_url,
 )
+from kvrelay.proxy.config.specs import parse_dns_spec, parse_limit
 
 __all__ = [
     "LogFormat",
@@ -22,4 +23,6 @@ __all__ = [
     "flag_name",
     "load_settings",
     "normalize_backend_url",
+    "parse_dns_spec",
+    "parse_limit",
 ]

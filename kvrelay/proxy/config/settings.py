@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from kvrelay.proxy.config.specs import parse_dns_spec, parse_limit
+
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -459,8 +461,6 @@ class Settings(BaseSettings):
     @field_validator("tenant_limits")
     @classmethod
     def _tenant_limits(cls, value: dict[str, str]) -> dict[str, str]:
-        from kvrelay.proxy.tenants import parse_limit  # here: limits imports the settings
-
         for tenant, spec in value.items():
             # A tenant id, never an API key: keys are secrets and must not sit in plain config.
             if not re.fullmatch(r"t[0-9a-f]{24}|anonymous", tenant):
@@ -501,8 +501,6 @@ class Settings(BaseSettings):
     def _dns_spec(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        from kvrelay.proxy.fleet import parse_dns_spec  # here: discovery imports the settings
-
         parse_dns_spec(value)
         return value.strip()
 

@@ -8,13 +8,11 @@ from kvrelay.proxy.fleet.discovery import (
     DnsSource,
     ResolveError,
     make_resolver,
-    parse_dns_spec,
     start_discovery,
 )
 from kvrelay.proxy.fleet.discovery_kube import KubeRoleWatch, ready_engines, start_kube_discovery
 from kvrelay.proxy.fleet.engine_load import (
     STALE_INTERVALS,
-    EngineLoad,
     LoadPoller,
     fresh_load,
     load_from_metrics,
@@ -25,6 +23,7 @@ from kvrelay.proxy.fleet.fleet_sync import (
     RedisFleetSync,
     open_fleet_sync,
 )
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
 from kvrelay.proxy.fleet.pools import Backend, HealthChecker, Pool, engine_name, engines_to_try
 from kvrelay.proxy.fleet.routing import Router, uncached_tokens
@@ -53,7 +52,6 @@ __all__ = [
     "load_from_metrics",
     "make_resolver",
     "open_fleet_sync",
-    "parse_dns_spec",
     "ready_engines",
     "start_discovery",
     "start_kube_discovery",

@@ -28,7 +28,7 @@ import dns.rdatatype
 import dns.resolver
 
 from kvrelay.proxy.base import cancel_and_wait
-from kvrelay.proxy.config import Settings
+from kvrelay.proxy.config import Settings, parse_dns_spec
 from kvrelay.proxy.fleet.fleet_sync import FleetSync
 
 log = logging.getLogger(__name__)
@@ -53,19 +53,6 @@ def engine_url(address: str, port: int) -> str:
 
 def side_channel_of(address: str, port: int | None) -> str | None:
     return None if port is None else f"{address.rstrip('.')}:{port}"
-
-
-def parse_dns_spec(spec: str) -> tuple[str, int | None]:
-    """(`name`, port) for `name:port`, (`_srv._tcp.name`, None) for SRV."""
-    spec = spec.strip()
-    if spec.startswith("_"):
-        if ":" in spec:
-            raise ValueError(f"{spec!r}: an SRV name carries no port")
-        return spec, None
-    name, sep, port = spec.rpartition(":")
-    if not sep or not name or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{spec!r} is neither name:port nor an _service._proto.name SRV name")
-    return name, int(port)
 
 
 class ResolveError(Exception):

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import aiohttp
 
 from kvrelay.prometheus_text import parse_samples, series_sum
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.pools import Backend, EngineRounds, Pool
 
 log = logging.getLogger(__name__)
@@ -29,16 +29,6 @@ WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 # Readings this many intervals old describe a queue that has long moved on.
 STALE_INTERVALS = 3
-
-
-@dataclass(frozen=True)
-class EngineLoad:
-    """One scrape of one engine: its queue and KV usage (0..1), and when it was read."""
-
-    running: float
-    waiting: float
-    kv_usage: float
-    at: float  # time.monotonic() of the scrape
 
 
 def load_from_metrics(text: str, at: float) -> EngineLoad | None:

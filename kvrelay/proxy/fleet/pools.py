@@ -26,14 +26,12 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import aiohttp
 
 from kvrelay.proxy.base import cancel_and_wait
-
-if TYPE_CHECKING:
-    from kvrelay.proxy.fleet.engine_load import EngineLoad
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 
 Role = Literal["prefill", "decode"]
 log = logging.getLogger(__name__)

@@ -18,8 +18,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 from aiohttp import web
 
-from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError, open_map
-from kvrelay.kvcache_map._errors import InvalidKeyError
+from kvrelay.kvcache_map import (
+    ConversationKey,
+    InvalidKeyError,
+    KVMap,
+    MapUnavailableError,
+    open_map,
+)
 from kvrelay.proxy.base import ProxyError, json_response
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream

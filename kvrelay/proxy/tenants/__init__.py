@@ -10,7 +10,6 @@ from kvrelay.proxy.tenants.limits import (
     TenantLimit,
     limits_from,
     open_limiter,
-    parse_limit,
 )
 
 __all__ = [
@@ -21,5 +20,4 @@ __all__ = [
     "TenantLimit",
     "limits_from",
     "open_limiter",
-    "parse_limit",
 ]

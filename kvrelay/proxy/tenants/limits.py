@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.proxy.base import ProxyError, cancel_and_wait
-from kvrelay.proxy.config import Settings
+from kvrelay.proxy.config import Settings, parse_limit
 from kvrelay.proxy.telemetry import metrics
 
 log = logging.getLogger(__name__)
@@ -62,31 +62,6 @@ class TenantLimit:
     @property
     def unlimited(self) -> bool:
         return not self.max_inflight and not self.rps
-
-
-def parse_limit(spec: str, where: str = "tenant") -> dict[str, float]:
-    """`inflight=N;rps=R;burst=B` (any subset) as the fields it sets; ValueError otherwise."""
-    out: dict[str, float] = {}
-    names = {"inflight": "max_inflight", "rps": "rps", "burst": "burst"}
-    for item in spec.split(";"):
-        if not item.strip():
-            continue
-        name, sep, raw = item.partition("=")
-        field = names.get(name.strip())
-        try:
-            value = float(raw) if sep else math.nan
-        except ValueError:
-            value = math.nan
-        if field is None or not math.isfinite(value) or value < 0:
-            raise ValueError(
-                f"limit {spec!r} of {where!r}: expected inflight=N;rps=R;burst=B (numbers >= 0)"
-            )
-        if field != "rps" and value != int(value):
-            raise ValueError(f"limit {spec!r} of {where!r}: {name.strip()} must be an integer")
-        out[field] = value
-    if not out:
-        raise ValueError(f"limit of {where!r} is empty: expected inflight=N;rps=R;burst=B")
-    return out
 
 
 def limits_from(settings: Settings) -> tuple[TenantLimit, dict[str, TenantLimit]]:

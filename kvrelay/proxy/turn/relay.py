@@ -34,10 +34,10 @@ from kvrelay.connector.protocol import (
 )
 from kvrelay.kvcache_map import (
     ConversationKey,
+    InvalidKeyError,
     KVEntry,
     MapUnavailableError,
 )
-from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import H1Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try

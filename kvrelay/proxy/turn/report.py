@@ -1,10 +1,10 @@
 """What a turn did (reuse result, legs, timings), reported as trace spans and one log line.
 
-`kvrelay.proxy.relay.Turn` fills a `LegRecord` per leg and its reuse fields as it goes; the
-scopes here wrap the turn, the map take and the legs in spans (`kvrelay.proxy.tracing`) and, when
-the turn ends, write its summary line (`kvrelay.proxy.logs`). Span attributes and log fields are
-ids, engine URLs, hashes and numbers: never a prompt, an answer, a key or a token. With tracing
-off and text logs each scope is the shared no-op `tracing.OFF`.
+`kvrelay.proxy.turn.relay.Turn` fills a `LegRecord` per leg and its reuse fields as it goes;
+the scopes here wrap the turn, the map take and the legs in spans (`telemetry.tracing`) and,
+when the turn ends, write its summary line (`telemetry.logs`). Span attributes and log fields
+are ids, engine URLs, hashes and numbers: never a prompt, an answer, a key or a token. With
+tracing off and text logs each scope is the shared no-op `tracing.OFF`.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
+
+from aiohttp import web
 
 from kvrelay.kvcache_map import ConversationKey
 from kvrelay.proxy.telemetry import logs, tracing
-
-if TYPE_CHECKING:
-    from kvrelay.proxy.turn.relay import Turn
 
 # Span names, one per step of a turn (docs/DESIGN.md §1).
 TURN_SPAN = "kvrelay.turn"
@@ -75,6 +74,26 @@ class LegRecord:
         return {"engine": self.engine, "status": self.status, "attempts": self.attempts}
 
 
+class ReportedTurn(Protocol):
+    """What the report reads of a turn (`kvrelay.proxy.turn.relay.Turn` is one): the report
+    sits below the turn, so it names what it needs instead of importing the turn."""
+
+    request: web.Request
+    route: str
+    body: dict[str, Any]
+    request_id: str
+    client_request_id: str
+    tenant: str
+    started: float
+    hold: bool
+    reuse: str
+    tokens_reused: int
+    prefill_leg: LegRecord
+    decode_leg: LegRecord
+
+    def conversation_keys(self) -> tuple[ConversationKey | None, ConversationKey | None]: ...
+
+
 def _seconds(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else round(end - start, 6)
 
@@ -92,7 +111,7 @@ def conversation_hash(key: ConversationKey | None) -> str | None:
 # -- scopes --------------------------------------------------------------------------------------
 
 
-def turn_scope(turn: Turn) -> contextlib.AbstractContextManager[Any]:
+def turn_scope(turn: ReportedTurn) -> contextlib.AbstractContextManager[Any]:
     """The whole turn: its span (continuing the client's `traceparent`) and its log line."""
     traced, logged = tracing.enabled(), logs.turn_log_enabled()
     if not traced and not logged:
@@ -101,7 +120,7 @@ def turn_scope(turn: Turn) -> contextlib.AbstractContextManager[Any]:
 
 
 @contextlib.contextmanager
-def _turn_scope(turn: Turn, logged: bool) -> Iterator[None]:
+def _turn_scope(turn: ReportedTurn, logged: bool) -> Iterator[None]:
     error: BaseException | None = None
     try:
         with tracing.span(
@@ -119,7 +138,7 @@ def _turn_scope(turn: Turn, logged: bool) -> Iterator[None]:
             logs.log_turn("turn", _summary(turn, error))
 
 
-def take_scope(turn: Turn) -> contextlib.AbstractContextManager[Any]:
+def take_scope(turn: ReportedTurn) -> contextlib.AbstractContextManager[Any]:
     """Taking the conversation's entry from the map."""
     if not tracing.enabled():
         return tracing.OFF
@@ -146,7 +165,7 @@ def leg_scope(leg: LegRecord) -> contextlib.AbstractContextManager[Any]:
 # -- what is reported ----------------------------------------------------------------------------
 
 
-def _status(turn: Turn, error: BaseException | None) -> int:
+def _status(turn: ReportedTurn, error: BaseException | None) -> int:
     if error is None:
         return turn.decode_leg.status or 200
     status = getattr(error, "status", None)  # ProxyError
@@ -157,7 +176,7 @@ def _status(turn: Turn, error: BaseException | None) -> int:
     return 500
 
 
-def _turn_attributes(turn: Turn, error: BaseException | None) -> dict[str, Any]:
+def _turn_attributes(turn: ReportedTurn, error: BaseException | None) -> dict[str, Any]:
     p, d = turn.prefill_leg, turn.decode_leg
     lookup, _ = turn.conversation_keys()
     out: dict[str, Any] = {
@@ -178,7 +197,7 @@ def _turn_attributes(turn: Turn, error: BaseException | None) -> dict[str, Any]:
     return out
 
 
-def _summary(turn: Turn, error: BaseException | None) -> dict[str, Any]:
+def _summary(turn: ReportedTurn, error: BaseException | None) -> dict[str, Any]:
     p, d = turn.prefill_leg, turn.decode_leg
     lookup, store = turn.conversation_keys()
     return {
