@@ -1,0 +1,317 @@
+"""The shape of the code: no import circle in `kvrelay/`, arrows only downwards between rooms,
+and a room of the proxy entered only through its face.
+
+Imports are read with `ast`, not run. Every import counts wherever it stands: at the top of a
+module, inside a function, under `if TYPE_CHECKING:`. An import inside a function still ties the
+two modules together (it only moves the failure from start-up to a call), so a circle dodged
+that way is still a circle here.
+
+The rooms, from the bottom up, are `LAYERS`; an import from one room to another must point to a
+lower one. A room of the proxy (`kvrelay/proxy/<room>/`) shows the rest of the code its face,
+`kvrelay/proxy/<room>/__init__.py`, and what that face's `__all__` names; its modules are its
+own. Inside a room, modules import each other directly (never through their own face).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Lowest first. A new top-level package or proxy room must be placed here.
+LAYERS = (
+    "kvrelay",
+    "kvrelay.prometheus_text",
+    "kvrelay.connector",
+    "kvrelay.kvcache_map",
+    "kvrelay.enginesim",
+    "kvrelay.devtools",
+    "kvrelay.proxy.base",
+    "kvrelay.proxy.config",
+    "kvrelay.proxy.telemetry",
+    "kvrelay.proxy.engines",
+    "kvrelay.proxy.fleet",
+    "kvrelay.proxy.tenants",
+    "kvrelay.proxy.turn",
+    "kvrelay.proxy.http",
+    "kvrelay.proxy",  # the entry points: cli, demo
+)
+PROXY = "kvrelay.proxy"
+# Code outside kvrelay/ that must use the proxy's rooms through their faces too.
+CLIENTS = ("tests", "bench", "scripts", "deploy")
+
+
+@dataclass(frozen=True)
+class Import:
+    """One imported module (or one name of a `from` import) of one source file."""
+
+    importer: str  # dotted module name of the file
+    line: int
+    target: str  # the module the import loads
+    via: str | None = None  # `from via import name`: the package the name was taken from
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def sources(root: Path, tops: Iterable[str]) -> dict[str, Path]:
+    """Dotted module name -> file, for every `.py` file below `root/<top>`."""
+    out: dict[str, Path] = {}
+    for top in tops:
+        for path in sorted((root / top).rglob("*.py")):
+            out[module_name(path, root)] = path
+    return out
+
+
+def imports_of(name: str, path: Path, modules: set[str]) -> Iterator[Import]:
+    """Every kvrelay import of one file, wherever it stands in the file."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "kvrelay":
+                    yield Import(name, node.lineno, alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.split(".")[0] != "kvrelay":
+                continue
+            for alias in node.names:
+                sub = f"{source}.{alias.name}"
+                if sub in modules:  # a module taken from its package
+                    yield Import(name, node.lineno, sub, via=source)
+                else:
+                    yield Import(name, node.lineno, source)
+
+
+def face_exports(face: Path) -> set[str]:
+    """The names in a face's `__all__`."""
+    for node in ast.parse(face.read_text()).body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            value = ast.literal_eval(node.value)
+            return set(value)
+    return set()
+
+
+def room_of(module: str, rooms: Iterable[str]) -> str:
+    """The innermost room in `rooms` holding `module`."""
+    best = ""
+    for room in rooms:
+        if (module == room or module.startswith(room + ".")) and len(room) > len(best):
+            best = room
+    return best
+
+
+def proxy_rooms(modules: dict[str, Path]) -> set[str]:
+    """The proxy's sub-packages: `kvrelay.proxy.<room>`."""
+    return {
+        m for m, p in modules.items()
+        if p.name == "__init__.py" and m.startswith(PROXY + ".") and m.count(".") == 2
+    }  # fmt: skip
+
+
+def proxy_room(module: str, rooms: set[str]) -> str | None:
+    """`kvrelay.proxy.<room>` for a module inside a proxy sub-package, else None."""
+    room = ".".join(module.split(".")[:3])
+    return room if room in rooms else None
+
+
+def edge_target(imp: Import, exports: dict[str, set[str]]) -> str:
+    """What an import depends on: a module exported by a face is reached through the face."""
+    via = imp.via
+    exported = via in exports and imp.target.rpartition(".")[2] in exports[via]
+    if exported and proxy_room(imp.importer, set(exports)) != via:
+        return via
+    return imp.target
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (or a self-loop)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    counter = itertools.count()
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = next(counter)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in graph.get(v, ()):
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def faces(modules: dict[str, Path]) -> dict[str, set[str]]:
+    return {room: face_exports(modules[room]) for room in proxy_rooms(modules)}
+
+
+def kvrelay_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    exports = faces(modules)
+    names = set(modules)
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for imp in imports_of(name, path, names):
+            target = edge_target(imp, exports)
+            if target in names and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def private_reaches(modules: dict[str, Path], clients: dict[str, Path], root: Path) -> list[str]:
+    """Imports of a proxy room's own module from outside that room, not through its face."""
+    exports = faces(modules)
+    rooms = set(exports)
+    names = set(modules)
+    bad = []
+    for name, path in {**modules, **clients}.items():
+        for imp in imports_of(name, path, names):
+            room = proxy_room(imp.target, rooms)
+            if room is None or imp.target == room or proxy_room(name, rooms) == room:
+                continue
+            if imp.via == room and imp.target.rpartition(".")[2] in exports.get(room, set()):
+                continue  # a module the face exports as a namespace
+            bad.append(f"{path.relative_to(root)}:{imp.line} imports {imp.target}; use {room}")
+    return bad
+
+
+def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
+    rank = {room: i for i, room in enumerate(LAYERS)}
+    bad = []
+    for a, targets in sorted(graph.items()):
+        ra = room_of(a, LAYERS)
+        for b in sorted(targets):
+            rb = room_of(b, LAYERS)
+            if ra != rb and rank[rb] > rank[ra]:
+                bad.append(f"{a} ({ra}) imports {b} ({rb}), a room above it")
+    return bad
+
+
+# -- the checks ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Path]:
+    return sources(ROOT, ["kvrelay"])
+
+
+def test_no_import_circle_in_kvrelay(modules: dict[str, Path]) -> None:
+    assert cycles(kvrelay_graph(modules)) == []
+
+
+def test_every_module_sits_in_a_layer(modules: dict[str, Path]) -> None:
+    found = proxy_rooms(modules)
+    rooms = {proxy_room(m, found) or room_of(m, LAYERS) for m in modules}
+    assert rooms <= set(LAYERS), f"place these in LAYERS: {sorted(rooms - set(LAYERS))}"
+
+
+def test_imports_only_point_down(modules: dict[str, Path]) -> None:
+    assert upward_arrows(kvrelay_graph(modules)) == []
+
+
+def test_proxy_rooms_are_entered_through_their_faces(modules: dict[str, Path]) -> None:
+    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+    assert private_reaches(modules, clients, ROOT) == []
+
+
+def test_each_proxy_room_has_a_face_that_exports_what_it_names(modules: dict[str, Path]) -> None:
+    rooms = sorted(proxy_rooms(modules))
+    assert rooms, "no proxy rooms found"
+    for room in rooms:
+        exported = face_exports(modules[room])
+        assert exported, f"{room}/__init__.py has no __all__"
+        assert ast.get_docstring(ast.parse(modules[room].read_text())), f"{room}: no docstring"
+        bound = set()
+        for node in ast.parse(modules[room].read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                bound |= {a.asname or a.name for a in node.names}
+        assert exported <= bound, f"{room} exports names it does not import: {exported - bound}"
+
+
+# -- the checks check: each finds what it is for in a made-up tree --------------------------------
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> dict[str, Path]:
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return sources(tmp_path, ["kvrelay"])
+
+
+def test_a_circle_through_a_function_or_type_checking_import_is_found(tmp_path: Path) -> None:
+    modules = _tree(tmp_path, {
+        "kvrelay/__init__.py": "",
+        "kvrelay/a.py": "from kvrelay.b import x\n",
+        "kvrelay/b.py": "def f():\n    from kvrelay.a import y\n",
+        "kvrelay/c.py": "from kvrelay import d\n",
+        "kvrelay/d.py": "import typing\nif typing.TYPE_CHECKING:\n    import kvrelay.c\n",
+    })  # fmt: skip
+    circles = cycles(kvrelay_graph(modules))
+    assert circles == [["kvrelay.a", "kvrelay.b"], ["kvrelay.c", "kvrelay.d"]]
+
+
+def test_a_room_reached_past_its_face_is_found(tmp_path: Path) -> None:
+    modules = _tree(tmp_path, {
+        "kvrelay/__init__.py": "",
+        "kvrelay/proxy/__init__.py": "",
+        "kvrelay/proxy/room/__init__.py": (
+            "from kvrelay.proxy.room import spaced\nfrom kvrelay.proxy.room.inner import Thing\n"
+            "__all__ = ['Thing', 'spaced']\n"
+        ),
+        "kvrelay/proxy/room/inner.py": "Thing = 1\n",
+        "kvrelay/proxy/room/spaced.py": "",
+        "kvrelay/proxy/other/__init__.py": "__all__: list[str] = []\n",
+        "kvrelay/proxy/other/ok.py": "from kvrelay.proxy.room import Thing, spaced\n",
+        "kvrelay/proxy/other/bad.py": "from kvrelay.proxy.room.inner import Thing\n",
+    })  # fmt: skip
+    assert private_reaches(modules, {}, tmp_path) == [
+        "kvrelay/proxy/other/bad.py:1 imports kvrelay.proxy.room.inner; use kvrelay.proxy.room"
+    ]
+
+
+def test_an_arrow_up_is_found(tmp_path: Path) -> None:
+    modules = _tree(tmp_path, {
+        "kvrelay/__init__.py": "",
+        "kvrelay/connector/__init__.py": "",
+        "kvrelay/connector/protocol.py": "def f():\n    from kvrelay.kvcache_map import KVMap\n",
+        "kvrelay/kvcache_map/__init__.py": "from kvrelay.connector import protocol\n",
+    })  # fmt: skip
+    assert upward_arrows(kvrelay_graph(modules)) == [
+        "kvrelay.connector.protocol (kvrelay.connector) imports kvrelay.kvcache_map"
+        " (kvrelay.kvcache_map), a room above it"
+    ]
