@@ -454,8 +454,8 @@ AREAS = (
     ("pydantic", ("pydantic",)),
     ("side-channel client (finished params, releases)", ("kvrelay/connector/sidechannel_",)),
     ("conversation map", ("kvrelay/kvcache_map/",)),
-    ("SSE filter", ("kvrelay/proxy/streaming.py",)),
-    ("conversation ids and fingerprints", ("kvrelay/proxy/conversation.py",)),
+    ("SSE filter", ("kvrelay/proxy/turn/streaming.py",)),
+    ("conversation ids and fingerprints", ("kvrelay/proxy/turn/conversation.py",)),
 )  # fmt: skip
 
 

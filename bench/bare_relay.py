@@ -2,7 +2,7 @@
 
 `python -m bench.bare_relay --port N --prefill URL --decode URL`. It answers
 `/v1/completions` and `/v1/chat/completions` on aiohttp's server (uvloop, no middlewares)
-and calls the engines with kvrelay's own engine client (`kvrelay.proxy.upstream`): P with
+and calls the engines with kvrelay's own engine client (`kvrelay.proxy.engines.upstream`): P with
 `max_tokens` 1 and `do_remote_decode`, then D with P's params, D's answer relayed (JSON
 re-encoded without `kv_transfer_params`; streams passed through chunk by chunk). No
 conversation map, no holds, no side channel, no limits, no retries, no metrics, no error

@@ -14,7 +14,7 @@ Clients:
 - `aiohttp-tuned`: one `ClientSession`, `TCPConnector(limit=0, ttl_dns_cache=None)`, no
   per-request timeout, no automatic decompression;
 - `pyreqwest`: the Rust reqwest client behind an asyncio API (PyPI `pyreqwest`), HTTP/1.1 only;
-- `h1`: `kvrelay.proxy.upstream` (the proxy's engine client since this comparison picked it), a
+- `h1`: `kvrelay.proxy.engines` (the proxy's engine client since this comparison picked it), a
   keep-alive HTTP/1.1 client on asyncio protocols with httptools.
 
 All clients run on uvloop. Rewrites the `## http clients` section of bench/RESULTS.md.
@@ -298,7 +298,7 @@ def _verdict(cases: list[dict[str, Any]]) -> list[str]:
         for name in sorted({x["client"] for x in cases})
     ]
     out.append(
-        "\nThe proxy's engine client is `h1`, now `kvrelay.proxy.upstream` (P, D and side-channel "
+        "\nThe proxy's engine client is `h1`, now `kvrelay.proxy.engines` (P, D and side-channel "
         "calls); aiohttp's client stays for health probes, load scrapes, `/v1/models` and the "
         "pass-through routes."
     )

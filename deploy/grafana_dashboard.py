@@ -7,7 +7,7 @@ Panels are declared here and written out as Grafana JSON, so a query change is a
     python deploy/grafana_dashboard.py --check   # exit 1 when the committed JSON is stale
 
 Every query filters on the `$job` variable and uses the `$datasource` variable; tests check the
-metric and label names against `kvrelay/proxy/metrics.py`.
+metric and label names against `kvrelay/proxy/telemetry/metrics.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Reading a Prometheus text page (`/metrics`): the one parser kvrelay has.
 
-The proxy reads engines' load gauges with it (`kvrelay.proxy.engine_load`); the demo, tests and
+The proxy reads engines' load gauges with it (`kvrelay.proxy.fleet`); the demo, tests and
 benchmarks read pages through `kvrelay.devtools.prometheus`, which adds fetching. Two views:
 `parse_samples` keeps every series apart under its full `name{labels}` key; `totals` folds the
 series of each metric together (a counter summed over its labels). Comment lines and

@@ -2,7 +2,7 @@
 """Generate the README's proxy environment-variable table from the settings model.
 
 The table lives in README.md between the `env-table` markers so it cannot drift from
-`kvrelay/proxy/settings.py`: tests/deploy/test_env_table.py fails when they differ.
+`kvrelay/proxy/config/settings.py`: tests/deploy/test_env_table.py fails when they differ.
 
     python scripts/gen_env_table.py           # print the table
     python scripts/gen_env_table.py --write   # rewrite the table in README.md

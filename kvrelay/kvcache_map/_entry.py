@@ -108,7 +108,7 @@ class KVEntry(BaseModel):
     expires_at: float = Field(gt=0)
     release_token: str | None = Field(default=None, min_length=1, max_length=_MAX_TEXT)
     tp_size: int = Field(default=1, ge=1, le=MAX_TP_SIZE)
-    # Routing hints (kvrelay.proxy.routing), never sent to engines: the P that prefilled the
+    # Routing hints (kvrelay.proxy.fleet.routing), never sent to engines: the P that prefilled the
     # turn (P affinity) and the turn's prompt characters per token (decode-only estimate).
     prefill_url: str | None = Field(default=None, min_length=1, max_length=_MAX_URL)
     chars_per_token: float | None = Field(default=None, gt=0, le=1 << 20)

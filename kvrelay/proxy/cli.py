@@ -1,6 +1,6 @@
 """`kvrelay` command line: `serve` (the proxy), `sim` (an engine simulator), `demo`, `tenant-id`.
 
-`serve` has one flag per setting, generated from `kvrelay.proxy.settings.Settings` so the flags, the
+`serve` has one flag per setting, generated from `kvrelay.proxy.config.Settings` so the flags, the
 env vars and the Helm values never drift apart. Flags override `KVRELAY_*` env vars.
 """
 

@@ -21,9 +21,9 @@ def test_baselines_are_unpacked_oldest_first_before_this_checkout() -> None:
         assert trees[0][1] != trees[1][1]
         assert trees[-1][1] == REPO_ROOT
         for (_, tree), revision in zip(trees, revisions, strict=False):
-            relay = (tree / "kvrelay" / "proxy" / "relay.py").read_bytes()
+            relay = (tree / "kvrelay" / "proxy" / "turn" / "relay.py").read_bytes()
             committed = subprocess.run(
-                ["git", "show", f"{revision}:kvrelay/proxy/relay.py"],
+                ["git", "show", f"{revision}:kvrelay/proxy/turn/relay.py"],
                 cwd=REPO_ROOT, check=True, capture_output=True,
             ).stdout  # fmt: skip
             assert relay == committed

@@ -1,7 +1,7 @@
 """`POST /v1/finished`: the published params of several finished requests in one signed call.
 
 The proxy coalesces the lookups of streams that end together on one holder
-(`kvrelay.proxy.finished_lookups`); the batch answers at once with what is published and leaves
+(`kvrelay.proxy.engines`); the batch answers at once with what is published and leaves
 the rest to `GET /v1/finished/{id}`, which waits for a late publication.
 """
 

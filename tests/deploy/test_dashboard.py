@@ -54,7 +54,7 @@ def _dashboard() -> dict[str, Any]:
 
 def test_every_queried_metric_and_label_exists() -> None:
     exported = _exported()
-    assert exported, "kvrelay.proxy.metrics defines no metrics"
+    assert exported, "kvrelay.proxy.telemetry.metrics defines no metrics"
     exprs = [t["expr"] for t in _targets(_dashboard()["panels"])]
     assert exprs
     for expr in exprs:
@@ -62,7 +62,7 @@ def test_every_queried_metric_and_label_exists() -> None:
         assert used, f"query without a kvrelay_ metric: {expr}"
         labels_here: set[str] = set()
         for name, selector in used:
-            assert name in exported, f"{name} is not exported by kvrelay/proxy/metrics.py ({expr})"
+            assert name in exported, f"{name} is not exported by telemetry/metrics.py ({expr})"
             labels_here |= exported[name]
             for matcher in filter(None, (m.strip() for m in selector.split(","))):
                 label = re.split(r"[=!~]", matcher, maxsplit=1)[0].strip()

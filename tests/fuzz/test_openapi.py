@@ -1,7 +1,7 @@
 """Schema-driven fuzzing of the proxy's HTTP API (schemathesis over its OpenAPI document).
 
 A real proxy in front of real enginesim P and D engines receives requests generated from the
-document it serves at `/openapi.json` (loaded from `kvrelay.proxy.openapi` at collection; a test
+document it serves at `/openapi.json` (loaded from `kvrelay.proxy.http` at collection; a test
 checks the served copy is the same), valid and invalid. Every answer must be below 500 and every 4xx
 must be an OpenAI-shaped error. The engines run with a small `max_model_len` so generated
 `max_tokens` values either finish quickly or are refused quickly. The example count is bounded

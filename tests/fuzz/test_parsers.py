@@ -349,7 +349,7 @@ any_message = st.one_of(
 
 
 def _fingerprints_by_definition(messages: list[Any], context: bytes) -> list[str]:
-    """The chain as `kvrelay.proxy.conversation` defines it, with the standard library only."""
+    """The chain as `kvrelay.proxy.turn.conversation` defines it, with the standard library only."""
     h = hashlib.sha256(b"kvrelay-msgs-v1\n" + context).digest()
     out = [h.hex()[:32]]
     for msg in messages:

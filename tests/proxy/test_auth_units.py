@@ -1,4 +1,4 @@
-"""One reading of keys for clients, admins and scrapers (`kvrelay.proxy.auth`)."""
+"""One reading of keys for clients, admins and scrapers (`kvrelay.proxy.http.auth`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""How the proxy coalesces finished-params lookups per holder (`kvrelay.proxy.finished_lookups`).
+"""How the proxy coalesces finished-params lookups per holder (`kvrelay.proxy.engines`).
 
 The holder here is a fake side-channel client that records each call and can hold one open, so
 the tests choose what is in flight when a lookup arrives. The real endpoint, signed, is in

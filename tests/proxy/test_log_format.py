@@ -1,4 +1,4 @@
-"""The JSON log format (kvrelay.proxy.logs): one object per line with the fixed fields, the
+"""The JSON log format (telemetry.logs): one object per line with the fixed fields, the
 caller's fields and the exception; the per-turn summary only in JSON format."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""OpenTelemetry traces of turns (kvrelay.proxy.tracing): the span tree of a two-turn
+"""OpenTelemetry traces of turns (kvrelay.proxy.telemetry.tracing): the span tree of a two-turn
 conversation, the `traceparent` the engines receive, nothing secret in any attribute, export over
 OTLP/HTTP to a collector on loopback, and nothing at all while tracing is off.
 
@@ -404,9 +404,9 @@ class NoOtel(MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, NoOtel())
-from kvrelay.proxy import tracing
-from kvrelay.proxy.app import create_app
-from kvrelay.proxy.settings import TracingMode, load_settings
+from kvrelay.proxy.config import TracingMode, load_settings
+from kvrelay.proxy.http import create_app
+from kvrelay.proxy.telemetry import tracing
 
 create_app(load_settings({"prefill": ["http://p:1"], "decode": ["http://d:1"]}, env_file=None))
 assert tracing.configure("auto") is False and not tracing.enabled()

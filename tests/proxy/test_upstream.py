@@ -1,4 +1,4 @@
-"""The engine-facing HTTP/1.1 client (`kvrelay.proxy.upstream`) against real servers on loopback."""
+"""The engine-facing HTTP/1.1 client (`kvrelay.proxy.engines`) against real servers on loopback."""
 
 from __future__ import annotations
 

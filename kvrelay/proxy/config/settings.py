@@ -22,8 +22,8 @@ from kvrelay.proxy.config.specs import parse_dns_spec, parse_limit
 ENV_PREFIX = "KVRELAY_"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
-LogFormat = Literal["text", "json"]  # kvrelay.proxy.logs
-TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.tracing
+LogFormat = Literal["text", "json"]  # kvrelay.proxy.telemetry.logs
+TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.telemetry.tracing
 RoutingPolicy = Literal["always_p", "affinity", "conditional"]
 
 

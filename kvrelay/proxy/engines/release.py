@@ -6,7 +6,7 @@ background tasks (the client never waits on them) that `drain()` awaits at shutd
 its own task, so a dead holder delays no other release. A network failure is retried a bounded
 number of times with backoff; an answer (released, unknown, refused) is final. Without a
 release token (stock vLLM) or a connector secret nothing can be released; that is counted.
-D's finished params (for streams) are fetched through `kvrelay.proxy.finished_lookups`, which
+D's finished params (for streams) are fetched through `finished_lookups.py`, which
 coalesces the lookups to one holder.
 """
 

@@ -4,7 +4,7 @@ The proxy's in-flight counts only see the requests this worker sent; an engine's
 holds other workers' and other proxies' requests. `LoadPoller` reads vLLM's gauges
 (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
 enginesim exports the same names) every `load_poll_interval_s` and keeps the latest reading on
-each `Backend` (`Backend.load`). `kvrelay.proxy.routing` combines it with the in-flight counts.
+each `Backend` (`Backend.load`). `routing.py` combines it with the in-flight counts.
 
 A reading older than `STALE_INTERVALS` intervals is ignored (`fresh_load`), as if the engine had
 never been scraped; a scrape that fails or times out only leaves the old reading to go stale.

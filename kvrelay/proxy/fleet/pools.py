@@ -14,7 +14,7 @@ engine then served the same request (`record_failure`); when none did, it is *di
 
 Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
 URL), never by their internal URL.
-Which engine a leg goes to is `kvrelay.proxy.routing`'s choice among the usable ones;
+Which engine a leg goes to is `kvrelay.proxy.fleet.routing`'s choice among the usable ones;
 draining engines finish what they have but get nothing new.
 """
 
@@ -51,7 +51,7 @@ class Backend:
     outstanding_work: int = 0
     side_channel: tuple[str, int] | None = None
     last_error: str | None = None
-    # The engine's own latest load reading (`kvrelay.proxy.engine_load`), None until scraped.
+    # The engine's own latest load reading (`kvrelay.proxy.fleet.engine_load`), None until scraped.
     load: EngineLoad | None = None
     # API key (tenant hash) -> when it last got a disputed 5xx from this engine.
     disputed_by: dict[str, float] = field(default_factory=dict)

@@ -12,7 +12,7 @@ Policies (`routing_policy`, README "Routing policy"):
   long as the decode-only turns in flight on that D stay within its prefill budget
   (`conditional_max_inflight_tokens`); past it the turn goes through P.
 
-An engine is *busy* when its own fresh load reading (`kvrelay.proxy.engine_load`) shows more
+An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
 are chosen last and lose affinity. Without a fresh reading only the in-flight counts decide.
 """

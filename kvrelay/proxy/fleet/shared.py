@@ -1,6 +1,6 @@
 """`Fleet`: what every turn shares (settings, engine pools and their router, the conversation
 map, the engine connections, the releaser), built once per worker process by
-`kvrelay.proxy.app` and handed to each `kvrelay.proxy.relay.Turn`."""
+`kvrelay.proxy.http.app` and handed to each `kvrelay.proxy.turn.relay.Turn`."""
 
 from __future__ import annotations
 

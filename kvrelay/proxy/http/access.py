@@ -1,6 +1,6 @@
-"""Who may send a request, and whether now: API-key authentication (`kvrelay.proxy.auth`),
-the per-key breaker (`kvrelay.proxy.tenants`) and the per-tenant limits
-(`kvrelay.proxy.limits`), the same for every client route."""
+"""Who may send a request, and whether now: API-key authentication (`kvrelay.proxy.http.auth`),
+the per-key breaker (`kvrelay.proxy.tenants.breaker`) and the per-tenant limits
+(`kvrelay.proxy.tenants.limits`), the same for every client route."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
 """Admin API: list, add, drain and remove engines at run time, behind the admin key.
 
 A sub-application mounted at `/admin` (`admin_app`). `Authorization: Bearer <admin_key>` (or
-`X-Admin-Key`, read by `kvrelay.proxy.auth`). Without a configured admin key the routes answer
+`X-Admin-Key`, read by `kvrelay.proxy.http.auth`). Without a configured admin key the routes answer
 404, so an unconfigured proxy exposes no control surface. Changes go through
-the fleet sync (`kvrelay.proxy.fleet_sync`): with the Redis map they reach every worker and replica;
+the fleet sync (`kvrelay.proxy.fleet`): with the Redis map they reach every worker and replica;
 with the memory map (one process) they apply to this process.
 """
 

@@ -2,10 +2,10 @@
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
 `GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
-admin sub-application under `/admin` (`kvrelay.proxy.admin`) and the pass-through routes
-(`kvrelay.proxy.passthrough`). Who may call what: `kvrelay.proxy.auth`; whether now:
-`kvrelay.proxy.access`. `create_app(settings)` builds it;
-`kvrelay.proxy.server` runs it.
+admin sub-application under `/admin` (`kvrelay.proxy.http.admin`) and the pass-through routes
+(`kvrelay.proxy.http.passthrough`). Who may call what: `kvrelay.proxy.http.auth`; whether now:
+`kvrelay.proxy.http.access`. `create_app(settings)` builds it;
+`kvrelay.proxy.http.server` runs it.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def _make_state(
             [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
         )
         app[HEALTH] = checker
-        # Engine load signals for routing (kvrelay.proxy.engine_load); off with interval 0.
+        # Engine load signals for routing (kvrelay.proxy.fleet.engine_load); off with interval 0.
         poller = LoadPoller(
             [prefill, decode], session, settings.load_poll_interval_s, settings.probe_timeout_s
         )

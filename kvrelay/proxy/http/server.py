@@ -1,7 +1,7 @@
 """Running the proxy: logging, uvloop, one process or `workers` processes on one port.
 
 Several workers share the listening port with SO_REUSEPORT (the kernel spreads connections) and are
-supervised by the parent (`kvrelay.proxy.supervisor`: a worker that exits is restarted). They
+supervised by the parent (`kvrelay.proxy.http.supervisor`: a worker that exits is restarted). They
 aggregate their metrics through prometheus-client's multiprocess mode, for which the parent creates
 `PROMETHEUS_MULTIPROC_DIR` before any worker starts. They also need the shared Redis map
 (`Settings.check_runnable` refuses otherwise)."""

@@ -1,6 +1,6 @@
 """Client request checks: JSON shape and field types, before anything is forwarded.
 
-Reading the body itself (size, time, depth limits) is `kvrelay.proxy.body`.
+Reading the body itself (size, time, depth limits) is `kvrelay.proxy.http.body`.
 
 The engines validate the rest; these checks exist so that malformed input gets a clear 4xx
 from the proxy instead of a confusing engine error or a half-started P/D exchange.

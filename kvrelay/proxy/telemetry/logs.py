@@ -66,7 +66,7 @@ def turn_log_enabled() -> bool:
 
 def short_hash(*parts: str) -> str:
     """A short, stable hash of ids that should not appear in logs as they are."""
-    # surrogatepass: ids may hold any header bytes (see kvrelay.proxy.headers).
+    # surrogatepass: ids may hold any header bytes (see kvrelay.proxy.http.headers).
     digest = hashlib.sha256("\n".join(("kvrelay-log", *parts)).encode(errors="surrogatepass"))
     return digest.hexdigest()[:16]
 

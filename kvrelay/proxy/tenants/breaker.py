@@ -1,7 +1,7 @@
 """Per-API-key breaker: a key whose requests keep making every engine fail is paused.
 
 A request that every engine tried answers with a 5xx is more likely poisonous input than a broken
-fleet (engines are judged separately, see `kvrelay.proxy.pools`). Such a request is a *strike*
+fleet (engines are judged separately, see `kvrelay.proxy.fleet.pools`). Such a request is a *strike*
 against its sender's key. `limit` strikes within `cooldown_s` open the key's breaker: its requests
 get 429 without reaching an engine until `cooldown_s` after the last strike. Other keys are not
 affected. State is per worker process and bounded in size.

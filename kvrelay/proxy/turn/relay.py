@@ -5,7 +5,7 @@ check it (history, expiry, verifiability) → P prefills, pulling the old turn's
 usable entry → D decodes with P's params and, when the conversation may continue, holds its
 blocks → D's final params become the conversation's new entry. Every way out of a turn frees
 what the turn made someone hold: the taken entry once P is done with it, P's blocks when no D
-took them, D's blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.owed`).
+took them, D's blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.turn.owed`).
 """
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class Turn:
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
     every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
-    # What happened, for the turn's trace and log line (kvrelay.proxy.turn_report).
+    # What happened, for the turn's trace and log line (kvrelay.proxy.turn.report).
     reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
     tokens_reused: int = 0
     prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
@@ -645,7 +645,7 @@ class Turn:
                 fleet.releaser.release_soon_params("decode", params)
 
     def _routing_hints(self) -> dict[str, Any]:
-        """What the next turn's routing needs (kvrelay.proxy.routing): this turn's P and its
+        """What the next turn's routing needs (kvrelay.proxy.fleet.routing): this turn's P and its
         prompt's characters per token; a turn without P keeps the previous turn's."""
         previous = self.entry
         prefill_url = self.p_backend.url if self.p_backend is not None else None
