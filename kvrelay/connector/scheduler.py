@@ -6,7 +6,7 @@ workers, keeps finished requests' blocks for remote readers under a lease (`hold
 serves the side channel, and releases holders it will not read from (rejections, short or
 mismatching prefixes) through the side channel on a background thread.
 
-The call order is written once in `connector/__init__.py`. All methods except `stats` are
+The call order is written once, in docs/CONTRACTS.md §4. All methods except `stats` are
 called from the engine's scheduler thread; the side-channel thread only touches `HoldTable`.
 Frees decided here (release, expiry, reclaim) reach the engine as
 `ConnectorMetadata.reqs_to_free`: the workers echo them in `finished_sending`, which is the

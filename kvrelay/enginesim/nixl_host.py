@@ -2,7 +2,7 @@
 
 The engine's block pool tensors are registered with the worker's NIXL agent; every engine
 step builds the scheduler's metadata, hands it to the worker, polls the worker and feeds the
-result back, exactly in the order `connector/__init__.py` defines (CONTRACTS §4).
+result back, exactly in the order CONTRACTS §4 defines.
 """
 
 from __future__ import annotations
