@@ -258,7 +258,7 @@ def start_fake_engine(role: str, engine_id: str, cpus: str | None = None) -> Eng
 
 
 @dataclass
-class Router:
+class RunningRouter:
     """A running router (kvrelay or vllm-router) in front of the engines."""
 
     name: str
@@ -276,7 +276,7 @@ def start_kvrelay(
     env: dict[str, str] | None = None,
     cpus: str | None = None,
     cwd: Path | None = None,
-) -> Router:
+) -> RunningRouter:
     """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`.
 
     `cwd` is where the proxy runs; `python -m` imports `kvrelay` from there first, so a proxy
@@ -315,7 +315,7 @@ def start_kvrelay(
         pinned(argv, cpus), http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name,
         cwd=cwd,
     ).start()  # fmt: skip
-    return Router(name=name, url=url, process=proc)
+    return RunningRouter(name=name, url=url, process=proc)
 
 
 def kvrelay_source(env: dict[str, str], cwd: Path) -> Path:
@@ -353,7 +353,7 @@ def start_vllm_router(
     decode: Sequence[Engine],
     cpus: str | None = None,
     policy: str = "round_robin",
-) -> Router:
+) -> RunningRouter:
     """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
 
     `round_robin` (the default here) keeps it from calling the engines' `/render` endpoint for
@@ -390,7 +390,7 @@ def start_vllm_router(
         ready_timeout=90,
         name="vllm-router",
     ).start()
-    return Router(name="vllm-router", url=url, process=proc)
+    return RunningRouter(name="vllm-router", url=url, process=proc)
 
 
 @contextlib.contextmanager

@@ -145,7 +145,7 @@ class Bench:
         self.args = args
         self.p: c.Engine | None = None
         self.d: c.Engine | None = None
-        self.routers: dict[str, c.Router] = {}
+        self.routers: dict[str, c.RunningRouter] = {}
         self.redis: RedisServer | None = None
         self.sink: ServerProcess | None = None
         self.sink_url = ""
@@ -238,7 +238,7 @@ class Bench:
         if BARE in a.targets:
             self.routers[BARE] = self._start_bare()
 
-    def _start_bare(self) -> c.Router:
+    def _start_bare(self) -> c.RunningRouter:
         assert self.p is not None and self.d is not None
         port = free_port()
         url = f"http://127.0.0.1:{port}"
@@ -248,7 +248,7 @@ class Bench:
             c.pinned(argv, self.args.proxy_cpus), http_ready(url + "/ready"),
             env=c.bench_env(), ready_timeout=60, name="bare-relay",
         ).start()  # fmt: skip
-        return c.Router(name=BARE, url=url, process=process)
+        return c.RunningRouter(name=BARE, url=url, process=process)
 
     def work_done(self) -> dict[str, dict[str, float]]:
         """What each kvrelay did besides relaying (params stored, side-channel fetches and the

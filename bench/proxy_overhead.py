@@ -166,7 +166,7 @@ def loaded_tokens(d_url: str) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Start engines and routers, run every case, stop everything; return raw summaries."""
     p_eng = d_eng = None
-    routers: list[c.Router] = []
+    routers: list[c.RunningRouter] = []
     stack = contextlib.ExitStack()
     # Zero simulated compute: what differs between targets is the routers' own cost. Enough
     # sequences and blocks that the engines never queue on admission at concurrency 256.

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from tests.harness import RedisServer, redis_server
 
 
@@ -49,7 +49,7 @@ def proxy_factory() -> Iterator[ProxyFactory]:
 
 
 @pytest.fixture
-def pd_fleet(pd_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> Fleet:
+def pd_fleet(pd_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> ProxiedPair:
     """One prefill and one decode enginesim and a proxy (in-memory map) in front of them."""
     prefill, decode = pd_engines
-    return Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
+    return ProxiedPair(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))

@@ -137,7 +137,7 @@ class ProxyFactory:
 
 
 @dataclass
-class Fleet:
+class ProxiedPair:
     """One P, one D and a proxy in front of them."""
 
     prefill: EngineSim

@@ -85,7 +85,7 @@ class KVMap(Protocol):
 
 
 @dataclass
-class Counters:
+class MapCounters:
     """Plain per-instance operation counters a backend increments."""
 
     hits: int = 0
@@ -180,7 +180,7 @@ def build_stats(
     backend: str,
     entries: int | None,
     available: bool,
-    counters: Counters,
+    counters: MapCounters,
     notifier: EvictionNotifier,
 ) -> MapStats:
     """One `MapStats` from a backend's operation counters and its eviction notifier."""

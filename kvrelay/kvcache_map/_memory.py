@@ -25,10 +25,10 @@ from typing import NamedTuple
 
 from kvrelay.kvcache_map._base import (
     CLOSE_DRAIN_TIMEOUT,
-    Counters,
     EvictionCallback,
     EvictionNotifier,
     EvictionReason,
+    MapCounters,
     MapStats,
     build_stats,
     check_ttl,
@@ -152,7 +152,7 @@ class MemoryMap:
         self._buckets: dict[int, set[ConversationKey]] = {}
         self._due: list[int] = []
         self._notifier = EvictionNotifier(on_evict)
-        self._counters = Counters()
+        self._counters = MapCounters()
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False
 

@@ -47,10 +47,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvrelay.kvcache_map._base import (
     CLOSE_DRAIN_TIMEOUT,
-    Counters,
     EvictionCallback,
     EvictionNotifier,
     EvictionReason,
+    MapCounters,
     MapStats,
     build_stats,
     check_ttl,
@@ -228,7 +228,7 @@ class RedisMap:
             else None
         )
         self._notifier = EvictionNotifier(on_evict)
-        self._counters = Counters()
+        self._counters = MapCounters()
         self._available = True
         self._sweeper: asyncio.Task[None] | None = None
         self._closed = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 
 from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import RedisServer, wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of
@@ -20,7 +20,7 @@ def _complete(url: str, headers: dict[str, str] | None = None) -> httpx.Response
                 headers)  # fmt: skip
 
 
-def test_prefill_down_falls_back_to_decode_only(pd_fleet: Fleet) -> None:
+def test_prefill_down_falls_back_to_decode_only(pd_fleet: ProxiedPair) -> None:
     pd_fleet.prefill.kill()
     resp = _complete(pd_fleet.proxy.url)
     assert resp.status_code == 200, resp.text
@@ -71,7 +71,9 @@ def test_decode_down_or_refusing_moves_to_another_decode(
     d2.wait_idle()
 
 
-def test_decode_refusing_alone_is_a_clear_error_and_frees_prefill_blocks(pd_fleet: Fleet) -> None:
+def test_decode_refusing_alone_is_a_clear_error_and_frees_prefill_blocks(
+    pd_fleet: ProxiedPair,
+) -> None:
     assert pd_fleet.decode.request("/admin/faults", {"refuse_admission": True})[0] == 200
     resp = _complete(pd_fleet.proxy.url)
     assert resp.status_code in (502, 503)
@@ -83,7 +85,7 @@ def test_decode_refusing_alone_is_a_clear_error_and_frees_prefill_blocks(pd_flee
     pd_fleet.finish()
 
 
-def test_decode_client_error_is_passed_on_and_frees_prefill_blocks(pd_fleet: Fleet) -> None:
+def test_decode_client_error_is_passed_on_and_frees_prefill_blocks(pd_fleet: ProxiedPair) -> None:
     assert (
         pd_fleet.decode.request("/admin/faults", {"fail_next_n": 1, "fail_status": 422})[0] == 200
     )
@@ -111,7 +113,7 @@ def test_slow_decode_times_out_and_another_serves(
 
 
 def test_slow_everything_gives_a_timeout_error(
-    pd_fleet: Fleet, proxy_factory: ProxyFactory
+    pd_fleet: ProxiedPair, proxy_factory: ProxyFactory
 ) -> None:
     proxy = proxy_factory([pd_fleet.prefill], [pd_fleet.decode], first_byte_timeout="0.5",
                           retries="0")  # fmt: skip
@@ -200,7 +202,9 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(
     p.wait_idle()
 
 
-def test_decode_down_releases_prefill_blocks_through_the_side_channel(pd_fleet: Fleet) -> None:
+def test_decode_down_releases_prefill_blocks_through_the_side_channel(
+    pd_fleet: ProxiedPair,
+) -> None:
     # No D can tell P anything: only the proxy's release frees P's blocks before the lease.
     pd_fleet.decode.kill()
     resp = _complete(pd_fleet.proxy.url)

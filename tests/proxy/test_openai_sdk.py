@@ -19,7 +19,7 @@ import pytest
 from openai import OpenAI
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of, streamed_text
@@ -47,14 +47,14 @@ def sdk_engines() -> Iterator[tuple[EngineSim, EngineSim]]:
 
 
 @pytest.fixture
-def fleet(sdk_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> Fleet:
+def fleet(sdk_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> ProxiedPair:
     prefill, decode = sdk_engines
     prefill.wait_idle()
     decode.wait_idle()
-    return Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
+    return ProxiedPair(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
 
 
-def run_conversation(fleet: Fleet, conversation: SDKConversation) -> list[TurnResult]:
+def run_conversation(fleet: ProxiedPair, conversation: SDKConversation) -> list[TurnResult]:
     """Run QUESTIONS with no pause between turns; check reuse on every turn after the first."""
     proxy = fleet.proxy
     loaded_before = fleet.prefill.metric(LOADED)
@@ -98,7 +98,7 @@ def run_conversation(fleet: Fleet, conversation: SDKConversation) -> list[TurnRe
 @pytest.mark.parametrize("use_async", [False, True], ids=["OpenAI", "AsyncOpenAI"])
 @pytest.mark.parametrize("conversation_id", ["sdk-conv", None], ids=["conversation-id", "history"])
 def test_sdk_turns_sent_at_once_all_reuse_and_match_reference(
-    fleet: Fleet, use_async: bool, conversation_id: str | None
+    fleet: ProxiedPair, use_async: bool, conversation_id: str | None
 ) -> None:
     conversation = SDKConversation(
         fleet.proxy.url + "/v1", MODEL, SYSTEM, MAX_TOKENS, conversation_id, use_async
@@ -107,7 +107,7 @@ def test_sdk_turns_sent_at_once_all_reuse_and_match_reference(
     fleet.finish()
 
 
-def test_a_client_leaving_after_the_last_token_keeps_the_turn(fleet: Fleet) -> None:
+def test_a_client_leaving_after_the_last_token_keeps_the_turn(fleet: ProxiedPair) -> None:
     # This client hangs up as soon as it has the whole answer, before `[DONE]`: the turn is
     # complete, so it is stored and the next turn reuses it; the proxy releases nothing.
     headers = {"X-Conversation-Id": "leaves-early"}

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.devtools.sse import data_fields
 from tests.harness import free_port, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
@@ -42,7 +42,7 @@ def fake() -> Iterator[FakeUpstream]:
 # -- enginesim ------------------------------------------------------------------------------
 
 
-def test_tokenize_detokenize_embeddings_and_responses_pass_through(pd_fleet: Fleet) -> None:
+def test_tokenize_detokenize_embeddings_and_responses_pass_through(pd_fleet: ProxiedPair) -> None:
     with httpx.Client(base_url=pd_fleet.proxy.url, timeout=30) as client:
         tok = client.post("/tokenize", json={"model": MODEL, "prompt": "hello there"})
         assert tok.status_code == 200, tok.text
@@ -80,7 +80,7 @@ def test_tokenize_detokenize_embeddings_and_responses_pass_through(pd_fleet: Fle
     assert samples['kvrelay_passthrough_total{outcome="ok",route="/tokenize"}'] == 1
 
 
-def test_unknown_model_is_an_openai_404_on_every_route(pd_fleet: Fleet) -> None:
+def test_unknown_model_is_an_openai_404_on_every_route(pd_fleet: ProxiedPair) -> None:
     before = pd_fleet.decode.metric("enginesim_requests_total")
     with httpx.Client(base_url=pd_fleet.proxy.url, timeout=30) as client:
         _not_found(client.post("/v1/embeddings", json={"model": "nope", "input": "x"}))
@@ -96,7 +96,9 @@ def test_unknown_model_is_an_openai_404_on_every_route(pd_fleet: Fleet) -> None:
         assert ok.status_code == 200, ok.text
 
 
-def test_models_merges_the_fleet_once_per_id(pd_fleet: Fleet, proxy_factory: ProxyFactory) -> None:
+def test_models_merges_the_fleet_once_per_id(
+    pd_fleet: ProxiedPair, proxy_factory: ProxyFactory
+) -> None:
     other = FakeUpstream(models=("other-model", MODEL)).start()
     try:
         proxy = proxy_factory([pd_fleet.prefill], [pd_fleet.decode, other.url])

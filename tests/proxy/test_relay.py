@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import Fleet, ProxyFactory
+from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
 
@@ -32,15 +32,17 @@ def shared_engines() -> Iterator[tuple[EngineSim, EngineSim]]:
 
 
 @pytest.fixture
-def pd_fleet(shared_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory) -> Fleet:
+def pd_fleet(
+    shared_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> ProxiedPair:
     """Overrides the conftest fixture: the module's engines behind a fresh proxy."""
     prefill, decode = shared_engines
     prefill.wait_idle()
     decode.wait_idle()
-    return Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
+    return ProxiedPair(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
 
 
-def _turns(fleet: Fleet, questions: list[str], conversation: str | None,
+def _turns(fleet: ProxiedPair, questions: list[str], conversation: str | None,
            streamed: bool = False) -> list[tuple[str, str]]:  # fmt: skip
     """Run a conversation; returns (proxy answer, reference answer) per turn."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": LONG_SYSTEM}]
@@ -63,7 +65,7 @@ def _turns(fleet: Fleet, questions: list[str], conversation: str | None,
     return out
 
 
-def test_single_turn_chat_and_completion_match_reference(pd_fleet: Fleet) -> None:
+def test_single_turn_chat_and_completion_match_reference(pd_fleet: ProxiedPair) -> None:
     url = pd_fleet.proxy.url
     resp = post(url, "/v1/chat/completions", chat_body([{"role": "user", "content": "Hi"}]),
                 headers={"X-Request-Id": "req-abc-1"})  # fmt: skip
@@ -87,7 +89,7 @@ def test_single_turn_chat_and_completion_match_reference(pd_fleet: Fleet) -> Non
     pd_fleet.finish()
 
 
-def test_multi_turn_reuses_decode_kv_and_matches_reference(pd_fleet: Fleet) -> None:
+def test_multi_turn_reuses_decode_kv_and_matches_reference(pd_fleet: ProxiedPair) -> None:
     questions = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
     loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
     for answer, expected in _turns(pd_fleet, questions, conversation="conv-1"):
@@ -103,7 +105,7 @@ def test_multi_turn_reuses_decode_kv_and_matches_reference(pd_fleet: Fleet) -> N
     pd_fleet.wait_clean()
 
 
-def test_streamed_turns_reuse_via_side_channel_params(pd_fleet: Fleet) -> None:
+def test_streamed_turns_reuse_via_side_channel_params(pd_fleet: ProxiedPair) -> None:
     questions = ["Tell me about rivers.", "Which is longest?", "And the widest?"]
     loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
     for answer, expected in _turns(pd_fleet, questions, conversation="s-1", streamed=True):
@@ -113,7 +115,7 @@ def test_streamed_turns_reuse_via_side_channel_params(pd_fleet: Fleet) -> None:
     pd_fleet.wait_clean()
 
 
-def test_history_fingerprint_gives_reuse_without_an_id(pd_fleet: Fleet) -> None:
+def test_history_fingerprint_gives_reuse_without_an_id(pd_fleet: ProxiedPair) -> None:
     loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
     for answer, expected in _turns(pd_fleet, ["One?", "Two?", "Three?"], conversation=None):
         assert answer == expected
@@ -121,7 +123,7 @@ def test_history_fingerprint_gives_reuse_without_an_id(pd_fleet: Fleet) -> None:
     pd_fleet.finish()
 
 
-def test_edited_history_is_not_reused_and_stays_correct(pd_fleet: Fleet) -> None:
+def test_edited_history_is_not_reused_and_stays_correct(pd_fleet: ProxiedPair) -> None:
     url = pd_fleet.proxy.url
     headers = {"X-Conversation-Id": "edit-1"}
     messages = [{"role": "system", "content": LONG_SYSTEM},
@@ -140,7 +142,7 @@ def test_edited_history_is_not_reused_and_stays_correct(pd_fleet: Fleet) -> None
     pd_fleet.wait_clean()
 
 
-def test_concurrent_turns_of_one_conversation_are_both_correct(pd_fleet: Fleet) -> None:
+def test_concurrent_turns_of_one_conversation_are_both_correct(pd_fleet: ProxiedPair) -> None:
     url = pd_fleet.proxy.url
     headers = {"X-Conversation-Id": "race-1"}
     base = [{"role": "system", "content": LONG_SYSTEM}, {"role": "user", "content": "Start."}]
@@ -184,7 +186,7 @@ def test_tenants_cannot_reach_each_other(
     decode.wait_idle()
 
 
-def test_openai_client_works_streaming_and_not(pd_fleet: Fleet) -> None:
+def test_openai_client_works_streaming_and_not(pd_fleet: ProxiedPair) -> None:
     from openai import OpenAI
 
     client = OpenAI(base_url=pd_fleet.proxy.url + "/v1", api_key="any", max_retries=0)
@@ -209,7 +211,7 @@ def test_streams_without_params_fetch_them_from_the_side_channel(
     # Like stock vLLM, this D puts no params in its stream; the proxy asks D's side channel.
     prefill = engine_factory("P", "--role", "prefill")
     decode = engine_factory("D", "--role", "decode", "--no-params-in-stream")
-    fleet = Fleet(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
+    fleet = ProxiedPair(prefill, decode, proxy_factory([prefill], [decode], ready_path="/ready"))
     loaded_before = prefill.metric("enginesim_prompt_tokens_loaded_total")
     for answer, expected in _turns(fleet, ["Stream one.", "Stream two."], "fs-1", streamed=True):
         assert answer == expected
@@ -225,7 +227,7 @@ def test_workers_share_the_port_and_aggregate_metrics(
     loaded_before = prefill.metric("enginesim_prompt_tokens_loaded_total")
     proxy = proxy_factory([prefill], [decode], ready_path="/ready", workers="2",
                           map_url=redis.url)  # fmt: skip
-    fleet = Fleet(prefill, decode, proxy)
+    fleet = ProxiedPair(prefill, decode, proxy)
     answers = _turns(fleet, ["First?", "Second?", "Third?", "Fourth?"], "w-1")
     assert all(answer == expected for answer, expected in answers)
     # Whichever worker answers /metrics reports every worker's requests.
@@ -237,7 +239,7 @@ def test_workers_share_the_port_and_aggregate_metrics(
     fleet.finish()
 
 
-def test_decode_holds_nothing_when_the_conversation_cannot_continue(pd_fleet: Fleet) -> None:
+def test_decode_holds_nothing_when_the_conversation_cannot_continue(pd_fleet: ProxiedPair) -> None:
     # A completion without a conversation id has no next turn: D must not be asked to hold.
     resp = post(pd_fleet.proxy.url, "/v1/completions",
                 {"model": MODEL, "prompt": LONG_SYSTEM, "max_tokens": 5})  # fmt: skip

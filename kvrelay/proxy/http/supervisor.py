@@ -34,7 +34,7 @@ MAX_BACKOFF_S = 30.0
 
 
 @dataclass
-class Slot:
+class WorkerSlot:
     """One worker position: the running process (or None while waiting to restart)."""
 
     index: int
@@ -50,7 +50,7 @@ class Supervisor:
 
     def __init__(self, count: int, make_process: Callable[[int], SpawnProcess]) -> None:
         self._make = make_process
-        self._slots = [Slot(i) for i in range(count)]
+        self._slots = [WorkerSlot(i) for i in range(count)]
         self._stopping = False
         # Self-pipe: the signal handler writes one byte so the wait below wakes at once.
         self._wake_r, self._wake_w = os.pipe()
@@ -60,7 +60,7 @@ class Supervisor:
     def pids(self) -> list[int]:
         return [s.proc.pid for s in self._slots if s.proc is not None and s.proc.pid is not None]
 
-    def _start(self, slot: Slot) -> None:
+    def _start(self, slot: WorkerSlot) -> None:
         slot.proc = self._make(slot.index)
         slot.proc.start()
         slot.started_at = time.monotonic()
@@ -76,7 +76,7 @@ class Supervisor:
         with contextlib.suppress(BlockingIOError, OSError):
             os.write(self._wake_w, b"x")
 
-    def _reap(self, slot: Slot) -> None:
+    def _reap(self, slot: WorkerSlot) -> None:
         """The slot's process has exited: log it, mark its metrics dead, schedule a restart."""
         proc = slot.proc
         assert proc is not None and proc.pid is not None
