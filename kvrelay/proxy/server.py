@@ -21,7 +21,7 @@ from multiprocessing.context import SpawnProcess
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from kvrelay.proxy import logs, tracing
+from kvrelay.proxy import logs, protocol_errors, tracing
 from kvrelay.proxy.parent_watch import exit_with_parent
 from kvrelay.proxy.settings import LogFormat, Settings, SettingsError
 from kvrelay.proxy.supervisor import Supervisor
@@ -115,6 +115,7 @@ def run_worker(settings: Settings, reuse_port: bool, supervisor_pid: int | None 
     from kvrelay.proxy.app import create_app
 
     configure_logging(settings.log_level, settings.log_format)
+    protocol_errors.install()
     if supervisor_pid is not None:
         exit_with_parent(supervisor_pid)
     tracing.configure(settings.tracing)
