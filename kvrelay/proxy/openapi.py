@@ -24,7 +24,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "Missing or wrong API key.",
         404: "Not found.",
         408: "The body did not arrive within body_read_timeout_s.",
-        413: "Body larger than body_limit_bytes.",
+        413: "Body larger than body_limit_bytes, or too dense in JSON values to fit "
+        "inflight_body_bytes once parsed.",
         429: "Over this API key's limits (rate_limit_exceeded, with Retry-After), or the key is "
         "paused: its recent requests made every engine fail (tenant_paused).",
         502: "An engine failed and no other could take over.",

@@ -167,7 +167,8 @@ class Settings(BaseSettings):
         ge=1024,
         description=(
             "Bytes all request bodies being received or served may hold together, per worker "
-            "process; a body that does not fit is answered 503."
+            "process, counting each JSON body's bytes plus a bound on its parsed objects; a "
+            "body that does not fit is answered 503, one that never could 413."
         ),
     )
     json_max_depth: int = Field(
