@@ -26,10 +26,10 @@ from kvrelay.kvcache_map import (
 from tests.harness import RedisServer, redis_server, wait_until
 from tests.kvcache_map.helpers import Recorder, eventually, key, make_entry
 
-# Generous: these tests are about behaviour; the fail-fast tests use the default (50 ms).
+# Generous: these tests are about behaviour; the fail-fast tests use the default (100 ms).
 SLOW_OK = 2.0
 # A bound on "fails fast" that still holds on a heavily shared machine; the configured
-# timeout is 50 ms, and without it these calls would hang for seconds or forever.
+# timeout is 100 ms, and without it these calls would hang for seconds or forever.
 FAIL_FAST_BOUND = 1.5
 
 
@@ -213,7 +213,7 @@ async def test_prefixes_are_separate_namespaces(redis: RedisServer) -> None:
 
 
 async def test_redis_killed_fails_fast_then_recovers_after_restart(redis: RedisServer) -> None:
-    m = open_map(redis.url)  # default 50 ms timeout
+    m = open_map(redis.url)  # default 100 ms timeout
     k = key("c")
     entry = make_entry()
     try:
@@ -252,7 +252,7 @@ async def test_redis_killed_fails_fast_then_recovers_after_restart(redis: RedisS
 
 
 async def test_redis_paused_times_out_then_answers_correctly(redis: RedisServer) -> None:
-    m = open_map(redis.url)  # default 50 ms timeout
+    m = open_map(redis.url)  # default 100 ms timeout
     assert redis.process is not None and redis.process.proc is not None
     pid = redis.process.proc.pid
     k = key("c")
