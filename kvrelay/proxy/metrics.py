@@ -226,6 +226,14 @@ MAP_ERRORS = Labelled(
         ["op"],
     )
 )
+UNCONFIRMED_PUTS = Labelled(
+    Counter(
+        "kvrelay_map_unconfirmed_puts_total",
+        "Map writes whose outcome was unknown, by how they were settled (stored: the hold is "
+        "kept for the entry; not_stored: released; unsettled: left to the holder's lease).",
+        ["result"],
+    )
+)
 TENANT_LIMITS = Labelled(
     Counter(
         "kvrelay_tenant_limit_total",

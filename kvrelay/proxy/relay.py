@@ -36,6 +36,7 @@ from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
     MapUnavailableError,
+    UnconfirmedPutError,
 )
 from kvrelay.kvcache_map._errors import InvalidKeyError
 from kvrelay.proxy import jsoncodec, metrics, tracing
@@ -652,6 +653,13 @@ class Turn:
         with put_scope(entry.num_tokens, ttl):
             try:
                 await fleet.kvmap.put(store_key, entry, ttl)
+            except UnconfirmedPutError as exc:
+                fleet.map_unavailable("put", exc)
+                # The entry may be stored all the same: D's blocks stay held until the map
+                # says it is not (else a next turn could find an entry pointing at nothing).
+                fleet.releaser.spawn(
+                    fleet.releaser.release_unless_stored("decode", exc.settle, params)
+                )
             except MapUnavailableError as exc:
                 fleet.map_unavailable("put", exc)
                 fleet.releaser.release_soon_params("decode", params)
