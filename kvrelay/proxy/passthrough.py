@@ -25,7 +25,6 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy import access, metrics
 from kvrelay.proxy.body import HeldBody, parse_json_object, read_body
 from kvrelay.proxy.conversation import request_id_from, upstream_request_id
@@ -35,6 +34,7 @@ from kvrelay.proxy.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.validation import strip_connector_fields
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ async def _payload(request: web.Request, fleet: Fleet, held: HeldBody) -> tuple[
     # kv_transfer_params slip through under another label.
     body: dict[str, Any] = parse_json_object(raw, fleet.settings.json_max_depth)
     await request.app[MODELS].check(body.get("model"))
-    body.pop(KV_TRANSFER_PARAMS, None)  # the proxy alone speaks to the connector
+    strip_connector_fields(body)  # the proxy alone speaks to the connector
     return json.dumps(body, separators=(",", ":")).encode(), body.get("model")
 
 
