@@ -57,7 +57,7 @@ from kvrelay.proxy.release import Releaser
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
 from kvrelay.proxy.upstream import Upstream
-from kvrelay.proxy.validation import validate_chat, validate_completion
+from kvrelay.proxy.validation import strip_connector_fields, validate_chat, validate_completion
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             validate_chat(body)
         else:
             validate_completion(body)
+        strip_connector_fields(body)
         await app[MODELS].check(body.get("model"))
         conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
         shape = chat_shape(body) if route == "chat" else completion_shape(body)

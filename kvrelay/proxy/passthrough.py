@@ -38,6 +38,7 @@ from kvrelay.proxy.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.routing import Router
 from kvrelay.proxy.settings import Settings
+from kvrelay.proxy.validation import strip_connector_fields
 
 log = logging.getLogger(__name__)
 
@@ -118,13 +119,8 @@ async def _payload(
         return *(await _form_payload(request, raw, boundary, held)), content_type
     body: dict[str, Any] = parse_json_body(raw, fleet.settings, held)
     await request.app[MODELS].check(body.get("model"))
-    _drop_client_params(body)
+    strip_connector_fields(body)  # the proxy alone speaks to the connector
     return json.dumps(body, separators=(",", ":")).encode(), body.get("model"), JSON_TYPE
-
-
-def _drop_client_params(body: dict[str, Any]) -> None:
-    """What the proxy removes from a client's JSON body: the connector is the proxy's alone."""
-    body.pop(KV_TRANSFER_PARAMS, None)
 
 
 async def _form_payload(
