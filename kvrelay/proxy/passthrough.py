@@ -31,6 +31,7 @@ from kvrelay.proxy.body import HeldBody, parse_json_object, read_body
 from kvrelay.proxy.conversation import request_id_from, upstream_request_id
 from kvrelay.proxy.errors import ProxyError
 from kvrelay.proxy.fleet import Fleet
+from kvrelay.proxy.headers import forwarded_headers
 from kvrelay.proxy.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.routing import Router
@@ -121,6 +122,7 @@ async def _forward(
     headers = {h: request.headers[h] for h in _FORWARDED_REQUEST if h in request.headers}
     if payload is not None and not request.content_type.startswith("multipart/"):
         headers["Content-Type"] = "application/json"
+    headers.update(forwarded_headers(request, settings.forward_headers))
     headers["X-Request-Id"] = upstream_id
     reasons: list[str] = []
 
