@@ -75,12 +75,11 @@ def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
     factory = EngineFactory()
     try:
         # A slow D (20 ms a token) so that a stream is still running when SIGTERM comes.
-        yield tuple(  # type: ignore[misc]
-            factory.many(
-                ("IP", ["--role", "prefill"]),
-                ("ID", ["--role", "decode", "--decode-us-per-step", "20000"]),
-            )
+        p, d = factory.many(
+            ("IP", ["--role", "prefill"]),
+            ("ID", ["--role", "decode", "--decode-us-per-step", "20000"]),
         )
+        yield p, d
     finally:
         factory.close()
 
