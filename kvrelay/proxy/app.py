@@ -1,11 +1,11 @@
 """The aiohttp application: routes, error handling, start-up and shutdown of shared state.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
-admin sub-application under `/admin` (`kvrelay.proxy.admin`) and the pass-through routes
-(`kvrelay.proxy.passthrough`). Who may call what: `kvrelay.proxy.auth`; whether now:
-`kvrelay.proxy.access`. `create_app(settings)` builds it;
-`kvrelay.proxy.server` runs it.
+`GET /ready`, `GET /metrics`, `GET /version` (`kvrelay.proxy.versions`),
+`DELETE /v1/conversations/{id}`, `GET /openapi.json`, the admin sub-application under `/admin`
+(`kvrelay.proxy.admin`) and the pass-through routes (`kvrelay.proxy.passthrough`). Who may call
+what: `kvrelay.proxy.auth`; whether now: `kvrelay.proxy.access`. `create_app(settings)` builds
+it; `kvrelay.proxy.server` runs it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from kvrelay.proxy.access import admit
 from kvrelay.proxy.auth import authenticate, require_metrics_key
 from kvrelay.proxy.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.conversation import (
+    CONVERSATION_HEADER,
+    SESSION_HEADER,
     chat_shape,
     completion_shape,
     conversation_id_from,
@@ -37,7 +39,7 @@ from kvrelay.proxy.engine_load import LoadPoller
 from kvrelay.proxy.errors import ProxyError, json_response
 from kvrelay.proxy.fleet import Fleet
 from kvrelay.proxy.fleet_sync import open_fleet_sync
-from kvrelay.proxy.headers import header_text
+from kvrelay.proxy.headers import forwarded_headers, header_text
 from kvrelay.proxy.keys import (
     BODY_BUDGET,
     FLEET,
@@ -47,6 +49,7 @@ from kvrelay.proxy.keys import (
     MODELS,
     SETTINGS,
     TENANTS,
+    VERSIONS,
 )
 from kvrelay.proxy.limits import Slot, open_limiter
 from kvrelay.proxy.models import ModelCatalog
@@ -58,6 +61,7 @@ from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
 from kvrelay.proxy.upstream import Upstream
 from kvrelay.proxy.validation import strip_connector_fields, validate_chat, validate_completion
+from kvrelay.proxy.versions import EngineVersions
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +113,9 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             validate_completion(body)
         strip_connector_fields(body)
         await app[MODELS].check(body.get("model"))
-        conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
+        conversation_id = conversation_id_from(
+            header_text(request, CONVERSATION_HEADER), body, header_text(request, SESSION_HEADER)
+        )
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
             fleet=fleet,
@@ -118,6 +124,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             body=body,
             request_id=upstream_request_id(request_id, supplied == request_id),
             client_request_id=request_id,
+            forwarded=forwarded_headers(request, fleet.settings.forward_headers),
             tenant=tenant,
             conversation_id=conversation_id,
             shape=shape,
@@ -199,6 +206,10 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
     return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 
+async def version(request: web.Request) -> web.StreamResponse:
+    return json_response(await request.app[VERSIONS].document())
+
+
 async def openapi(request: web.Request) -> web.StreamResponse:
     return json_response(openapi_document())
 
@@ -226,6 +237,7 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/version", version)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.add_subapp("/admin", admin.admin_app())
     passthrough.add_routes(app, settings.passthrough_routes)
@@ -264,6 +276,7 @@ def _make_state(
         fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
         app[FLEET] = fleet
         app[MODELS] = ModelCatalog(fleet)
+        app[VERSIONS] = EngineVersions(fleet)
         limiter = open_limiter(settings)
         app[LIMITS] = limiter
         await limiter.start()

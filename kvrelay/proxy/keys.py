@@ -12,6 +12,7 @@ from kvrelay.proxy.models import ModelCatalog
 from kvrelay.proxy.pools import HealthChecker
 from kvrelay.proxy.settings import Settings
 from kvrelay.proxy.tenants import TenantBreaker
+from kvrelay.proxy.versions import EngineVersions
 
 BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
@@ -21,3 +22,4 @@ TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)
 FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)
 LIMITS: web.AppKey[Limiter] = web.AppKey("limits", Limiter)
 MODELS: web.AppKey[ModelCatalog] = web.AppKey("models", ModelCatalog)
+VERSIONS: web.AppKey[EngineVersions] = web.AppKey("versions", EngineVersions)

@@ -3,7 +3,9 @@
 With several worker processes the parent sets `PROMETHEUS_MULTIPROC_DIR` before the workers
 start, every worker writes its samples there, and `/metrics` on any worker aggregates all of
 them (prometheus-client multiprocess mode). Gauges declare how they combine across processes.
-Labels never carry API keys, conversation ids or request ids.
+Labels never carry API keys, conversation ids or request ids. No `_created` series: they
+would double the series count with creation timestamps nobody queries (most exporters turn them
+off the same way).
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
 from prometheus_client.values import MutexValue
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Labelled:

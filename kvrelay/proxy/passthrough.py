@@ -34,6 +34,7 @@ from kvrelay.proxy.body import HeldBody, parse_json_body, read_body
 from kvrelay.proxy.conversation import request_id_from, upstream_request_id
 from kvrelay.proxy.errors import ProxyError, bad_request
 from kvrelay.proxy.fleet import Fleet
+from kvrelay.proxy.headers import forwarded_headers
 from kvrelay.proxy.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.pools import Backend, Pool, engines_to_try
 from kvrelay.proxy.routing import Router
@@ -154,6 +155,7 @@ async def _forward(
     headers = {h: request.headers[h] for h in _FORWARDED_REQUEST if h in request.headers}
     if content_type is not None:
         headers["Content-Type"] = content_type
+    headers.update(forwarded_headers(request, settings.forward_headers))
     headers["X-Request-Id"] = upstream_id
     reasons: list[str] = []
 

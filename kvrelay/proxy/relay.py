@@ -93,6 +93,7 @@ class Turn:
     conversation_id: str | None
     shape: PromptShape
     client_request_id: str = ""  # what the client sees in X-Request-Id
+    forwarded: tuple[tuple[str, str], ...] = ()  # client headers for the engines (forward_headers)
     started: float = field(default_factory=time.monotonic)
     entry: KVEntry | None = None
     p_backend: Backend | None = None
@@ -344,6 +345,7 @@ class Turn:
         headers: tuple[tuple[str, str], ...] = (
             ("Content-Type", "application/json"),
             ("X-Request-Id", self.request_id),
+            *self.forwarded,
         )
         if tracing.enabled():
             carrier: dict[str, str] = {}
