@@ -134,7 +134,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         return response
     except ProxyError as exc:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
-        if turn is not None and turn.every_decode_5xx and app[TENANTS].strike(tenant):
+        suspect = turn.suspect_input if turn is not None else ()
+        if suspect and app[TENANTS].strike(tenant, suspect):
             log.warning("paused an API key (tenant %s) whose requests every engine failed",
                         tenant)  # fmt: skip
         return exc.response({"X-Request-Id": request_id})
@@ -214,12 +215,19 @@ async def openapi(request: web.Request) -> web.StreamResponse:
     return json_response(openapi_document())
 
 
-def _health_gauge(with_urls: bool) -> Callable[[Backend], None]:
-    def update(backend: Backend) -> None:
-        label = backend.url if with_urls else backend.name
-        metrics.BACKEND_HEALTHY.labels(backend.role, label).set(1 if backend.healthy else 0)
+def _health_gauge(with_urls: bool) -> tuple[Callable[[Backend], None], Callable[[Backend], None]]:
+    """What keeps `kvrelay_backend_healthy` current: on a health change, on leaving."""
 
-    return update
+    def label(backend: Backend) -> str:
+        return backend.url if with_urls else backend.name
+
+    def update(backend: Backend) -> None:
+        metrics.backend_health(backend.role, label(backend), backend.healthy)
+
+    def gone(backend: Backend) -> None:
+        metrics.backend_gone(backend.role, label(backend))
+
+    return update, gone
 
 
 def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Application:
@@ -260,14 +268,16 @@ def _make_state(
                 "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
             )
         kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
-        gauge = _health_gauge(settings.metrics_backend_urls)
+        gauge, gone = _health_gauge(settings.metrics_backend_urls)
         prefill = Pool(
             "prefill", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+            on_health_change=gauge, on_leave=gone,
+            dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         decode = Pool(
             "decode", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+            on_health_change=gauge, on_leave=gone,
+            dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         for url in settings.prefill:
             prefill.add(url)

@@ -121,8 +121,10 @@ def test_slow_everything_gives_a_timeout_error(
                           retries="0")  # fmt: skip
     assert pd_fleet.decode.request("/admin/faults", {"delay_ms": 3000})[0] == 200
     resp = _complete(proxy.url)
-    assert resp.status_code == 502
-    assert "timeout" in resp.json()["error"]["message"]
+    # D is healthy (its probe passes), only slow: a timeout of this request, not D's failure.
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "decode_timeout"
+    assert "first_byte_timeout" in resp.json()["error"]["message"]
     assert pd_fleet.decode.request("/admin/faults", {"delay_ms": 0})[0] == 200
     proxy.stop()
     pd_fleet.finish()
