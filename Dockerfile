@@ -1,44 +1,49 @@
-# syntax=docker/dockerfile:1
-# kvrelay images.
+# kvrelay proxy image (the vLLM P/D worker image is Dockerfile.vllm-worker).
 #
-#   docker build -t kvrelay:0.1.0 .                                  # the proxy (default target)
-#   docker build --target vllm-worker -t kvrelay-vllm:0.1.0 .        # vLLM P/D worker + connector
+#   docker build --secret id=pip-cert,src=<CA bundle> -t kvrelay:0.1.0 .   (secret: optional)
 #
-# The proxy image holds only the proxy and its pure-Python dependencies (no torch, no nixl), runs
-# as an unprivileged user and starts `kvrelay serve`; configure it with KVRELAY_* variables.
-# The vllm-worker image is the official vLLM image plus the kvrelay connector; it keeps vLLM's
-# own torch and entrypoint (see README "Deployment" for the P and D command lines).
+# The image holds only the proxy and its pure-Python dependencies (no torch, no nixl), pinned by
+# deploy/proxy-constraints.txt; it runs `kvrelay serve` as an unprivileged user with a read-only
+# root; configure it with KVRELAY_* variables. pip inside the build reaches the package index
+# with the optional secrets `pip-cert` (a CA bundle) and `pip-conf` (a pip.conf); neither is
+# kept in any image layer. scripts/build-image.sh passes this machine's.
 
 ARG PYTHON_IMAGE=python:3.11-slim
-ARG VLLM_IMAGE=vllm/vllm-openai:v0.32.0
 
-# ---- build: one wheel of this project, no dependencies resolved here ------------------------
+# ---- build: one wheel of this project, built with the pinned build backend -------------------
 FROM ${PYTHON_IMAGE} AS build
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
 WORKDIR /src
+COPY deploy/proxy-constraints.txt /constraints.txt
 COPY pyproject.toml README.md ./
 COPY kvrelay ./kvrelay
-RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+# PIP_CONSTRAINT (not -c) so the isolated build environment gets the pinned setuptools too.
+RUN --mount=type=secret,id=pip-cert --mount=type=secret,id=pip-conf \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+    && if [ -s /run/secrets/pip-conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip-conf; fi \
+    && python -m venv /opt/build \
+    && PIP_CONSTRAINT=/constraints.txt /opt/build/bin/pip wheel --no-deps --wheel-dir /wheels .
 
-# ---- proxy-venv: the proxy's runtime environment (base deps, Kubernetes discovery, OTel) ---
+# ---- proxy-venv: the runtime environment (base deps, Kubernetes discovery, OTel), pinned -----
 FROM ${PYTHON_IMAGE} AS proxy-venv
+ENV PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PYTHONDONTWRITEBYTECODE=1
+COPY --from=build /constraints.txt /constraints.txt
 COPY --from=build /wheels /wheels
-RUN python -m venv /opt/kvrelay \
+# No bytecode (compiled on import instead; the root is read-only anyway) and no pip or
+# setuptools: the running proxy installs nothing.
+RUN --mount=type=secret,id=pip-cert --mount=type=secret,id=pip-conf \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+    && if [ -s /run/secrets/pip-conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip-conf; fi \
+    && python -m venv /opt/kvrelay \
     && wheel="$(echo /wheels/kvrelay-*.whl)" \
-    && /opt/kvrelay/bin/pip install --no-cache-dir "${wheel}[kubernetes,otel]" \
-    && /opt/kvrelay/bin/kvrelay serve --help > /dev/null
-
-# ---- vllm-worker: official vLLM image + the kvrelay connector for P and D workers -----------
-FROM ${VLLM_IMAGE} AS vllm-worker
-SHELL ["/bin/bash", "-o", "pipefail", "-c"]
-COPY --from=build /wheels /wheels
-# The connector extra minus torch: vLLM's CUDA torch stays exactly as the image ships it
-# (pinned through a constraints file), nixl and numpy come from the extra.
-RUN python3 -m pip freeze | grep -E '^torch==' > /tmp/keep-torch.txt \
-    && python3 -m pip install --no-cache-dir -c /tmp/keep-torch.txt \
-        /wheels/kvrelay-*.whl "nixl==1.5.1" "numpy>=1.26" \
-    && python3 -c "import kvrelay.connector.vllm.adapter" \
-    && rm -rf /wheels /tmp/keep-torch.txt
-# vLLM's entrypoint (`vllm serve`) stays; pass --kv-transfer-config with KVRelayConnector.
+    && /opt/kvrelay/bin/pip install --no-compile -c /constraints.txt "${wheel}[kubernetes,otel]" \
+    && /opt/kvrelay/bin/kvrelay serve --help > /dev/null \
+    && /opt/kvrelay/bin/pip uninstall --yes pip setuptools \
+    && find /opt/kvrelay -depth -name __pycache__ -type d -exec rm -rf {} +
 
 # ---- proxy (default): slim, non-root, read-only friendly -------------------------------------
 FROM ${PYTHON_IMAGE} AS proxy
@@ -52,7 +57,8 @@ COPY --from=proxy-venv /opt/kvrelay /opt/kvrelay
 WORKDIR /srv/kvrelay
 USER 10001:10001
 EXPOSE 8000
-HEALTHCHECK --interval=30s --timeout=3s --start-period=10s --retries=3 \
-    CMD ["python", "-c", "import os, urllib.request; urllib.request.urlopen('http://127.0.0.1:%s/health' % os.environ.get('KVRELAY_PORT', '8000'), timeout=2)"]
+# Asks the proxy itself, at the address `serve` listens on (same env, env file and flags).
+HEALTHCHECK --interval=30s --timeout=5s --start-period=10s --retries=3 \
+    CMD ["kvrelay", "healthcheck"]
 ENTRYPOINT ["kvrelay"]
 CMD ["serve"]

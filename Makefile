@@ -1,6 +1,7 @@
 # kvrelay developer commands. Every target creates what it needs itself.
 #   make demo   - local demo fleet (1 P + 1 D enginesim, proxy) and a five-turn chat
 #   make test   - ruff, mypy and the test suite (what CI runs)
+#   make test-image - build the proxy image (podman, or Docker when present) and smoke-test it
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV ?= .venv
@@ -10,13 +11,14 @@ export UCX_NET_DEVICES ?= lo
 export UCX_TLS ?= tcp,self,sm
 export PYTHONDONTWRITEBYTECODE := 1
 
-.PHONY: help venv redis lint typecheck test test-fast test-chaos test-vllm demo bench clean
+.PHONY: help venv redis lint typecheck test test-fast test-chaos test-vllm test-image demo bench clean
 
 help:
 	@echo "make demo        run the local demo fleet (P + D enginesim + proxy) and a five-turn chat"
 	@echo "make test        ruff + mypy + pytest (the command CI runs)"
 	@echo "make test-chaos  chaos / fault-injection suite"
 	@echo "make test-vllm   real vLLM (CPU build) P/D end-to-end suite; builds .venv-vllm"
+	@echo "make test-image  build the proxy image and smoke-test it against enginesim engines"
 	@echo "make bench       benchmarks, rewrites bench/RESULTS.md"
 
 $(STAMP): pyproject.toml
@@ -53,6 +55,14 @@ test-chaos: venv redis
 test-vllm:
 	bash scripts/vllm-env.sh
 	timeout --signal=INT --kill-after=90 1200 .venv-vllm/bin/python -m pytest -q -m vllm tests/vllm
+
+# The proxy image, built as README "Images" says (scripts/build-image.sh), then one container
+# of it against enginesim P and D on loopback (tests/image).
+test-image: export KVRELAY_IMAGE ?= kvrelay:ci
+test-image: export CONTAINERS_CONF ?= $(CURDIR)/build/podman/containers.conf
+test-image: venv
+	PYTHON=$(PY) bash scripts/build-image.sh
+	$(PY) -m pytest -q -m image tests/image
 
 demo: venv
 	$(PY) -m kvrelay.proxy.cli demo

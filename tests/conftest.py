@@ -1,14 +1,50 @@
-"""Shared pytest fixtures. Suites reuse these instead of copying server set-up."""
+"""Shared pytest fixtures. Suites reuse these instead of copying server set-up.
+
+At the end of a session (also one stopped by `-x`, Ctrl-C or SIGTERM) no redis-server the
+suite started may still run: any left is killed and the session fails, naming them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import Iterator
+from types import FrameType
 
 import pytest
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.process import live_children
 from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from tests.harness import RedisServer, redis_server
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # SIGTERM (a `timeout` around pytest, a CI cancel) ends the session as Ctrl-C does, so
+    # fixtures are torn down and their servers stopped instead of outliving pytest.
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, interrupt)
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own hook has torn the session fixtures down
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    left = live_children("redis-server")
+    if not left:
+        return
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)  # reaped: no zombie left either
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    message = f"redis-server processes the suite started were still running: pids {left}"
+    if reporter is not None:
+        reporter.write_line(f"ERROR: {message} (killed now)", red=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture

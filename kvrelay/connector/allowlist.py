@@ -5,7 +5,9 @@ could name their own server. The reader therefore talks only to allowed holders.
 an IP address, an IP network in CIDR form, or a host name (matched exactly, case-insensitive).
 Host names are never resolved for the check: an engine advertising a name must be listed by
 that name. The default admits loopback and the private address ranges a fleet runs on, and
-refuses everything public and link-local (cloud metadata services live there).
+refuses everything public. Link-local addresses and cloud metadata services (which live in
+link-local ranges, and in AWS's case also at `fd00:ec2::254`, inside the private `fc00::/7`)
+are never holders, whatever the setting lists.
 """
 
 from __future__ import annotations
@@ -23,6 +25,18 @@ DEFAULT_ALLOWED_HOLDERS: tuple[str, ...] = (
     "172.16.0.0/12",
     "192.168.0.0/16",
     "fc00::/7",
+)
+
+# Never contacted, even when an entry covers them.
+NEVER_HOLDERS: tuple[IPNetwork, ...] = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "169.254.0.0/16",  # IPv4 link-local: instance metadata (169.254.169.254) and others
+        "fe80::/10",  # IPv6 link-local
+        "fd00:ec2::254/128",  # AWS instance metadata over IPv6
+        "0.0.0.0/8",  # "this host": connects to local services on some systems
+        "::/128",
+    )
 )
 
 
@@ -47,8 +61,13 @@ class HolderAllowlist:
             address = ipaddress.ip_address(name)
         except ValueError:
             return name in self._names
-        if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
+        if isinstance(address, ipaddress.IPv6Address):
+            if address.scope_id is not None:
+                return False  # a zone index only means something on a link-local address
+            if address.ipv4_mapped is not None:
+                address = address.ipv4_mapped
+        if any(address in net for net in NEVER_HOLDERS):
+            return False
         return any(address in net for net in self._networks)
 
 

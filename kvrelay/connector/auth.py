@@ -167,29 +167,40 @@ def verify(
 class NonceCache:
     """Nonces of accepted requests, each kept as long as its request could still verify.
 
-    A nonce older than twice the skew window can no longer pass the timestamp check, so it is
-    forgotten then. Bounded: when full of live nonces, new requests are refused (as replays)
-    rather than forgetting a nonce that could still be replayed.
+    A request verifies while its timestamp is within the skew of the wall clock, so a nonce is
+    kept until the wall clock is past its request's timestamp plus the skew: both checks read
+    the same clock, and a wall-clock step back keeps the nonce exactly as long as it makes the
+    request verify again (a monotonic expiry would forget it while a replay still verifies).
+    Bounded: when full of live nonces, new requests are refused (as replays) rather than
+    forgetting a nonce that could still be replayed.
     """
 
     def __init__(self, max_skew_s: float = MAX_CLOCK_SKEW_S, max_entries: int = 200_000) -> None:
-        self._ttl = 2 * max_skew_s
+        self._skew = max_skew_s
         self._max = max_entries
+        # nonce -> wall-clock time past which its request can no longer verify
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
-    def first_use(self, nonce: str, now: float | None = None) -> bool:
-        """True the first time `nonce` is presented (and remembers it), False afterwards."""
-        current = time.monotonic() if now is None else now
+    def first_use(
+        self, nonce: str, timestamp: float | None = None, now: float | None = None
+    ) -> bool:
+        """True the first time `nonce` is presented (and remembers it), False afterwards.
+
+        `timestamp`: the request's signed wall-clock timestamp (default: `now`); `now`: the
+        wall clock (default: `time.time()`)."""
+        current = time.time() if now is None else now
+        stamp = current if timestamp is None else timestamp
         with self._lock:
+            # Oldest first; one still live stops the sweep (the rest go on later calls).
             while self._seen:
                 oldest, expires = next(iter(self._seen.items()))
-                if expires > current:
+                if expires >= current:
                     break
                 del self._seen[oldest]
             if nonce in self._seen or len(self._seen) >= self._max:
                 return False
-            self._seen[nonce] = current + self._ttl
+            self._seen[nonce] = max(stamp, current) + self._skew
             return True
 
 

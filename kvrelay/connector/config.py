@@ -69,6 +69,16 @@ class ConnectorConfig(BaseModel):
     # NIXL reports it over; they never go back to the engine while data may still land.
     cancel_grace_s: float = Field(default=30.0, gt=0)
     coalesce: bool = True
+    # Claims and handshakes run on threads of their holder's own (at most this many per
+    # holder), so a hung holder delays only loads that name it.
+    claim_concurrency_per_holder: int = Field(default=2, ge=1, le=16)
+    # A holder whose claims, handshakes or READs timed out gets no new loads (they recompute at
+    # once) until a probe load, one per this many seconds, shows it answers again.
+    holder_retry_s: float = Field(default=10.0, gt=0)
+    # Blocks this reader (per worker rank) may have quarantined behind cancelled READs that
+    # NIXL has not reported over. Past it, new loads from a holder with such reads are refused
+    # (recomputed) instead of adding more.
+    max_quarantined_blocks: int = Field(default=256, ge=0)
     # Holder addresses a reader contacts at all (allowlist.py); the fleet's own engines.
     allowed_holders: tuple[str, ...] = DEFAULT_ALLOWED_HOLDERS
     # Releases to holders: attempts per release (network failures only) and each one's timeout;

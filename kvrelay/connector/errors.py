@@ -25,6 +25,9 @@ class ConnectorErrorKind(Enum):
     TRANSFER = "transfer"  # a NIXL READ failed
     TIMEOUT = "timeout"  # a READ outlasted its deadline
     EXCEPTION = "exception"  # an unexpected error inside the load
+    MISMATCH = "mismatch"  # the claim answered other blocks than the params named
+    HOLDER_DOWN = "holder_down"  # the holder's breaker is open: its claims or reads timed out
+    QUARANTINE = "quarantine"  # too many of this reader's blocks wait on the holder's reads
     # The other parts.
     SIDE_CHANNEL = "side_channel"  # the holder's side channel was unreachable or answered badly
     HOLDER_NOT_ALLOWED = "holder_not_allowed"  # the holder's address is outside the allowlist
@@ -38,9 +41,14 @@ class ConnectorErrorKind(Enum):
     def releases_holder(self) -> bool:
         """Whether a reader whose load failed this way should release the holder's blocks.
 
-        Not for `GONE` (nothing is held any more) or `CLAIMED` (another reader owns them now).
+        Not for `GONE` (nothing is held any more), `CLAIMED` (another reader owns them now) or
+        `HOLDER_DOWN` (it does not answer; never claimed, its lease frees them).
         """
-        return self not in (ConnectorErrorKind.GONE, ConnectorErrorKind.CLAIMED)
+        return self not in (
+            ConnectorErrorKind.GONE,
+            ConnectorErrorKind.CLAIMED,
+            ConnectorErrorKind.HOLDER_DOWN,
+        )
 
 
 class ConnectorError(Exception):

@@ -14,6 +14,7 @@ import hmac
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -81,6 +82,9 @@ class HoldTable:
         self._finished: OrderedDict[str, tuple[float, dict[str, Any]]] = OrderedDict()
         self._finished_ttl_s = finished_ttl_s
         self._finished_max = finished_max
+        # Until then a reader's cancelled READ of a freed, claimed hold may still be in flight:
+        # the engine must keep stepping so NIXL progresses it to its end (see `draining`).
+        self._drain_until = 0.0
 
     # --- holds -----------------------------------------------------------------------------
     def add(self, entry: HoldEntry) -> None:
@@ -172,8 +176,18 @@ class HoldTable:
                     marked.append(entry.request_id)
         return marked
 
-    def reclaim(self, num_blocks: int, now: float | None = None) -> int:
-        """Free the oldest unpinned holds until `num_blocks` blocks are queued; returns blocks."""
+    def reclaim(
+        self,
+        num_blocks: int,
+        now: float | None = None,
+        freeable: Callable[[HoldEntry], int] | None = None,
+    ) -> int:
+        """Free the oldest unpinned holds until `num_blocks` blocks are queued; returns blocks.
+
+        `freeable(entry)`: how many of its blocks the engine gets back by freeing it (blocks
+        another request also uses, e.g. a running turn's prefix hit on them, stay in use);
+        default all. A hold that frees none is kept: dropping it gains no block.
+        """
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
@@ -182,8 +196,11 @@ class HoldTable:
                     break
                 if entry.freeing is not None or entry.pinned_until > now:
                     continue
+                gain = entry.num_blocks if freeable is None else freeable(entry)
+                if gain <= 0:
+                    continue
                 self._mark(entry, FreeReason.RECLAIM)
-                freed += entry.num_blocks
+                freed += gain
         return freed
 
     @property
@@ -207,9 +224,17 @@ class HoldTable:
                 # step was still queued: the engine must not be told to free it again.
                 self._to_free.remove(request_id)
             reason = entry.freeing or FreeReason.READ
+            if entry.claimed_by is not None and reason is not FreeReason.READ:
+                self._drain_until = max(self._drain_until, time.monotonic() + self._claim_timeout_s)
             self._counters.inc(f"freed_by_{reason.value}")
             self._update_gauges()
             return reason
+
+    def draining(self, now: float | None = None) -> bool:
+        """A claimed hold was freed unread recently: its reader's READ may still need us."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return now < self._drain_until
 
     def is_held(self, request_id: str) -> bool:
         with self._lock:

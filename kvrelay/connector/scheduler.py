@@ -20,6 +20,7 @@ import logging
 import math
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -424,9 +425,19 @@ class ConnectorScheduler:
             self.counters.inc("early_releases")
             self._release(params)
 
-    def reclaim_holds(self, num_blocks: int) -> int:
-        """Under block pressure: free the oldest unclaimed holds (>= num_blocks if possible)."""
-        return self.holds.reclaim(num_blocks)
+    def reclaim_holds(
+        self, num_blocks: int, freeable: Callable[[HoldEntry], int] | None = None
+    ) -> int:
+        """Under block pressure: free the oldest unclaimed holds until `num_blocks` blocks come
+        back (if possible); `freeable(entry)` says how many of a hold's blocks would (see
+        `HoldTable.reclaim`). Returns the blocks that come back."""
+        return self.holds.reclaim(num_blocks, freeable=freeable)
+
+    def has_pending_work(self) -> bool:
+        """Whether the engine must keep stepping although it may have no request left: a
+        load's READ is in flight, or a reader's READ of a hold freed unread may still be (over
+        TCP a READ completes only while the holder's worker progresses NIXL)."""
+        return bool(self._loading) or self.holds.draining()
 
     def release_hold(self, request_id: str) -> bool:
         """Engine-internal release of one of this engine's holds (no token needed)."""

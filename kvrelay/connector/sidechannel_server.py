@@ -32,6 +32,7 @@ from kvrelay.connector.holds import ClaimOutcome, HoldTable, ReleaseOutcome
 from kvrelay.connector.protocol import (
     HEADER_NONCE,
     HEADER_SIGNATURE,
+    HEADER_TIMESTAMP,
     MAX_BODY_BYTES,
     PATH_CLAIM,
     PATH_FINISHED_BATCH,
@@ -162,7 +163,9 @@ class SideChannelServer:
             destinations=self._destinations,
         )  # fmt: skip
         nonce = request.headers.get(HEADER_NONCE, "")
-        if failure is None and not self._nonces.first_use(nonce):
+        if failure is None and not self._nonces.first_use(
+            nonce, float(request.headers[HEADER_TIMESTAMP])
+        ):
             failure = AuthFailure.REPLAY
         if failure is not None:
             self._counters.inc("auth_rejected")

@@ -29,9 +29,17 @@ except ImportError:  # pragma: no cover - the connector extra is required for th
 
 
 class TransportError(ConnectorError, RuntimeError):
-    """Any NIXL failure (registration, metadata, transfer posting or state)."""
+    """Any NIXL failure (registration, metadata, transfer posting or state).
+
+    `pending_handle`: a posted transfer whose handle NIXL refused to release; the caller keeps
+    it (and the blocks it may still write into) until a release succeeds.
+    """
 
     kind = ConnectorErrorKind.TRANSPORT
+
+    def __init__(self, message: str, pending_handle: Any = None) -> None:
+        super().__init__(message)
+        self.pending_handle = pending_handle
 
 
 XferHandle = Any
@@ -145,8 +153,8 @@ class NixlTransport:
         except Exception as exc:
             raise TransportError(f"cannot post READ to {remote_agent}: {exc}") from exc
         if status == "ERR":
-            self.release(handle)
-            raise TransportError(f"READ to {remote_agent} failed at post")
+            kept = None if self.release(handle) else handle
+            raise TransportError(f"READ to {remote_agent} failed at post", pending_handle=kept)
         return handle
 
     def state(self, handle: XferHandle) -> str:
@@ -157,11 +165,15 @@ class NixlTransport:
             log.debug("check_xfer_state failed: %s", exc)
             return "ERR"
 
-    def release(self, handle: XferHandle) -> None:
+    def release(self, handle: XferHandle) -> bool:
+        """Whether NIXL let go of the handle. A refusal does not prove the DMA stopped: the
+        caller keeps the handle and its blocks and tries again later."""
         try:
             self._agent.release_xfer_handle(handle)
-        except Exception as exc:  # an aborted transfer may refuse release; it is dropped
-            log.debug("release_xfer_handle failed: %s", exc)
+        except Exception as exc:
+            log.warning("release_xfer_handle failed (handle and blocks kept): %s", exc)
+            return False
+        return True
 
     def notify(self, remote_agent: str, message: bytes) -> None:
         try:

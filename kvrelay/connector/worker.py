@@ -1,10 +1,13 @@
 """`ConnectorWorker`: one per TP rank. Handshake, claim, NIXL reads, notifications, failures.
 
 Threads: the engine's thread calls `start_load_kv` / `get_finished` and is the only one that
-touches NIXL. Side-channel calls (claim, handshake with bounded retries) run on a small pool;
-their results and failures come back through thread-safe queues; releases go through a
-`ReleaseSender` (per-holder threads, bounded retries). Only holders in `allowed_holders` are
-contacted. Every failure — handshake, incompatible holder or cache layout, claim "gone" or
+touches NIXL. Side-channel calls (claim, handshake with bounded retries) run on a pool of the
+holder's own (`claim_concurrency_per_holder` threads), so a hung holder delays only the loads
+that name it; their results and failures come back through thread-safe queues; releases go
+through a `ReleaseSender` (per-holder threads, bounded retries). Only holders in
+`allowed_holders` are contacted. A holder whose claims, handshakes or READs timed out is down
+(`breaker.HolderBreaker`): loads naming it fail at once until a probe shows it answers again.
+Every failure — handshake, incompatible holder or cache layout, claim "gone" or
 "claimed", setup, transfer error or timeout, unexpected exception — goes through ONE handler
 (`_fail`): the holder is released (our own claim ends) so nothing stays stranded, and once no
 READ of the request can still write into its local blocks, the blocks become invalid and the
@@ -15,7 +18,11 @@ counting as a load, but its handle is kept and polled until NIXL reports it over
 failed). Until then the request is not reported, so the engine keeps its blocks (quarantined):
 releasing a NIXL handle does not stop data already requested from landing. Past
 `cancel_grace_s` the read counts as stuck (`reads_stuck`, logged); it is still never handed
-back early. A holder that dies ends it (NIXL reports the failure).
+back early. A holder that dies ends it (NIXL reports the failure). If NIXL refuses to release
+a handle, handle and blocks are kept and the release retried (a status error does not prove the
+DMA stopped). Past `max_quarantined_blocks` quarantined blocks, loads from a holder with
+quarantined reads are refused at once (`quarantine` failures); `quarantined_blocks` and
+`quarantined_block_ms` (blocks x milliseconds) show what quarantines cost.
 
 One NIXL agent entry per holder instance: loaded at the first read from it and replaced only
 when the holder's instance id changes (a restart: the old entry is removed first). One read's
@@ -35,25 +42,37 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.breaker import DownReason, Holder, HolderBreaker
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.layout import CacheGeometry, CacheLayout, LayoutError, geometry_from_tensors
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec
 from kvrelay.connector.protocol import ClaimResponse, HandshakeResponse
 from kvrelay.connector.releases import Release, ReleaseSender
-from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
+from kvrelay.connector.sidechannel_client import (
+    HolderNotAllowedError,
+    SideChannelClient,
+    SideChannelError,
+)
 from kvrelay.connector.stats import Counters
 from kvrelay.connector.tp import ReadPlan, TPMismatchError, plan_reads
 from kvrelay.connector.transport import NixlTransport, TransportError, XferHandle, build_descs
 
 log = logging.getLogger(__name__)
+
+
+def _unreachable(exc: SideChannelError) -> bool:
+    """No answer at all (timeout, refused connection): the holder may be down. An answer, even
+    an error or a forged one, is not; a refused address was never contacted."""
+    return exc.status is None and not isinstance(exc, HolderNotAllowedError)
+
 
 NOTIF_TAG = "kvr1"
 _RECENT_MAX = 50_000
@@ -111,8 +130,13 @@ class _Read:
     num_blocks: int
     # Set once the read failed: it is being cancelled and is reported when NIXL says it is over.
     failure: LoadFailure | None = None
+    failed_at: float = 0.0
     grace_deadline: float = 0.0
     stuck: bool = False
+
+    @property
+    def holder(self) -> Holder:
+        return (self.spec.remote_host, self.spec.remote_port)
 
 
 @dataclass
@@ -136,13 +160,19 @@ class ConnectorWorker:
             "transfers", "blocks_read", "bytes_read", "failures", "notifs_received",
             "notifs_ignored", "freed_reported", "read_reported", "handshakes", "descs_posted",
             "remote_agents_added", "remote_agents_removed", "reads_cancelled", "reads_stuck",
+            "handle_releases_failed", "quarantined_block_ms",
         )  # fmt: skip
         self._transport: NixlTransport | None = None
         self._geometry: CacheGeometry | None = None
         self._client: SideChannelClient | None = None
         self._releases: ReleaseSender | None = None
         self._client_lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix=f"kvrelay-w{rank}")
+        # Claims and handshakes, one pool per holder (engine thread only creates and submits).
+        self._pools: dict[Holder, ThreadPoolExecutor] = {}
+        self._pool_work: dict[Holder, list[Future[None]]] = {}
+        self._breaker = HolderBreaker(config.holder_retry_s)
+        # Loads let through to a down holder as its probe (pool threads read, engine writes).
+        self._probes: set[str] = set()
         self._prepared: queue.Queue[_Prepared] = queue.Queue()
         self._failures: queue.Queue[tuple[str, LoadFailure]] = queue.Queue()
         # Snapshot of known holder instances, read by pool threads (replaced, never mutated).
@@ -211,10 +241,68 @@ class ConnectorWorker:
             self.counters.inc("freed_reported")
         for rid, spec in meta.reqs_to_recv.items():
             self._specs[rid] = spec
-            self._pool.submit(self._prepare, spec)
+            holder = (spec.remote_host, spec.remote_port)
+            down = self._breaker.is_down(holder)
+            refusal = self._refusal(holder)
+            if refusal is not None:
+                self._fail(rid, refusal)  # recomputed (or failed) now, not after a timeout
+                continue
+            if down:
+                self._probes.add(rid)
+            self._submit(holder, spec)
         for rid, local_blocks in meta.reqs_to_fail.items():
             self._invalid.update(local_blocks)
             self._done_recving.add(rid)
+
+    def _refusal(self, holder: Holder) -> LoadFailure | None:
+        """Why a new load from `holder` must not start now (None: it may)."""
+        if self._quarantine_full(holder):
+            return LoadFailure(
+                ConnectorErrorKind.QUARANTINE,
+                f"{self._quarantined_blocks()} blocks quarantined behind unfinished READs "
+                f"(max_quarantined_blocks {self.config.max_quarantined_blocks}); "
+                f"holder {holder[0]}:{holder[1]} has some of them",
+            )
+        if not self._breaker.allow(holder):
+            return LoadFailure(
+                ConnectorErrorKind.HOLDER_DOWN,
+                f"holder {holder[0]}:{holder[1]} timed out recently; retried in the background",
+            )
+        return None
+
+    def _quarantined_blocks(self, holder: Holder | None = None) -> int:
+        return sum(
+            r.num_blocks
+            for r in self._reads.values()
+            if r.failure is not None and (holder is None or r.holder == holder)
+        )
+
+    def _quarantine_full(self, holder: Holder) -> bool:
+        if self._quarantined_blocks() < self.config.max_quarantined_blocks:
+            return False
+        return self._quarantined_blocks(holder) > 0
+
+    def _submit(self, holder: Holder, spec: RecvSpec) -> None:
+        pool = self._pools.get(holder)
+        if pool is None:
+            self._drop_idle_pools()
+            pool = ThreadPoolExecutor(
+                max_workers=self.config.claim_concurrency_per_holder,
+                thread_name_prefix=f"kvrelay-w{self.rank}-{holder[0]}:{holder[1]}",
+            )
+            self._pools[holder] = pool
+        work = [f for f in self._pool_work.get(holder, []) if not f.done()]
+        work.append(pool.submit(self._prepare, spec))
+        self._pool_work[holder] = work
+
+    def _drop_idle_pools(self, keep: int = 32) -> None:
+        """Holders come and go (restarts on new ports): idle pools beyond `keep` are closed."""
+        if len(self._pools) < keep:
+            return
+        for holder in list(self._pools):
+            if all(f.done() for f in self._pool_work.get(holder, [])):
+                self._pools.pop(holder).shutdown(wait=False)
+                self._pool_work.pop(holder, None)
 
     def get_finished(self) -> tuple[set[str], set[str]]:
         """Drive NIXL; return (finished_sending, finished_recving) since the last call."""
@@ -235,11 +323,17 @@ class ConnectorWorker:
         cancelling = sum(1 for r in self._reads.values() if r.failure is not None)
         snap["reads_in_flight"] = len(self._reads) - cancelling
         snap["reads_cancelling"] = cancelling
+        snap["quarantined_blocks"] = self._quarantined_blocks()
+        snap["holders_down"] = self._breaker.down_count()
         snap["holding"] = len(self._holding)
         return snap
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+        for pool in self._pools.values():
+            pool.shutdown(wait=True)
+        self._pools.clear()
         if self._transport is not None:
             for read in self._reads.values():
                 for handle in read.handles:
@@ -253,7 +347,14 @@ class ConnectorWorker:
 
     # --- reader: off-thread side-channel work ----------------------------------------------
     def _prepare(self, spec: RecvSpec) -> None:
+        holder = (spec.remote_host, spec.remote_port)
         try:
+            if spec.request_id not in self._probes and self._breaker.is_down(holder):
+                # Queued behind the claim that found the holder down: fail now, not in turn.
+                raise LoadFailure(
+                    ConnectorErrorKind.HOLDER_DOWN,
+                    f"holder {holder[0]}:{holder[1]} timed out while this load waited",
+                )
             client = self._side_channel()
             claimed_at = time.monotonic()  # before the holder starts the pin: conservative
             try:
@@ -262,7 +363,10 @@ class ConnectorWorker:
                     self.config.engine_id, spec.request_id,
                 )  # fmt: skip
             except SideChannelError as exc:
+                if _unreachable(exc):
+                    self._breaker.failed(holder, DownReason.SIDE_CHANNEL)
                 raise LoadFailure(ConnectorErrorKind.CLAIM, f"claim failed: {exc}") from exc
+            self._breaker.answered(holder)
             if claim.status == "claimed":
                 raise LoadFailure(
                     ConnectorErrorKind.CLAIMED, "another reader request claimed these blocks"
@@ -271,8 +375,9 @@ class ConnectorWorker:
                 raise LoadFailure(ConnectorErrorKind.GONE, "holder no longer holds the blocks")
             held = set(claim.block_ids[0]) if claim.block_ids else set()
             if not set(spec.remote_block_ids) <= held:
+                # Our claim pins the hold: MISMATCH releases it (GONE would leave it pinned).
                 raise LoadFailure(
-                    ConnectorErrorKind.GONE, "holder holds other blocks than the params said"
+                    ConnectorErrorKind.MISMATCH, "holder holds other blocks than the params said"
                 )
             handshake = None
             if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
@@ -298,6 +403,11 @@ class ConnectorWorker:
                 self.counters.inc("handshakes")
             except SideChannelError as exc:
                 last = exc
+                if _unreachable(exc):
+                    self._breaker.failed(
+                        (spec.remote_host, spec.remote_port), DownReason.SIDE_CHANNEL
+                    )
+                    break  # the breaker now refuses this holder: no more waiting on it
                 time.sleep(min(0.05 * 2**attempt, 1.0))  # retry backoff, not synchronisation
                 continue
             if hs.engine_id != spec.remote_engine_id:
@@ -425,7 +535,12 @@ class ConnectorWorker:
                 self.config.coalesce,
             )  # fmt: skip
             agent = remote.agents[piece.remote_rank]
-            read.handles.append(transport.read(agent, l_descs, r_descs, message))
+            try:
+                read.handles.append(transport.read(agent, l_descs, r_descs, message))
+            except TransportError as exc:
+                if exc.pending_handle is not None:
+                    read.handles.append(exc.pending_handle)  # kept until NIXL lets it go
+                raise
             self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
             self.counters.inc("descs_posted", len(l_descs))
 
@@ -459,8 +574,10 @@ class ConnectorWorker:
                 )
             elif over:
                 for handle in read.handles:
-                    transport.release(handle)
+                    transport.release(handle)  # DONE: the data is in place either way
                 del self._reads[rid]
+                self._breaker.read_done(read.holder)
+                self._probes.discard(rid)
                 self._specs.pop(rid, None)
                 for agent in read.notify_agents:
                     try:
@@ -489,6 +606,12 @@ class ConnectorWorker:
         if spec is None or (read is not None and read.failure is not None):
             return
         log.warning("KV load for %s failed (%s): %s", rid, exc.kind.value, exc)
+        holder = (spec.remote_host, spec.remote_port)
+        if exc.kind is ConnectorErrorKind.TIMEOUT:
+            self._breaker.failed(holder, DownReason.READ)
+        elif rid in self._probes:
+            self._breaker.probe_over(holder)
+        self._probes.discard(rid)
         self.counters.inc("failures")
         self.counters.inc(f"failures_{exc.kind.value}")
         if spec.release_token and exc.kind.releases_holder:
@@ -508,18 +631,27 @@ class ConnectorWorker:
         # Posted pieces may still write into the local blocks: cancel, report once over.
         self.counters.inc("reads_cancelled")
         read.failure = exc
-        read.grace_deadline = time.monotonic() + self.config.cancel_grace_s
+        read.failed_at = time.monotonic()
+        read.grace_deadline = read.failed_at + self.config.cancel_grace_s
         transport, _ = self._require()
         if "PROC" not in [transport.state(h) for h in read.handles]:
             self._finish_failed(rid)
 
     def _finish_failed(self, rid: str) -> None:
-        """A cancelled read is over: free its handles, hand its blocks back as invalid."""
-        read = self._reads.pop(rid)
-        spec = self._specs.pop(rid, None)
+        """A cancelled read is over: free its handles, hand its blocks back as invalid.
+
+        A handle NIXL refuses to release stays, and so do the blocks (retried next poll)."""
+        read = self._reads[rid]
         if self._transport is not None:
-            for handle in read.handles:
-                self._transport.release(handle)
+            kept = [h for h in read.handles if not self._transport.release(h)]
+            if kept:
+                self.counters.inc("handle_releases_failed", len(kept))
+                read.handles = kept
+                return
+        del self._reads[rid]
+        spec = self._specs.pop(rid, None)
+        held_ms = 1000 * (time.monotonic() - read.failed_at)
+        self.counters.inc("quarantined_block_ms", round(read.num_blocks * held_ms))
         self._report_failed(spec or read.spec)
 
     def _report_failed(self, spec: RecvSpec) -> None:

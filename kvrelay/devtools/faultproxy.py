@@ -33,6 +33,7 @@ class FaultCounters:
     dropped: int = 0
     upstream_failures: int = 0
     delayed_chunks: int = 0
+    holding: int = 0  # chunks being delayed now (not yet forwarded)
 
 
 @dataclass
@@ -192,7 +193,11 @@ class FaultProxy:
                     break
                 if self.delay_s > 0:
                     self.counters.delayed_chunks += 1
-                    await asyncio.sleep(self.delay_s)
+                    self.counters.holding += 1
+                    try:
+                        await asyncio.sleep(self.delay_s)
+                    finally:
+                        self.counters.holding -= 1
                 if dst.is_closing():
                     break
                 dst.write(data)

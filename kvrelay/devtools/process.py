@@ -97,6 +97,20 @@ def http_ready(url: str) -> Callable[[], bool]:
     return probe
 
 
+def live_children(name: str) -> list[int]:
+    """Pids of this process's children running `name` that have not exited (Linux `/proc`):
+    what a test session must have stopped before it ends."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            text = stat.read_text()
+            comm = text[text.index("(") + 1 : text.rindex(")")]
+            state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+            if comm == name and int(ppid) == me and state != "Z":
+                found.append(int(stat.parent.name))
+    return sorted(found)
+
+
 @dataclass
 class ServerProcess:
     """A server subprocess started on a known port and stopped by `stop()`.

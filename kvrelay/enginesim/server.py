@@ -1,11 +1,11 @@
 """The aiohttp OpenAI-compatible front end of one simulated engine.
 
 Endpoints: `POST /v1/completions`, `POST /v1/chat/completions` (SSE streams and plain JSON),
-`GET /v1/models`, `GET /health`, `POST /tokenize`, `/detokenize`, `/v1/embeddings`,
-`/v1/responses` (`kvrelay.enginesim.extras`), `GET /metrics`, `GET|POST /admin/faults`,
-`POST /admin/corrupt_blocks` (tests). Validation and faults act before admission; a refused
-request that carried `do_remote_prefill` params is reported to the connector
-(`request_rejected`) so the holder frees its blocks at once.
+`GET /v1/models`, `GET /health`, `GET /version` (as vLLM answers it), `POST /tokenize`,
+`/detokenize`, `/v1/embeddings`, `/v1/responses` (`kvrelay.enginesim.extras`), `GET /metrics`,
+`GET|POST /admin/faults`, `POST /admin/corrupt_blocks` (tests). Validation and faults act before
+admission; a refused request that carried `do_remote_prefill` params is reported to the
+connector (`request_rejected`) so the holder frees its blocks at once.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from kvrelay import __version__
 from kvrelay.connector.protocol import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
 from kvrelay.enginesim import extras
 from kvrelay.enginesim.engine import EngineCore
@@ -71,6 +72,7 @@ class EngineServer:
                 web.post("/v1/chat/completions", self.chat_completions),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
+                web.get("/version", self.version),
                 web.get("/metrics", self.metrics),
                 web.get("/admin/faults", self.get_faults),
                 web.post("/admin/faults", self.set_faults),
@@ -86,6 +88,9 @@ class EngineServer:
         if not self.runner.alive:
             return web.json_response({"status": "engine dead"}, status=503)
         return web.json_response({"status": "ok"})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": f"enginesim-{__version__}"})
 
     async def models(self, request: web.Request) -> web.Response:
         model = {

@@ -17,6 +17,7 @@ from kvrelay.kvcache_map._errors import (
     InvalidKeyError,
     KeyTooLongError,
     MapUnavailableError,
+    UnconfirmedPutError,
 )
 from kvrelay.kvcache_map._memory import MemoryMap
 from kvrelay.kvcache_map._redis import RedisMap
@@ -37,6 +38,7 @@ __all__ = [
     "MapUnavailableError",
     "MemoryMap",
     "RedisMap",
+    "UnconfirmedPutError",
     "decode_key",
     "encode_key",
     "open_map",

@@ -71,7 +71,11 @@ class KVMap(Protocol):
     async def get(self, key: ConversationKey) -> KVEntry | None: ...
 
     async def put(self, key: ConversationKey, entry: KVEntry, ttl: float) -> None:
-        """Store for `ttl` seconds; an entry already under `key` is reported REPLACED."""
+        """Store for `ttl` seconds; an entry already under `key` is reported REPLACED.
+
+        `UnconfirmedPutError` (a `MapUnavailableError`) when the put may have been stored all
+        the same (timed out after it went out): its `settle()` says which, before the caller
+        frees the entry's blocks."""
 
     async def take(self, key: ConversationKey) -> KVEntry | None:
         """Atomic get-and-delete: of concurrent takers exactly one gets the entry."""

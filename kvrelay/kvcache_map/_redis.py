@@ -25,7 +25,9 @@ holder's lease). The sweep's pops are confirmed the same way before they are rep
 
 Connectivity problems of any kind raise `MapUnavailableError` within `timeout` seconds (no
 client-side retries); the pool reconnects on its own when Redis is back and scripts are
-reloaded on demand (NOSCRIPT), so callers never rebuild the map.
+reloaded on demand (NOSCRIPT), so callers never rebuild the map. A put that may have run all
+the same raises `UnconfirmedPutError`; each put writes its own fate key (`prefix:w:<id>`), on
+which its `settle()` learns whether the put ran or makes sure it never will.
 """
 
 from __future__ import annotations
@@ -57,16 +59,26 @@ from kvrelay.kvcache_map._base import (
     stop_task,
 )
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
-from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, MapUnavailableError
+from kvrelay.kvcache_map._errors import (
+    EntryDecodeError,
+    InvalidKeyError,
+    MapUnavailableError,
+    UnconfirmedPutError,
+)
 from kvrelay.kvcache_map._redis_topology import KeyLayout, single_client
-from kvrelay.kvcache_map._resp import RespConnection
+from kvrelay.kvcache_map._resp import NotConnectedError, RespConnection
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 DEFAULT_PREFIX = "kvrelay"
-DEFAULT_TIMEOUT = 0.05
+# The per-operation bound: 100 ms. Measured with `python -m bench.kvmap --backends redis
+# --clients 1 16 64` on a 2-CPU machine at load average 6 (three times oversubscribed): put
+# p99 3.2 / 6.7 / 15.5 ms. 50 ms timed out 3 of 15 turns next to real vLLM engines, whose CPU
+# use stalls the proxy's event loop (the bound counts that too). 100 ms is over 6x the worst
+# p99 seen; a stalled Redis costs a turn at most two bounds (take, put).
+DEFAULT_TIMEOUT = 0.1
 DEFAULT_SWEEP_INTERVAL = 0.5
 DEFAULT_SHADOW_GRACE = 300.0
 DEFAULT_SWEEP_BATCH = 256
@@ -88,11 +100,17 @@ local function now_ms()
 end
 """
 
-# KEYS: value, shadow, index. ARGV: entry, ttl_ms, grace_ms, member.
+# KEYS: value, shadow, index, fate. ARGV: entry, ttl_ms, grace_ms, member. The fate key is this
+# write's own: "stored" once it ran (for the entry's TTL: afterwards the entry is gone anyway),
+# "undone" once a settle got there first (the put then stores nothing), so a put whose reply
+# was lost is settled one way, once, on Redis.
 _LUA_PUT = (
     _LUA_GETSTR
     + """
 local ttl = tonumber(ARGV[2])
+if not redis.call('SET', KEYS[4], 'stored', 'NX', 'PX', ttl) then
+  return {'undone'}
+end
 local old = getstr(KEYS[1])
 local kind = 'replaced'
 if not old and redis.call('ZSCORE', KEYS[3], ARGV[4]) then
@@ -107,6 +125,14 @@ if old then return {kind, old} end
 return false
 """
 )
+
+# KEYS: the put's fate key. ARGV: its lifetime ms. Returns 1 when the put ran (its entry is the
+# map's like any other), 0 when it did not and now never will (the fate says "undone").
+_LUA_SETTLE_PUT = """
+if redis.call('SET', KEYS[1], 'undone', 'NX', 'PX', tonumber(ARGV[1])) then return 0 end
+if redis.call('GET', KEYS[1]) == 'undone' then return 0 end
+return 1
+"""
 
 # KEYS: value, shadow, index. ARGV: member. Used by take and delete.
 _LUA_TAKE = (
@@ -218,6 +244,7 @@ class RedisMap:
         # The lock only saves work (see module docstring); it outlives a slow sweep briefly.
         self._lock_ms = max(1000, math.ceil(sweep_interval * 4000))
         self._put = client.register_script(_LUA_PUT)
+        self._settle_put = client.register_script(_LUA_SETTLE_PUT)
         self._take = client.register_script(_LUA_TAKE)
         self._sweep = client.register_script(_LUA_SWEEP)
         self._unlock = client.register_script(_LUA_UNLOCK)
@@ -258,25 +285,47 @@ class RedisMap:
         return self._found(raw)
 
     async def put(self, key: ConversationKey, entry: KVEntry, ttl: float) -> None:
+        """See `KVMap.put`; raises `UnconfirmedPutError` when the put may have been stored
+        without this replica knowing (its `settle` finds out, or makes sure it never is)."""
         member = self._member(key)
         if not isinstance(entry, KVEntry):
             raise TypeError("entry must be a KVEntry")
         ttl_ms = max(1, math.ceil(check_ttl(ttl) * 1000))
-        result, confirmed = await self._write(
-            self._put, self._layout.keys(member), [entry.to_bytes(), ttl_ms, self._grace_ms, member]
-        )
+        keys = [*self._layout.keys(member), self._layout.fate(member, secrets.token_hex(8))]
+        try:
+            result, confirmed = await self._write(
+                self._put, keys, [entry.to_bytes(), ttl_ms, self._grace_ms, member]
+            )
+        except MapUnavailableError as exc:
+            if isinstance(exc.__cause__, ResponseError | NotConnectedError):
+                raise  # refused by Redis, or never sent: nothing was stored
+            raise self._unconfirmed(f"put outcome unknown ({exc})", keys, ttl_ms) from exc
         if not confirmed:
             # A failover may undo this put and bring back the entry it overwrote, so that
             # entry is not reported now (reported later once, or left to its lease). The
-            # caller treats the put as failed and frees the new entry's blocks itself.
-            raise MapUnavailableError("put not confirmed by enough replicas")
+            # master has it meanwhile: the caller settles it before freeing its blocks.
+            raise self._unconfirmed("put not confirmed by enough replicas", keys, ttl_ms)
+        if result and len(result) != 2:  # a settle got there first: nothing stored
+            return
         self._counters.puts += 1
         if result:
-            kind, raw = result
-            old = self._decode(raw)
+            kind, old_raw = result
+            old = self._decode(old_raw)
             if old is not None:
                 reason = EvictionReason.EXPIRED if kind == b"expired" else EvictionReason.REPLACED
                 self._notifier.notify(key, old, reason)
+
+    def _unconfirmed(self, why: str, keys: list[str], ttl_ms: int) -> UnconfirmedPutError:
+        # "undone" outlives any late arrival of the put (as long as the entry's shadow).
+        fate, args = [keys[3]], [ttl_ms + self._grace_ms]
+
+        async def settle() -> bool:
+            result, confirmed = await self._write(self._settle_put, fate, args)
+            if not confirmed:
+                raise MapUnavailableError("settling a put not confirmed by enough replicas")
+            return bool(result)
+
+        return UnconfirmedPutError(why, settle)
 
     async def take(self, key: ConversationKey) -> KVEntry | None:
         entry = self._found(await self._remove(key))

@@ -53,6 +53,10 @@ class KeyLayout:
         base = self.base(self.shard_of(member))
         return [f"{base}:v:{member}", f"{base}:s:{member}", f"{base}:idx"]
 
+    def fate(self, member: str, write_id: str) -> str:
+        """The key recording whether one put was stored or undone (same slot as the entry)."""
+        return f"{self.base(self.shard_of(member))}:w:{write_id}"
+
     def value(self, member: str) -> str:
         return self.keys(member)[0]
 

@@ -15,7 +15,8 @@ Scope: a plain-TCP single server (`redis://`, its user, password and db from the
 
 Failures raise redis-py's exception classes, so the map treats them as before:
 - a refused connect or a connection reset or closed fails every call waiting on it with
-  `ConnectionError`; the next call connects again;
+  `ConnectionError` (`NotConnectedError` when no connection could be made: nothing was
+  sent); the next call connects again;
 - an error reply reaches its caller only (`ResponseError`, `NoScriptError`);
 - a caller that stops waiting (its timeout) keeps its place in the FIFO; its reply is dropped
   when it comes. The command may still run, as with redis-py;
@@ -37,6 +38,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 Arg = bytes | str | int
+
+
+class NotConnectedError(RedisConnectionError):
+    """No connection could be made: the command never went out (it cannot have run)."""
 
 
 class _Incomplete:
@@ -256,6 +261,6 @@ class RespConnection:
             self._proto = proto
             return proto
         except (OSError, TimeoutError) as exc:
-            raise RedisConnectionError(f"cannot connect to redis: {type(exc).__name__}") from exc
+            raise NotConnectedError(f"cannot connect to redis: {type(exc).__name__}") from exc
         finally:
             self._connecting = None

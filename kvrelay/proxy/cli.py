@@ -1,4 +1,5 @@
-"""`kvrelay` command line: `serve` (the proxy), `sim` (an engine simulator), `demo`, `tenant-id`.
+"""`kvrelay` command line: `serve` (the proxy), `healthcheck`, `sim` (an engine simulator), `demo`,
+`tenant-id`.
 
 `serve` has one flag per setting, generated from `kvrelay.proxy.config.Settings` so the flags, the
 env vars and the Helm values never drift apart. Flags override `KVRELAY_*` env vars.
@@ -98,6 +99,12 @@ def cmd_serve(argv: list[str]) -> int:
         return 2
 
 
+def cmd_healthcheck(argv: list[str]) -> int:
+    from kvrelay.proxy.healthcheck import run
+
+    return run(argv, serve_parser(), settings_from_args)
+
+
 def cmd_sim(argv: list[str]) -> int:
     from kvrelay.enginesim.cli import main as sim_main
 
@@ -132,6 +139,7 @@ def cmd_demo(argv: list[str]) -> int:
 
 COMMANDS = {
     "serve": (cmd_serve, "run the proxy"),
+    "healthcheck": (cmd_healthcheck, "exit 0 when the proxy `serve` runs answers /health"),
     "sim": (cmd_sim, "run an engine simulator (enginesim)"),
     "demo": (cmd_demo, "local demo fleet and a five-turn chat"),
     "tenant-id": (cmd_tenant_id, "the tenant id of an API key (stdin), for tenant_limits"),
@@ -140,7 +148,7 @@ COMMANDS = {
 
 def usage() -> str:
     lines = ["usage: kvrelay <command> [options]", "", "commands:"]
-    lines += [f"  {name:<9} {text}" for name, (_, text) in COMMANDS.items()]
+    lines += [f"  {name:<11} {text}" for name, (_, text) in COMMANDS.items()]
     lines.append("\n`kvrelay <command> --help` shows the command's options.")
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from tests.kvcache_map.helpers import Recorder
 from tests.kvcache_map.topologies import RedisCluster, SentinelSet
 
 # Contract tests are about behaviour, not latency: a generous Redis timeout keeps them stable
-# on a loaded machine. The fail-fast tests use the 50 ms default explicitly.
+# on a loaded machine. The fail-fast tests use the 100 ms default explicitly.
 CONTRACT_TIMEOUT_MS = 2000
 FAST_SWEEP_MS = 20
 
@@ -27,9 +27,9 @@ def recorder() -> Recorder:
 @pytest.fixture(scope="session")
 def redis_cluster() -> Iterator[RedisCluster]:
     """A 3-master Redis Cluster shared by the suite (tests use their own key prefixes)."""
-    cluster = RedisCluster().start()
+    cluster = RedisCluster()
     try:
-        yield cluster
+        yield cluster.start()
     finally:
         cluster.stop()
 
@@ -37,9 +37,9 @@ def redis_cluster() -> Iterator[RedisCluster]:
 @pytest.fixture(scope="session")
 def redis_sentinels() -> Iterator[SentinelSet]:
     """Master + replica + three sentinels shared by the suite (own key prefix per test)."""
-    sentinels = SentinelSet().start()
+    sentinels = SentinelSet()
     try:
-        yield sentinels
+        yield sentinels.start()
     finally:
         sentinels.stop()
 

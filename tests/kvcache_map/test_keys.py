@@ -99,8 +99,9 @@ async def test_nasty_ids_in_real_redis_stay_apart_and_escaped(redis: RedisServer
                 got = await m.get(ConversationKey(tenant, conv))
                 assert got is not None and got.request_id == f"{i}"
         keys = sorted(k.decode() for k in await raw.keys("*"))
-        assert len(keys) == 2 * 2 * len(ids) + 1  # value + shadow per entry, one index
-        assert all(re.fullmatch(r"app:(idx|[vs]:[A-Za-z0-9_.-]+)", k) for k in keys), keys
+        # value, shadow and the put's fate per entry, one index
+        assert len(keys) == 2 * 3 * len(ids) + 1
+        assert all(re.fullmatch(r"app:(idx|[vs]:[A-Za-z0-9_.-]+|w:[0-9a-f]{16})", k) for k in keys)
         assert await raw.exists("evil") == 0
     finally:
         await raw.aclose()

@@ -12,22 +12,24 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
+from kvrelay.devtools.faultproxy import FaultProxy
 from kvrelay.kvcache_map import (
     ConversationKey,
     EvictionReason,
     KVEntry,
     MapUnavailableError,
     RedisMap,
+    UnconfirmedPutError,
     encode_key,
     open_map,
 )
-from tests.harness import RedisServer, redis_server
+from tests.harness import RedisServer, redis_server, wait_until
 from tests.kvcache_map.helpers import Recorder, eventually, key, make_entry
 
-# Generous: these tests are about behaviour; the fail-fast tests use the default (50 ms).
+# Generous: these tests are about behaviour; the fail-fast tests use the default (100 ms).
 SLOW_OK = 2.0
 # A bound on "fails fast" that still holds on a heavily shared machine; the configured
-# timeout is 50 ms, and without it these calls would hang for seconds or forever.
+# timeout is 100 ms, and without it these calls would hang for seconds or forever.
 FAIL_FAST_BOUND = 1.5
 
 
@@ -211,7 +213,7 @@ async def test_prefixes_are_separate_namespaces(redis: RedisServer) -> None:
 
 
 async def test_redis_killed_fails_fast_then_recovers_after_restart(redis: RedisServer) -> None:
-    m = open_map(redis.url)  # default 50 ms timeout
+    m = open_map(redis.url)  # default 100 ms timeout
     k = key("c")
     entry = make_entry()
     try:
@@ -250,7 +252,7 @@ async def test_redis_killed_fails_fast_then_recovers_after_restart(redis: RedisS
 
 
 async def test_redis_paused_times_out_then_answers_correctly(redis: RedisServer) -> None:
-    m = open_map(redis.url)  # default 50 ms timeout
+    m = open_map(redis.url)  # default 100 ms timeout
     assert redis.process is not None and redis.process.proc is not None
     pid = redis.process.proc.pid
     k = key("c")
@@ -361,3 +363,69 @@ async def test_stored_form_is_compact(redis: RedisServer, raw: aioredis.Redis) -
         assert 0 < ttl_ms <= 60_000  # the TTL is kept by Redis
     finally:
         await m.close()
+
+
+# -- puts whose outcome is unknown --------------------------------------------------------------
+
+
+async def test_a_put_that_timed_out_but_landed_settles_as_stored(redis: RedisServer) -> None:
+    """Redis stores the put after the map's bound: the caller learns it was stored, so it
+    keeps the blocks the entry points at; a later put of the same key is as usual."""
+    relay = FaultProxy("127.0.0.1", redis.port).start()
+    m = open_map(f"redis://127.0.0.1:{relay.listen_port}/0?timeout_ms=100")
+    try:
+        await m.put(key("warm"), make_entry(), ttl=60)  # connected, scripts loaded
+        relay.set_delay(0.5)
+        entry = make_entry(request_id="late")
+        with pytest.raises(UnconfirmedPutError) as unconfirmed:
+            await m.put(key("c"), entry, ttl=60)
+        relay.heal()
+        await asyncio.to_thread(wait_until, lambda: relay.counters.holding == 0, 10)
+
+        async def settled() -> bool | None:
+            try:
+                return await unconfirmed.value.settle()
+            except MapUnavailableError:
+                return None
+
+        await eventually(lambda: _is(settled, True), what="the put to settle")
+        assert await unconfirmed.value.settle() is True  # idempotent
+        assert await m.take(key("c")) == entry
+    finally:
+        await m.close()
+        relay.stop()
+
+
+async def test_a_put_settled_before_it_ran_stores_nothing(
+    redis: RedisServer, raw: aioredis.Redis
+) -> None:
+    """The settle can overtake its put (another connection, a held-back packet): the put,
+    when it runs, stores nothing, and the settle says so."""
+    m = redis_map(redis)
+    try:
+        member = encode_key(key("c"))
+        keys = [*m._layout.keys(member), m._layout.fate(member, "w1")]
+        settle = m._unconfirmed("test", keys, 60_000)
+        assert await settle.settle() is False
+        args = [make_entry().to_bytes(), 60_000, 1000, member]
+        result, _ = await m._write(m._put, keys, args)  # the late put
+        assert result == [b"undone"]
+        assert await m.get(key("c")) is None and await raw.zcard(m._layout.index(0)) == 0
+        assert await settle.settle() is False
+    finally:
+        await m.close()
+
+
+async def test_a_put_that_never_went_out_is_a_plain_failure(redis: RedisServer) -> None:
+    m = open_map(redis.url)
+    try:
+        redis.kill()
+        with pytest.raises(MapUnavailableError) as failed:
+            await m.put(key("c"), make_entry(), ttl=60)
+        assert not isinstance(failed.value, UnconfirmedPutError)
+    finally:
+        await m.close()
+
+
+async def _is(probe: Callable[[], Awaitable[object]], expected: object) -> bool:
+    return await probe() == expected

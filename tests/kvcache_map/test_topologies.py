@@ -55,7 +55,7 @@ async def test_cluster_and_sentinel_without_nodes_fail_fast(kind: str) -> None:
         url = f"redis+cluster://127.0.0.1:{free_port()}"
     else:
         url = f"redis+sentinel://127.0.0.1:{free_port()},127.0.0.1:{free_port()}/svc"
-    m = open_map(url)  # default 50 ms timeout
+    m = open_map(url)  # default 100 ms timeout
     try:
         for attempt in (
             lambda: m.get(key("c")),

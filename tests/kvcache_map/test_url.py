@@ -39,7 +39,7 @@ async def test_redis_url_options(redis: RedisServer) -> None:
         await m.close()
     default = open_map(redis.url)
     assert isinstance(default, RedisMap)
-    assert default.prefix == "kvrelay" and default.timeout == 0.05
+    assert default.prefix == "kvrelay" and default.timeout == 0.1
     await default.close()
 
 

@@ -92,6 +92,14 @@ class RedisCluster:
         return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def start(self) -> RedisCluster:
+        """Start every node; on any failure the nodes started so far are stopped."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> RedisCluster:
         for i in range(3):
             node = Node([])
             node.args = [
@@ -108,7 +116,6 @@ class RedisCluster:
             capture_output=True, text=True, timeout=60, check=False,
         )  # fmt: skip
         if created.returncode != 0:
-            self.stop()
             raise RuntimeError(f"redis-cli --cluster create failed:\n{created.stdout}")
         for node in self.nodes:
             wait_until(
@@ -147,6 +154,14 @@ class SentinelSet:
         return f"redis+sentinel://{hosts}/{SERVICE}"
 
     def start(self) -> SentinelSet:
+        """Start every node; on any failure the nodes started so far are stopped."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> SentinelSet:
         self.master.start()
         replica_args = ["--save", "", "--appendonly", "no", "--replicaof", "127.0.0.1"]
         self.replica = Node([*replica_args, str(self.master.port)]).start()

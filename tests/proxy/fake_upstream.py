@@ -9,7 +9,9 @@ what the proxy forwarded.
 - `POST /v1/responses` (any other path too) with `"stream": true`: one SSE event at once, the
   rest once `gate` is set; with `"cut": true` in the body the connection is dropped after the
   first event instead. Without stream: a JSON echo of the body.
-- `POST /v1/embeddings`: a JSON echo (status `status` when set, e.g. 500).
+- `POST /v1/embeddings`: a JSON echo (status `status` when set, e.g. 500, with `error_text` as
+  a text/plain answer when that is set). A body that is not JSON (a multipart form) is recorded
+  and answered like an empty one.
 - `GET /v1/models`: the `models` it was given. `GET /health`: ok. `GET /metrics`: empty
   (not recorded: the proxy scrapes it for load signals).
 """
@@ -46,6 +48,7 @@ class FakeUpstream:
         self.models = models
         self.seen: list[Seen] = []
         self.status = 200
+        self.error_text: str | None = None
         self.gate = threading.Event()
         self.first_event_sent = threading.Event()
         app = web.Application()
@@ -81,7 +84,9 @@ class FakeUpstream:
                 raw,
             )
         )
-        body = json.loads(raw) if raw else {}
+        body = json.loads(raw) if raw and request.content_type == "application/json" else {}
+        if self.status != 200 and self.error_text is not None:
+            return web.Response(text=self.error_text, status=self.status)
         if self.status != 200:
             return web.json_response({"error": {"message": "fake failure"}}, status=self.status)
         if not body.get("stream"):

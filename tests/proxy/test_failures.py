@@ -4,9 +4,13 @@ and afterwards no engine holds any block (engines' /metrics)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import httpx
+import redis as redis_py
 
 from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools.faultproxy import FaultProxy
 from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import RedisServer, wait_until
@@ -119,8 +123,10 @@ def test_slow_everything_gives_a_timeout_error(
                           retries="0")  # fmt: skip
     assert pd_fleet.decode.request("/admin/faults", {"delay_ms": 3000})[0] == 200
     resp = _complete(proxy.url)
-    assert resp.status_code == 502
-    assert "timeout" in resp.json()["error"]["message"]
+    # D is healthy (its probe passes), only slow: a timeout of this request, not D's failure.
+    assert resp.status_code == 504
+    assert resp.json()["error"]["code"] == "decode_timeout"
+    assert "first_byte_timeout" in resp.json()["error"]["message"]
     assert pd_fleet.decode.request("/admin/faults", {"delay_ms": 0})[0] == 200
     proxy.stop()
     pd_fleet.finish()
@@ -217,3 +223,62 @@ def test_decode_down_releases_prefill_blocks_through_the_side_channel(
             'kvrelay_releases_total{holder="prefill",result="released"}', 0) >= 1,
         10, what="the proxy's release of P's blocks",
     )  # fmt: skip
+
+
+def test_a_map_write_that_timed_out_but_landed_keeps_its_hold(
+    engine_factory: EngineFactory, proxy_factory: ProxyFactory, redis: RedisServer
+) -> None:
+    """Redis answers the turn's put after the proxy's bound, but stores it: D's hold must
+    outlive the timeout, so the next turn reuses the blocks the entry points at."""
+    lease = ("--lease-seconds", "8")  # the entries left in Redis are freed by D's lease
+    p = engine_factory("P", "--role", "prefill", *lease)
+    d = engine_factory("D", "--role", "decode", "--decode-us-per-step", "50000", *lease)
+    relay = FaultProxy("127.0.0.1", redis.port).start()
+    try:
+        map_url = f"redis://127.0.0.1:{relay.listen_port}/0?timeout_ms=100"
+        proxy = proxy_factory([p], [d], ready_path="/ready", map_url=map_url,
+                              entry_safety_margin_s="1")  # fmt: skip
+        msgs = [{"role": "user", "content": PROMPT}]
+        # Another conversation first: Redis then knows the map's scripts (a put whose script
+        # Redis had to load first would not have run at all when it timed out).
+        warm = {"X-Conversation-Id": "warm-up"}
+        assert post(proxy.url, "/v1/chat/completions", chat_body(msgs), warm).status_code == 200
+        wait_until(lambda: _entries(redis) == 1, 10, what="the warm-up entry")
+        headers = {"X-Conversation-Id": "late-put"}
+        with ThreadPoolExecutor(1) as pool:
+            turn = pool.submit(post, proxy.url, "/v1/chat/completions", chat_body(msgs), headers)
+            # D is decoding (the turn's take is done): the put that follows will be late.
+            wait_until(lambda: d.metric("enginesim_requests_running") == 1, 15,
+                       what="D to decode the first turn")  # fmt: skip
+            relay.set_delay(1.0)
+            first = reply_of(turn.result(60))
+        assert proxy.metrics()['kvrelay_map_unavailable_total{op="put"}'] == 1
+        relay.heal()
+        # The late put reaches Redis and is stored.
+        wait_until(lambda: relay.counters.holding == 0, 15, what="the relay to pass the put on")
+        wait_until(lambda: _entries(redis) == 2, 10, what="the late put to be stored")
+        msgs += [{"role": "assistant", "content": first}, {"role": "user", "content": "Go on."}]
+        loaded = p.metric("enginesim_prompt_tokens_loaded_total")
+        second = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(msgs), headers))
+        assert second == reference_chat(msgs, 12)
+        assert p.metric("enginesim_prompt_tokens_loaded_total") > loaded  # reused, not gone
+        assert proxy.metrics()['kvrelay_reuse_total{result="hit"}'] == 1
+        wait_until(
+            lambda: proxy.metrics().get(
+                'kvrelay_map_unconfirmed_puts_total{result="stored"}', 0) == 1,
+            20, what="the proxy to settle the late put as stored",
+        )  # fmt: skip
+        proxy.stop()
+        p.wait_idle(20)
+        d.wait_idle(20)
+    finally:
+        relay.stop()
+
+
+def _entries(redis: RedisServer) -> int:
+    """Entries in the map's index, asked on a connection of its own."""
+    client = redis_py.Redis.from_url(redis.url)
+    try:
+        return int(client.zcard("kvrelay:idx"))
+    finally:
+        client.close()

@@ -206,3 +206,50 @@ def test_engine_error_and_cut_stream_reach_the_client(
         ]
         == 1
     )
+
+
+SMUGGLED: list[object] = ["x", ["a"], {"do_remote_prefill": True, "remote_host": "169.254.169.254"}]
+
+
+@pytest.mark.parametrize("value", SMUGGLED, ids=["str", "list", "dict"])
+def test_kv_transfer_params_inside_vllm_xargs_never_reach_an_engine(
+    fake: FakeUpstream, proxy_factory: ProxyFactory, value: object
+) -> None:
+    # vLLM copies vllm_xargs into the sampling params' extra_args, where its scheduler reads
+    # kv_transfer_params: smuggled there, they would reach the connector (a str crashes the
+    # engine core). Every route, each leg: gone; the client's other xargs are kept.
+    proxy = proxy_factory([fake.url], [fake.url])
+    xargs = {"kv_transfer_params": value, "keep": 1}
+    requests = [
+        ("/v1/responses", {"model": MODEL, "input": "x", "vllm_xargs": xargs}),
+        ("/tokenize", {"model": MODEL, "prompt": "x", "vllm_xargs": xargs}),
+        # The fake P answers without params: D runs decode-only, a leg with no params of ours.
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "vllm_xargs": xargs}),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "vllm_xargs": xargs},
+        ),
+    ]
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for path, body in requests:
+            client.post(path, json=body)
+    forwarded = [s for s in fake.seen if s.path.startswith(("/v1/", "/tokenize"))]
+    assert {s.path for s in forwarded} == {path for path, _ in requests}
+    for seen in forwarded:
+        sent = json.loads(seen.body)
+        assert "kv_transfer_params" not in sent.get("vllm_xargs", {}), (seen.path, sent)
+        assert sent["vllm_xargs"]["keep"] == 1, (seen.path, sent)
+        # Only the proxy's own params (P leg), never the client's.
+        theirs = sent.get("kv_transfer_params") or {}
+        assert theirs.get("remote_host") != "169.254.169.254", (seen.path, sent)
+
+
+def test_strip_connector_fields_is_the_one_place_that_removes_them() -> None:
+    from kvrelay.proxy.base import strip_connector_fields
+
+    xargs = {"kv_transfer_params": {"a": 1}, "keep": "y"}
+    body = {"kv_transfer_params": {"b": 2}, "vllm_xargs": xargs, "model": MODEL}
+    assert strip_connector_fields(body) == {"vllm_xargs": {"keep": "y"}, "model": MODEL}
+    assert xargs == {"kv_transfer_params": {"a": 1}, "keep": "y"}  # the caller's dict untouched
+    odd = {"vllm_xargs": "not an object"}
+    assert strip_connector_fields(odd) == {"vllm_xargs": "not an object"}  # the engine's 400

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay import __version__
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
@@ -43,10 +44,12 @@ def pd_fleet(
 
 
 def _turns(fleet: ProxiedPair, questions: list[str], conversation: str | None,
-           streamed: bool = False) -> list[tuple[str, str]]:  # fmt: skip
-    """Run a conversation; returns (proxy answer, reference answer) per turn."""
+           streamed: bool = False, header: str = "X-Conversation-Id",
+           ) -> list[tuple[str, str]]:  # fmt: skip
+    """Run a conversation (its id in `header`); returns (proxy answer, reference answer) per
+    turn."""
     messages: list[dict[str, Any]] = [{"role": "system", "content": LONG_SYSTEM}]
-    headers = {"X-Conversation-Id": conversation} if conversation else {}
+    headers = {header: conversation} if conversation else {}
     out = []
     for question in questions:
         messages.append({"role": "user", "content": question})
@@ -113,6 +116,36 @@ def test_streamed_turns_reuse_via_side_channel_params(pd_fleet: ProxiedPair) -> 
     assert pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") > loaded_before
     assert pd_fleet.proxy.call("DELETE", "/v1/conversations/s-1")[0] == 200
     pd_fleet.wait_clean()
+
+
+def test_x_session_id_names_the_conversation_and_its_turns_reuse(pd_fleet: ProxiedPair) -> None:
+    """vLLM's multi-turn benchmark names its conversations with X-Session-ID: the turns are
+    stored under that id (DELETE finds it), reuse D's KV, streamed or not."""
+    for streamed in (False, True):
+        session = f"bench-session-{int(streamed)}"
+        loaded_before = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total")
+        hits_before = pd_fleet.proxy.metrics().get('kvrelay_reuse_total{result="hit"}', 0.0)
+        questions = ["What is a cache?", "And a block?", "Why reuse it?"]
+        turns = _turns(pd_fleet, questions, session, streamed=streamed, header="X-Session-ID")
+        for answer, expected in turns:
+            assert answer == expected
+        loaded = pd_fleet.prefill.metric("enginesim_prompt_tokens_loaded_total") - loaded_before
+        assert loaded > 0
+        hits = pd_fleet.proxy.metrics()['kvrelay_reuse_total{result="hit"}'] - hits_before
+        assert hits == len(questions) - 1
+        assert pd_fleet.proxy.call("DELETE", f"/v1/conversations/{session}")[0] == 200
+        pd_fleet.wait_clean()
+
+
+def test_version_names_the_proxy_and_each_engine(pd_fleet: ProxiedPair) -> None:
+    status, body, _ = pd_fleet.proxy.call("GET", "/version")
+    assert status == 200
+    assert body["version"] == __version__
+    engines = sorted(body["engines"], key=lambda e: e["role"])
+    assert [e["role"] for e in engines] == ["decode", "prefill"]
+    assert all(e["version"] == f"enginesim-{__version__}" for e in engines)
+    # Engines are named, never addressed.
+    assert "127.0.0.1" not in str(body)
 
 
 def test_history_fingerprint_gives_reuse_without_an_id(pd_fleet: ProxiedPair) -> None:

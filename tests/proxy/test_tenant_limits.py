@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools.faultproxy import FaultProxy
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import open_redis_client
 from kvrelay.proxy.base import ProxyError
@@ -174,6 +175,69 @@ def test_redis_down_admits_unchecked() -> None:
             await limiter.stop()
 
     asyncio.run(run())
+
+
+def test_a_redis_stall_leaves_no_slot_behind(redis: RedisServer) -> None:
+    """Admissions that time out while Redis stalls still run once it answers; the slots they
+    take belong to requests that ended long ago and must not lock the tenant out."""
+
+    async def run() -> None:
+        relay = FaultProxy("127.0.0.1", redis.port).start()
+        client, prefix, _ = open_redis_client(f"redis://127.0.0.1:{relay.listen_port}/0")
+        limiter = RedisLimiter(
+            TenantLimit(max_inflight=2), {}, client, prefix, lease_s=30.0, timeout=0.3
+        )
+        try:
+            await (await limiter.admit("t1")).release()  # connected, scripts loaded
+            relay.set_delay(1.0)  # replies come long after the limiter's bound
+            for _ in range(3):  # more than the limit: each is admitted unchecked and ends
+                await (await limiter.admit("t1")).release()
+            relay.heal()
+            # Everything the stall held back has reached Redis (and its scripts have run).
+            # Once the relay has forwarded them, a reply on a direct connection comes after
+            # Redis ran them (it answers after handling what it has already received).
+            await asyncio.to_thread(wait_until, lambda: relay.counters.holding == 0, 10)
+            # At once, not after a lease: the tenant's full limit is there.
+            held = [await limiter.admit("t1"), await limiter.admit("t1")]
+            with pytest.raises(ProxyError):
+                await limiter.admit("t1")
+            for slot in held:
+                await slot.release()
+            assert await _slots(redis, "t1") == 0
+        finally:
+            await limiter.stop()
+            relay.stop()
+
+    asyncio.run(run())
+
+
+def test_a_release_that_overtakes_its_admission_takes_the_slot_back(redis: RedisServer) -> None:
+    """The release of a timed-out admission can reach Redis before the admission itself (two
+    connections): it leaves a tombstone, and the late admission takes nothing."""
+
+    async def run() -> None:
+        limiter = _redis_limiter(redis.url, TenantLimit(max_inflight=1))
+        keys = limiter._keys("t1")
+        try:
+            await limiter._call(limiter._release_script, keys, [30_000, "late"])
+            code, _ = await limiter._call(limiter._admit_script, keys, [1, 0, 1, "late", 30_000])
+            assert code == 3  # given up before it ran: nothing taken
+            assert await _slots(redis, "t1") == 0
+            await (await limiter.admit("t1")).release()  # the tenant's one slot is free
+            assert await _slots(redis, "t1") == 0
+        finally:
+            await limiter.stop()
+
+    asyncio.run(run())
+
+
+async def _slots(redis: RedisServer, tenant: str) -> int:
+    """Slots held in Redis for `tenant`, asked on a connection of its own."""
+    client, prefix, _ = open_redis_client(redis.url)
+    try:
+        return int(await client.zcard(f"{{{prefix}:limit:{tenant}}}:slots"))
+    finally:
+        await client.aclose()
 
 
 async def _eventually(admit: object, within_s: float) -> None:

@@ -71,11 +71,11 @@ def memory_spans() -> Iterator[InMemorySpanExporter]:
 
 @contextlib.asynccontextmanager
 async def recorded_fleet(
-    p: EngineSim, d: EngineSim, api_key: str
+    p: EngineSim, d: EngineSim, api_key: str, **more_settings: Any
 ) -> AsyncIterator[tuple[str, HeaderRecorder, HeaderRecorder]]:
     """The proxy in this process in front of P and D, each behind a header recorder; yields
     (proxy URL, P's recorder, D's recorder). Everything is stopped (and the proxy's background
-    releases drained) on exit."""
+    releases drained) on exit. `more_settings` are further proxy settings."""
     rp, rd = HeaderRecorder(p.url), HeaderRecorder(d.url)
     await rp.start()
     await rd.start()
@@ -93,6 +93,7 @@ async def recorded_fleet(
             # Both turns take the P and D legs, so each has every span (under the default
             # policy the second turn would skip P).
             "routing_policy": "always_p",
+            **more_settings,
         },
         env_file=None,
     )
@@ -254,6 +255,40 @@ async def test_tracing_off_sends_no_traceparent(engines: tuple[EngineSim, Engine
         await two_turns(url, headers, "quiet")
         received = rp.traceparents(CHAT) + rd.traceparents(CHAT)
     assert received == [None] * 4
+    p.wait_idle()
+    d.wait_idle()
+
+
+async def test_client_headers_reach_engines_only_when_listed(
+    engines: tuple[EngineSim, EngineSim],
+) -> None:
+    """forward_headers: none by default (engines see X-Request-Id, not the client's other
+    headers); the listed ones on every leg, whatever their case."""
+    p, d = engines
+    key = "sk-fwd-" + secrets.token_hex(12)
+    extra = {"X-Session-ID": "sess-" + secrets.token_hex(4), "X-Team": "blue"}
+
+    def seen(recorders: tuple[HeaderRecorder, ...]) -> list[dict[str, str | None]]:
+        """Per engine request: the two headers (names compared without case) and the id."""
+        out = []
+        for rec in recorders:
+            for r in rec.received:
+                if r.path == CHAT:
+                    lower = {k.lower(): v for k, v in r.headers.items()}
+                    assert lower.get("x-request-id")
+                    out.append({n: lower.get(n.lower()) for n in ("X-Session-ID", "X-Team")})
+        return out
+
+    for listed in ([], ["x-session-id", "X-Team"]):
+        headers = {"Authorization": f"Bearer {key}", **extra,
+                   "X-Conversation-Id": "fwd-" + secrets.token_hex(4)}  # fmt: skip
+        async with recorded_fleet(p, d, key, forward_headers=listed) as (url, rp, rd):
+            await two_turns(url, headers, "forwarded")
+            got = seen((rp, rd))
+        assert len(got) == 4
+        want = {"X-Session-ID": extra["X-Session-ID"] if listed else None,
+                "X-Team": "blue" if listed else None}  # fmt: skip
+        assert got == [want] * 4
     p.wait_idle()
     d.wait_idle()
 

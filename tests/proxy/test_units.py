@@ -66,11 +66,21 @@ def test_cli_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
         ({"connect_timeout": "-1"}, "KVRELAY_CONNECT_TIMEOUT"),
         ({"log_level": "LOUD"}, "KVRELAY_LOG_LEVEL"),
         ({"side_channels": "http://d:1=nohost"}, "KVRELAY_SIDE_CHANNELS"),
+        ({"forward_headers": "Authorization"}, "KVRELAY_FORWARD_HEADERS"),
+        ({"forward_headers": "x-request-id"}, "KVRELAY_FORWARD_HEADERS"),
+        ({"forward_headers": "X-Bad Header"}, "KVRELAY_FORWARD_HEADERS"),
+        ({"forward_headers": "X-A,x-a"}, "KVRELAY_FORWARD_HEADERS"),
     ],
 )
 def test_invalid_settings_name_the_setting(overrides: dict[str, object], named: str) -> None:
     with pytest.raises(SettingsError, match=named):
         load_settings(overrides, env_file=None)
+
+
+def test_forward_headers_default_to_none_and_take_a_list() -> None:
+    assert load_settings({}, env_file=None).forward_headers == []
+    listed = load_settings({"forward_headers": "X-Session-ID, X-Team"}, env_file=None)
+    assert listed.forward_headers == ["X-Session-ID", "X-Team"]
 
 
 def test_runnable_needs_fleet_and_shared_map_for_workers() -> None:
@@ -114,6 +124,24 @@ def test_conversation_id_header_wins_and_body_field_is_removed() -> None:
     assert err.value.status == 400
     with pytest.raises(ProxyError):
         conversation_id_from("fp:abc", {})
+
+
+def test_conversation_id_precedence_header_then_body_then_session_header() -> None:
+    def pick(header: str | None, in_body: str | None, session: str | None) -> str | None:
+        body: dict[str, object] = {} if in_body is None else {"conversation_id": in_body}
+        chosen = conversation_id_from(header, body, session)
+        assert "conversation_id" not in body
+        return chosen
+
+    assert pick("h", "b", "s") == "h"
+    assert pick(None, "b", "s") == "b"
+    assert pick(None, None, "s") == "s"
+    assert pick(None, None, None) is None
+    # X-Session-ID is checked like the others when it is the one used, ignored otherwise.
+    with pytest.raises(ProxyError) as err:
+        pick(None, None, "fp:abc")
+    assert err.value.status == 400
+    assert pick("h", None, " ") == "h"
 
 
 def _chat(*contents: str) -> dict[str, object]:
@@ -399,3 +427,13 @@ def test_chat_fingerprints_are_stable_across_versions() -> None:
     ]
     shape = chat_shape({"model": "m", "messages": messages})
     assert shape.store_fingerprint == "m:4:c99fda70e9f09ba30d2605bfca2e2102"
+
+
+def test_metrics_page_has_no_created_series() -> None:
+    from kvrelay.proxy.telemetry import metrics
+
+    metrics.REQUESTS.labels("chat", "ok").inc()
+    metrics.TTFT.labels("chat").observe(0.1)
+    page = metrics.render()[0].decode()
+    assert 'kvrelay_requests_total{outcome="ok",route="chat"}' in page
+    assert "_created" not in page

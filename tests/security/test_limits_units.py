@@ -51,18 +51,82 @@ def test_disputes_older_than_the_window_are_forgotten() -> None:
     assert backend.healthy and list(backend.disputed_by) == ["tenant-b"]
 
 
+def test_a_served_request_wipes_the_disputes() -> None:
+    pool = Pool("decode", eject_after=1, readmit_after=1)
+    backend = pool.add("http://d0:8000")
+    for _ in range(5):
+        # Two keys' poisonous input, with a third key served between them: input, not engine.
+        pool.record_disputed(backend, "tenant-a", "HTTP 500")
+        pool.record_served(backend, "tenant-c")
+        pool.record_disputed(backend, "tenant-b", "HTTP 500")
+        pool.record_served(backend, "tenant-c")
+    assert backend.healthy and backend.faults == 0
+
+
+def test_a_key_alone_on_failing_engines_is_never_blamed() -> None:
+    pool = Pool("decode", eject_after=3, readmit_after=1)
+    d0, d1 = pool.add("http://d0:8000"), pool.add("http://d1:8000")
+    pool.record_served(d0, "a")
+    for _ in range(10):  # the engines fail this key, and nobody else is served meanwhile
+        assert not pool.blames_input([d0, d1], "a")
+
+
+def test_a_key_failing_where_others_are_served_is_blamed_once_per_service() -> None:
+    pool = Pool("decode", eject_after=3, readmit_after=1)
+    d0, d1 = pool.add("http://d0:8000"), pool.add("http://d1:8000")
+    pool.record_served(d0, "other")
+    assert pool.blames_input([d0, d1], "poison")  # d0 serves another key, fails this one
+    # More 5xx with nobody else served between them are the same piece of evidence.
+    assert not pool.blames_input([d0, d1], "poison")
+    pool.record_served(d1, "other")
+    assert pool.blames_input([d0, d1], "poison")
+
+
+def test_engine_trouble_is_never_the_inputs_fault() -> None:
+    pool = Pool("decode", eject_after=3, readmit_after=1)
+    d0, d1 = pool.add("http://d0:8000"), pool.add("http://d1:8000")
+    # Another key failed on d1 too, since it last served: the engine's trouble.
+    pool.record_served(d0, "other")
+    pool.record_served(d1, "other")
+    pool.record_disputed(d1, "other", "HTTP 503")
+    assert not pool.blames_input([d0, d1], "a")
+    # An engine whose own probe fails, or that is out of its pool.
+    pool.record_served(d1, "other")
+    d0.probe_ok = False
+    assert not pool.blames_input([d0, d1], "a")
+    d0.probe_ok, d1.healthy = True, False
+    pool.record_served(d0, "other")
+    assert not pool.blames_input([d0, d1], "a")
+
+
 def test_breaker_pauses_a_key_after_its_limit_and_only_that_key() -> None:
+    engine = Pool("decode", eject_after=3, readmit_after=1).add("http://d0:8000")
     breaker = TenantBreaker(limit=3, cooldown_s=30)
-    assert [breaker.strike("b") for _ in range(3)] == [False, False, True]
+    assert [breaker.strike("b", [engine]) for _ in range(3)] == [False, False, True]
     left = breaker.retry_after("b")
     assert left is not None and 29 < left <= 30
     assert breaker.retry_after("a") is None
-    assert TenantBreaker(limit=0, cooldown_s=30).strike("b") is False
+    assert TenantBreaker(limit=0, cooldown_s=30).strike("b", [engine]) is False
 
 
 def test_breaker_lets_a_paused_key_back_after_the_cooldown() -> None:
+    engine = Pool("decode", eject_after=3, readmit_after=1).add("http://d0:8000")
     breaker = TenantBreaker(limit=1, cooldown_s=0.000001)
-    assert breaker.strike("b")
+    assert breaker.strike("b", [engine])
+    assert breaker.retry_after("b") is None
+
+
+def test_a_failure_charged_to_an_engine_voids_the_strikes_it_explains() -> None:
+    pool = Pool("decode", eject_after=3, readmit_after=1)
+    d0, d1 = pool.add("http://d0:8000"), pool.add("http://d1:8000")
+    breaker = TenantBreaker(limit=2, cooldown_s=30)
+    assert not breaker.strike("b", [d0])
+    pool.record_failure(d0, "health probe failed")  # d0 was the trouble after all
+    assert not breaker.strike("b", [d1])  # the first strike no longer counts
+    # A pause lifts as soon as an engine it rests on is charged a failure.
+    assert breaker.strike("b", [d1])
+    assert breaker.retry_after("b") is not None
+    pool.record_failure(d1, "HTTP 503 (for 2 API keys)")
     assert breaker.retry_after("b") is None
 
 

@@ -170,6 +170,34 @@ def test_streamed_turn_is_reused_by_the_next_turn(kvrelay_fleet: PDFleet) -> Non
     )
 
 
+def test_x_session_id_conversation_reuses_and_version_names_vllm(kvrelay_fleet: PDFleet) -> None:
+    """vLLM's multi-turn benchmark: the conversation in X-Session-ID, `/version` asked first."""
+    status, version, _ = kvrelay_fleet.proxy.call("GET", "/version")
+    assert status == 200 and version["version"]
+    assert sorted(e["role"] for e in version["engines"]) == ["decode", "prefill"]
+    assert all(isinstance(e["version"], str) and e["version"] for e in version["engines"])
+    session = f"bench-{uuid.uuid4().hex[:8]}"
+    headers = {"X-Session-ID": session}
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER_TURNS[0]}]
+    status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", chat_body(messages, 8), headers)
+    assert status == 200, out
+    messages += [{"role": "assistant", "content": text_of(out)},
+                 {"role": "user", "content": USER_TURNS[1]}]  # fmt: skip
+    before = kvrelay_fleet.prefill.metric(TOKENS_LOADED)
+    body = chat_body(messages, 8)
+    status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body, headers)
+    assert status == 200, out
+    assert text_of(out) == reference_text(kvrelay_fleet.reference, "/v1/chat/completions", body)
+    wait_until(
+        lambda: kvrelay_fleet.prefill.metric(TOKENS_LOADED) > before,
+        30,
+        what="P to load the X-Session-ID conversation's history from D",
+    )
+    # Stored under the session id: ending it by that name frees D's hold.
+    status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{session}")
+    assert status == 200
+
+
 def _held_blocks(server: VLLMServer) -> float:
     return server.metric(HELD_BLOCKS)
 

@@ -22,6 +22,7 @@ scheduler process (role SCHEDULER)            core
   set_xfer_handshake_metadata(md)        ->  sched.set_xfer_handshake_metadata({rank: md})
   has_pending_block_frees()              ->  sched.reclaim_holds(1) under block pressure
   (admission of a request that does not fit) -> sched.reclaim_holds(missing blocks)
+  has_pending_push_work()                ->  sched.has_pending_work() (keep stepping)
 worker process (role WORKER, one per TP rank)
   register_kv_caches(caches)             ->  ConnectorWorker.register_kv_caches(views, layout)
   get_handshake_metadata()               ->  worker.get_handshake_metadata()
@@ -49,6 +50,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.logger import init_logger
 from vllm.v1.request import RequestStatus
 
+from kvrelay.connector.holds import HoldEntry
 from kvrelay.connector.metadata import ConnectorMetadata
 from kvrelay.connector.protocol import (
     REMOTE_BLOCK_IDS,
@@ -121,6 +123,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         self._config = connector_config(vllm_config, kv_cache_config)
         spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
         self._num_blocks = int(kv_cache_config.num_blocks)
+        self._watermark = float(getattr(vllm_config.scheduler_config, "watermark", 0.0) or 0.0)
         self._num_kv_heads = int(getattr(spec, "num_kv_heads", 1))
         self._sched: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
@@ -173,11 +176,11 @@ class KVRelayConnector(KVConnectorBase_V1):
     def _make_room(self, request: Request, num_computed_tokens: int) -> None:
         """Holds for a next turn are cache, not reservations: when the engine is about to admit
         a request that does not fit in the free blocks, the oldest unclaimed holds go first
-        (vLLM asks this hook exactly when it tries to admit a waiting request)."""
+        (vLLM asks this hook exactly when it tries to admit a waiting request), enough of them
+        for it to be admitted at the next step."""
         if self._block_pool is None or self._sched is None:
             return
-        bs = self._config.block_size
-        need = -(-(int(request.num_tokens) - num_computed_tokens) // bs) + 1
+        need = self._blocks_to_admit(request, num_computed_tokens)
         free = int(self._block_pool.get_num_free_blocks())
         if free >= need or self._reclaim_in_flight():
             return
@@ -190,6 +193,32 @@ class KVRelayConnector(KVConnectorBase_V1):
                 free,
                 freed,
             )
+
+    def _blocks_to_admit(self, request: Request, num_computed_tokens: int) -> int:
+        """Free blocks vLLM's `allocate_slots` wants before it admits `request` whole.
+
+        Its local prefix hit (`num_computed_tokens`) is made of cached blocks; those no running
+        request uses sit in the free queue and count as free, but admitting the request takes
+        them out of it, so they are needed as well as the blocks past the hit, plus the
+        watermark vLLM keeps for admissions.
+        """
+        pool = self._block_pool
+        bs = self._config.block_size
+        hit = num_computed_tokens // bs
+        evictable = 0
+        for block_hash in list(request.block_hashes)[:hit]:
+            cached = pool.get_cached_block(block_hash, [0])
+            if cached and cached[0].ref_cnt == 0:
+                evictable += 1
+        new = max(-(-int(request.num_tokens) // bs) - hit, 0)
+        watermark = int(self._watermark * self._num_blocks)
+        return new + evictable + watermark
+
+    def _freeable(self, entry: HoldEntry) -> int:
+        """Blocks of a hold that go back to the pool when it is freed: those only it uses (a
+        running decode-only turn may share the history blocks through its prefix hit)."""
+        blocks = self._block_pool.blocks
+        return sum(1 for group in entry.block_ids for b in group if blocks[b].ref_cnt == 1)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -226,9 +255,15 @@ class KVRelayConnector(KVConnectorBase_V1):
             logger.info("kvrelay: block pressure, reclaimed %d held blocks", freed)
         return freed > 0
 
+    def has_pending_push_work(self) -> bool:
+        # vLLM stops stepping an engine with no request; our READs (and a reader's READ of a
+        # hold we freed) complete only while the workers poll NIXL.
+        return self._sched is not None and self._sched.has_pending_work()
+
     def _reclaim(self, num_blocks: int) -> int:
         assert self._sched is not None
-        freed = self._sched.reclaim_holds(num_blocks)
+        freeable = self._freeable if self._block_pool is not None else None
+        freed = self._sched.reclaim_holds(num_blocks, freeable)
         if freed:
             self._last_reclaim_step = self._steps
         return freed

@@ -18,7 +18,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 # Current values rather than event counts (the rest of the core's stats are counters).
-GAUGES = frozenset({"held", "held_blocks", "loads_in_flight", "reads_in_flight", "holding"})
+GAUGES = frozenset(
+    {
+        "held",
+        "held_blocks",
+        "loads_in_flight",
+        "reads_in_flight",
+        "reads_cancelling",
+        "quarantined_blocks",
+        "holders_down",
+        "holding",
+    }
+)
 _METRIC_PREFIX = "vllm:kvrelay_"
 
 

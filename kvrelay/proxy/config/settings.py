@@ -80,7 +80,17 @@ BackendList = Annotated[list[str], NoDecode]
 DEFAULT_PASSTHROUGH_ROUTES = ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize")
 # Routes the proxy answers itself: a pass-through route may not shadow them.
 OWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
-              "/metrics", "/openapi.json")  # fmt: skip
+              "/metrics", "/openapi.json", "/version")  # fmt: skip
+
+
+# Headers `forward_headers` may not name: credentials (the client's key stays at the proxy),
+# hop-by-hop and body framing, and what the proxy sets on engine requests itself.
+NOT_FORWARDED_HEADERS = frozenset({
+    "authorization", "proxy-authorization", "x-admin-key", "cookie", "host", "content-length",
+    "content-type", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade",
+    "x-request-id", "traceparent", "tracestate", "baggage", "accept-encoding",
+})  # fmt: skip
+_HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
 class Settings(BaseSettings):
@@ -169,7 +179,8 @@ class Settings(BaseSettings):
         ge=1024,
         description=(
             "Bytes all request bodies being received or served may hold together, per worker "
-            "process; a body that does not fit is answered 503."
+            "process, counting each JSON body's bytes plus a bound on its parsed objects; a "
+            "body that does not fit is answered 503, one that never could 413."
         ),
     )
     json_max_depth: int = Field(
@@ -246,6 +257,14 @@ class Settings(BaseSettings):
         description=(
             "Engine routes forwarded as they are (no disaggregation), with the proxy's auth, "
             "limits, timeouts and engine choice; any HTTP method."
+        ),
+    )
+    forward_headers: BackendList = Field(
+        default_factory=list,
+        description=(
+            "Client request headers passed on to the engines (both legs, pass-through routes), "
+            "e.g. X-Session-ID; none by default: engines get only X-Request-Id and the trace "
+            "context. Credentials and the headers the proxy sets itself are refused."
         ),
     )
     passthrough_pool: Literal["decode", "prefill"] = Field(
@@ -429,7 +448,9 @@ class Settings(BaseSettings):
         ),
     )
 
-    @field_validator("prefill", "decode", "api_keys", "passthrough_routes", mode="before")
+    @field_validator(
+        "prefill", "decode", "api_keys", "passthrough_routes", "forward_headers", mode="before"
+    )
     @classmethod
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
@@ -481,6 +502,18 @@ class Settings(BaseSettings):
                 raise ValueError(f"{route!r} is a route the proxy answers itself")
         if len(set(value)) != len(value):
             raise ValueError("the same route is listed twice")
+        return value
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _forward_headers(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if not _HEADER_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an HTTP header name")
+            if name.lower() in NOT_FORWARDED_HEADERS:
+                raise ValueError(f"{name!r} is never forwarded (a credential or the proxy's own)")
+        if len({n.lower() for n in value}) != len(value):
+            raise ValueError("the same header is listed twice")
         return value
 
     @field_validator("map_url")

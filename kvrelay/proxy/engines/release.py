@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
-from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry
+from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry, MapUnavailableError
 from kvrelay.proxy.engines.finished_lookups import FinishedLookups
 from kvrelay.proxy.engines.upstream import Upstream
 from kvrelay.proxy.telemetry import metrics, tracing
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 
 RELEASE_ATTEMPTS = 3
 _BACKOFF_S = 0.1
+# A put whose outcome is unknown is settled within about 10 s (a Redis stall of a few seconds).
+SETTLE_ATTEMPTS = 10
+_SETTLE_BACKOFF_MAX_S = 2.0
 
 
 class Releaser:
@@ -91,6 +94,26 @@ class Releaser:
         """Release the hold that engine-returned params describe, in the background."""
         if params:
             self.release_soon(holder, HoldRef.from_params(params))
+
+    async def release_unless_stored(
+        self, holder: str, settle: Callable[[], Awaitable[bool]], params: dict[str, Any]
+    ) -> None:
+        """A put that may have been stored (`UnconfirmedPutError`): free its blocks only once
+        the map says it was not, so no entry points at released blocks. Asked again with
+        backoff while the map cannot answer; past that the holder's lease frees them."""
+        for attempt in range(SETTLE_ATTEMPTS):
+            try:
+                stored = await settle()
+            except MapUnavailableError:
+                if attempt + 1 < SETTLE_ATTEMPTS:
+                    await asyncio.sleep(min(_SETTLE_BACKOFF_MAX_S, _BACKOFF_S * 2**attempt))
+                continue
+            metrics.UNCONFIRMED_PUTS.labels("stored" if stored else "not_stored").inc()
+            if not stored:
+                await self.release(holder, HoldRef.from_params(params))
+            return
+        metrics.UNCONFIRMED_PUTS.labels("unsettled").inc()
+        log.warning("could not settle a put with the map; the holder's lease frees its blocks")
 
     async def on_evict(self, key: ConversationKey, entry: KVEntry, reason: EvictionReason) -> None:
         """The map's callback: an entry left without being used, so its blocks go."""

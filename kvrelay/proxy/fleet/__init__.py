@@ -1,6 +1,6 @@
 """The engines and how to choose one: pools with health and ejection, each engine's load, the
 routing policy, the fleet record shared across processes, DNS and Kubernetes discovery, the
-merged model list, and `Fleet`, what every turn shares.
+merged model list and the engines' versions, and `Fleet`, what every turn shares.
 """
 
 from kvrelay.proxy.fleet.discovery import (
@@ -25,9 +25,17 @@ from kvrelay.proxy.fleet.fleet_sync import (
 )
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
-from kvrelay.proxy.fleet.pools import Backend, HealthChecker, Pool, engine_name, engines_to_try
+from kvrelay.proxy.fleet.pools import (
+    Backend,
+    HealthChecker,
+    Pool,
+    engine_name,
+    engines_to_try,
+    probe,
+)
 from kvrelay.proxy.fleet.routing import Router, uncached_tokens
 from kvrelay.proxy.fleet.shared import Fleet
+from kvrelay.proxy.fleet.versions import EngineVersions
 
 __all__ = [
     "STALE_INTERVALS",
@@ -35,6 +43,7 @@ __all__ = [
     "Discovered",
     "DnsSource",
     "EngineLoad",
+    "EngineVersions",
     "Fleet",
     "FleetSync",
     "HealthChecker",
@@ -52,6 +61,7 @@ __all__ = [
     "load_from_metrics",
     "make_resolver",
     "open_fleet_sync",
+    "probe",
     "ready_engines",
     "start_discovery",
     "start_kube_discovery",

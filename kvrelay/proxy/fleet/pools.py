@@ -8,9 +8,15 @@ and readmitted only by `readmit_after_successes` good probes.
 
 A 5xx can be caused by the request rather than the engine (input every engine fails on), so
 one client must not be able to eject the fleet with it. A 5xx counts as a failure when another
-engine then served the same request (`record_failure`); when none did, it is *disputed*
-(`record_disputed`) and counts only once a second API key saw a 5xx from that engine within
-`engine_5xx_window_s`.
+engine of the same role then served the same request (`record_failure`); when none did, it is
+*disputed* (`record_disputed`) and counts only once a second API key saw a 5xx from that engine
+within `engine_5xx_window_s` with no request served by it in between. A timeout is the
+request's unless the engine also fails a health probe (`probe`).
+
+Each engine also keeps which keys it served (`KeyLedger`), so that a key whose requests every
+engine fails can be told from an engine failing everyone (`Pool.blames_input`, read by the
+per-key breaker in `kvrelay.proxy.tenants`); `Backend.faults` counts the failures charged to
+the engine, so the breaker can drop strikes those failures explain.
 
 Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
 URL), never by their internal URL.
@@ -37,6 +43,42 @@ Role = Literal["prefill", "decode"]
 log = logging.getLogger(__name__)
 
 
+# Keys remembered per engine by the ledger (bounds memory under many API keys).
+_MAX_LEDGER_KEYS = 64
+
+
+@dataclass
+class KeyLedger:
+    """Which API keys an engine served, in order: enough to answer "did it serve another key
+    since this key's last 5xx here?" in O(1) on the request path.
+
+    `served` is called on every answered request; the other key's latest service is the most
+    recent one when the last key served differs, else the one before the last key's run."""
+
+    seq: int = 0  # requests served, ever
+    last_key: str = ""
+    last_seq: int = 0  # `seq` when `last_key` was last served
+    before_last_seq: int = 0  # `seq` when a key other than `last_key` was last served
+    refused_at: dict[str, int] = field(default_factory=dict)  # key -> `seq` at its last 5xx
+
+    def served(self, key: str) -> None:
+        self.seq += 1
+        if key != self.last_key:
+            self.before_last_seq = self.last_seq
+            self.last_key = key
+        self.last_seq = self.seq
+
+    def others_served_since_refused(self, key: str) -> bool:
+        """Whether another key was served since `key`'s previous 5xx here; records this one.
+        Several 5xx with nobody else served between them count as one."""
+        other = self.before_last_seq if key == self.last_key else self.last_seq
+        since = self.refused_at.pop(key, 0)
+        self.refused_at[key] = self.seq
+        while len(self.refused_at) > _MAX_LEDGER_KEYS:
+            del self.refused_at[next(iter(self.refused_at))]
+        return other > since
+
+
 @dataclass
 class Backend:
     """One engine and what the proxy knows about it."""
@@ -53,8 +95,12 @@ class Backend:
     last_error: str | None = None
     # The engine's own latest load reading (`kvrelay.proxy.fleet.engine_load`), None until scraped.
     load: EngineLoad | None = None
-    # API key (tenant hash) -> when it last got a disputed 5xx from this engine.
+    # API key (tenant hash) -> when it last got a disputed 5xx from this engine, since the
+    # engine last served a request (a served request shows it works: the slate is wiped).
     disputed_by: dict[str, float] = field(default_factory=dict)
+    probe_ok: bool = True  # the latest health probe's verdict
+    faults: int = 0  # failures charged to this engine, ever (never reset)
+    keys: KeyLedger = field(default_factory=KeyLedger)
 
     @property
     def usable(self) -> bool:
@@ -98,6 +144,18 @@ _MAX_DISPUTING_TENANTS = 64
 HealthListener = Callable[[Backend], None]
 
 
+async def probe(
+    session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout
+) -> tuple[bool, str]:
+    """One `GET /health` of the engine at `url`: (passed, why not)."""
+    try:
+        async with session.get(url + "/health", timeout=limit) as resp:
+            await resp.read()
+            return resp.status == 200, f"health probe answered {resp.status}"
+    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+        return False, f"health probe failed: {type(exc).__name__}"
+
+
 @dataclass
 class Pool:
     """The engines of one role."""
@@ -107,6 +165,7 @@ class Pool:
     readmit_after: int
     backends: dict[str, Backend] = field(default_factory=dict)
     on_health_change: HealthListener | None = None
+    on_leave: HealthListener | None = None  # an engine left the pool (removed)
     dispute_window_s: float = 60.0
 
     def add(self, url: str) -> Backend:
@@ -120,7 +179,10 @@ class Pool:
         return backend
 
     def remove(self, url: str) -> Backend | None:
-        return self.backends.pop(url, None)
+        backend = self.backends.pop(url, None)
+        if backend is not None and self.on_leave is not None:
+            self.on_leave(backend)
+        return backend
 
     def drain(self, url: str) -> Backend | None:
         backend = self.backends.get(url)
@@ -137,6 +199,7 @@ class Pool:
     def record_failure(self, backend: Backend, reason: str) -> None:
         backend.successes = 0
         backend.failures += 1
+        backend.faults += 1
         backend.last_error = reason
         if backend.healthy and backend.failures >= self.eject_after:
             backend.healthy = False
@@ -150,7 +213,9 @@ class Pool:
         """A 5xx no other engine contradicted: the request may be at fault, not the engine.
 
         It becomes a failure only when another API key also got one from this engine within
-        the window, so a single client's poisonous input never ejects an engine."""
+        the window and since it last served a request, so a single client's poisonous input
+        never ejects an engine, nor do two clients' poisonous inputs that others' requests
+        served in between show to be input."""
         now = time.monotonic()
         seen = backend.disputed_by
         for other, at in list(seen.items()):
@@ -162,6 +227,32 @@ class Pool:
             del seen[next(iter(seen))]
         if len(seen) >= 2:
             self.record_failure(backend, f"{reason} (for {len(seen)} API keys)")
+
+    def record_served(self, backend: Backend, tenant: str) -> None:
+        """A request of `tenant` answered (not 5xx): the engine works, for that key."""
+        backend.keys.served(tenant)
+        if backend.disputed_by:
+            backend.disputed_by.clear()
+        self.record_success(backend, probe=False)
+
+    def blames_input(self, engines: list[Backend], tenant: str) -> bool:
+        """Whether the 5xx these engines answered to a request of `tenant` that none of them
+        served point at the request's input rather than at the engines: every one is in its
+        pool, passed its latest probe and failed no other key since it last served a request,
+        and one of them served another key since `tenant`'s previous 5xx there (several 5xx
+        with nobody else served between them are one piece of evidence). Records these 5xx."""
+        now = time.monotonic()
+        others_served = False
+        for backend in engines:
+            # Every engine records this 5xx, whatever the verdict.
+            others_served |= backend.keys.others_served_since_refused(tenant)
+        for backend in engines:
+            if not (backend.healthy and backend.probe_ok):
+                return False
+            for key, at in backend.disputed_by.items():
+                if key != tenant and now - at <= self.dispute_window_s:
+                    return False  # another key fails here too: the engine's trouble
+        return others_served
 
     def record_success(self, backend: Backend, *, probe: bool) -> None:
         backend.failures = 0
@@ -282,15 +373,10 @@ class HealthChecker(EngineRounds):
         await self.visit_all()
 
     async def _visit(self, pool: Pool, backend: Backend) -> None:
-        try:
-            async with self._session.get(backend.url + "/health", timeout=self._timeout) as resp:
-                await resp.read()
-                ok = resp.status == 200
-                reason = f"health probe answered {resp.status}"
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            ok, reason = False, f"health probe failed: {type(exc).__name__}"
+        ok, reason = await probe(self._session, backend.url, self._timeout)
         if pool.get(backend.url) is not backend:
             return  # removed while probing
+        backend.probe_ok = ok
         if ok:
             pool.record_success(backend, probe=True)
         else:

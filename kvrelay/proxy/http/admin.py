@@ -5,6 +5,10 @@ A sub-application mounted at `/admin` (`admin_app`). `Authorization: Bearer <adm
 404, so an unconfigured proxy exposes no control surface. Changes go through
 the fleet sync (`kvrelay.proxy.fleet`): with the Redis map they reach every worker and replica;
 with the memory map (one process) they apply to this process.
+
+Changes of one engine are linearizable: each takes effect at one point (the record's Lua
+script, or this process's pools), and its answer describes the engine as that change left it,
+not as a later change (on this worker or another) may already have left this worker's pool.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from aiohttp import web
 
 from kvrelay.proxy.base import ProxyError, bad_request, json_response
 from kvrelay.proxy.config import normalize_backend_url
-from kvrelay.proxy.fleet import Pool
+from kvrelay.proxy.fleet import Backend, Pool
 from kvrelay.proxy.http.auth import require_admin
 from kvrelay.proxy.http.body import HeldBody, read_json_object
 from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, FLEET_SYNC, SETTINGS
@@ -65,11 +69,12 @@ async def list_backends(request: web.Request) -> web.StreamResponse:
     )
 
 
-async def _change(
-    request: web.Request, op: str, target: tuple[Pool, str] | None = None
-) -> tuple[Pool, str, bool]:
+async def _change(request: web.Request, op: str) -> tuple[Pool, str, bool, Backend]:
+    """Apply `op` to the engine the request names: (pool, url, whether the engine was in the
+    fleet, the engine as this worker knew it, or a new view of it when it knew none)."""
     require_admin(request)
-    pool, url = target or await _target(request)
+    pool, url = await _target(request)
+    known = pool.get(url) or Backend(url=url, role=pool.role)
     sync = request.config_dict[FLEET_SYNC]
     try:
         found = await sync.apply({"op": op, "role": pool.role, "url": url, "source": "admin"})
@@ -81,33 +86,28 @@ async def _change(
             "the shared fleet record is unavailable (Redis); nothing was changed, retry",
             code="fleet_unavailable",
         ) from None
-    return pool, url, found
+    # The change is made; a later one (a remove racing this add) may already have been
+    # installed here too, so the answer comes from this change, not from the pool now.
+    return pool, url, found, pool.get(url) or known
 
 
 async def add_backend(request: web.Request) -> web.StreamResponse:
-    pool, url, _ = await _change(request, "add")
-    backend = pool.get(url)
-    assert backend is not None
-    return json_response(backend.describe(), 201)
+    _, _, _, backend = await _change(request, "add")
+    return json_response({**backend.describe(), "draining": False}, 201)
 
 
 async def drain_backend(request: web.Request) -> web.StreamResponse:
-    pool, url, found = await _change(request, "drain")
-    backend = pool.get(url)
-    if not found or backend is None:
+    pool, url, found, backend = await _change(request, "drain")
+    if not found:
         raise ProxyError(404, f"no {pool.role} engine {url}")
-    return json_response(backend.describe())
+    return json_response({**backend.describe(), "draining": True})
 
 
 async def remove_backend(request: web.Request) -> web.StreamResponse:
-    require_admin(request)
-    pool, url = await _target(request)
-    before = pool.get(url)
-    pool, url, found = await _change(request, "remove", (pool, url))
+    pool, url, found, backend = await _change(request, "remove")
     if not found:
         raise ProxyError(404, f"no {pool.role} engine {url}")
-    removed = before.describe() if before is not None else {"url": url, "role": pool.role}
-    return json_response({"removed": removed})
+    return json_response({"removed": backend.describe()})
 
 
 def admin_app() -> web.Application:

@@ -1,11 +1,11 @@
 """The aiohttp application: routes, error handling, start-up and shutdown of shared state.
 
 Routes: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, `GET /health`,
-`GET /ready`, `GET /metrics`, `DELETE /v1/conversations/{id}`, `GET /openapi.json`, the
-admin sub-application under `/admin` (`kvrelay.proxy.http.admin`) and the pass-through routes
-(`kvrelay.proxy.http.passthrough`). Who may call what: `kvrelay.proxy.http.auth`; whether now:
-`kvrelay.proxy.http.access`. `create_app(settings)` builds it;
-`kvrelay.proxy.http.server` runs it.
+`GET /ready`, `GET /metrics`, `GET /version` (`kvrelay.proxy.fleet.versions`),
+`DELETE /v1/conversations/{id}`, `GET /openapi.json`, the admin sub-application under `/admin`
+(`kvrelay.proxy.http.admin`) and the pass-through routes (`kvrelay.proxy.http.passthrough`).
+Who may call what: `kvrelay.proxy.http.auth`; whether now: `kvrelay.proxy.http.access`.
+`create_app(settings)` builds it; `kvrelay.proxy.http.server` runs it.
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from kvrelay.kvcache_map import (
     MapUnavailableError,
     open_map,
 )
-from kvrelay.proxy.base import ProxyError, json_response
+from kvrelay.proxy.base import ProxyError, json_response, strip_connector_fields
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream
 from kvrelay.proxy.fleet import (
     Backend,
+    EngineVersions,
     Fleet,
     HealthChecker,
     LoadPoller,
@@ -43,7 +44,7 @@ from kvrelay.proxy.http import admin, passthrough
 from kvrelay.proxy.http.access import admit
 from kvrelay.proxy.http.auth import authenticate, require_metrics_key
 from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
-from kvrelay.proxy.http.headers import header_text
+from kvrelay.proxy.http.headers import forwarded_headers, header_text
 from kvrelay.proxy.http.keys import (
     BODY_BUDGET,
     FLEET,
@@ -53,12 +54,15 @@ from kvrelay.proxy.http.keys import (
     MODELS,
     SETTINGS,
     TENANTS,
+    VERSIONS,
 )
 from kvrelay.proxy.http.openapi import openapi_document
 from kvrelay.proxy.http.validation import validate_chat, validate_completion
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import Slot, TenantBreaker, open_limiter
 from kvrelay.proxy.turn import (
+    CONVERSATION_HEADER,
+    SESSION_HEADER,
     Turn,
     chat_shape,
     completion_shape,
@@ -115,8 +119,11 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             validate_chat(body)
         else:
             validate_completion(body)
+        strip_connector_fields(body)
         await app[MODELS].check(body.get("model"))
-        conversation_id = conversation_id_from(header_text(request, "X-Conversation-Id"), body)
+        conversation_id = conversation_id_from(
+            header_text(request, CONVERSATION_HEADER), body, header_text(request, SESSION_HEADER)
+        )
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         turn = Turn(
             fleet=fleet,
@@ -125,6 +132,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             body=body,
             request_id=upstream_request_id(request_id, supplied == request_id),
             client_request_id=request_id,
+            forwarded=forwarded_headers(request, fleet.settings.forward_headers),
             tenant=tenant,
             conversation_id=conversation_id,
             shape=shape,
@@ -134,7 +142,8 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         return response
     except ProxyError as exc:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
-        if turn is not None and turn.every_decode_5xx and app[TENANTS].strike(tenant):
+        suspect = turn.suspect_input if turn is not None else ()
+        if suspect and app[TENANTS].strike(tenant, suspect):
             log.warning("paused an API key (tenant %s) whose requests every engine failed",
                         tenant)  # fmt: skip
         return exc.response({"X-Request-Id": request_id})
@@ -206,16 +215,27 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
     return json_response({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
 
+async def version(request: web.Request) -> web.StreamResponse:
+    return json_response(await request.app[VERSIONS].document())
+
+
 async def openapi(request: web.Request) -> web.StreamResponse:
     return json_response(openapi_document())
 
 
-def _health_gauge(with_urls: bool) -> Callable[[Backend], None]:
-    def update(backend: Backend) -> None:
-        label = backend.url if with_urls else backend.name
-        metrics.BACKEND_HEALTHY.labels(backend.role, label).set(1 if backend.healthy else 0)
+def _health_gauge(with_urls: bool) -> tuple[Callable[[Backend], None], Callable[[Backend], None]]:
+    """What keeps `kvrelay_backend_healthy` current: on a health change, on leaving."""
 
-    return update
+    def label(backend: Backend) -> str:
+        return backend.url if with_urls else backend.name
+
+    def update(backend: Backend) -> None:
+        metrics.backend_health(backend.role, label(backend), backend.healthy)
+
+    def gone(backend: Backend) -> None:
+        metrics.backend_gone(backend.role, label(backend))
+
+    return update, gone
 
 
 def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Application:
@@ -233,6 +253,7 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/version", version)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
     app.add_subapp("/admin", admin.admin_app())
     passthrough.add_routes(app, settings.passthrough_routes)
@@ -255,14 +276,16 @@ def _make_state(
                 "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
             )
         kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
-        gauge = _health_gauge(settings.metrics_backend_urls)
+        gauge, gone = _health_gauge(settings.metrics_backend_urls)
         prefill = Pool(
             "prefill", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+            on_health_change=gauge, on_leave=gone,
+            dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         decode = Pool(
             "decode", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, dispute_window_s=settings.engine_5xx_window_s,
+            on_health_change=gauge, on_leave=gone,
+            dispute_window_s=settings.engine_5xx_window_s,
         )  # fmt: skip
         for url in settings.prefill:
             prefill.add(url)
@@ -271,6 +294,7 @@ def _make_state(
         fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
         app[FLEET] = fleet
         app[MODELS] = ModelCatalog(fleet)
+        app[VERSIONS] = EngineVersions(fleet)
         limiter = open_limiter(settings)
         app[LIMITS] = limiter
         await limiter.start()

@@ -7,12 +7,20 @@ fit in what is left of `inflight_body_bytes` (shared by every body this process 
 or serving) is a 503; JSON nested deeper than `json_max_depth` is a 400. The body is read into
 one buffer and parsed from it, so the proxy holds it once as bytes (until parsed) and once as
 objects.
+
+Parsed, a body costs more than its bytes: `{},` is 3 bytes and an 80-byte dict. So before it is
+parsed a JSON body also reserves, in the same budget, a bound on what its objects will take
+(`parsed_size_bound`: counted from its raw bytes in C, no parse); one whose bound could never
+fit in `inflight_body_bytes` is a 413 without being parsed. What a worker holds for bodies is
+then what the budget says, however the bytes are arranged.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from itertools import chain, compress, repeat
+from operator import is_
 from typing import Any
 
 from aiohttp import web
@@ -109,6 +117,51 @@ async def _read_into(request: web.Request, buf: bytearray, limit: int, held: Hel
         buf += chunk
 
 
+# What one JSON value or object key may cost once parsed, beyond the text of its strings: the
+# object itself (an empty dict is 64 bytes plus 16 of the collector's header, a float 24, a
+# string's header 49-73), its slot in its list or its dict's hash table (dicts over-allocate),
+# with a margin. Measured with tracemalloc for the densest shapes (`{},` `[[1]],` `{"k":1},`
+# unique keys, short strings, floats): at most ~78 bytes per counted byte below (one-key
+# objects with unique keys).
+VALUE_BYTES = 100
+PARSE_OVERHEAD_BYTES = 4096
+
+
+def parsed_size_bound(raw: bytes | bytearray) -> int:
+    """An upper bound on the memory the objects parsed from `raw` take, from counts in C.
+
+    Every value or key but the first in a container follows a `,` or a `:`, so values and keys
+    together are at most one more than the `,` `:` `{` `[` bytes (those inside strings make it
+    an over-count, never an under-count). Text costs at most a byte per raw byte when the body
+    is ASCII, and at most four otherwise (one astral character makes its string four bytes a
+    character). A few KiB on top cover what a parse costs whatever the body (keys orjson
+    caches, the outermost object)."""
+    tokens = raw.count(b",") + raw.count(b":") + raw.count(b"{") + raw.count(b"[") + 1
+    text = len(raw) if raw.isascii() else 4 * len(raw)
+    return PARSE_OVERHEAD_BYTES + text + VALUE_BYTES * tokens
+
+
+def too_complex(bound: int, limit: int) -> ProxyError:
+    return ProxyError(
+        413,
+        f"the request body would take up to {bound // 2**20} MiB of memory once parsed (it is "
+        f"dense in JSON values: each costs the proxy far more than its bytes), more than the "
+        f"{limit // 2**20} MiB the proxy may hold for all bodies (setting inflight_body_bytes); "
+        "send fewer values",
+        code="body_too_complex",
+    )
+
+
+def parse_json_body(raw: bytes | bytearray, settings: Settings, held: HeldBody) -> dict[str, Any]:
+    """`parse_json_object`, with the body's share of the budget grown to its raw bytes plus
+    the bound on its parsed objects first (both are alive while it is parsed)."""
+    need = len(raw) + parsed_size_bound(raw)
+    if need > settings.inflight_body_bytes:
+        raise too_complex(need, settings.inflight_body_bytes)
+    held.grow_to(need)
+    return parse_json_object(raw, settings.json_max_depth)
+
+
 def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
     """A JSON object from `raw`, refusing invalid JSON and nesting deeper than `max_depth`."""
     try:
@@ -139,28 +192,23 @@ def too_deep(max_depth: int) -> ProxyError:
     )
 
 
-# What JSON values are besides arrays and objects.
-_LEAF_TYPES = {str, int, float, bool, type(None)}
-
-
 def nesting_exceeds(value: Any, limit: int) -> bool:
     """Whether arrays/objects nest deeper than `limit` (the top level is 1); no recursion.
 
-    Walked a level at a time; a container is searched for containers only when the types of
-    its members (one pass in C) include one, so a chat's messages, objects of strings, cost
-    little however long their text."""
-    level: list[Any] = [value] if isinstance(value, dict | list) else []
+    Walked a level at a time, each level with iterators that run in C (the members of its
+    dicts and lists chained, their types mapped, the dicts and lists among them picked out by
+    `compress`), never a Python step per member: a level of hundreds of thousands of small
+    objects costs milliseconds, not the event loop's next second."""
+    dicts: list[Any] = [value] if type(value) is dict else []
+    lists: list[Any] = [value] if type(value) is list else []
     depth = 1
-    while level:
+    while dicts or lists:
         if depth > limit:
             return True
-        below: list[Any] = []
-        for item in level:
-            children = item.values() if isinstance(item, dict) else item
-            kinds = set(map(type, children))
-            if not kinds <= _LEAF_TYPES:
-                below.extend(c for c in children if isinstance(c, dict | list))
-        level = below
+        members = list(chain(chain.from_iterable(map(dict.values, dicts)),
+                             chain.from_iterable(lists)))  # fmt: skip
+        dicts = list(compress(members, map(is_, map(type, members), repeat(dict))))
+        lists = list(compress(members, map(is_, map(type, members), repeat(list))))
         depth += 1
     return False
 
@@ -170,4 +218,4 @@ async def read_json_object(
 ) -> dict[str, Any]:
     """Read and parse a JSON object body; the raw bytes are dropped once parsed."""
     raw = await read_body(request, settings, held)
-    return parse_json_object(raw, settings.json_max_depth)
+    return parse_json_body(raw, settings, held)

@@ -3,7 +3,8 @@
 aiohttp keeps header bytes that are not UTF-8 as lone surrogates; encoding such a value (to
 compare a key, to build a map key) would fail deep inside a handler. Every header the proxy
 interprets goes through `header_text`, which refuses such a value with an OpenAI-shaped error
-instead: 401 for credentials, 400 for anything else.
+instead: 401 for credentials, 400 for anything else. `forwarded_headers` picks the client
+headers the `forward_headers` setting passes on to the engines.
 """
 
 from __future__ import annotations
@@ -44,3 +45,13 @@ def bearer_token(request: web.Request, credential_code: str = "invalid_api_key")
     if scheme.lower() == "bearer" and token.strip():
         return token.strip()
     return None
+
+
+def forwarded_headers(request: web.Request, names: list[str]) -> tuple[tuple[str, str], ...]:
+    """The headers among `names` that the request carries, as (name, value) for the engines."""
+    out = []
+    for name in names:
+        value = header_text(request, name)
+        if value is not None:
+            out.append((name, value))
+    return tuple(out)

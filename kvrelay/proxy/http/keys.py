@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.fleet import Fleet, FleetSync, HealthChecker, ModelCatalog
+from kvrelay.proxy.fleet import EngineVersions, Fleet, FleetSync, HealthChecker, ModelCatalog
 from kvrelay.proxy.http.body import BodyBudget
 from kvrelay.proxy.tenants import Limiter, TenantBreaker
 
@@ -17,3 +17,4 @@ TENANTS: web.AppKey[TenantBreaker] = web.AppKey("tenants", TenantBreaker)
 FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)
 LIMITS: web.AppKey[Limiter] = web.AppKey("limits", Limiter)
 MODELS: web.AppKey[ModelCatalog] = web.AppKey("models", ModelCatalog)
+VERSIONS: web.AppKey[EngineVersions] = web.AppKey("versions", EngineVersions)

@@ -24,7 +24,8 @@ def _errors(*codes: int) -> dict[str, Any]:
         401: "Missing or wrong API key.",
         404: "Not found.",
         408: "The body did not arrive within body_read_timeout_s.",
-        413: "Body larger than body_limit_bytes.",
+        413: "Body larger than body_limit_bytes, or too dense in JSON values to fit "
+        "inflight_body_bytes once parsed.",
         429: "Over this API key's limits (rate_limit_exceeded, with Retry-After), or the key is "
         "paused: its recent requests made every engine fail (tenant_paused).",
         502: "An engine failed and no other could take over.",
@@ -39,6 +40,7 @@ def _completion_op(summary: str, schema: str) -> dict[str, Any]:
         "parameters": [
             {"$ref": "#/components/parameters/RequestId"},
             {"$ref": "#/components/parameters/ConversationId"},
+            {"$ref": "#/components/parameters/SessionId"},
         ],
         "requestBody": {
             "required": True,
@@ -85,7 +87,9 @@ def openapi_document() -> dict[str, Any]:
         "max_tokens": {"type": "integer", "minimum": 1},
         "conversation_id": {
             "type": "string",
-            "description": "Conversation id (alternative to X-Conversation-Id); not forwarded.",
+            "description": (
+                "Conversation id (below X-Conversation-Id, above X-Session-ID); not forwarded."
+            ),
         },
     }
     return {
@@ -154,6 +158,24 @@ def openapi_document() -> dict[str, Any]:
                             "content": {"text/plain": {"schema": {"type": "string"}}},
                         },
                         **_errors(401),
+                    },
+                }
+            },
+            "/version": {
+                "get": {
+                    "summary": "Versions: the proxy's, and each usable engine's (vLLM-style)",
+                    "responses": {
+                        "200": _json(
+                            {
+                                "type": "object",
+                                "required": ["version", "engines"],
+                                "properties": {
+                                    "version": {"type": "string"},
+                                    "engines": {"type": "array", "items": {"type": "object"}},
+                                },
+                            },
+                            "The proxy's version and the engines' answers.",
+                        )
                     },
                 }
             },
@@ -241,6 +263,16 @@ def openapi_document() -> dict[str, Any]:
                     "required": False,
                     "schema": {"type": "string"},
                     "description": "Conversation whose KV may be reused.",
+                },
+                "SessionId": {
+                    "name": "X-Session-ID",
+                    "in": "header",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": (
+                        "Conversation id when neither X-Conversation-Id nor the body's "
+                        "conversation_id is given."
+                    ),
                 },
             },
             "schemas": {

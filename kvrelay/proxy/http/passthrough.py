@@ -8,9 +8,10 @@ limits (`access.admit`), the body limits, the unknown-model 404, the leg timeout
 health-aware choice (least work, ejected and draining engines skipped). A request that could
 not be sent (connect error) is tried on another engine, up to `retries` more; once it may have
 reached an engine it is not repeated, since such routes need not be idempotent. A JSON body
-loses any client-supplied `kv_transfer_params`. The answer is relayed as it arrives (SSE and
-chunked streams stream); an engine that breaks mid-stream cuts the client's connection, so the
-client sees a cut, never a short answer that looks whole.
+loses any client-supplied `kv_transfer_params`, whatever Content-Type it came under (only a real
+multipart form is forwarded as sent, `kvrelay.proxy.http.forms`). The answer is relayed as it
+arrives (SSE and chunked streams stream); an engine that breaks mid-stream cuts the client's
+connection, so the client sees a cut, never a short answer that looks whole.
 """
 
 from __future__ import annotations
@@ -18,19 +19,22 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.helpers import parse_mimetype
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
-from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.base import ProxyError, bad_request, strip_connector_fields
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, Router, engines_to_try
-from kvrelay.proxy.http import access
-from kvrelay.proxy.http.body import HeldBody, parse_json_object, read_body
+from kvrelay.proxy.http import access, forms
+from kvrelay.proxy.http.body import HeldBody, parse_json_body, read_body
+from kvrelay.proxy.http.headers import forwarded_headers
 from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import request_id_from, upstream_request_id
@@ -41,6 +45,7 @@ log = logging.getLogger(__name__)
 _FORWARDED_REQUEST = ("Content-Type", "Accept")
 # Answer headers a client gets; hop-by-hop and length headers are the proxy's own.
 _FORWARDED_ANSWER = ("Content-Type", "Cache-Control")
+JSON_TYPE = "application/json"
 
 
 def add_routes(app: web.Application, routes: list[str]) -> None:
@@ -60,11 +65,9 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     metrics.INFLIGHT.labels(route).inc()
     try:
         _tenant, slot = await access.admit(request)
-        payload, model = await _payload(request, fleet, held)
+        body = await _payload(request, fleet, held)
         upstream_id = upstream_request_id(request_id, supplied == request_id)
-        response, outcome = await _forward(
-            request, fleet, route, (payload, model), upstream_id, request_id
-        )
+        response, outcome = await _forward(request, fleet, route, body, upstream_id, request_id)
         return response
     except ProxyError as exc:
         outcome = _outcome_of(exc.status)
@@ -88,38 +91,69 @@ def _outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "upstream_error"
 
 
-async def _payload(request: web.Request, fleet: Fleet, held: HeldBody) -> tuple[bytes | None, Any]:
-    """The body to forward (a JSON object without `kv_transfer_params`, or other bytes as
-    sent) and the model it names. A JSON body naming a model nobody serves is refused (404)."""
+# A JSON text's first byte past any whitespace; a multipart body starts with its boundary.
+_LOOKS_LIKE_JSON = re.compile(rb"[ \t\r\n]*[\[{]")
+
+
+async def _payload(
+    request: web.Request, fleet: Fleet, held: HeldBody
+) -> tuple[bytes | None, Any, str | None]:
+    """The body to forward, the model it names and its Content-Type. Bodies are checked by
+    what they are, not by the Content-Type the client claims: anything that is not a real
+    multipart form must be a JSON object and gets the JSON checks (budget, depth, model,
+    `kv_transfer_params` dropped); a form gets its `model` field checked and its
+    `kv_transfer_params` field dropped. A model nobody serves is refused (404)."""
     if not request.body_exists:
-        return None, None
+        return None, None, None
     raw = await read_body(request, fleet.settings, held)
-    if request.content_type.startswith("multipart/"):
-        return bytes(raw), None  # file uploads (e.g. audio): forwarded as sent
-    # Any other body must be a JSON object, whatever its Content-Type says, so that no
-    # kv_transfer_params slip through under another label.
-    body: dict[str, Any] = parse_json_object(raw, fleet.settings.json_max_depth)
+    content_type = request.headers.get("Content-Type", "")
+    mime = parse_mimetype(content_type)
+    if mime.type == "multipart" and not _LOOKS_LIKE_JSON.match(raw):
+        boundary = mime.parameters.get("boundary")
+        if not boundary:
+            raise bad_request(
+                "a multipart body needs the boundary parameter of its Content-Type",
+                code="invalid_multipart",
+            )
+        return *(await _form_payload(request, raw, boundary, held)), content_type
+    body: dict[str, Any] = parse_json_body(raw, fleet.settings, held)
     await request.app[MODELS].check(body.get("model"))
-    body.pop(KV_TRANSFER_PARAMS, None)  # the proxy alone speaks to the connector
-    return json.dumps(body, separators=(",", ":")).encode(), body.get("model")
+    strip_connector_fields(body)  # the proxy alone speaks to the connector
+    return json.dumps(body, separators=(",", ":")).encode(), body.get("model"), JSON_TYPE
+
+
+async def _form_payload(
+    request: web.Request, raw: bytes | bytearray, boundary: str, held: HeldBody
+) -> tuple[bytes, Any]:
+    found = forms.parts(raw, boundary)
+    model: str | None = None
+    for part in found:
+        if part.name == "model":
+            model = forms.field_text(raw, part)
+            await request.app[MODELS].check(model)
+    if any(part.name == KV_TRANSFER_PARAMS for part in found):
+        held.grow_to(2 * len(raw))  # the rebuilt form beside the body it came from
+        return forms.without(raw, boundary, found, {KV_TRANSFER_PARAMS}), model
+    return bytes(raw), model
 
 
 async def _forward(
     request: web.Request,
     fleet: Fleet,
     route: str,
-    body: tuple[bytes | None, Any],
+    body: tuple[bytes | None, Any, str | None],
     upstream_id: str,
     client_id: str,
 ) -> tuple[web.StreamResponse, str]:
     """The relayed answer and its outcome label."""
     settings = fleet.settings
-    payload, model = body
+    payload, model, content_type = body
     pool = fleet.decode if settings.passthrough_pool == "decode" else fleet.prefill
     pick = _picker(fleet.router, pool, request.app[MODELS].servers_of(model))
     headers = {h: request.headers[h] for h in _FORWARDED_REQUEST if h in request.headers}
-    if payload is not None and not request.content_type.startswith("multipart/"):
-        headers["Content-Type"] = "application/json"
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    headers.update(forwarded_headers(request, settings.forward_headers))
     headers["X-Request-Id"] = upstream_id
     reasons: list[str] = []
 
@@ -203,6 +237,36 @@ def _picker(
     return pick
 
 
+# An engine's 5xx answer is read whole only up to this; its error message is in the first bytes.
+_ERROR_READ_MAX = 64 * 1024
+
+
+async def _engine_failure(
+    resp: aiohttp.ClientResponse, backend: Backend, route: str, headers: dict[str, str]
+) -> web.Response:
+    """An engine's 5xx, OpenAI-shaped: its own JSON error as it is, anything else (a text or
+    HTML page, JSON without an error) as a shaped 502 quoting its first bytes."""
+    try:
+        raw = await resp.content.read(_ERROR_READ_MAX)
+    except (aiohttp.ClientError, TimeoutError):
+        raw = b""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+        return web.Response(body=raw, status=resp.status, headers=headers)
+    text = " ".join(raw[:300].decode("utf-8", "replace").split())
+    log.warning("pass-through %s: %s answered HTTP %d without an error object", route,
+                backend.url, resp.status)  # fmt: skip
+    return ProxyError(
+        502,
+        f"the engine {backend.name} failed on {route} (HTTP {resp.status}"
+        + (f": {text}" if text else "") + ")",
+        code="upstream_failed",
+    ).response({"X-Request-Id": headers["X-Request-Id"]})  # fmt: skip
+
+
 async def _relay(
     request: web.Request,
     resp: aiohttp.ClientResponse,
@@ -215,6 +279,8 @@ async def _relay(
     before the client has the answer, and a next request cannot find it still taken)."""
     headers = {h: resp.headers[h] for h in _FORWARDED_ANSWER if h in resp.headers}
     headers["X-Request-Id"] = client_id
+    if resp.status >= 500:
+        return await _engine_failure(resp, backend, route, headers), _outcome_of(resp.status)
     if resp.content_length is not None and resp.content_type != "text/event-stream":
         try:
             raw = await resp.read()

@@ -22,6 +22,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrelay.proxy.config import LogFormat, Settings, SettingsError
+from kvrelay.proxy.http import protocol_errors
+from kvrelay.proxy.http.parent_watch import exit_with_parent
 from kvrelay.proxy.http.supervisor import Supervisor
 from kvrelay.proxy.telemetry import logs, tracing
 
@@ -108,11 +110,15 @@ def tune_gc(app: web.Application) -> web.Application:
     return app
 
 
-def run_worker(settings: Settings, reuse_port: bool) -> None:
-    """One proxy process: serves until SIGINT/SIGTERM."""
+def run_worker(settings: Settings, reuse_port: bool, supervisor_pid: int | None = None) -> None:
+    """One proxy process: serves until SIGINT/SIGTERM (and, under a supervisor, until the
+    supervisor dies)."""
     from kvrelay.proxy.http.app import create_app
 
     configure_logging(settings.log_level, settings.log_format)
+    protocol_errors.install()
+    if supervisor_pid is not None:
+        exit_with_parent(supervisor_pid)
     tracing.configure(settings.tracing)
     _install_uvloop()
     app = tune_gc(create_app(settings))
@@ -154,7 +160,9 @@ def _serve_workers(settings: Settings) -> int:
     ctx = multiprocessing.get_context("spawn")
 
     def make_worker(index: int) -> SpawnProcess:
-        return ctx.Process(target=run_worker, args=(settings, True), name=f"kvrelay-worker-{index}")
+        return ctx.Process(
+            target=run_worker, args=(settings, True, os.getpid()), name=f"kvrelay-worker-{index}"
+        )
 
     supervisor = Supervisor(settings.workers, make_worker)
     log.info("starting %d workers sharing port %d", settings.workers, settings.port)

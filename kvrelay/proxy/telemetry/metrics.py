@@ -3,7 +3,9 @@
 With several worker processes the parent sets `PROMETHEUS_MULTIPROC_DIR` before the workers
 start, every worker writes its samples there, and `/metrics` on any worker aggregates all of
 them (prometheus-client multiprocess mode). Gauges declare how they combine across processes.
-Labels never carry API keys, conversation ids or request ids.
+Labels never carry API keys, conversation ids or request ids. No `_created` series: they
+would double the series count with creation timestamps nobody queries (most exporters turn them
+off the same way).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import bisect
 import math
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -19,10 +23,13 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    disable_created_metrics,
     generate_latest,
     multiprocess,
 )
 from prometheus_client.values import MutexValue
+
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Labelled:
@@ -41,6 +48,15 @@ class Labelled:
         if child is None:
             child = self._children[values] = _fast_child(self.metric.labels(*values))
         return child
+
+    def remove(self, *values: str) -> None:
+        """Drop the series of these label values from this process's registry."""
+        if self._children.pop(values, None) is None:
+            return
+        with warnings.catch_warnings():
+            # Multiprocess mode warns that it cannot remove: `render` filters those out.
+            warnings.simplefilter("ignore", UserWarning)
+            self.metric.remove(*values)
 
 
 # A turn updates about a dozen metrics. prometheus-client's own `inc` and `observe` re-check
@@ -226,6 +242,14 @@ MAP_ERRORS = Labelled(
         ["op"],
     )
 )
+UNCONFIRMED_PUTS = Labelled(
+    Counter(
+        "kvrelay_map_unconfirmed_puts_total",
+        "Map writes whose outcome was unknown, by how they were settled (stored: the hold is "
+        "kept for the entry; not_stored: released; unsettled: left to the holder's lease).",
+        ["result"],
+    )
+)
 TENANT_LIMITS = Labelled(
     Counter(
         "kvrelay_tenant_limit_total",
@@ -261,10 +285,47 @@ INFLIGHT = Labelled(
 )
 
 
+# (role, backend) of engines that left the fleet: multiprocess mode keeps every series a
+# worker ever wrote in its file, so the page leaves these out (an engine that comes back is
+# taken off this set). Every worker reconciles its pools with the fleet, so each knows.
+_gone_backends: set[tuple[str, str]] = set()
+
+
+def backend_health(role: str, backend: str, healthy: bool) -> None:
+    """`kvrelay_backend_healthy` of an engine in its pool."""
+    _gone_backends.discard((role, backend))
+    BACKEND_HEALTHY.labels(role, backend).set(1 if healthy else 0)
+
+
+def backend_gone(role: str, backend: str) -> None:
+    """An engine left the fleet: its health series leaves the page."""
+    _gone_backends.add((role, backend))
+    BACKEND_HEALTHY.remove(role, backend)
+
+
+class _WithoutGone:
+    """The multiprocess collector's output less the health series of departed engines."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def collect(self) -> Iterator[Any]:
+        for metric in self._inner.collect():
+            if metric.name == "kvrelay_backend_healthy" and _gone_backends:
+                metric.samples = [
+                    sample
+                    for sample in metric.samples
+                    if (sample.labels.get("role"), sample.labels.get("backend"))
+                    not in _gone_backends
+                ]
+            yield metric
+
+
 def render() -> tuple[bytes, str]:
     """The metrics page, aggregated over worker processes when in multiprocess mode."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        inner = multiprocess.MultiProcessCollector(None)  # type: ignore[no-untyped-call]
+        registry.register(_WithoutGone(inner))
         return generate_latest(registry), CONTENT_TYPE_LATEST
     return generate_latest(), CONTENT_TYPE_LATEST

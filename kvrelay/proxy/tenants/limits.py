@@ -12,6 +12,13 @@ a worker that crashed expire on their own instead of being held forever. With th
 the counts are this process's. If Redis cannot be reached the request is admitted unchecked
 (counted), as the proxy serves without reuse then too.
 
+An admission whose answer did not come back in time (Redis stalled, a slow network) may still
+run later. Its slot id is chosen before the call, so the worker treats it as a slot it may
+hold: it is released by id when the request ends, and a release that finds no such slot
+leaves a tombstone (kept one lease) that makes the late admission take nothing. A release
+Redis did not confirm is retried (with the tenant's next admission and every second) until it
+is, so a stall leaves no slot that no worker owns: the tenant is admitted at once afterwards.
+
 Outcomes are counted in `kvrelay_tenant_limit_total{outcome}`; never labelled by key.
 """
 
@@ -44,6 +51,10 @@ _MAX_TRACKED = 100_000
 # What Retry-After says when the in-flight limit refused: a slot frees when a request ends,
 # which the proxy cannot predict.
 _INFLIGHT_RETRY_S = 1.0
+# Releases Redis did not confirm are sent again this often (and with the tenant's next
+# admission); at most this many are remembered per tenant (older ones are left to the lease).
+_RELEASE_RETRY_S = 1.0
+_MAX_RELEASING = 10_000
 
 
 @dataclass(frozen=True)
@@ -179,20 +190,41 @@ class Limiter:
         """End background work and finish pending releases."""
 
 
-# KEYS: bucket hash, slots sorted set (one hash slot: both carry the tenant's hash tag).
-# ARGV: max_inflight, rps, capacity, slot id, lease ms, then slots this process is releasing
-# (removed first, so a release still on its way cannot refuse the same worker's next request).
-# Returns {0|1|2, retry after ms}: 0 admitted, 1 refused by the bucket, 2 refused by the
-# in-flight limit. Time is Redis's, so replicas with skewed clocks share one bucket.
-_LUA_ADMIT = """
+# Shared by the admission and release scripts: remove slots ARGV[from..] from KEYS[2]; a slot
+# that is not there gets a tombstone in KEYS[3] (scored by its expiry) instead, so that its
+# admission, if it is still on its way, takes nothing when it runs.
+_LUA_REMOVE = """
+local function remove_slots(from, now, lease)
+  local tombstoned = false
+  for i = from, #ARGV do
+    if redis.call('ZREM', KEYS[2], ARGV[i]) == 0 then
+      redis.call('ZADD', KEYS[3], now + lease, ARGV[i])
+      tombstoned = true
+    end
+  end
+  if tombstoned then redis.call('PEXPIRE', KEYS[3], lease) end
+end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+"""
+
+# KEYS: bucket hash, slots sorted set, tombstones sorted set (one hash slot: all carry the
+# tenant's hash tag). ARGV: max_inflight, rps, capacity, slot id, lease ms, then slots this
+# process is releasing (removed first, so a release still on its way cannot refuse the same
+# worker's next request). Returns {0|1|2|3, retry after ms}: 0 admitted, 1 refused by the
+# bucket, 2 refused by the in-flight limit, 3 given up by its worker before it ran (nothing
+# taken). Time is Redis's, so replicas with skewed clocks share one bucket.
+_LUA_ADMIT = (
+    _LUA_REMOVE
+    + """
 local max_inflight = tonumber(ARGV[1])
 local rate = tonumber(ARGV[2])
 local cap = tonumber(ARGV[3])
 local lease = tonumber(ARGV[5])
-for i = 6, #ARGV do
-  redis.call('ZREM', KEYS[2], ARGV[i])
+remove_slots(6, now, lease)
+if redis.call('ZREM', KEYS[3], ARGV[4]) == 1 then
+  return {3, 0}
 end
 if max_inflight > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
@@ -220,6 +252,16 @@ if max_inflight > 0 then
 end
 return {0, 0}
 """
+)
+
+# KEYS: as the admission's (the bucket unused). ARGV: lease ms, then the slot ids to release.
+_LUA_RELEASE = (
+    _LUA_REMOVE
+    + """
+remove_slots(2, now, tonumber(ARGV[1]))
+return 0
+"""
+)
 
 # KEYS: a tenant's slots. ARGV: lease ms, then the slot ids this worker still runs.
 _LUA_RENEW = """
@@ -252,21 +294,24 @@ class RedisLimiter(Limiter):
         self._lease_ms = int(lease_s * 1000)
         self._timeout = timeout
         self._admit_script = client.register_script(_LUA_ADMIT)
+        self._release_script = client.register_script(_LUA_RELEASE)
         self._renew_script = client.register_script(_LUA_RENEW)
         self._live: dict[str, set[str]] = {}  # tenant -> slot ids this process holds
-        self._releasing: dict[str, set[str]] = {}  # tenant -> slot ids being removed
+        # tenant -> slot ids released here whose removal Redis has not confirmed yet
+        self._releasing: dict[str, set[str]] = {}
         self._pending: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
         self._logged_at = 0.0
 
     def _keys(self, tenant: str) -> list[str]:
-        tag = f"{{{self._prefix}:limit:{tenant}}}"  # both keys in one cluster hash slot
-        return [tag + ":bucket", tag + ":slots"]
+        tag = f"{{{self._prefix}:limit:{tenant}}}"  # every key in one cluster hash slot
+        return [tag + ":bucket", tag + ":slots", tag + ":gone"]
 
     async def _take(self, tenant: str, limit: TenantLimit) -> tuple[str, float, Slot | None]:
         slot_id = secrets.token_hex(8)
+        releasing = sorted(self._releasing.get(tenant, ()))
         args = [limit.max_inflight, limit.rps, limit.capacity, slot_id, self._lease_ms,
-                *sorted(self._releasing.get(tenant, ()))]  # fmt: skip
+                *releasing]  # fmt: skip
         call = asyncio.ensure_future(self._call(self._admit_script, self._keys(tenant), args))
         try:
             # Shielded: a client leaving mid-call must not lose a slot the script took.
@@ -276,12 +321,18 @@ class RedisLimiter(Limiter):
             raise
         except Exception as exc:
             self._unavailable(exc)
-            return UNCHECKED, 0.0, Slot()
+            if not limit.max_inflight:
+                return UNCHECKED, 0.0, Slot()
+            # The script may still run once Redis answers again: the slot is this worker's
+            # to release (by id) like any other, so it cannot outlive the request.
+            self._live.setdefault(tenant, set()).add(slot_id)
+            return UNCHECKED, 0.0, Slot(lambda: self._release(tenant, slot_id))
+        self._confirmed(tenant, releasing)
         if code == 1:
             return REJECTED_RPS, wait_ms / 1000, None
         if code == 2:
             return REJECTED_INFLIGHT, wait_ms / 1000, None
-        if not limit.max_inflight:
+        if not limit.max_inflight or code == 3:
             return ADMITTED, 0.0, Slot()
         self._live.setdefault(tenant, set()).add(slot_id)
         return ADMITTED, 0.0, Slot(lambda: self._release(tenant, slot_id))
@@ -291,10 +342,10 @@ class RedisLimiter(Limiter):
             return await script(keys=keys, args=args)
 
     def _undo(self, done: asyncio.Future[Any], tenant: str, slot_id: str) -> None:
-        if done.cancelled() or done.exception() is not None:
+        # Only a definite refusal took nothing; a failed or lost call may have taken the slot.
+        if not done.cancelled() and done.exception() is None and done.result()[0] != 0:
             return
-        if done.result()[0] == 0:
-            self._release(tenant, slot_id)
+        self._release(tenant, slot_id)
 
     def _release(self, tenant: str, slot_id: str) -> asyncio.Task[None]:
         live = self._live.get(tenant)
@@ -302,25 +353,30 @@ class RedisLimiter(Limiter):
             live.discard(slot_id)
             if not live:
                 del self._live[tenant]
-        self._releasing.setdefault(tenant, set()).add(slot_id)
+        releasing = self._releasing.setdefault(tenant, set())
+        releasing.add(slot_id)
+        while len(releasing) > _MAX_RELEASING:  # Redis away for long: the lease frees them
+            releasing.pop()
         # A task: a handler being cancelled (the client left) must not stop the release.
-        task = asyncio.get_running_loop().create_task(self._zrem(tenant, slot_id))
+        task = asyncio.get_running_loop().create_task(self._remove(tenant, [slot_id]))
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
         return task
 
-    async def _zrem(self, tenant: str, slot_id: str) -> None:
+    async def _remove(self, tenant: str, slot_ids: list[str]) -> None:
         try:
-            async with asyncio.timeout(self._timeout):
-                await self._r.zrem(self._keys(tenant)[1], slot_id)
-        except Exception as exc:  # the lease frees it
+            await self._call(self._release_script, self._keys(tenant), [self._lease_ms, *slot_ids])
+        except Exception as exc:  # kept in _releasing: retried until Redis confirms it
             self._unavailable(exc)
-        finally:
-            releasing = self._releasing.get(tenant)
-            if releasing is not None:
-                releasing.discard(slot_id)
-                if not releasing:
-                    del self._releasing[tenant]
+        else:
+            self._confirmed(tenant, slot_ids)
+
+    def _confirmed(self, tenant: str, slot_ids: list[str]) -> None:
+        releasing = self._releasing.get(tenant)
+        if releasing is not None:
+            releasing.difference_update(slot_ids)
+            if not releasing:
+                del self._releasing[tenant]
 
     def _unavailable(self, exc: BaseException) -> None:
         metrics.MAP_ERRORS.labels("limit").inc()
@@ -336,11 +392,22 @@ class RedisLimiter(Limiter):
                 args = [self._lease_ms, *sorted(live)]
                 await self._call(self._renew_script, [self._keys(tenant)[1]], args)
 
+    async def retry_releases(self) -> None:
+        """Send again every release Redis has not confirmed (a stall or an outage)."""
+        for tenant, releasing in list(self._releasing.items()):
+            if releasing:
+                await self._remove(tenant, sorted(releasing))
+
     async def _renew_loop(self) -> None:
+        renew_every = self._lease_ms / 3000
+        renewed_at = time.monotonic()
         while True:
-            await asyncio.sleep(self._lease_ms / 3000)
+            await asyncio.sleep(min(renew_every, _RELEASE_RETRY_S))
             try:
-                await self.renew()
+                await self.retry_releases()
+                if time.monotonic() - renewed_at >= renew_every:
+                    renewed_at = time.monotonic()
+                    await self.renew()
             except Exception as exc:  # Redis away: slots may lapse; admission stays bounded
                 self._unavailable(exc)
 

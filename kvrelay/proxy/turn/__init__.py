@@ -3,6 +3,8 @@ store what D holds, free what the turn owes (`Turn`), and report it.
 """
 
 from kvrelay.proxy.turn.conversation import (
+    CONVERSATION_HEADER,
+    SESSION_HEADER,
     chained_fingerprints,
     chat_shape,
     chat_store_key_id,
@@ -19,6 +21,8 @@ from kvrelay.proxy.turn.relay import Turn
 from kvrelay.proxy.turn.streaming import SSEFilter
 
 __all__ = [
+    "CONVERSATION_HEADER",
+    "SESSION_HEADER",
     "Debt",
     "Owed",
     "SSEFilter",

@@ -1,10 +1,19 @@
 """Conversation identity: tenant, conversation id, request id and message fingerprints.
 
-A conversation's map key is `(tenant, conversation_id)`. The id comes from the
-`X-Conversation-Id` header, the body's `conversation_id` (removed before forwarding) or, for
-chat without either, from a fingerprint of the message history, so stock OpenAI clients get
-reuse too. Fingerprints are chained per message: `f_i = sha256(f_{i-1} || canonical(msg_i))`,
-which lets the proxy check "the new request extends what D holds" in one pass.
+A conversation's map key is `(tenant, conversation_id)`. The id is the first of, in this order:
+
+1. the `X-Conversation-Id` header (kvrelay's own);
+2. the body's `conversation_id` (removed before forwarding);
+3. the `X-Session-ID` header (vLLM's multi-turn benchmark and several gateways send it; a
+   gateway may set it for a whole session, so the client's own choices above win);
+4. for chat without any of them, a fingerprint of the message history, so stock OpenAI
+   clients get reuse too.
+
+Whichever is used is checked the same way (non-empty, bounded, outside the fingerprint
+namespace); the ones not used are ignored.
+
+Fingerprints are chained per message: `f_i = sha256(f_{i-1} || canonical(msg_i))`, which lets
+the proxy check "the new request extends what D holds" in one pass.
 
 The stored entry's fingerprint covers the *prompt* of the turn D served, not D's reply: the
 reply's text may re-tokenize differently (docs/DESIGN.md §1), so only P's token-level block
@@ -85,10 +94,20 @@ def upstream_request_id(client_request_id: str, supplied: bool) -> str:
     return f"{client_request_id}-{_RANDOM.hex(4)}"
 
 
-def conversation_id_from(header: str | None, body: dict[str, Any]) -> str | None:
-    """Explicit conversation id (header wins); pops `conversation_id` from the body."""
+CONVERSATION_HEADER = "X-Conversation-Id"
+SESSION_HEADER = "X-Session-ID"
+
+
+def conversation_id_from(
+    header: str | None, body: dict[str, Any], session_header: str | None = None
+) -> str | None:
+    """Explicit conversation id, in the order of precedence above (`header`:
+    X-Conversation-Id, then the body, then `session_header`: X-Session-ID); pops
+    `conversation_id` from the body."""
     from_body = body.pop("conversation_id", None)
-    value: Any = header if header is not None else from_body
+    value: Any = header
+    if value is None:
+        value = from_body if from_body is not None else session_header
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():

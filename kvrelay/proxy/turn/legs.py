@@ -23,6 +23,7 @@ from kvrelay.connector.protocol import (
     REMOTE_PORT,
     REMOTE_URL,
 )
+from kvrelay.proxy.base import strip_connector_fields
 
 # Fields that only make sense for the client-facing leg or would make P generate more.
 _P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
@@ -30,7 +31,7 @@ _P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "bes
 
 def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> dict[str, Any]:
     """P's request: one token, no stream, keep the KV for D, maybe pull the old turn's KV."""
-    out = {k: v for k, v in body.items() if k not in _P_DROPPED}
+    out = strip_connector_fields({k: v for k, v in body.items() if k not in _P_DROPPED})
     out["stream"] = False
     out["max_tokens"] = 1
     if "max_completion_tokens" in body:
@@ -59,7 +60,7 @@ def decode_body(
     hold: bool,
 ) -> dict[str, Any]:
     """D's request: the client's, with P's params (or none: decode-only) and `hold_blocks`."""
-    out = dict(body)
+    out = strip_connector_fields(dict(body))
     params: dict[str, Any] = {}
     if prefill_params:
         params.update(prefill_params)
@@ -72,8 +73,6 @@ def decode_body(
         params[HOLD_BLOCKS] = True
     if params:
         out[KV_TRANSFER_PARAMS] = params
-    else:
-        out.pop(KV_TRANSFER_PARAMS, None)
     return out
 
 

@@ -37,10 +37,11 @@ from kvrelay.kvcache_map import (
     InvalidKeyError,
     KVEntry,
     MapUnavailableError,
+    UnconfirmedPutError,
 )
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import H1Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
-from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try
+from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try, probe
 from kvrelay.proxy.telemetry import metrics, tracing
 from kvrelay.proxy.turn.conversation import PromptShape, chat_store_key_id, prompt_chars
 from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
@@ -59,12 +60,13 @@ class LegFailure(Exception):
     """An engine could not be used for a leg (connect, timeout, 5xx); another may be tried.
 
     `reason` is for operators (logs, /admin); `public` is what a client may read: it names no
-    address."""
+    address. `timeout`: the engine said nothing in time, which a slow answer does too."""
 
-    def __init__(self, reason: str, public: str | None = None) -> None:
+    def __init__(self, reason: str, public: str | None = None, *, timeout: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.public = public or reason
+        self.timeout = timeout
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Turn:
     conversation_id: str | None
     shape: PromptShape
     client_request_id: str = ""  # what the client sees in X-Request-Id
+    forwarded: tuple[tuple[str, str], ...] = ()  # client headers for the engines (forward_headers)
     started: float = field(default_factory=time.monotonic)
     entry: KVEntry | None = None
     p_backend: Backend | None = None
@@ -93,7 +96,9 @@ class Turn:
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
-    every_decode_5xx: bool = False  # every D tried answered 5xx/429: the input may be poison
+    # Every D tried answered 5xx/429 and they blame the input (`Pool.blames_input`):
+    # a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise.
+    suspect_input: tuple[Backend, ...] = ()
     # What happened, for the turn's trace and log line (kvrelay.proxy.turn.report).
     reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
     tokens_reused: int = 0
@@ -145,7 +150,7 @@ class Turn:
             try:
                 response = await self._run()
             except BaseException:
-                self._judge_5xx(served=False)
+                self._judge_5xx(served=None)
                 self.owed.release_all()
                 raise
             # D's answer is complete, so P's blocks need no call from here: D's connector
@@ -266,7 +271,7 @@ class Turn:
                     status, raw = await self._post_read(backend, payload)
                 self.prefill_leg.status = status
             except LegFailure as exc:
-                fleet.prefill.record_failure(backend, exc.reason)
+                await self._charge(fleet.prefill, backend, exc)
                 metrics.LEG_LATENCY.labels("prefill", "error").observe(time.monotonic() - start)
                 log.warning("prefill on %s failed: %s", backend.url, exc.reason)
                 continue
@@ -279,10 +284,10 @@ class Turn:
                 continue
             if status >= 400:
                 # The prompt itself is bad: D would refuse it too.
-                fleet.prefill.record_success(backend, probe=False)
+                fleet.prefill.record_served(backend, self.tenant)
                 raise upstream_error_from_body(status, raw, "prefill")
-            fleet.prefill.record_success(backend, probe=False)
-            self._judge_5xx(served=True)
+            fleet.prefill.record_served(backend, self.tenant)
+            self._judge_5xx(served=fleet.prefill)
             self.p_backend = backend
             decision = "prefill_affinity" if backend.url in affine else "prefill_chosen"
             metrics.ROUTING.labels(decision).inc()
@@ -331,6 +336,7 @@ class Turn:
         headers: tuple[tuple[str, str], ...] = (
             ("Content-Type", "application/json"),
             ("X-Request-Id", self.request_id),
+            *self.forwarded,
         )
         if tracing.enabled():
             carrier: dict[str, str] = {}
@@ -348,7 +354,7 @@ class Turn:
         except UpstreamConnectError as exc:
             raise LegFailure(f"cannot connect ({exc})", "cannot connect") from exc
         except UpstreamTimeout as exc:
-            raise LegFailure("no answer within the first-byte timeout") from exc
+            raise LegFailure("no answer within the first-byte timeout", timeout=True) from exc
         except UpstreamError as exc:
             raise LegFailure(f"{type(exc).__name__}: {exc}", type(exc).__name__) from exc
 
@@ -359,7 +365,8 @@ class Turn:
         stream = self.body.get("stream") is True
         preferred = self.entry.url if self.entry is not None else None
         reasons: list[str] = []
-        answered_5xx = 0
+        refused: list[Backend] = []  # the engines that answered 5xx/429
+        slow = 0  # attempts that timed out on an engine that then passed its health probe
 
         def pick_decode(exclude: set[str]) -> Backend | None:
             return fleet.router.pick_decode(preferred, exclude)
@@ -381,7 +388,8 @@ class Turn:
                     resp = await self._open(backend, payload)
                     self.decode_leg.status = resp.status
                 except LegFailure as exc:
-                    fleet.decode.record_failure(backend, exc.reason)
+                    if not await self._charge(fleet.decode, backend, exc):
+                        slow += 1
                     metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
                     reasons.append(f"{backend.name}: {exc.public}")
                     log.warning("decode on %s failed: %s", backend.url, exc.reason)
@@ -391,14 +399,14 @@ class Turn:
                         await _drain(resp)
                         self.pending_5xx.append((fleet.decode, backend, f"HTTP {resp.status}"))
                         reasons.append(f"{backend.name}: HTTP {resp.status}")
-                        answered_5xx += 1
+                        refused.append(backend)
                         continue
                     if resp.status >= 400:
                         raw = await resp.read()
-                        fleet.decode.record_success(backend, probe=False)
+                        fleet.decode.record_served(backend, self.tenant)
                         raise upstream_error_from_body(resp.status, raw, "decode")
-                    fleet.decode.record_success(backend, probe=False)
-                    self._judge_5xx(served=True)
+                    fleet.decode.record_served(backend, self.tenant)
+                    self._judge_5xx(served=fleet.decode)
                     self.hold = hold
                     if hold:
                         self.owed.owe(
@@ -414,8 +422,21 @@ class Turn:
                     raise
                 finally:
                     resp.release()
-        self.every_decode_5xx = bool(reasons) and answered_5xx == len(reasons)
+        if (
+            refused
+            and len(refused) == len(reasons)
+            and fleet.decode.blames_input(refused, self.tenant)
+        ):
+            self.suspect_input = tuple(refused)
         detail = "; ".join(reasons) if reasons else "no decode engine is healthy"
+        if reasons and slow == len(reasons):
+            raise ProxyError(
+                504,
+                f"no decode engine answered within first_byte_timeout "
+                f"({fleet.settings.first_byte_timeout:g} s; {detail}); a long answer needs "
+                '"stream": true, or a larger first_byte_timeout',
+                code="decode_timeout",
+            )
         raise ProxyError(
             503 if not reasons else 502,
             f"no decode engine could serve the request ({detail}); retry later or check "
@@ -640,6 +661,13 @@ class Turn:
         with put_scope(entry.num_tokens, ttl):
             try:
                 await fleet.kvmap.put(store_key, entry, ttl)
+            except UnconfirmedPutError as exc:
+                fleet.map_unavailable("put", exc)
+                # The entry may be stored all the same: D's blocks stay held until the map
+                # says it is not (else a next turn could find an entry pointing at nothing).
+                fleet.releaser.spawn(
+                    fleet.releaser.release_unless_stored("decode", exc.settle, params)
+                )
             except MapUnavailableError as exc:
                 fleet.map_unavailable("put", exc)
                 fleet.releaser.release_soon_params("decode", params)
@@ -660,17 +688,37 @@ class Turn:
 
     # -- failure paths ---------------------------------------------------------------------------
 
-    def _judge_5xx(self, *, served: bool) -> None:
+    def _judge_5xx(self, *, served: Pool | None) -> None:
         """Settle the 5xx answers seen so far: failures of their engines when another engine
-        served this request, disputed (see `Pool.record_disputed`) when none did."""
+        of the same role (`served`) did this request's job, disputed (see
+        `Pool.record_disputed`) when none did. D serving a request that every P failed says
+        nothing about P: D does another job (it prefills without P's parameters)."""
         pending, self.pending_5xx = self.pending_5xx, []
         for pool, backend, reason in pending:
             if pool.get(backend.url) is not backend:
                 continue  # removed meanwhile
-            if served:
+            if pool is served:
                 pool.record_failure(backend, reason)
             else:
                 pool.record_disputed(backend, self.tenant, reason)
+
+    async def _charge(self, pool: Pool, backend: Backend, exc: LegFailure) -> bool:
+        """Count a failed attempt against its engine; False when it is not the engine's.
+
+        A timeout is what a slow answer (a long non-streamed generation) looks like too, so it
+        is the engine's only when the engine also fails a health probe, asked now."""
+        if not exc.timeout:
+            pool.record_failure(backend, exc.reason)
+            return True
+        limit = aiohttp.ClientTimeout(total=self.fleet.settings.probe_timeout_s)
+        ok, why = await probe(self.fleet.session, backend.url, limit)
+        if pool.get(backend.url) is not backend:
+            return True  # removed meanwhile: nothing to judge
+        backend.probe_ok = ok
+        if ok:
+            return False
+        pool.record_failure(backend, f"{exc.reason}; {why}")
+        return True
 
     def _release_decode_later(self, backend: Backend) -> None:
         """D may have finished (and held) before the turn was abandoned: free that hold."""

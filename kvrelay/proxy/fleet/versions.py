@@ -1,0 +1,68 @@
+"""`GET /version`: the proxy's version and the versions its engines report.
+
+Clients of vLLM ask `/version` before they start (vLLM's multi-turn benchmark among them), so
+the proxy answers it as vLLM does (`{"version": ...}`, the proxy's own) and adds, per usable
+engine, what that engine's `/version` said (None when it did not answer). Engines are named as
+on `/metrics` (role and a hash), never by address. Like vLLM's, the route needs no API key; the
+engines' answers are cached for `models_refresh_s` and fetched once for all callers, so the
+open route cannot make the proxy query the fleet on every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+import aiohttp
+
+from kvrelay import __version__
+from kvrelay.proxy.fleet.pools import Backend
+from kvrelay.proxy.fleet.shared import Fleet
+
+log = logging.getLogger(__name__)
+
+
+class EngineVersions:
+    """The engines' `/version` answers, cached."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self._fleet = fleet
+        self._refresh_s = fleet.settings.models_refresh_s
+        self._timeout = aiohttp.ClientTimeout(
+            total=fleet.settings.probe_timeout_s, sock_connect=fleet.settings.connect_timeout
+        )
+        self._engines: list[dict[str, Any]] = []
+        self._fetched_at = -float("inf")
+        self._fetching: asyncio.Task[None] | None = None
+
+    async def document(self) -> dict[str, Any]:
+        if time.monotonic() - self._fetched_at >= self._refresh_s:
+            if self._fetching is None or self._fetching.done():
+                self._fetching = asyncio.get_running_loop().create_task(self._fetch_all())
+            # Shielded: a caller that goes away does not cancel the others' fetch.
+            await asyncio.shield(self._fetching)
+        return {"version": __version__, "engines": list(self._engines)}
+
+    async def _fetch_all(self) -> None:
+        fleet = self._fleet
+        engines = fleet.prefill.usable() + fleet.decode.usable()
+        answers = await asyncio.gather(*(self._fetch(b) for b in engines))
+        self._engines = [
+            {"engine": b.name, "role": b.role, "version": v}
+            for b, v in zip(engines, answers, strict=True)
+        ]
+        self._fetched_at = time.monotonic()
+
+    async def _fetch(self, backend: Backend) -> str | None:
+        try:
+            async with self._fleet.session.get(
+                backend.url + "/version", timeout=self._timeout
+            ) as resp:
+                body = await resp.json(content_type=None) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            log.debug("/version of %s failed: %s", backend.url, type(exc).__name__)
+            return None
+        version = body.get("version") if isinstance(body, dict) else None
+        return version[:100] if isinstance(version, str) else None
