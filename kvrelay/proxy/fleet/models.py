@@ -13,13 +13,13 @@ fleet on every request. When no engine answered, nothing is refused: the engines
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
-import aiohttp
-
 from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
 
@@ -32,9 +32,7 @@ class ModelCatalog:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=fleet.settings.first_byte_timeout, sock_connect=fleet.settings.connect_timeout
-        )
+        self._timeout = fleet.settings.first_byte_timeout
         self._models: list[dict[str, Any]] = []
         self._ids: frozenset[str] = frozenset()
         self._servers: dict[str, frozenset[str]] = {}  # model id -> URLs of engines serving it
@@ -110,13 +108,14 @@ class ModelCatalog:
         self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
-        url = backend.url + "/v1/models"
         try:
-            async with self._fleet.session.get(url, timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    return None
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, raw = await self._fleet.upstream.get(
+                backend.url, "/v1/models", timeout_s=self._timeout
+            )
+            if status != 200:
+                return None
+            body = json.loads(raw)
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             log.debug("/v1/models of %s failed: %s", backend.url, type(exc).__name__)
             return None
         data = body.get("data") if isinstance(body, dict) else None

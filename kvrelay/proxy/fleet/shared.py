@@ -28,8 +28,10 @@ class Fleet:
     prefill: Pool
     decode: Pool
     kvmap: KVMap
-    session: aiohttp.ClientSession  # probes, /v1/models and the pass-through routes
-    upstream: Upstream  # the turns' engine calls: P, D and side channels
+    # Only `turn/relay.py`'s timeout probe (`pools.probe`) still uses it, until that module
+    # calls `probe_health(upstream, ...)`; then it goes.
+    session: aiohttp.ClientSession
+    upstream: Upstream  # every engine call: P, D, side channels, probes, pass-through
     releaser: Releaser
     map_errors_logged_at: float = 0.0
     router: Router = field(init=False)

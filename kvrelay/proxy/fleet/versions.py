@@ -11,13 +11,13 @@ open route cannot make the proxy query the fleet on every request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
-import aiohttp
-
 from kvrelay import __version__
+from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
 
@@ -30,9 +30,7 @@ class EngineVersions:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=fleet.settings.probe_timeout_s, sock_connect=fleet.settings.connect_timeout
-        )
+        self._timeout = fleet.settings.probe_timeout_s
         self._engines: list[dict[str, Any]] = []
         self._fetched_at = -float("inf")
         self._fetching: asyncio.Task[None] | None = None
@@ -57,11 +55,11 @@ class EngineVersions:
 
     async def _fetch(self, backend: Backend) -> str | None:
         try:
-            async with self._fleet.session.get(
-                backend.url + "/version", timeout=self._timeout
-            ) as resp:
-                body = await resp.json(content_type=None) if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            status, raw = await self._fleet.upstream.get(
+                backend.url, "/version", timeout_s=self._timeout
+            )
+            body = json.loads(raw) if status == 200 else None
+        except (UpstreamError, TimeoutError, ValueError) as exc:
             log.debug("/version of %s failed: %s", backend.url, type(exc).__name__)
             return None
         version = body.get("version") if isinstance(body, dict) else None
