@@ -186,6 +186,8 @@ class RespConnection:
     @classmethod
     def for_client(cls, client: aioredis.Redis, *, stale_after: float) -> RespConnection | None:
         """The same server as `client`'s pool, when it is a plain TCP one (else None)."""
+        # redis-py's undocumented pool attributes: the only record of the URL's address and
+        # credentials once parsed (pinned by tests/test_private_apis.py).
         pool = client.connection_pool
         if pool.connection_class is not Connection:  # TLS, Unix socket, Sentinel
             return None
@@ -212,6 +214,8 @@ class RespConnection:
         """Run a registered script; load it first if Redis does not know it (NOSCRIPT runs
         nothing, so the retry cannot run it twice)."""
         try:
+            # AsyncScript's sha and text: the map's scripts are registered with redis-py, which
+            # keeps them there (pinned by tests/test_private_apis.py).
             return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             body = script.script
