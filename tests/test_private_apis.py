@@ -22,9 +22,9 @@ from prometheus_client.values import MutexValue
 from redis.asyncio.connection import Connection
 from redis.commands.core import AsyncScript
 
-from kvrelay.kvcache_map._resp import RespConnection
-from kvrelay.proxy.http import protocol_errors
-from kvrelay.proxy.telemetry.metrics import _fast_child, _FastCounter, _FastGauge, _FastHistogram
+from kvrelay.kvcache_map._resp import RedisAddress, RespConnection
+from kvrelay.proxy.http import ShapedErrorsRequestHandler
+from kvrelay.proxy.telemetry import metrics
 
 # -- redis-py ----------------------------------------------------------------------------------
 
@@ -39,10 +39,9 @@ def test_redis_pool_exposes_the_address_and_credentials_of_a_plain_tcp_url() -> 
     )  # fmt: skip
     conn = RespConnection.for_client(client, stale_after=1.0)
     assert conn is not None
-    assert (conn._host, conn._port, conn._username, conn._password, conn._db) == (
-        "db.example", 6380, "user", "pw", 3,
-    )  # fmt: skip
-    assert conn._connect_timeout == 1.5
+    assert conn._address == RedisAddress(
+        "db.example", 6380, username="user", password="pw", db=3, connect_timeout=1.5
+    )
 
 
 def test_redis_tls_pools_use_another_connection_class() -> None:
@@ -75,8 +74,10 @@ def test_prometheus_children_keep_their_values_in_mutex_floats() -> None:
     assert all(type(b) is MutexValue for b in histogram._buckets)
     assert list(histogram._upper_bounds) == [1, 2, math.inf]
     # The wrappers take the fast path (no fallback to the child) and what they add shows.
-    fast = [_fast_child(counter), _fast_child(gauge), _fast_child(histogram)]
-    assert [type(f) for f in fast] == [_FastCounter, _FastGauge, _FastHistogram]
+    fast = [metrics._fast_child(child) for child in (counter, gauge, histogram)]
+    assert [type(f) for f in fast] == [
+        metrics._FastCounter, metrics._FastGauge, metrics._FastHistogram,
+    ]  # fmt: skip
     fast[0].inc(2)
     fast[1].inc(3)
     fast[2].observe(1.5)
@@ -96,12 +97,12 @@ def test_aiohttp_server_builds_its_handler_from_the_module_level_name() -> None:
     assert "RequestHandler(self" in source
     assert web_server.RequestHandler in (
         web_protocol.RequestHandler,
-        protocol_errors.ShapedErrorsRequestHandler,
+        ShapedErrorsRequestHandler,
     )
 
 
 def test_aiohttp_handle_error_signature_is_the_one_overridden() -> None:
-    ours = inspect.signature(protocol_errors.ShapedErrorsRequestHandler.handle_error)
+    ours = inspect.signature(ShapedErrorsRequestHandler.handle_error)
     theirs = inspect.signature(web_protocol.RequestHandler.handle_error)
     assert list(ours.parameters) == list(theirs.parameters)
     assert [p.default for p in ours.parameters.values()] == [

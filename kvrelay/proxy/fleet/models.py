@@ -13,13 +13,11 @@ fleet on every request. When no engine answered, nothing is refused: the engines
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
 from kvrelay.proxy.base import ProxyError
-from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
 
@@ -108,16 +106,7 @@ class ModelCatalog:
         self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
-        try:
-            status, raw = await self._fleet.upstream.get(
-                backend.url, "/v1/models", timeout_s=self._timeout
-            )
-            if status != 200:
-                return None
-            body = json.loads(raw)
-        except (UpstreamError, TimeoutError, ValueError) as exc:
-            log.debug("/v1/models of %s failed: %s", backend.url, type(exc).__name__)
-            return None
+        body = await self._fleet.engine_json(backend, "/v1/models", self._timeout)
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             return None

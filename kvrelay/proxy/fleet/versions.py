@@ -11,13 +11,11 @@ open route cannot make the proxy query the fleet on every request.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any
 
 from kvrelay import __version__
-from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
 
@@ -54,13 +52,6 @@ class EngineVersions:
         self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> str | None:
-        try:
-            status, raw = await self._fleet.upstream.get(
-                backend.url, "/version", timeout_s=self._timeout
-            )
-            body = json.loads(raw) if status == 200 else None
-        except (UpstreamError, TimeoutError, ValueError) as exc:
-            log.debug("/version of %s failed: %s", backend.url, type(exc).__name__)
-            return None
+        body = await self._fleet.engine_json(backend, "/version", self._timeout)
         version = body.get("version") if isinstance(body, dict) else None
         return version[:100] if isinstance(version, str) else None
