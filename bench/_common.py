@@ -32,6 +32,7 @@ from pathlib import Path
 
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.redis import RedisServer
+from kvrelay.devtools.ucx import with_loopback_ucx
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
@@ -60,9 +61,7 @@ RESULTS_PREAMBLE = (
 
 def bench_env() -> dict[str, str]:
     """Environment for every server a benchmark starts: NIXL over loopback on CPU."""
-    env = dict(os.environ)
-    env.setdefault("UCX_NET_DEVICES", "lo")
-    env.setdefault("UCX_TLS", "tcp,self,sm")
+    env = dict(with_loopback_ucx(dict(os.environ)))
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     # Engines' side channels and the proxy share one HMAC secret, fresh for each run.
     env.setdefault("KVRELAY_CONNECTOR_SECRET", _RUN_SECRET)

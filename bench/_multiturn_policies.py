@@ -40,6 +40,7 @@ from openai import AsyncOpenAI
 from openai.types.chat import ChatCompletionMessageParam
 
 from bench import _common as c
+from bench._plots import save_figure
 from kvrelay.devtools import prometheus
 
 POLICIES = ("always_p", "affinity", "conditional")
@@ -443,10 +444,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_ylabel("ms")
     ax.grid(True, alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main(argv: list[str]) -> int:

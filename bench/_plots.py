@@ -106,10 +106,7 @@ def plot_kvmap(data: Any, out: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("kvcache_map: memory vs Redis (one run)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    save_figure(fig, out, "kvcache_map: memory vs Redis (one run)")
 
 
 def plot_transfer(data: Any, out: Path) -> None:
@@ -140,7 +137,14 @@ def plot_transfer(data: Any, out: Path) -> None:
     ax2.set_ylabel("ms")
     ax2.set_title("rejection to blocks free")
     ax2.grid(True, alpha=0.3)
-    fig.suptitle("KV transfer over NIXL (UCX, loopback, CPU memory; one run)")
+    save_figure(fig, out, "KV transfer over NIXL (UCX, loopback, CPU memory; one run)")
+
+
+def save_figure(fig: Any, path: Path, title: str | None = None, dpi: int = 90) -> None:
+    """Title, lay out, write (making the folder) and close a figure."""
+    if title is not None:
+        fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)

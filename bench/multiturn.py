@@ -50,6 +50,7 @@ import aiohttp
 from openai import AsyncOpenAI
 
 from bench import _common as c
+from bench._plots import save_figure
 from kvrelay.devtools import prometheus
 
 VARIANTS = ("off", "on", "fingerprint")
@@ -533,11 +534,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         ax.set_xlabel("turn")
         ax.grid(True, alpha=0.3)
         ax.legend(title="reuse")
-    fig.suptitle("Multi-turn reuse through kvrelay (one run, same engines)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    save_figure(fig, path, "Multi-turn reuse through kvrelay (one run, same engines)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,6 +31,7 @@ from typing import Any
 
 from bench import _common as c
 from bench import _loadgen, _proxybound
+from bench._plots import save_figure
 from kvrelay.devtools import prometheus
 from kvrelay.devtools.process import ServerProcess
 
@@ -456,11 +457,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
             ax.set_xlabel("concurrency")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=8)
-    fig.suptitle("Proxy overhead on the same zero-compute P/D enginesim pair (one run)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    title = "Proxy overhead on the same zero-compute P/D enginesim pair (one run)"
+    save_figure(fig, path, title, dpi=80)
 
 
 def main(argv: list[str] | None = None) -> int:

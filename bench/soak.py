@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,11 +30,11 @@ from kvrelay.devtools.chaos_load import (
     proxy_reuse,
     summarize,
 )
+from kvrelay.devtools.ucx import with_loopback_ucx
 
 BENCH = Path(__file__).resolve().parent
 # NIXL over loopback on CPU, for the engines this process starts.
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+with_loopback_ucx()
 UNCLEAR = ("unshaped", "client_saw", "stream_truncated")
 
 

@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from bench import _common as c
+from kvrelay.devtools.ucx import with_loopback_ucx
 
-os.environ.setdefault("UCX_NET_DEVICES", "lo")
-os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+with_loopback_ucx()
 
 KIB = 1024
 

@@ -3,6 +3,7 @@ module light to import; a threaded app that stops."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import urllib.request
@@ -12,6 +13,7 @@ from aiohttp import web
 from kvrelay.devtools import prometheus, sse
 from kvrelay.devtools.process import free_port, tcp_ready
 from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools.ucx import LOOPBACK_UCX, with_loopback_ucx
 from tests.harness import REPO_ROOT
 
 PAGE = """# HELP x_total things
@@ -106,3 +108,15 @@ def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound() -> None:
         taken = held.getsockname()[1]
         held.listen()
         assert free_port(preferred=taken) != taken
+
+
+def test_makefile_exports_the_devtools_ucx_defaults() -> None:
+    # The Makefile's exports are the shell's copy of `kvrelay.devtools.ucx`: they must agree.
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    exported = dict(re.findall(r"^export (UCX_\w+) \?= (\S+)$", makefile, re.MULTILINE))
+    assert exported == LOOPBACK_UCX
+
+
+def test_loopback_ucx_fills_only_what_is_unset() -> None:
+    env = {"UCX_TLS": "rc"}
+    assert with_loopback_ucx(env) == {"UCX_TLS": "rc", "UCX_NET_DEVICES": "lo"}

@@ -1,8 +1,10 @@
 """Clients for a holder's side channel (CONTRACTS §2). Torch-free.
 
 `SideChannelClient` is synchronous on a pooled `httpx.Client` (worker and scheduler threads);
-`AsyncSideChannelClient` (the proxy) uses aiohttp, or the proxy's own engine connections passed
-in as a `SideChannelCall`. Both sign every request for the address
+`AsyncSideChannelClient` (the proxy) uses the proxy's own engine connections passed in as a
+`SideChannelCall`, or else aiohttp. The two share everything but the transport: each call is an
+`_Exchange` (what to send, how to read the answer) signed and checked by one `_Signer`. Both
+sign every request for the address
 they send it to, bound the time and the size of every answer, and believe an answer only when
 the holder signed it for that very request. With an allowlist (readers: `allowed_holders`) a
 holder outside it is never contacted. Network failures, unsigned or forged answers and refused
@@ -15,7 +17,8 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 import aiohttp
@@ -142,21 +145,115 @@ def _authentic(
     return status, data
 
 
+_Result = TypeVar("_Result")
+
+
+@dataclass(frozen=True)
+class _Exchange(Generic[_Result]):
+    """One side-channel call, whatever carries it: what to send and how to read the answer."""
+
+    method: str
+    path: str
+    body: bytes
+    parse: Callable[[int, bytes], _Result]
+
+
+def _handshake() -> _Exchange[HandshakeResponse]:
+    return _Exchange("GET", PATH_HANDSHAKE, b"", _parse_handshake)
+
+
+def _claim(
+    request_id: str, reader_engine_id: str, reader_request_id: str
+) -> _Exchange[ClaimResponse]:
+    body = ClaimRequest(
+        request_id=request_id,
+        reader_engine_id=reader_engine_id,
+        reader_request_id=reader_request_id,
+    )
+    return _Exchange("POST", PATH_CLAIM, body.model_dump_json().encode(), _parse_claim)
+
+
+def _release(
+    request_id: str,
+    release_token: str,
+    reader_engine_id: str | None = None,
+    reader_request_id: str | None = None,
+) -> _Exchange[bool]:
+    body = ReleaseRequest(
+        request_id=request_id,
+        release_token=release_token,
+        reader_engine_id=reader_engine_id,
+        reader_request_id=reader_request_id,
+    )
+    return _Exchange(
+        "POST",
+        PATH_RELEASE,
+        body.model_dump_json().encode(),
+        lambda status, data: _parse_release(status, data).released,
+    )
+
+
+def _finished(client_request_id: str) -> _Exchange[dict[str, Any] | None]:
+    return _Exchange("GET", _finished_path(client_request_id), b"", _parse_finished)
+
+
+def _finished_batch(client_request_ids: list[str]) -> _Exchange[dict[str, dict[str, Any]]]:
+    raw = FinishedBatchRequest(request_ids=client_request_ids).model_dump_json().encode()
+    return _Exchange(
+        "POST",
+        PATH_FINISHED_BATCH,
+        raw,
+        lambda status, body: (
+            _parse_answer(FinishedBatchResponse, "finished batch", status, body).finished
+        ),
+    )
+
+
+class _Signer:
+    """Signing and checking shared by both clients; only the transport differs."""
+
+    def __init__(self, secret: bytes, allowlist: HolderAllowlist | None) -> None:
+        self._secret = secret
+        self._allowlist = allowlist
+
+    def headers(self, host: str, port: int, exchange: _Exchange[Any]) -> dict[str, str]:
+        return _signed_request(
+            self._secret, self._allowlist, host, port, exchange.method, exchange.path,
+            exchange.body,
+        )  # fmt: skip
+
+    def answer(
+        self,
+        exchange: _Exchange[_Result],
+        headers: dict[str, str],
+        status: int,
+        data: bytes,
+        signature: str | None,
+    ) -> _Result:
+        return exchange.parse(*_authentic(self._secret, headers, status, data, signature))
+
+
+def _unreachable(host: str, port: int, exc: Exception) -> SideChannelError:
+    return SideChannelError(f"side channel {host}:{port} unreachable: {exc}")
+
+
 class SideChannelClient:
     """Synchronous, connection-pooled client; safe to share between threads."""
 
     def __init__(
         self, secret: bytes, timeout_s: float = 5.0, allowlist: HolderAllowlist | None = None
     ) -> None:
-        self._secret = secret
-        self._allowlist = allowlist
+        self._signer = _Signer(secret, allowlist)
         self._client = httpx.Client(timeout=timeout_s, trust_env=False)
 
-    def _call(self, host: str, port: int, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        headers = _signed_request(self._secret, self._allowlist, host, port, method, path, body)
+    def _call(self, host: str, port: int, exchange: _Exchange[_Result]) -> _Result:
+        headers = self._signer.headers(host, port, exchange)
         try:
             with self._client.stream(
-                method, _base(host, port) + path, content=body or None, headers=headers
+                exchange.method,
+                _base(host, port) + exchange.path,
+                content=exchange.body or None,
+                headers=headers,
             ) as resp:
                 data = bytearray()
                 for chunk in resp.iter_bytes():
@@ -164,24 +261,18 @@ class SideChannelClient:
                     if len(data) > MAX_RESPONSE_BYTES:
                         raise SideChannelError("side-channel answer too large")
                 signature = resp.headers.get(HEADER_SIGNATURE)
-                return _authentic(self._secret, headers, resp.status_code, bytes(data), signature)
+                status = resp.status_code
         except httpx.HTTPError as exc:
-            raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
+            raise _unreachable(host, port, exc) from exc
+        return self._signer.answer(exchange, headers, status, bytes(data), signature)
 
     def handshake(self, host: str, port: int) -> HandshakeResponse:
-        return _parse_handshake(*self._call(host, port, "GET", PATH_HANDSHAKE, b""))
+        return self._call(host, port, _handshake())
 
     def claim(
         self, host: str, port: int, request_id: str, reader_engine_id: str, reader_request_id: str
     ) -> ClaimResponse:
-        body = ClaimRequest(
-            request_id=request_id,
-            reader_engine_id=reader_engine_id,
-            reader_request_id=reader_request_id,
-        )
-        return _parse_claim(
-            *self._call(host, port, "POST", PATH_CLAIM, body.model_dump_json().encode())
-        )
+        return self._call(host, port, _claim(request_id, reader_engine_id, reader_request_id))
 
     def release(
         self,
@@ -192,19 +283,11 @@ class SideChannelClient:
         reader_engine_id: str | None = None,
         reader_request_id: str | None = None,
     ) -> bool:
-        body = ReleaseRequest(
-            request_id=request_id,
-            release_token=release_token,
-            reader_engine_id=reader_engine_id,
-            reader_request_id=reader_request_id,
-        )
-        return _parse_release(
-            *self._call(host, port, "POST", PATH_RELEASE, body.model_dump_json().encode())
-        ).released
+        exchange = _release(request_id, release_token, reader_engine_id, reader_request_id)
+        return self._call(host, port, exchange)
 
     def finished(self, host: str, port: int, client_request_id: str) -> dict[str, Any] | None:
-        path = _finished_path(client_request_id)
-        return _parse_finished(*self._call(host, port, "GET", path, b""))
+        return self._call(host, port, _finished(client_request_id))
 
     def close(self) -> None:
         self._client.close()
@@ -218,6 +301,43 @@ SideChannelCall = Callable[
 ]
 
 
+class _AiohttpCall:
+    """A `SideChannelCall` over an aiohttp session (a shared one, or one it owns): the
+    transport of an `AsyncSideChannelClient` not given the proxy's engine connections."""
+
+    def __init__(self, session: aiohttp.ClientSession | None) -> None:
+        self._session = session
+        self._owns_session = session is None
+
+    async def __call__(
+        self, host: str, port: int, method: str, path: str, headers: dict[str, str],
+        body: bytes, timeout_s: float, max_bytes: int,
+    ) -> tuple[int, bytes, str | None]:  # fmt: skip
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        try:
+            async with self._session.request(
+                method,
+                _base(host, port) + path,
+                data=body or None,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                data = bytearray()
+                async for chunk in resp.content.iter_chunked(65536):
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise SideChannelError("side-channel answer too large")
+                return resp.status, bytes(data), resp.headers.get(HEADER_SIGNATURE)
+        except aiohttp.ClientError as exc:
+            raise ConnectionError(str(exc)) from exc
+
+    async def close(self) -> None:
+        if self._owns_session and self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
 class AsyncSideChannelClient:
     """Async client for the proxy: over `transport` when given, else over an aiohttp session
     (a shared one, or one it owns)."""
@@ -229,67 +349,37 @@ class AsyncSideChannelClient:
         session: aiohttp.ClientSession | None = None,
         transport: SideChannelCall | None = None,
     ) -> None:
-        self._secret = secret
+        self._signer = _Signer(secret, None)
         self._timeout_s = timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._session = session
-        self._owns_session = session is None
+        self._own: _AiohttpCall | None = None
+        if transport is None:
+            transport = self._own = _AiohttpCall(session)
         self._transport = transport
 
-    async def _call(
-        self, host: str, port: int, method: str, path: str, body: bytes
-    ) -> tuple[int, bytes]:
-        headers = _signed_request(self._secret, None, host, port, method, path, body)
-        if self._transport is not None:
-            try:
-                status, answer, signature = await self._transport(
-                    host, port, method, path, headers, body, self._timeout_s, MAX_RESPONSE_BYTES
-                )
-            except (ConnectionError, TimeoutError) as exc:
-                raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
-            return _authentic(self._secret, headers, status, answer, signature)
-        if self._session is None:
-            self._session = aiohttp.ClientSession()
+    async def _call(self, host: str, port: int, exchange: _Exchange[_Result]) -> _Result:
+        headers = self._signer.headers(host, port, exchange)
         try:
-            async with self._session.request(
-                method,
-                _base(host, port) + path,
-                data=body or None,
-                headers=headers,
-                timeout=self._timeout,
-            ) as resp:
-                data = bytearray()
-                async for chunk in resp.content.iter_chunked(65536):
-                    data += chunk
-                    if len(data) > MAX_RESPONSE_BYTES:
-                        raise SideChannelError("side-channel answer too large")
-                signature = resp.headers.get(HEADER_SIGNATURE)
-                return _authentic(self._secret, headers, resp.status, bytes(data), signature)
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise SideChannelError(f"side channel {host}:{port} unreachable: {exc}") from exc
+            status, data, signature = await self._transport(
+                host, port, exchange.method, exchange.path, headers, exchange.body,
+                self._timeout_s, MAX_RESPONSE_BYTES,
+            )  # fmt: skip
+        except (ConnectionError, TimeoutError) as exc:
+            raise _unreachable(host, port, exc) from exc
+        return self._signer.answer(exchange, headers, status, data, signature)
 
     async def handshake(self, host: str, port: int) -> HandshakeResponse:
-        return _parse_handshake(*await self._call(host, port, "GET", PATH_HANDSHAKE, b""))
+        return await self._call(host, port, _handshake())
 
     async def claim(
         self, host: str, port: int, request_id: str, reader_engine_id: str, reader_request_id: str
     ) -> ClaimResponse:
-        body = ClaimRequest(
-            request_id=request_id,
-            reader_engine_id=reader_engine_id,
-            reader_request_id=reader_request_id,
-        )
-        raw = body.model_dump_json().encode()
-        return _parse_claim(*await self._call(host, port, "POST", PATH_CLAIM, raw))
+        return await self._call(host, port, _claim(request_id, reader_engine_id, reader_request_id))
 
     async def release(self, host: str, port: int, request_id: str, release_token: str) -> bool:
-        body = ReleaseRequest(request_id=request_id, release_token=release_token)
-        raw = body.model_dump_json().encode()
-        return _parse_release(*await self._call(host, port, "POST", PATH_RELEASE, raw)).released
+        return await self._call(host, port, _release(request_id, release_token))
 
     async def finished(self, host: str, port: int, client_request_id: str) -> dict[str, Any] | None:
-        path = _finished_path(client_request_id)
-        return _parse_finished(*await self._call(host, port, "GET", path, b""))
+        return await self._call(host, port, _finished(client_request_id))
 
     async def finished_batch(
         self, host: str, port: int, client_request_ids: list[str]
@@ -298,11 +388,8 @@ class AsyncSideChannelClient:
 
         A holder without the batch endpoint answers 404 or 405 (a `SideChannelError` with that
         status): ask it one id at a time (`finished`)."""
-        raw = FinishedBatchRequest(request_ids=client_request_ids).model_dump_json().encode()
-        status, body = await self._call(host, port, "POST", PATH_FINISHED_BATCH, raw)
-        return _parse_answer(FinishedBatchResponse, "finished batch", status, body).finished
+        return await self._call(host, port, _finished_batch(client_request_ids))
 
     async def close(self) -> None:
-        if self._owns_session and self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._own is not None:
+            await self._own.close()

@@ -566,24 +566,24 @@ class Sampler:
 # -- the report ---------------------------------------------------------------------------------
 
 
-def proxy_reuse(proxy: ProxyServer) -> dict[str, float]:
-    """`kvrelay_reuse_total` by result, summed over the proxy's workers."""
+def _by_label(proxy: ProxyServer, metric: str, label: str) -> dict[str, float]:
+    """`metric` by the value of `label`, summed over the proxy's workers."""
     out: dict[str, float] = {}
     for series, value in proxy.metrics().items():
-        if series.startswith("kvrelay_reuse_total{"):
-            result = series.split('result="', 1)[1].split('"', 1)[0]
-            out[result] = out.get(result, 0.0) + value
+        if series.startswith(metric + "{"):
+            key = series.split(f'{label}="', 1)[1].split('"', 1)[0]
+            out[key] = out.get(key, 0.0) + value
     return out
+
+
+def proxy_reuse(proxy: ProxyServer) -> dict[str, float]:
+    """`kvrelay_reuse_total` by result, summed over the proxy's workers."""
+    return _by_label(proxy, "kvrelay_reuse_total", "result")
 
 
 def routing_decisions(proxy: ProxyServer) -> dict[str, float]:
     """`kvrelay_routing_decisions_total` by decision, summed over the proxy's workers."""
-    out: dict[str, float] = {}
-    for series, value in proxy.metrics().items():
-        if series.startswith("kvrelay_routing_decisions_total{"):
-            decision = series.split('decision="', 1)[1].split('"', 1)[0]
-            out[decision] = out.get(decision, 0.0) + value
-    return out
+    return _by_label(proxy, "kvrelay_routing_decisions_total", "decision")
 
 
 def summarize(records: list[TurnRecord]) -> dict[str, Any]:

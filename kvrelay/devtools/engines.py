@@ -23,12 +23,12 @@ from kvrelay.devtools.process import (
     wait_until,
 )
 from kvrelay.devtools.prometheus import parse_samples
+from kvrelay.devtools.ucx import LOOPBACK_UCX
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
 ENGINE_ENV = {
     "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
-    "UCX_NET_DEVICES": "lo",
-    "UCX_TLS": "tcp,self,sm",
+    **LOOPBACK_UCX,
     "PYTHONUNBUFFERED": "1",
 }
 

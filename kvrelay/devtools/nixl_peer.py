@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvrelay.devtools.ucx import with_loopback_ucx
+
 SECRET = "test-connector-secret"
 
 
@@ -266,7 +268,7 @@ class _Engine:
 
 
 def _peer_main(conn: Connection, spec: PeerSpec) -> None:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    with_loopback_ucx()
     try:
         engine = _Engine(spec, conn)
     except Exception:
@@ -283,8 +285,7 @@ class Peer:
     """Parent-side handle of a peer process."""
 
     def __init__(self, spec: PeerSpec) -> None:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        os.environ.setdefault("UCX_TLS", "tcp,self,sm")
+        with_loopback_ucx()
         ctx = mp.get_context("spawn")
         self.spec = spec
         self._conn, child = ctx.Pipe()

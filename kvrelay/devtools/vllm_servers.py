@@ -25,6 +25,7 @@ from typing import Any
 
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import parse_samples, series_sum
+from kvrelay.devtools.ucx import LOOPBACK_UCX
 
 CONNECTOR_SECRET = "kvrelay-vllm-test-secret"
 MODEL_NAME = "tiny"
@@ -44,8 +45,7 @@ def vllm_env(cpu: int) -> dict[str, str]:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
-        "UCX_NET_DEVICES": "lo",
-        "UCX_TLS": "tcp,self,sm",
+        **LOOPBACK_UCX,
         "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
         "PYTHONUNBUFFERED": "1",
     }

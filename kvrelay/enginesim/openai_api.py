@@ -84,7 +84,10 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _check_common(body: dict[str, Any], served_model: str) -> tuple[str, bool, bool]:
+def _check_common(body: Any, served_model: str) -> tuple[str, bool, bool]:
+    """The checks every route makes: a JSON object, the served model, sampling values."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
     model = body.get("model")
     if model is None:
         model = served_model
@@ -208,8 +211,6 @@ def parse_completion(
     body: Any, tokenizer: Tokenizer, served_model: str, max_model_len: int
 ) -> ParsedRequest:
     """Validate a /v1/completions body."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
     model, stream, include_usage = _check_common(body, served_model)
     if "prompt" not in body:
         raise ApiError(400, "prompt is required", param="prompt")
@@ -224,8 +225,6 @@ def parse_chat(
     body: Any, tokenizer: Tokenizer, served_model: str, max_model_len: int
 ) -> ParsedRequest:
     """Validate a /v1/chat/completions body (the chat template renders, then tokenizes)."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
     model, stream, include_usage = _check_common(body, served_model)
     messages = body.get("messages")
     if not isinstance(messages, list):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -159,26 +160,23 @@ class _Protocol(asyncio.Protocol):
         return future
 
 
+@dataclass(frozen=True)
+class RedisAddress:
+    """Where a `RespConnection` connects, and as whom."""
+
+    host: str
+    port: int
+    username: str | None = None
+    password: str | None = None
+    db: int = 0
+    connect_timeout: float = 5.0
+
+
 class RespConnection:
     """One shared connection to a plain-TCP Redis server; see the module docstring."""
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        *,
-        username: str | None = None,
-        password: str | None = None,
-        db: int = 0,
-        connect_timeout: float,
-        stale_after: float,
-    ) -> None:
-        self._host = host
-        self._port = port
-        self._username = username
-        self._password = password
-        self._db = db
-        self._connect_timeout = connect_timeout
+    def __init__(self, address: RedisAddress, *, stale_after: float) -> None:
+        self._address = address
         self._stale_after = stale_after
         self._proto: _Protocol | None = None
         self._connecting: asyncio.Task[_Protocol] | None = None
@@ -186,20 +184,22 @@ class RespConnection:
     @classmethod
     def for_client(cls, client: aioredis.Redis, *, stale_after: float) -> RespConnection | None:
         """The same server as `client`'s pool, when it is a plain TCP one (else None)."""
+        # redis-py's undocumented pool attributes: the only record of the URL's address and
+        # credentials once parsed (pinned by tests/test_private_apis.py).
         pool = client.connection_pool
         if pool.connection_class is not Connection:  # TLS, Unix socket, Sentinel
             return None
         kw = pool.connection_kwargs
         timeout = kw.get("socket_connect_timeout") or kw.get("socket_timeout") or 5.0
-        return cls(
+        address = RedisAddress(
             str(kw.get("host", "localhost")),
             int(kw.get("port", 6379)),
             username=kw.get("username"),
             password=kw.get("password"),
             db=int(kw.get("db") or 0),
             connect_timeout=float(timeout),
-            stale_after=stale_after,
         )
+        return cls(address, stale_after=stale_after)
 
     async def call(self, *args: Arg) -> Any:
         """Send one command and wait for its reply (an error reply is raised)."""
@@ -212,6 +212,8 @@ class RespConnection:
         """Run a registered script; load it first if Redis does not know it (NOSCRIPT runs
         nothing, so the retry cannot run it twice)."""
         try:
+            # AsyncScript's sha and text: the map's scripts are registered with redis-py, which
+            # keeps them there (pinned by tests/test_private_apis.py).
             return await self.call("EVALSHA", script.sha, len(keys), *keys, *args)
         except NoScriptError:
             body = script.script
@@ -247,14 +249,15 @@ class RespConnection:
     async def _connect(self) -> _Protocol:
         try:
             loop = asyncio.get_running_loop()
-            async with asyncio.timeout(self._connect_timeout):
-                _, proto = await loop.create_connection(_Protocol, self._host, self._port)
+            where = self._address
+            async with asyncio.timeout(where.connect_timeout):
+                _, proto = await loop.create_connection(_Protocol, where.host, where.port)
                 try:
-                    if self._password is not None:
-                        user = (self._username,) if self._username else ()
-                        await proto.send(("AUTH", *user, self._password))
-                    if self._db:
-                        await proto.send(("SELECT", self._db))
+                    if where.password is not None:
+                        user = (where.username,) if where.username else ()
+                        await proto.send(("AUTH", *user, where.password))
+                    if where.db:
+                        await proto.send(("SELECT", where.db))
                 except BaseException:
                     proto.fail("redis connection setup failed")
                     raise

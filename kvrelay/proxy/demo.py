@@ -22,6 +22,7 @@ import httpx
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import scrape as prometheus_scrape
 from kvrelay.devtools.prometheus import totals
+from kvrelay.devtools.ucx import with_loopback_ucx
 
 QUESTIONS = (
     "Hello! I am planning a trip to the mountains. What should I pack?",
@@ -117,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-serve", action="store_true", help="exit after the chat")
     args = parser.parse_args(argv)
 
-    env = dict(os.environ)
-    env.setdefault("UCX_NET_DEVICES", "lo")
-    env.setdefault("UCX_TLS", "tcp,self,sm")
+    env = dict(with_loopback_ucx(dict(os.environ)))
     env["KVRELAY_CONNECTOR_SECRET"] = env.get("KVRELAY_CONNECTOR_SECRET") or secrets.token_hex(16)
     # The demo shows D->P reuse turn by turn: every turn through P (README "Routing policy").
     env.setdefault("KVRELAY_ROUTING_POLICY", "always_p")

@@ -19,7 +19,7 @@ from prometheus_client import REGISTRY
 import kvrelay.connector.scheduler
 from kvrelay.connector.protocol import MAX_FINISHED_BATCH, PATH_FINISHED_BATCH
 from kvrelay.connector.scheduler import ConnectorScheduler
-from kvrelay.connector.sidechannel_client import AsyncSideChannelClient
+from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, _Exchange
 from kvrelay.devtools.nixl_peer import SECRET
 from kvrelay.proxy.engines import FinishedLookups
 from tests.connector.sidechannel_helpers import hold_params
@@ -63,9 +63,8 @@ def test_batch_refuses_an_empty_or_oversized_list(
         client = AsyncSideChannelClient(SECRET.encode(), timeout_s=10)
         try:
             body = json.dumps({"request_ids": ids}).encode()
-            status, _ = await client._call(HOST, sched.side_channel_port, "POST",
-                                           PATH_FINISHED_BATCH, body)  # fmt: skip
-            return status
+            raw = _Exchange("POST", PATH_FINISHED_BATCH, body, lambda status, _: status)
+            return await client._call(HOST, sched.side_channel_port, raw)
         finally:
             await client.close()
 

@@ -17,7 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvrelay.kvcache_map import RedisMap, open_map
-from kvrelay.kvcache_map._resp import RespConnection, _Incomplete, pack, parse
+from kvrelay.kvcache_map._resp import RedisAddress, RespConnection, _Incomplete, pack, parse
 from tests.harness import RedisServer, redis_server
 from tests.kvcache_map.helpers import key, make_entry
 
@@ -25,13 +25,8 @@ SHORT = 0.2  # how long a caller waits on a paused Redis
 
 
 def conn_to(server: RedisServer, stale_after: float = 30.0) -> RespConnection:
-    return RespConnection(
-        "127.0.0.1",
-        server.port,
-        password=server.password,
-        connect_timeout=2.0,
-        stale_after=stale_after,
-    )
+    address = RedisAddress("127.0.0.1", server.port, password=server.password, connect_timeout=2.0)
+    return RespConnection(address, stale_after=stale_after)
 
 
 @pytest.fixture

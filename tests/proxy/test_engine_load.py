@@ -12,12 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import aiohttp
 import pytest
 from aiohttp import web
 
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
+from kvrelay.proxy.engines import Upstream
 from kvrelay.proxy.fleet import (
     STALE_INTERVALS,
     EngineLoad,
@@ -87,8 +87,9 @@ async def test_poller_reads_the_engine_and_survives_failures(
     pool = Pool("decode", eject_after=1, readmit_after=1)
     backend = pool.add(fake_engine.url)
     dead = pool.add("http://127.0.0.1:9")  # nothing listens: connection refused
-    async with aiohttp.ClientSession() as session:
-        poller = LoadPoller([pool], session, interval=0.05, timeout=1.0)
+    client = Upstream(connect_timeout=1.0)
+    try:
+        poller = LoadPoller([pool], client, interval=0.05, timeout=1.0)
         await poller.scrape_all()
         assert backend.load is not None and backend.load.waiting == 7.0
         assert dead.load is None and dead.healthy  # a failed scrape is no health verdict
@@ -115,6 +116,8 @@ async def test_poller_reads_the_engine_and_survives_failures(
         finally:
             await poller.stop()
         assert backend.load is not None and backend.load.waiting == 2.0
+    finally:
+        client.close()
 
 
 def _router(**settings: object) -> tuple[Router, Pool, Pool]:

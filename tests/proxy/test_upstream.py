@@ -12,6 +12,7 @@ from aiohttp import web
 from kvrelay.proxy.engines import (
     H1Response,
     Origin,
+    Upstream,
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
@@ -52,6 +53,10 @@ async def _broken(request: web.Request) -> web.StreamResponse:
     assert request.transport is not None
     request.transport.abort()
     return resp
+
+
+async def _page(request: web.Request) -> web.Response:
+    return web.Response(body=b"x" * 1000, content_type="text/plain")
 
 
 def _origin(port: int, max_connections: int = 1024) -> Origin:
@@ -123,6 +128,7 @@ async def origin() -> AsyncIterator[int]:
     app.router.add_post("/stream", _stream)
     app.router.add_get("/close", _close)
     app.router.add_get("/broken", _broken)
+    app.router.add_get("/page", _page)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
@@ -419,3 +425,57 @@ def test_errors_are_connection_errors() -> None:
     assert issubclass(UpstreamTimeout, TimeoutError)
     assert issubclass(UpstreamTimeout, UpstreamError)
     assert issubclass(UpstreamConnectError, UpstreamError)
+
+
+async def test_get_reads_the_whole_answer_and_bounds_its_size(origin: int) -> None:
+    client = Upstream(connect_timeout=2.0)
+    try:
+        assert await client.get(f"http://127.0.0.1:{origin}", "/page", timeout_s=5.0) == (
+            200,
+            b"x" * 1000,
+        )
+        with pytest.raises(UpstreamBroken):
+            await client.get(f"http://127.0.0.1:{origin}", "/page", timeout_s=5.0, max_bytes=999)
+    finally:
+        client.close()
+
+
+async def test_get_timeout_bounds_the_whole_exchange() -> None:
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n")
+        for _ in range(4):  # one byte a read timeout's fifth: each read is in time, not the whole
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the engine's pace, not synchronisation
+
+    async with RawServer(slow) as server:
+        client = Upstream(connect_timeout=2.0)
+        with pytest.raises(TimeoutError):
+            await client.get(f"http://127.0.0.1:{server.port}", "/", timeout_s=0.25)
+        client.close()
+
+
+async def test_head_answer_ends_at_its_headers() -> None:
+    async def head(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        # A HEAD answer announces the length a GET would have, and sends no body.
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with RawServer(head) as server:
+        pool = _origin(server.port)
+        resp = await _request(pool, "HEAD", "/", read_timeout=5.0)
+        assert resp.status == 200
+        assert await asyncio.wait_for(resp.read(), timeout=2.0) == b""
+        resp.release()
+        pool.close()
+
+
+async def test_read_head_takes_only_the_first_bytes(origin: int) -> None:
+    pool = _origin(origin)
+    resp = await _request(pool, "GET", "/page")
+    assert await resp.read_head(10) == b"x" * 10
+    resp.release()
+    pool.close()

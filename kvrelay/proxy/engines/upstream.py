@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ssl
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, Iterable
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -40,6 +41,8 @@ from kvrelay.connector.protocol import HEADER_SIGNATURE
 _HIGH_WATER = 256 * 1024
 _NO_BODY_STATUSES = (204, 304)
 _SIGNATURE_HEADER = HEADER_SIGNATURE.lower().encode()
+# A GET answer (`Upstream.get`: /health, /metrics, /v1/models, /version) is refused past this.
+_GET_MAX_BYTES = 16 * 1024 * 1024
 
 
 class UpstreamError(ConnectionError):
@@ -78,6 +81,7 @@ class _Connection(asyncio.Protocol):
         self._deadline = 0.0
         self._last_read = 0.0
         self._framed = False  # the response says where its body ends (length or chunked)
+        self._head_only = False  # the request was HEAD: the answer has no body, whatever it says
 
     # -- asyncio.Protocol ------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -127,6 +131,11 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is not None:
             response.status = self._parser.get_status_code()
+            if self._head_only:
+                # httptools cannot be told to skip the body a HEAD answer announces: the
+                # answer ends here and its connection is not reused.
+                response._finish()
+                return
             response._headers_done()
 
     def on_message_complete(self) -> None:
@@ -137,11 +146,17 @@ class _Connection(asyncio.Protocol):
 
     # -- used by the origin and the response ------------------------------------------------------
     def send(
-        self, request: bytes, response: H1Response, read_timeout: float, total_timeout: float
+        self,
+        request: bytes,
+        response: H1Response,
+        read_timeout: float,
+        total_timeout: float,
+        head_only: bool = False,
     ) -> None:
         assert self.transport is not None
         self._response = response
         self._framed = False
+        self._head_only = head_only
         now = self.loop.time()
         self._last_read = now
         self._read_timeout = read_timeout
@@ -240,7 +255,7 @@ class H1Response:
             raise UpstreamBroken(f"the answer is larger than {limit} bytes")
         return data
 
-    async def iter_chunks(self) -> AsyncIterator[bytes]:
+    async def iter_chunks(self) -> AsyncGenerator[bytes, None]:
         """Body bytes as they arrive (transfer-encoding removed); what arrived while the
         reader was busy comes as one piece, so a relay writes it on with one system call."""
         while True:
@@ -285,6 +300,19 @@ class H1Response:
     def release(self) -> None:
         """Give the connection back when the body was read to its end, else abort it."""
         self.close()
+
+    async def read_head(self, limit: int) -> bytes:
+        """At most the first `limit` bytes of the body (an error page's message); the rest is
+        left unread, so `release()` then aborts the connection."""
+        parts: list[bytes] = []
+        size = 0
+        async with contextlib.aclosing(self.iter_chunks()) as chunks:
+            async for chunk in chunks:
+                parts.append(chunk)
+                size += len(chunk)
+                if size >= limit:
+                    break
+        return b"".join(parts)[:limit]
 
     # -- called by the connection -----------------------------------------------------------------
     def _headers_done(self) -> None:
@@ -384,7 +412,7 @@ class Origin:
         while True:
             conn = await self._connection()
             response = H1Response(self, conn)
-            conn.send(wire, response, read_timeout, total_timeout)
+            conn.send(wire, response, read_timeout, total_timeout, method == "HEAD")
             try:
                 await response._head
             except UpstreamBroken:
@@ -514,6 +542,21 @@ class Upstream:
             origin = self.origin(scheme, parts.hostname or "", port)
             self._by_url[base_url] = origin
         return origin
+
+    async def get(
+        self, base_url: str, path: str, *, timeout_s: float, max_bytes: int = _GET_MAX_BYTES
+    ) -> tuple[int, bytes]:
+        """`GET path` of the engine at `base_url`, read whole within `timeout_s` (connecting
+        included): status and body. The health probes, load scrapes, `/v1/models` and
+        `/version` calls; `UpstreamError` or `TimeoutError` when it fails."""
+        async with asyncio.timeout(timeout_s):
+            resp = await self.for_url(base_url).request(
+                "GET", path, read_timeout=timeout_s, total_timeout=timeout_s
+            )
+            try:
+                return resp.status, await resp.read(max_bytes)
+            finally:
+                resp.release()
 
     async def side_channel_call(
         self,

@@ -32,6 +32,7 @@ from kvrelay.proxy.fleet.pools import (
     engine_name,
     engines_to_try,
     probe,
+    probe_health,
 )
 from kvrelay.proxy.fleet.routing import Router, uncached_tokens
 from kvrelay.proxy.fleet.shared import Fleet
@@ -62,6 +63,7 @@ __all__ = [
     "make_resolver",
     "open_fleet_sync",
     "probe",
+    "probe_health",
     "ready_engines",
     "start_discovery",
     "start_kube_discovery",

@@ -16,9 +16,8 @@ from __future__ import annotations
 import logging
 import time
 
-import aiohttp
-
 from kvrelay.prometheus_text import parse_samples, series_sum
+from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.pools import Backend, EngineRounds, Pool
 
@@ -66,11 +65,11 @@ class LoadPoller(EngineRounds):
 
     async def _visit(self, pool: Pool, backend: Backend) -> None:
         try:
-            async with self._session.get(backend.url + "/metrics", timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    return
-                text = await resp.text()
-        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError) as exc:
+            status, body = await self._client.get(backend.url, "/metrics", timeout_s=self._timeout)
+            if status != 200:
+                return
+            text = body.decode()  # the exposition format is UTF-8
+        except (UpstreamError, TimeoutError, OSError, UnicodeDecodeError) as exc:
             log.debug("load scrape of %s failed: %s", backend.url, type(exc).__name__)
             return
         load = load_from_metrics(text, time.monotonic())

@@ -17,8 +17,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
-
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
@@ -32,9 +30,7 @@ class ModelCatalog:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=fleet.settings.first_byte_timeout, sock_connect=fleet.settings.connect_timeout
-        )
+        self._timeout = fleet.settings.first_byte_timeout
         self._models: list[dict[str, Any]] = []
         self._ids: frozenset[str] = frozenset()
         self._servers: dict[str, frozenset[str]] = {}  # model id -> URLs of engines serving it
@@ -110,15 +106,7 @@ class ModelCatalog:
         self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
-        url = backend.url + "/v1/models"
-        try:
-            async with self._fleet.session.get(url, timeout=self._timeout) as resp:
-                if resp.status != 200:
-                    return None
-                body = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("/v1/models of %s failed: %s", backend.url, type(exc).__name__)
-            return None
+        body = await self._fleet.engine_json(backend, "/v1/models", self._timeout)
         data = body.get("data") if isinstance(body, dict) else None
         if not isinstance(data, list):
             return None

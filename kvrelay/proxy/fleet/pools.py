@@ -37,6 +37,7 @@ from typing import Literal
 import aiohttp
 
 from kvrelay.proxy.base import cancel_and_wait
+from kvrelay.proxy.engines import Upstream, UpstreamError
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 
 Role = Literal["prefill", "decode"]
@@ -144,10 +145,21 @@ _MAX_DISPUTING_TENANTS = 64
 HealthListener = Callable[[Backend], None]
 
 
+async def probe_health(client: Upstream, url: str, timeout_s: float) -> tuple[bool, str]:
+    """One `GET /health` of the engine at `url`: (passed, why not)."""
+    try:
+        status, _ = await client.get(url, "/health", timeout_s=timeout_s)
+    except (UpstreamError, TimeoutError, OSError) as exc:
+        return False, f"health probe failed: {type(exc).__name__}"
+    return status == 200, f"health probe answered {status}"
+
+
 async def probe(
     session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout
 ) -> tuple[bool, str]:
-    """One `GET /health` of the engine at `url`: (passed, why not)."""
+    """`probe_health` on an aiohttp session: only `turn/relay.py`'s timeout judgement still
+    calls it (that module is being rewritten apart); it goes, with `Fleet.session`, once the
+    turn calls `probe_health(fleet.upstream, ...)`."""
     try:
         async with session.get(url + "/health", timeout=limit) as resp:
             await resp.read()
@@ -323,14 +335,14 @@ class EngineRounds:
     def __init__(
         self,
         pools: list[Pool],
-        session: aiohttp.ClientSession,
+        client: Upstream,
         interval: float,
         timeout: float,
     ) -> None:
         self._pools = pools
-        self._session = session
+        self._client = client
         self._interval = interval
-        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._timeout = timeout
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -373,7 +385,7 @@ class HealthChecker(EngineRounds):
         await self.visit_all()
 
     async def _visit(self, pool: Pool, backend: Backend) -> None:
-        ok, reason = await probe(self._session, backend.url, self._timeout)
+        ok, reason = await probe_health(self._client, backend.url, self._timeout)
         if pool.get(backend.url) is not backend:
             return  # removed while probing
         backend.probe_ok = ok

@@ -4,15 +4,17 @@ map, the engine connections, the releaser), built once per worker process by
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import aiohttp
 
 from kvrelay.kvcache_map import KVMap
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.engines import Releaser, Upstream
+from kvrelay.proxy.engines import Releaser, Upstream, UpstreamError
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.routing import Router
 from kvrelay.proxy.telemetry import metrics
@@ -28,8 +30,10 @@ class Fleet:
     prefill: Pool
     decode: Pool
     kvmap: KVMap
-    session: aiohttp.ClientSession  # probes, /v1/models and the pass-through routes
-    upstream: Upstream  # the turns' engine calls: P, D and side channels
+    # Only `turn/relay.py`'s timeout probe (`pools.probe`) still uses it, until that module
+    # calls `probe_health(upstream, ...)`; then it goes.
+    session: aiohttp.ClientSession
+    upstream: Upstream  # every engine call: P, D, side channels, probes, pass-through
     releaser: Releaser
     map_errors_logged_at: float = 0.0
     router: Router = field(init=False)
@@ -43,6 +47,16 @@ class Fleet:
         if now - self.map_errors_logged_at > 10.0:  # one line per 10 s, not one per request
             self.map_errors_logged_at = now
             log.warning("conversation map unavailable (%s: %s); serving without reuse", op, exc)
+
+    async def engine_json(self, backend: Backend, path: str, timeout_s: float) -> Any:
+        """The JSON document of `GET path` on the engine (`/v1/models`, `/version`); None when
+        the engine does not answer 200 with JSON in time."""
+        try:
+            status, raw = await self.upstream.get(backend.url, path, timeout_s=timeout_s)
+            return json.loads(raw) if status == 200 else None
+        except (UpstreamError, TimeoutError, ValueError) as exc:
+            log.debug("%s of %s failed: %s", path, backend.url, type(exc).__name__)
+            return None
 
     def side_channel_of(self, backend: Backend) -> tuple[str, int] | None:
         configured = self.settings.side_channels.get(backend.url)

@@ -15,8 +15,6 @@ import logging
 import time
 from typing import Any
 
-import aiohttp
-
 from kvrelay import __version__
 from kvrelay.proxy.fleet.pools import Backend
 from kvrelay.proxy.fleet.shared import Fleet
@@ -30,9 +28,7 @@ class EngineVersions:
     def __init__(self, fleet: Fleet) -> None:
         self._fleet = fleet
         self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = aiohttp.ClientTimeout(
-            total=fleet.settings.probe_timeout_s, sock_connect=fleet.settings.connect_timeout
-        )
+        self._timeout = fleet.settings.probe_timeout_s
         self._engines: list[dict[str, Any]] = []
         self._fetched_at = -float("inf")
         self._fetching: asyncio.Task[None] | None = None
@@ -56,13 +52,6 @@ class EngineVersions:
         self._fetched_at = time.monotonic()
 
     async def _fetch(self, backend: Backend) -> str | None:
-        try:
-            async with self._fleet.session.get(
-                backend.url + "/version", timeout=self._timeout
-            ) as resp:
-                body = await resp.json(content_type=None) if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            log.debug("/version of %s failed: %s", backend.url, type(exc).__name__)
-            return None
+        body = await self._fleet.engine_json(backend, "/version", self._timeout)
         version = body.get("version") if isinstance(body, dict) else None
         return version[:100] if isinstance(version, str) else None

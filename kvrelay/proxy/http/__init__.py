@@ -16,6 +16,7 @@ from kvrelay.proxy.http.body import (
     parsed_size_bound,
 )
 from kvrelay.proxy.http.openapi import openapi_document
+from kvrelay.proxy.http.protocol_errors import ShapedErrorsRequestHandler
 from kvrelay.proxy.http.server import GC_YOUNG_THRESHOLD, ProtocolErrorFilter, serve, tune_gc
 from kvrelay.proxy.http.validation import validate_chat, validate_completion
 
@@ -24,6 +25,7 @@ __all__ = [
     "BodyBudget",
     "HeldBody",
     "ProtocolErrorFilter",
+    "ShapedErrorsRequestHandler",
     "app",
     "create_app",
     "key_matches",

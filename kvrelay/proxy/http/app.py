@@ -265,6 +265,8 @@ def _make_state(
     settings: Settings, injected_map: KVMap | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def state(app: web.Application) -> AsyncIterator[None]:
+        # Only `turn/relay.py`'s timeout probe still uses this session (`fleet.pools.probe`); every
+        # other engine call goes through `upstream`.
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
         session = aiohttp.ClientSession(connector=connector)
         secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
@@ -299,12 +301,12 @@ def _make_state(
         app[LIMITS] = limiter
         await limiter.start()
         checker = HealthChecker(
-            [prefill, decode], session, settings.probe_interval_s, settings.probe_timeout_s
+            [prefill, decode], upstream, settings.probe_interval_s, settings.probe_timeout_s
         )
         app[HEALTH] = checker
         # Engine load signals for routing (kvrelay.proxy.fleet.engine_load); off with interval 0.
         poller = LoadPoller(
-            [prefill, decode], session, settings.load_poll_interval_s, settings.probe_timeout_s
+            [prefill, decode], upstream, settings.load_poll_interval_s, settings.probe_timeout_s
         )
         started = time.monotonic()
         sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})

@@ -30,7 +30,7 @@ from aiohttp.helpers import parse_mimetype
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.base import ProxyError, bad_request, strip_connector_fields
-from kvrelay.proxy.config import Settings
+from kvrelay.proxy.engines import H1Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, Router, engines_to_try
 from kvrelay.proxy.http import access, forms
 from kvrelay.proxy.http.body import HeldBody, parse_json_body, read_body
@@ -160,24 +160,28 @@ async def _forward(
     def on_retry() -> None:
         metrics.RETRIES.labels("passthrough").inc()
 
+    origin_path = route
+    if request.rel_url.raw_query_string:
+        origin_path += "?" + request.rel_url.raw_query_string
+    wire_headers = tuple(headers.items())
     for backend in engines_to_try(pick, 1 + settings.retries, on_retry):
         with pool.busy(backend, 1):
             try:
-                resp = await fleet.session.request(
+                resp = await fleet.upstream.for_url(backend.url).request(
                     request.method,
-                    backend.url + route,
-                    params=request.rel_url.query,
-                    data=payload,
-                    headers=headers,
-                    timeout=_timeout(settings),
+                    origin_path,
+                    payload or b"",
+                    wire_headers,
+                    read_timeout=settings.first_byte_timeout,
+                    total_timeout=settings.total_timeout,
                 )
-            except aiohttp.ClientConnectorError as exc:
+            except UpstreamConnectError as exc:
                 # Nothing reached the engine: another one may serve it.
-                pool.record_failure(backend, f"cannot connect ({exc.os_error})")
+                pool.record_failure(backend, f"cannot connect ({exc})")
                 reasons.append(f"{backend.name}: cannot connect")
                 log.warning("pass-through %s to %s: cannot connect", route, backend.url)
                 continue
-            except (aiohttp.ServerTimeoutError, TimeoutError):
+            except UpstreamTimeout:
                 pool.record_failure(backend, "no answer within the first-byte timeout")
                 raise ProxyError(
                     504,
@@ -185,7 +189,7 @@ async def _forward(
                     f"{settings.first_byte_timeout:g} s (setting first_byte_timeout)",
                     code="upstream_timeout",
                 ) from None
-            except aiohttp.ClientError as exc:
+            except UpstreamError as exc:
                 # The request may have reached the engine: not repeated elsewhere.
                 pool.record_failure(backend, f"{type(exc).__name__}")
                 raise ProxyError(
@@ -198,27 +202,15 @@ async def _forward(
                 if resp.status < 500:
                     pool.record_success(backend, probe=False)
                 return await _relay(request, resp, backend, route, client_id)
-            except BaseException:
-                resp.close()  # not pooled: an engine mid-answer learns the client left
-                raise
             finally:
+                # Read to its end: the connection goes back to its pool; else it is aborted,
+                # so an engine mid-answer learns the client left.
                 resp.release()
     detail = "; ".join(reasons) if reasons else f"no {pool.role} engine is healthy"
     raise ProxyError(
         503,
         f"no {pool.role} engine could take {route} ({detail}); retry later or check /ready",
         code="backends_unavailable",
-    )
-
-
-def _timeout(settings: Settings) -> aiohttp.ClientTimeout:
-    """The legs' timeouts for a pass-through request (on the fleet's aiohttp session: these routes
-    stream arbitrary bodies and methods, so they do not use the turns' engine client)."""
-    return aiohttp.ClientTimeout(
-        total=settings.total_timeout,
-        connect=settings.connect_timeout,
-        sock_connect=settings.connect_timeout,
-        sock_read=settings.first_byte_timeout,
     )
 
 
@@ -241,14 +233,24 @@ def _picker(
 _ERROR_READ_MAX = 64 * 1024
 
 
+def _answer_headers(resp: H1Response, client_id: str) -> dict[str, str]:
+    headers = {}
+    for name in _FORWARDED_ANSWER:
+        value = resp.header(name.lower().encode())
+        if value is not None:
+            headers[name] = value.decode("latin-1")
+    headers["X-Request-Id"] = client_id
+    return headers
+
+
 async def _engine_failure(
-    resp: aiohttp.ClientResponse, backend: Backend, route: str, headers: dict[str, str]
+    resp: H1Response, backend: Backend, route: str, headers: dict[str, str]
 ) -> web.Response:
     """An engine's 5xx, OpenAI-shaped: its own JSON error as it is, anything else (a text or
     HTML page, JSON without an error) as a shaped 502 quoting its first bytes."""
     try:
-        raw = await resp.content.read(_ERROR_READ_MAX)
-    except (aiohttp.ClientError, TimeoutError):
+        raw = await resp.read_head(_ERROR_READ_MAX)
+    except (UpstreamError, TimeoutError):
         raw = b""
     try:
         data = json.loads(raw)
@@ -269,7 +271,7 @@ async def _engine_failure(
 
 async def _relay(
     request: web.Request,
-    resp: aiohttp.ClientResponse,
+    resp: H1Response,
     backend: Backend,
     route: str,
     client_id: str,
@@ -277,14 +279,15 @@ async def _relay(
     """Send the engine's answer on: a stream (SSE, or a body of unknown length) as it
     arrives, an answer of announced length once whole (so the handler frees its limit slot
     before the client has the answer, and a next request cannot find it still taken)."""
-    headers = {h: resp.headers[h] for h in _FORWARDED_ANSWER if h in resp.headers}
-    headers["X-Request-Id"] = client_id
+    headers = _answer_headers(resp, client_id)
     if resp.status >= 500:
         return await _engine_failure(resp, backend, route, headers), _outcome_of(resp.status)
-    if resp.content_length is not None and resp.content_type != "text/event-stream":
+    mime = parse_mimetype(headers.get("Content-Type", ""))
+    is_sse = (mime.type, mime.subtype) == ("text", "event-stream")
+    if resp.header(b"content-length") is not None and not is_sse:
         try:
             raw = await resp.read()
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             log.warning("pass-through %s from %s broke: %s", route, backend.url,
                         type(exc).__name__)  # fmt: skip
             raise ProxyError(
@@ -298,9 +301,9 @@ async def _relay(
     await out.prepare(request)
     started = time.monotonic()
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in resp.iter_chunks():
             await out.write(chunk)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, TimeoutError) as exc:
+    except (UpstreamError, TimeoutError) as exc:
         log.warning("pass-through %s from %s broke after %.1f s: %s", route, backend.url,
                     time.monotonic() - started, type(exc).__name__)  # fmt: skip
         # Headers are out: closing the connection is the only way to tell the client.

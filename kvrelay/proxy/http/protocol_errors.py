@@ -52,5 +52,6 @@ class ShapedErrorsRequestHandler(web_protocol.RequestHandler):
 
 def install() -> None:
     """Have aiohttp's server in this process use `ShapedErrorsRequestHandler`."""
-    # Server.__call__ builds its handler from this module-level name at each connection.
+    # Server.__call__ builds its handler from this module-level name at each connection; aiohttp
+    # has no public hook for its own error pages (pinned by tests/test_private_apis.py).
     setattr(web_server, "RequestHandler", ShapedErrorsRequestHandler)  # noqa: B010

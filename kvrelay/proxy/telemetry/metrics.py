@@ -66,8 +66,8 @@ class Labelled:
 # bisection. In one process a store is a float behind a lock, and the wrappers add to the float
 # directly (see `_direct`): the lock and its call were another 3%. In multiprocess mode they
 # call the mmap-backed store's own `inc`. They rely on the client's internal attribute names, so
-# `_fast_child` falls back to the child itself when those are missing, and a test compares the
-# exposition both ways.
+# `_fast_child` falls back to the child itself when those are missing, a test compares the
+# exposition both ways, and tests/test_private_apis.py fails when the fast path is lost.
 
 
 def _direct(store: Any) -> bool:
