@@ -33,6 +33,26 @@ RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 REMOTE_URL = "remote_url"
 
+# --- reuse report: what the engine's connector did for this request (CONTRACTS §1) ---------
+# Added by the connector to the params an engine returns (P's answer; D's answer or its
+# published finished params). Tokens are prompt tokens; blocks are the holder's offered blocks.
+KVR_PROMPT_TOKENS = "kvr_prompt_tokens"
+KVR_LOCAL_HIT_TOKENS = "kvr_local_hit_tokens"  # found in this engine's own prefix cache
+KVR_LOADED_TOKENS = "kvr_loaded_tokens"  # read from the remote holder, arrived intact
+KVR_OFFERED_BLOCKS = "kvr_offered_blocks"  # blocks the remote holder offered (0: none)
+KVR_REFUSED_BLOCKS = "kvr_refused_blocks"  # {reason: blocks} offered but not loaded
+# Reasons an offered block was not loaded.
+REFUSED_HASH = "hash"  # at or after the first block whose hash differs from this prompt's
+REFUSED_PARTIAL = "partial"  # an unverifiable partial tail block, or beyond this prompt
+REFUSED_UNVERIFIED = "unverified"  # no hashes offered and hashes are required (or >1 group)
+REFUSED_LOCAL = "local"  # already in this engine's prefix cache: nothing to load
+REFUSED_THRESHOLD = "threshold"  # the load would be under kv_recompute_threshold
+REFUSED_FAILED = "failed"  # the read failed, or no room for it: recomputed
+# vLLM's own (0.32): set by vLLM's scheduler on params that carry `do_remote_prefill` when the
+# request finished at its first output: the request's cached prompt tokens (local + external).
+# A D given it reports it as its own `usage.prompt_tokens_details.cached_tokens`.
+REMOTE_PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"
+
 
 @dataclass(frozen=True, slots=True)
 class HoldRef:

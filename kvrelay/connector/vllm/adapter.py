@@ -15,7 +15,8 @@ scheduler process (role SCHEDULER)            core
   update_state_after_alloc(req, blocks, n) -> sched.update_state_after_alloc(view, ids, n)
   build_connector_meta(out)              ->  sched.build_connector_meta()
   update_connector_output(out)           ->  sched.update_connector_output(...)
-  request_finished(req, block_ids)       ->  sched.request_finished(view, [ids]), or
+  request_finished(req, block_ids)       ->  sched.request_finished(view, [ids]) (its params
+                                             carry the request's reuse report), or
                                              sched.request_rejected(view) when the request
                                              never got blocks (vLLM's abort_immediately
                                              path for requests D refused before admission)
@@ -48,6 +49,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvrelay.connector.holds import HoldEntry
@@ -110,6 +112,10 @@ def _route_core_logs() -> None:
 
 class KVRelayConnector(KVConnectorBase_V1):
     """kvrelay's NIXL connector for vLLM (see the module docstring for the hook mapping)."""
+
+    # Loaded tokens come from another vLLM instance: `vllm:prompt_tokens_cached_by_source`
+    # counts them as `p2p` (vLLM's default for a connector is `external_unspecified`).
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self,
