@@ -24,8 +24,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from kvrelay.connector.accounting import ReuseReport
 from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
@@ -319,8 +317,8 @@ class ConnectorScheduler:
             remote_request_id=params.remote_request_id,
             remote_host=params.remote_host,
             remote_port=params.remote_port,
-            remote_tp_size=params.tp_size,
-            release_token=params.release_token,
+            remote_tp_size=params.tp_size or 1,
+            hold=params.hold_ref,
         )
         self._recvs[req.request_id] = spec
         self._loading[req.request_id] = _Loading(
@@ -510,23 +508,14 @@ class ConnectorScheduler:
     # --- helpers ---------------------------------------------------------------------------
     def _params(self, req: RequestView) -> KVTransferParams | None:
         try:
-            return KVTransferParams.from_dict(req.kv_transfer_params)
-        except ValidationError:
+            return KVTransferParams.from_wire(req.kv_transfer_params)
+        except ValueError:
             log.warning("request %s: malformed kv_transfer_params ignored", req.request_id)
             return None
 
     def _release(self, params: KVTransferParams) -> None:
         """Let the holder free blocks we will not read (background, never blocks the step)."""
-        if not (params.has_remote_blocks and params.release_token):
+        hold = params.hold_ref if params.has_remote_blocks else None
+        if hold is None or self._releases is None:
             return
-        assert params.remote_host and params.remote_port and params.remote_request_id
-        if self._releases is None:
-            return
-        self._releases.submit(
-            Release(
-                params.remote_host,
-                params.remote_port,
-                params.remote_request_id,
-                params.release_token,
-            )
-        )
+        self._releases.submit(Release(hold))
