@@ -31,23 +31,13 @@ from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import HoldEntry, HoldTable
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from kvrelay.connector.protocol import (
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
     REFUSED_FAILED,
     REFUSED_HASH,
     REFUSED_LOCAL,
     REFUSED_PARTIAL,
     REFUSED_THRESHOLD,
     REFUSED_UNVERIFIED,
-    RELEASE_TOKEN,
-    REMOTE_BLOCK_HASHES,
-    REMOTE_BLOCK_IDS,
     REMOTE_BLOCKS_EXPIRY_TIME,
-    REMOTE_ENGINE_ID,
-    REMOTE_HOST,
-    REMOTE_NUM_TOKENS,
-    REMOTE_PORT,
-    REMOTE_REQUEST_ID,
     REMOTE_TAIL_HASH,
     TP_SIZE,
     KVTransferParams,
@@ -442,26 +432,25 @@ class ConnectorScheduler:
             expires_at=now_mono + self.config.lease_seconds,
             release_token=secrets.token_urlsafe(24),
         )
-        out: dict[str, Any] = {
-            DO_REMOTE_PREFILL: True,
-            DO_REMOTE_DECODE: False,
-            REMOTE_ENGINE_ID: self.config.engine_id,
-            REMOTE_REQUEST_ID: rid,
-            REMOTE_HOST: self.config.public_host,
-            REMOTE_PORT: self.side_channel_port,
-            REMOTE_BLOCK_IDS: held,
-            REMOTE_NUM_TOKENS: num_tokens,
-            TP_SIZE: self.config.tp_size,
-            REMOTE_BLOCKS_EXPIRY_TIME: now_wall + self.config.lease_seconds,
-            REMOTE_BLOCK_HASHES: block_hashes(
+        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
+        out = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.config.engine_id,
+            remote_request_id=rid,
+            remote_host=self.config.public_host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=held,
+            remote_num_tokens=num_tokens,
+            tp_size=self.config.tp_size,
+            remote_blocks_expiry_time=now_wall + self.config.lease_seconds,
+            remote_block_hashes=block_hashes(
                 all_tokens[:num_tokens], bs, self._compat, req.lora_name
             ),
-            RELEASE_TOKEN: entry.release_token,
-        }
-        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
-        if tail is not None:
-            out[REMOTE_TAIL_HASH] = tail
-        out.update(report.to_params())
+            **({REMOTE_TAIL_HASH: tail} if tail is not None else {}),
+            release_token=entry.release_token,
+            **report.to_params(),
+        ).to_wire()
         self.holds.add(entry)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]
         if self.config.publish_finished_params and req.client_request_id:

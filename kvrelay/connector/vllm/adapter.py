@@ -56,7 +56,7 @@ from kvrelay.connector.holds import HoldEntry
 from kvrelay.connector.metadata import ConnectorMetadata
 from kvrelay.connector.protocol import (
     REMOTE_BLOCK_IDS,
-    REMOTE_ENGINE_ID,
+    KVTransferParams,
 )
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.vllm.layout import prepare_caches
@@ -303,8 +303,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         view = request_view(request)
         allocated = request.request_id in self._allocated
         self._allocated.discard(request.request_id)
-        params = view.kv_transfer_params or {}
-        if not allocated and params.get(REMOTE_BLOCK_IDS):
+        params = KVTransferParams.from_wire_or_none(view.kv_transfer_params)
+        if not allocated and params is not None and params.remote_block_ids:
             # Finished without ever getting blocks: refused before admission (vLLM submits an
             # abort_immediately request for it) or aborted while queued. The holder it would
             # have read from is released now instead of at lease expiry.
@@ -312,7 +312,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             logger.info(
                 "kvrelay: request %s ended before admission; released its blocks on %s",
                 request.request_id,
-                params.get(REMOTE_ENGINE_ID),
+                params.remote_engine_id,
             )
             return False, None
         if request.status not in _COMPLETED:
@@ -323,7 +323,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         if delay_free and out is not None:
             logger.debug(
                 "kvrelay: holding %d blocks of request %s for a remote reader",
-                len(out.get("remote_block_ids", [[]])[0]),
+                len(out.get(REMOTE_BLOCK_IDS, [[]])[0]),
                 request.request_id,
             )
         return delay_free, out
