@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.connector.protocol import HoldRef
+
 
 @dataclass
 class RequestView:
@@ -35,7 +37,7 @@ class RecvSpec:
     remote_host: str
     remote_port: int
     remote_tp_size: int
-    release_token: str | None
+    hold: HoldRef | None  # what frees the holder's blocks when this read gives up
 
 
 @dataclass

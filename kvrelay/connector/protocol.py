@@ -8,10 +8,9 @@ Side-channel endpoints, headers and message models are CONTRACTS §2.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 CONNECTOR_VERSION = "kvrelay-connector-1"
 
@@ -33,35 +32,25 @@ RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 REMOTE_URL = "remote_url"
 
-
-@dataclass(frozen=True, slots=True)
-class HoldRef:
-    """Where one hold lives and what frees it: the holder's side channel, the request id the
-    holder knows it by, and the release token it handed out.
-
-    Values come from engines, so they are validated once, by `from_params`, and passed around
-    as this type afterwards (`Releaser.release`, `KVEntry.hold_ref`).
-    """
-
-    host: str
-    port: int
-    request_id: str
-    release_token: str
-
-    @classmethod
-    def from_params(cls, params: Mapping[str, Any] | None) -> HoldRef | None:
-        """The hold that engine-returned params describe, or None when they name no usable one
-        (no release token, as from stock vLLM, or an implausible address or id)."""
-        if not params:
-            return None
-        host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
-        request_id, token = params.get(REMOTE_REQUEST_ID), params.get(RELEASE_TOKEN)
-        if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536):
-            return None
-        if not all(isinstance(v, str) and v for v in (host, request_id, token)):
-            return None
-        assert isinstance(host, str) and isinstance(request_id, str) and isinstance(token, str)
-        return cls(host, port, request_id, token)
+# --- reuse report: what the engine's connector did for this request (CONTRACTS §1) ---------
+# Added by the connector to the params an engine returns (P's answer; D's answer or its
+# published finished params). Tokens are prompt tokens; blocks are the holder's offered blocks.
+KVR_PROMPT_TOKENS = "kvr_prompt_tokens"
+KVR_LOCAL_HIT_TOKENS = "kvr_local_hit_tokens"  # found in this engine's own prefix cache
+KVR_LOADED_TOKENS = "kvr_loaded_tokens"  # read from the remote holder, arrived intact
+KVR_OFFERED_BLOCKS = "kvr_offered_blocks"  # blocks the remote holder offered (0: none)
+KVR_REFUSED_BLOCKS = "kvr_refused_blocks"  # {reason: blocks} offered but not loaded
+# Reasons an offered block was not loaded.
+REFUSED_HASH = "hash"  # at or after the first block whose hash differs from this prompt's
+REFUSED_PARTIAL = "partial"  # an unverifiable partial tail block, or beyond this prompt
+REFUSED_UNVERIFIED = "unverified"  # no hashes offered and hashes are required (or >1 group)
+REFUSED_LOCAL = "local"  # already in this engine's prefix cache: nothing to load
+REFUSED_THRESHOLD = "threshold"  # the load would be under kv_recompute_threshold
+REFUSED_FAILED = "failed"  # the read failed, or no room for it: recomputed
+# vLLM's own (0.32): set by vLLM's scheduler on params that carry `do_remote_prefill` when the
+# request finished at its first output: the request's cached prompt tokens (local + external).
+# A D given it reports it as its own `usage.prompt_tokens_details.cached_tokens`.
+REMOTE_PREFILL_CACHED_TOKENS = "remote_prefill_cached_tokens"
 
 
 # --- side channel (CONTRACTS §2) --------------------------------------------------------------
@@ -84,39 +73,67 @@ MAX_FINISHED_BATCH = 32
 
 
 class KVTransferParams(BaseModel):
-    """`kv_transfer_params` as engines exchange them; every field optional, unknown ones kept.
+    """`kv_transfer_params` as engines exchange them: the one type for them in kvrelay.
 
-    `from_dict` never raises on foreign but well-typed extras (stock vLLM adds its own), and
-    `to_dict` drops unset fields so stock engines see only what was given.
+    Parsed once where they enter (`from_wire`: an engine's answer reaching the proxy, vLLM
+    handing a request's params to the connector) and passed around as this type; `to_wire`
+    gives them back as sent. Every field is optional; unknown ones (stock vLLM adds its own)
+    are kept and forwarded. Scalars are strict (no "41" for 41, no true for 1): params come
+    from engines over the network and go back out to engines. Lists are copied, so a parsed
+    value shares nothing with what it was parsed from.
     """
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", frozen=True)
 
-    do_remote_decode: bool = False
-    do_remote_prefill: bool = False
-    remote_engine_id: str | None = None
-    remote_request_id: str | None = None
-    remote_host: str | None = None
-    remote_port: int | None = None
-    remote_block_ids: list[list[int]] | None = None
-    remote_num_tokens: int | None = None
-    tp_size: int = 1
-    remote_blocks_expiry_time: float | None = None
-    remote_block_hashes: list[str] | None = None
-    remote_tail_hash: str | None = None
-    release_token: str | None = None
-    hold_blocks: bool = False
-    remote_url: str | None = None
+    do_remote_decode: StrictBool = False
+    do_remote_prefill: StrictBool = False
+    remote_engine_id: StrictStr | None = None
+    remote_request_id: StrictStr | None = None
+    remote_host: StrictStr | None = None
+    remote_port: StrictInt | None = None
+    remote_block_ids: list[list[StrictInt]] | None = None
+    remote_num_tokens: StrictInt | None = None
+    tp_size: StrictInt | None = None  # None: 1
+    remote_blocks_expiry_time: StrictFloat | None = None
+    remote_block_hashes: list[StrictStr] | None = None
+    remote_tail_hash: StrictStr | None = None
+    release_token: StrictStr | None = None
+    hold_blocks: StrictBool = False
+    remote_url: StrictStr | None = None
+    remote_prefill_cached_tokens: StrictInt | None = None
+    # The connector's reuse report (ACCOUNTING.md).
+    kvr_prompt_tokens: StrictInt | None = None
+    kvr_local_hit_tokens: StrictInt | None = None
+    kvr_loaded_tokens: StrictInt | None = None
+    kvr_offered_blocks: StrictInt | None = None
+    kvr_refused_blocks: dict[StrictStr, StrictInt] | None = None
 
     @classmethod
-    def from_dict(cls, params: dict[str, Any] | None) -> KVTransferParams | None:
-        """Parse params (None stays None). Raises pydantic.ValidationError on wrong types."""
-        if params is None:
-            return None
+    def from_wire(cls, params: object) -> KVTransferParams | None:
+        """Parse params as they came over the wire (None stays None; parsed ones are returned
+        as they are). Raises `ValueError` (pydantic's `ValidationError`) on a wrong type."""
+        if params is None or isinstance(params, KVTransferParams):
+            return params
+        if not isinstance(params, Mapping):
+            raise ValueError("kv_transfer_params must be an object")
         return cls.model_validate(params)
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(exclude_unset=True)
+    @classmethod
+    def from_wire_or_none(cls, params: object) -> KVTransferParams | None:
+        """`from_wire`, with params that do not parse taken as none: an engine's answer."""
+        try:
+            return cls.from_wire(params)
+        except ValueError:
+            return None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The params as given (fields never set stay out, so stock engines see only what was
+        given), for serialising at once: the lists are this value's own, not copies."""
+        out = {name: getattr(self, name) for name in self.model_fields_set}
+        extra = self.model_extra
+        if extra:
+            out.update(extra)
+        return out
 
     @property
     def has_remote_blocks(self) -> bool:
@@ -129,6 +146,45 @@ class KVTransferParams(BaseModel):
             and self.remote_block_ids
             and any(self.remote_block_ids)
         )
+
+    @property
+    def hold_ref(self) -> HoldRef | None:
+        """The hold these params name, or None when they name no usable one."""
+        return HoldRef.from_params(self)
+
+
+class HoldRef(KVTransferParams):
+    """Params that name one usable hold: the holder's side channel, the request id the holder
+    knows it by, and the release token it handed out (required and plausible here).
+
+    Derived from engine-returned params (`KVTransferParams.hold_ref`, `from_params`), carrying
+    only those four fields, and passed around as this type (`Releaser.release`, `Release`,
+    `KVEntry.hold_ref`).
+    """
+
+    remote_host: StrictStr = Field(min_length=1)
+    remote_port: StrictInt = Field(gt=0, lt=65536)
+    remote_request_id: StrictStr = Field(min_length=1)
+    release_token: StrictStr = Field(min_length=1)
+
+    @classmethod
+    def from_params(cls, params: KVTransferParams | Mapping[str, Any] | None) -> HoldRef | None:
+        """The hold that params describe, or None when they name no usable one (no release
+        token, as from stock vLLM, or an implausible address or id). Only the four fields are
+        read: the rest of the params may be anything."""
+        if params is None:
+            return None
+        if isinstance(params, KVTransferParams):
+            fields = {name: getattr(params, name) for name in _HOLD_FIELDS}
+        else:
+            fields = {name: params.get(name) for name in _HOLD_FIELDS}
+        try:
+            return cls.model_validate(fields)
+        except ValueError:
+            return None
+
+
+_HOLD_FIELDS = (REMOTE_HOST, REMOTE_PORT, REMOTE_REQUEST_ID, RELEASE_TOKEN)
 
 
 class RankHandshake(BaseModel):

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvrelay.connector.protocol import HoldRef
 from kvrelay.connector.sidechannel_client import (
     HolderNotAllowedError,
     SideChannelClient,
@@ -30,12 +31,9 @@ _MAX_QUEUED_PER_HOLDER = 10_000
 
 @dataclass(frozen=True)
 class Release:
-    """One release: the hold on `host:port`, its token, and the reader giving up (if any)."""
+    """One release: the hold to free, and the reader giving up (if any)."""
 
-    host: str
-    port: int
-    request_id: str
-    token: str
+    hold: HoldRef
     reader_engine_id: str | None = None
     reader_request_id: str | None = None
 
@@ -68,7 +66,7 @@ class ReleaseSender:
         self._closed = False
 
     def submit(self, item: Release) -> None:
-        key = (item.host, item.port)
+        key = (item.hold.remote_host, item.hold.remote_port)
         with self._lock:
             if self._closed:
                 return
@@ -81,7 +79,7 @@ class ReleaseSender:
                 return
             holder.senders += 1
         threading.Thread(
-            target=self._drain, args=(key,), name=f"{self._name}-{item.host}:{item.port}",
+            target=self._drain, args=(key,), name=f"{self._name}-{key[0]}:{key[1]}",
             daemon=True,
         ).start()  # fmt: skip
 
@@ -119,8 +117,9 @@ class ReleaseSender:
     def _deliver(self, item: Release) -> None:
         for attempt in range(self._attempts):
             try:
+                hold = item.hold
                 self._client.release(
-                    item.host, item.port, item.request_id, item.token,
+                    hold.remote_host, hold.remote_port, hold.remote_request_id, hold.release_token,
                     reader_engine_id=item.reader_engine_id,
                     reader_request_id=item.reader_request_id,
                 )  # fmt: skip
@@ -130,7 +129,7 @@ class ReleaseSender:
                     # An answer (e.g. 403) or a refused address will not change; network
                     # trouble had its retries.
                     self._counters.inc("releases_failed")
-                    log.info("release of %s not delivered: %s", item.request_id, exc)
+                    log.info("release of %s not delivered: %s", item.hold.remote_request_id, exc)
                     return
                 time.sleep(_BACKOFF_S * 2**attempt)  # retry backoff, not synchronisation
                 continue

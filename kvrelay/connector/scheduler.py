@@ -24,25 +24,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
+from kvrelay.connector.accounting import ReuseReport
 from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.block_hash import block_hashes, matching_prefix_blocks, tail_hash
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import HoldEntry, HoldTable
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from kvrelay.connector.protocol import (
-    DO_REMOTE_DECODE,
-    DO_REMOTE_PREFILL,
-    RELEASE_TOKEN,
-    REMOTE_BLOCK_HASHES,
-    REMOTE_BLOCK_IDS,
+    REFUSED_FAILED,
+    REFUSED_HASH,
+    REFUSED_LOCAL,
+    REFUSED_PARTIAL,
+    REFUSED_THRESHOLD,
+    REFUSED_UNVERIFIED,
     REMOTE_BLOCKS_EXPIRY_TIME,
-    REMOTE_ENGINE_ID,
-    REMOTE_HOST,
-    REMOTE_NUM_TOKENS,
-    REMOTE_PORT,
-    REMOTE_REQUEST_ID,
     REMOTE_TAIL_HASH,
     TP_SIZE,
     KVTransferParams,
@@ -107,6 +102,8 @@ class ConnectorScheduler:
         # Requests whose remote hold was dealt with (load started or holder released), so
         # `request_finished` knows whether it still owes the holder a release.
         self._settled: set[str] = set()
+        # What the connector did for each live request, returned by `request_finished`.
+        self._reports: dict[str, ReuseReport] = {}
         self._releases: ReleaseSender | None = None
         self._client: SideChannelClient | None = None
 
@@ -184,16 +181,31 @@ class ConnectorScheduler:
         already ran or whose holder was already released never loads again (preempted, or
         recomputing after a failed load): its hold is consumed. Never answers `(0, True)`.
         """
+        rid = req.request_id
+        report = self._reports.get(rid)
+        if report is None:
+            report = self._reports[rid] = ReuseReport(len(req.prompt_token_ids))
+        if not report.admitted:
+            report.local_hit_tokens = num_computed_tokens
         params = self._params(req)
         if params is None or not params.has_remote_blocks:
             return 0, False
-        rid = req.request_id
         if rid in self._settled:
             return 0, False
         pending = self._pending.get(rid)
-        end = pending.end_tokens if pending is not None else self._loadable_tokens(req, params)
+        if pending is not None:
+            end = pending.end_tokens
+        else:
+            end = self._loadable_tokens(req, params)
+            report.verified_blocks = math.ceil(end / self.config.block_size)
         n = end - num_computed_tokens
+        # Verified blocks wholly inside the local hit need no load.
+        local = min(num_computed_tokens // self.config.block_size, report.verified_blocks)
+        report.refused[REFUSED_LOCAL] = local
         if n <= 0 or n < self.config.kv_recompute_threshold:
+            report.refused[REFUSED_LOCAL if n <= 0 else REFUSED_THRESHOLD] += (
+                report.verified_blocks - local
+            )
             self._pending.pop(rid, None)
             self.counters.inc("loads_skipped")
             self._settled.add(rid)
@@ -203,20 +215,28 @@ class ConnectorScheduler:
         return n, True
 
     def _loadable_tokens(self, req: RequestView, params: KVTransferParams) -> int:
-        """Tokens at the start of the prompt whose remote KV is verified to be ours."""
+        """Tokens at the start of the prompt whose remote KV is verified to be ours; the
+        offered blocks that are not are counted in the request's report, by reason."""
         bs = self.config.block_size
         assert params.remote_block_ids is not None
+        report = self._reports[req.request_id]
+        report.offered_blocks = sum(len(group) for group in params.remote_block_ids)
+        report.refused.clear()
         if len(params.remote_block_ids) != 1:
+            report.refused[REFUSED_UNVERIFIED] = report.offered_blocks
             return 0  # one KV-cache group only
         remote_ids = params.remote_block_ids[0]
         claimed = params.remote_num_tokens if params.remote_num_tokens is not None else 0
         remote_tokens = min(max(claimed, 0), len(remote_ids) * bs)
         prompt = list(req.prompt_token_ids)
+        beyond = REFUSED_PARTIAL
         if params.remote_block_hashes is not None:
             local_h = block_hashes(prompt, bs, self._compat, req.lora_name)
             matched = matching_prefix_blocks(local_h, params.remote_block_hashes)
             verified = min(matched * bs, remote_tokens)
             self.counters.inc("prefix_mismatch_blocks", len(params.remote_block_hashes) - matched)
+            if matched < len(params.remote_block_hashes):
+                beyond = REFUSED_HASH
             # Same-request P->D leg: every full block matched and the holder's partial tail
             # block hashes like our tokens at its place, so it belongs to this prompt too.
             full_remote = remote_tokens // bs
@@ -231,25 +251,38 @@ class ConnectorScheduler:
                 verified = remote_tokens
         elif self.config.require_block_hashes:
             verified = 0
+            beyond = REFUSED_UNVERIFIED
         else:
             verified = min(remote_tokens, len(prompt))
         # The engine always computes at least the last prompt token itself (its logits).
-        return max(0, min(verified, len(prompt) - 1))
+        verified = max(0, min(verified, len(prompt) - 1))
+        report.refused[beyond] = max(0, len(remote_ids) - math.ceil(verified / bs))
+        return verified
 
     def update_state_after_alloc(
         self, req: RequestView, block_ids: list[list[int]], num_external_tokens: int
     ) -> None:
+        report = self._reports.get(req.request_id)
+        if report is not None:
+            report.admitted = True
         pending = self._pending.pop(req.request_id, None)
         if pending is None:
             return
         self._settled.add(req.request_id)
         params = pending.params
+        bs = self.config.block_size
+        first = pending.start_tokens // bs
         if num_external_tokens <= 0:
+            # The engine kept its own (sub-block) local hit instead of loading.
+            if report is not None:
+                report.refused[REFUSED_LOCAL] += report.verified_blocks - first
             self._release(params)
             return
-        bs = self.config.block_size
         end = min(pending.end_tokens, pending.start_tokens + num_external_tokens)
-        first, last = pending.start_tokens // bs, math.ceil(end / bs)
+        last = math.ceil(end / bs)
+        if report is not None:
+            # Planned but not accepted by the engine (it took fewer tokens): recomputed.
+            report.refused[REFUSED_THRESHOLD] += report.verified_blocks - last
         assert params.remote_block_ids is not None
         remote = params.remote_block_ids[0]
         local = block_ids[0] if block_ids else []
@@ -274,8 +307,8 @@ class ConnectorScheduler:
             remote_request_id=params.remote_request_id,
             remote_host=params.remote_host,
             remote_port=params.remote_port,
-            remote_tp_size=params.tp_size,
-            release_token=params.release_token,
+            remote_tp_size=params.tp_size or 1,
+            hold=params.hold_ref,
         )
         self._recvs[req.request_id] = spec
         self._loading[req.request_id] = _Loading(
@@ -330,7 +363,14 @@ class ConnectorScheduler:
                 self._failed_load(rid, min(good_end, loading.end_tokens))
             else:
                 self._loaded[rid] = loading.end_tokens
-            self.counters.inc("tokens_loaded", self._loaded[rid] - loading.start_tokens)
+            loaded = self._loaded[rid] - loading.start_tokens
+            self.counters.inc("tokens_loaded", loaded)
+            report = self._reports.get(rid)
+            if report is not None:
+                report.loaded_tokens = loaded
+                planned = math.ceil(loading.end_tokens / bs) - loading.first_block
+                arrived = math.ceil(self._loaded[rid] / bs) - loading.first_block
+                report.refused[REFUSED_FAILED] += planned - arrived
 
     def failed_requests(self) -> list[str]:
         """Requests whose load failed under policy `fail` (drained: each reported once)."""
@@ -345,8 +385,11 @@ class ConnectorScheduler:
     def request_finished(
         self, req: RequestView, block_ids: list[list[int]]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(delay_free, params): hold the blocks for a remote reader when the request asks."""
+        """(delay_free, params): hold the blocks for a remote reader when the request asks.
+
+        The params returned carry the request's reuse report (`ReuseReport.to_params`)."""
         rid = req.request_id
+        report = self._reports.pop(rid, None) or ReuseReport(len(req.prompt_token_ids))
         if rid in self._loading:
             # Finished (aborted) while NIXL may still write into its blocks. The engine keeps
             # them until the load shows up in finished_recving (vLLM does so by itself); they
@@ -389,25 +432,25 @@ class ConnectorScheduler:
             expires_at=now_mono + self.config.lease_seconds,
             release_token=secrets.token_urlsafe(24),
         )
-        out: dict[str, Any] = {
-            DO_REMOTE_PREFILL: True,
-            DO_REMOTE_DECODE: False,
-            REMOTE_ENGINE_ID: self.config.engine_id,
-            REMOTE_REQUEST_ID: rid,
-            REMOTE_HOST: self.config.public_host,
-            REMOTE_PORT: self.side_channel_port,
-            REMOTE_BLOCK_IDS: held,
-            REMOTE_NUM_TOKENS: num_tokens,
-            TP_SIZE: self.config.tp_size,
-            REMOTE_BLOCKS_EXPIRY_TIME: now_wall + self.config.lease_seconds,
-            REMOTE_BLOCK_HASHES: block_hashes(
+        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
+        out = KVTransferParams(
+            do_remote_prefill=True,
+            do_remote_decode=False,
+            remote_engine_id=self.config.engine_id,
+            remote_request_id=rid,
+            remote_host=self.config.public_host,
+            remote_port=self.side_channel_port,
+            remote_block_ids=held,
+            remote_num_tokens=num_tokens,
+            tp_size=self.config.tp_size,
+            remote_blocks_expiry_time=now_wall + self.config.lease_seconds,
+            remote_block_hashes=block_hashes(
                 all_tokens[:num_tokens], bs, self._compat, req.lora_name
             ),
-            RELEASE_TOKEN: entry.release_token,
-        }
-        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
-        if tail is not None:
-            out[REMOTE_TAIL_HASH] = tail
+            **({REMOTE_TAIL_HASH: tail} if tail is not None else {}),
+            release_token=entry.release_token,
+            **report.to_params(),
+        ).to_wire()
         self.holds.add(entry)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]
         if self.config.publish_finished_params and req.client_request_id:
@@ -420,6 +463,7 @@ class ConnectorScheduler:
         """Refused before admission: the holder it would have read from is released now."""
         self._pending.pop(req.request_id, None)
         self._settled.discard(req.request_id)
+        self._reports.pop(req.request_id, None)
         params = self._params(req)
         if params is not None and params.has_remote_blocks:
             self.counters.inc("early_releases")
@@ -453,23 +497,14 @@ class ConnectorScheduler:
     # --- helpers ---------------------------------------------------------------------------
     def _params(self, req: RequestView) -> KVTransferParams | None:
         try:
-            return KVTransferParams.from_dict(req.kv_transfer_params)
-        except ValidationError:
+            return KVTransferParams.from_wire(req.kv_transfer_params)
+        except ValueError:
             log.warning("request %s: malformed kv_transfer_params ignored", req.request_id)
             return None
 
     def _release(self, params: KVTransferParams) -> None:
         """Let the holder free blocks we will not read (background, never blocks the step)."""
-        if not (params.has_remote_blocks and params.release_token):
+        hold = params.hold_ref if params.has_remote_blocks else None
+        if hold is None or self._releases is None:
             return
-        assert params.remote_host and params.remote_port and params.remote_request_id
-        if self._releases is None:
-            return
-        self._releases.submit(
-            Release(
-                params.remote_host,
-                params.remote_port,
-                params.remote_request_id,
-                params.release_token,
-            )
-        )
+        self._releases.submit(Release(hold))

@@ -614,16 +614,11 @@ class ConnectorWorker:
         self._probes.discard(rid)
         self.counters.inc("failures")
         self.counters.inc(f"failures_{exc.kind.value}")
-        if spec.release_token and exc.kind.releases_holder:
+        if spec.hold is not None and exc.kind.releases_holder:
             # Ends our own claim's pin at once; another reader's claim is not ours to end.
             self._side_channel()
             assert self._releases is not None
-            self._releases.submit(
-                Release(
-                    spec.remote_host, spec.remote_port, spec.remote_request_id,
-                    spec.release_token, self.config.engine_id, rid,
-                )
-            )  # fmt: skip
+            self._releases.submit(Release(spec.hold, self.config.engine_id, rid))
         if read is None:
             self._specs.pop(rid, None)
             self._report_failed(spec)

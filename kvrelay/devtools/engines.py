@@ -55,7 +55,9 @@ class EngineSim(ManagedServer):
                 self.name, "--log-level", "WARNING", "--exit-with-parent"]  # fmt: skip
         if self.connector:
             argv += ["--side-channel-port", str(self.side_channel_port)]
-        argv += list(self.args)
+        # Test engines report `usage.prompt_tokens_details` (off by default, as in vLLM), as
+        # the proxy's deployments are told to run them; `args` may say otherwise (last wins).
+        argv += ["--enable-prompt-tokens-details", *self.args]
         self.process = ServerProcess(
             argv, http_ready(f"{self.url}/health"), env=ENGINE_ENV, ready_timeout=60,
             name=f"enginesim-{self.name}",

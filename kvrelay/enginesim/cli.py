@@ -50,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16")
     p.add_argument("--kv-layout", choices=[x.value for x in KVLayout], default="kv_first")
     p.add_argument("--eos-period", type=int, default=64, help="~1/N chance of EOS per token")
+    p.add_argument(
+        "--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+        help="usage.prompt_tokens_details in answers (vLLM's flag of the same name)",
+    )  # fmt: skip
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--lease-seconds", type=float, default=120.0)
@@ -94,6 +98,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         prefix_cache_blocks=args.prefix_cache_blocks,
         eos_period=args.eos_period,
         params_in_stream=args.params_in_stream,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         connector=connector,
     )
 

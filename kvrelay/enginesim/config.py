@@ -32,6 +32,8 @@ class EngineConfig:
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
     eos_period: int = 64
     params_in_stream: bool = False
+    # vLLM's `--enable-prompt-tokens-details`: `usage.prompt_tokens_details` in answers.
+    enable_prompt_tokens_details: bool = False
     # A request waiting longer for remote KV means the connector never ended its load
     # (every connector timeout is far shorter): the engine stops with an error.
     remote_kv_wait_limit_s: float = 300.0

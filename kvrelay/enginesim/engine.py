@@ -25,7 +25,9 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 
 from kvrelay.connector.protocol import (
+    DO_REMOTE_PREFILL,
     REMOTE_BLOCK_IDS,
+    REMOTE_PREFILL_CACHED_TOKENS,
 )
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
@@ -79,6 +81,13 @@ class EngineCore:
             "generation_tokens": 0,
             "preemptions": 0,
             "reclaim_requests": 0,
+            # vLLM's prompt token counters (`PromptTokenStats`): counted when a request's first
+            # output is emitted, from what its first admission planned, as vLLM counts them.
+            "vllm_prompt_tokens": 0,
+            "vllm_prompt_local_compute": 0,
+            "vllm_prompt_local_cache_hit": 0,
+            "vllm_prompt_external_kv_transfer": 0,
+            "vllm_prompt_tokens_cached": 0,
         }
 
     # ----- entry points (engine thread) -------------------------------------------------------
@@ -166,6 +175,8 @@ class EngineCore:
             req.block_ids = blocks
             self.prefix_cache.load(self.pool, blocks, req.hashes, local)
             req.cached_tokens = local
+            if req.admitted_local is None:
+                req.admitted_local, req.admitted_external = local, n_ext
             self.kv.update_state_after_alloc(req, blocks, n_ext)
             if is_async:
                 self._start_loading(req)
@@ -284,6 +295,8 @@ class EngineCore:
 
     def _sample(self, req: SimRequest) -> None:
         assert req.digest is not None
+        if req.num_output_tokens == 0:
+            self._first_output(req)
         token = self.model.choose(
             req.digest, req.num_output_tokens, req.sampling.min_tokens, req.sampling.ignore_eos
         )
@@ -297,6 +310,33 @@ class EngineCore:
         req.digest = self.model.step_digest(req.digest, window)
         self.counters["generation_tokens"] += 1
         self._emit_progress(req, token)
+
+    def _first_output(self, req: SimRequest) -> None:
+        """vLLM's `PrefillStats` at a request's first output: the prompt token counters, and
+        the request's `num_cached_tokens` for its usage (a D given P's
+        `remote_prefill_cached_tokens` reports those instead, as vLLM's output processor does)."""
+        if req.num_cached_tokens is not None:
+            return
+        prompt = req.num_prompt_tokens
+        local, external = req.admitted_local or 0, req.admitted_external
+        cached = local + external
+        c = self.counters
+        c["vllm_prompt_tokens"] += prompt
+        c["vllm_prompt_local_compute"] += prompt - cached
+        c["vllm_prompt_local_cache_hit"] += local
+        c["vllm_prompt_external_kv_transfer"] += external
+        c["vllm_prompt_tokens_cached"] += cached
+        # vLLM's estimate: prompt tokens in full blocks its prefix cache now knows, less the
+        # cached ones (0 without a prefix cache).
+        if self.prefix_cache.capacity:
+            full = prompt // self.config.block_size * self.config.block_size
+            req.cache_creation_tokens = max(0, full - cached)
+        req.num_cached_tokens = cached
+        params = req.kv_transfer_params
+        if params and params.get(DO_REMOTE_PREFILL):
+            remote = params.get(REMOTE_PREFILL_CACHED_TOKENS)
+            if isinstance(remote, int):
+                req.num_cached_tokens = remote
 
     def _emit_progress(self, req: SimRequest, token: int) -> None:
         reason: str | None = None
@@ -329,11 +369,17 @@ class EngineCore:
         req.emitted_chars = len(req.text)
         del self.running[req.request_id]
         params = self._release(req, hold=True)
+        if params is not None and params.get(DO_REMOTE_PREFILL) and req.num_output_tokens == 1:
+            # vLLM adds this when the request ends at its first output (P's answer): its
+            # cached prompt tokens, for D to report as its own.
+            params[REMOTE_PREFILL_CACHED_TOKENS] = (req.admitted_local or 0) + req.admitted_external
         self.counters["requests_finished"] += 1
         final = Output(
             text=delta, token_ids=[token], finished=True, finish_reason=reason,
             kv_transfer_params=params, prompt_tokens=req.num_prompt_tokens,
             completion_tokens=req.num_output_tokens, loaded_tokens=req.loaded_tokens,
+            num_cached_tokens=req.num_cached_tokens or 0,
+            cache_creation_tokens=req.cache_creation_tokens,
         )  # fmt: skip
         self._outbox.append((req, final))
 

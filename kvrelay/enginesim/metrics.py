@@ -31,8 +31,9 @@ _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 
 class _SnapshotCollector:
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]], model: str) -> None:
         self._snapshot = snapshot
+        self._model = model
 
     def collect(self) -> Iterator[Metric]:
         snap = self._snapshot()
@@ -41,6 +42,7 @@ class _SnapshotCollector:
         for name, doc in _COUNTERS.items():
             yield CounterMetricFamily(f"enginesim_{name}", doc, value=snap.get(name, 0))
         yield from _vllm_load_gauges(snap)
+        yield from _vllm_prompt_counters(snap, self._model)
         total = CounterMetricFamily("enginesim_requests", "requests by outcome")
         # A plain total plus per-outcome series.
         requests = CounterMetricFamily(
@@ -86,8 +88,44 @@ def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
     yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", value=used)
 
 
-def render_metrics(snapshot: Callable[[], dict[str, Any]]) -> Callable[[], bytes]:
+# vLLM 0.32's `vllm:prompt_tokens_by_source` sources, and the engine counters behind them.
+_PROMPT_SOURCES = {
+    "local_compute": "vllm_prompt_local_compute",
+    "local_cache_hit": "vllm_prompt_local_cache_hit",
+    "external_kv_transfer": "vllm_prompt_external_kv_transfer",
+}
+
+
+def _vllm_prompt_counters(snap: dict[str, Any], model: str) -> Iterator[Metric]:
+    """vLLM's prompt token counters under vLLM's names and labels (`engine`, `model_name`),
+    counted as vLLM counts them (see `EngineCore._first_output`)."""
+    labels = ["engine", "model_name"]
+    values = ["0", model]
+
+    def counter(name: str, doc: str, key: str) -> Metric:
+        family = CounterMetricFamily(name, doc, labels=labels)
+        family.add_metric(values, snap.get(key, 0))
+        return family
+
+    yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", "vllm_prompt_tokens")
+    by_source = CounterMetricFamily(
+        "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+        labels=[*labels, "source"],
+    )  # fmt: skip
+    for source, key in _PROMPT_SOURCES.items():
+        by_source.add_metric([*values, source], snap.get(key, 0))
+    yield by_source
+    yield counter(
+        "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+        "vllm_prompt_tokens_cached",
+    )  # fmt: skip
+    yield counter(
+        "vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"
+    )
+
+
+def render_metrics(snapshot: Callable[[], dict[str, Any]], model: str) -> Callable[[], bytes]:
     """A function producing the Prometheus text for the current snapshot."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_SnapshotCollector(snapshot))
+    registry.register(_SnapshotCollector(snapshot, model))
     return lambda: bytes(generate_latest(registry))

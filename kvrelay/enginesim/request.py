@@ -52,6 +52,9 @@ class Output:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     loaded_tokens: int = 0
+    # vLLM's `num_cached_tokens` / `num_cache_creation_tokens` of the request (`PrefillStats`).
+    num_cached_tokens: int = 0
+    cache_creation_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -75,6 +78,12 @@ class SimRequest:
     external: tuple[int, bool] | None = None
     loaded_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens found in the engine's own prefix cache
+    # vLLM's `PrefillStats` of the first admission (local hit, external tokens planned) and
+    # what the first output reported from them (`num_cached_tokens`, cache creation).
+    admitted_local: int | None = None
+    admitted_external: int = 0
+    num_cached_tokens: int | None = None
+    cache_creation_tokens: int = 0
     text: str = ""
     emitted_chars: int = 0
     aborted: bool = False

@@ -63,7 +63,8 @@ class EngineServer:
         self.faults = Faults()
         self._ids = itertools.count()
         self._metrics = render_metrics(
-            lambda: {**self.runner.snapshot, "extra_waiting": self.faults.extra_waiting}
+            lambda: {**self.runner.snapshot, "extra_waiting": self.faults.extra_waiting},
+            self.config.model,
         )
         self.app = web.Application(client_max_size=MAX_BODY_BYTES)
         self.app.add_routes(
@@ -268,18 +269,34 @@ class EngineServer:
             "created": int(time.time()),
             "model": self.config.model,
             "choices": [choice],
-            "usage": self._usage(out),
+            "usage": self._usage(out, chat, stream=False),
             KV_TRANSFER_PARAMS: out.kv_transfer_params,
         }
 
-    @staticmethod
-    def _usage(out: Output) -> dict[str, Any]:
-        return {
+    def _usage(self, out: Output, chat: bool, *, stream: bool) -> dict[str, Any]:
+        """vLLM 0.32's usage: `prompt_tokens_details` only with `--enable-prompt-tokens-details`
+        (`cached_tokens` = the request's `num_cached_tokens`; chat adds
+        `created_cache_tokens`); a JSON answer writes absent details as null, a stream's usage
+        event leaves them out."""
+        usage: dict[str, Any] = {
             "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
             "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.loaded_tokens},
+            "completion_tokens": out.completion_tokens,
         }
+        details: dict[str, Any] | None = None
+        if self.config.enable_prompt_tokens_details:
+            details = {"cached_tokens": out.num_cached_tokens}
+            if chat:
+                details["created_cache_tokens"] = out.cache_creation_tokens
+            elif not stream:
+                details["created_cache_tokens"] = None
+            if not stream:
+                details["multimodal_tokens"] = None
+        if details is not None or not stream:
+            usage["prompt_tokens_details"] = details
+        if not stream:
+            usage["completion_tokens_details"] = None
+        return usage
 
     async def _stream(
         self, stream: web.StreamResponse, next_output: Callable[[], Awaitable[Output]],
@@ -330,7 +347,7 @@ class EngineServer:
                     "created": created,
                     "model": self.config.model,
                     "choices": [],
-                    "usage": self._usage(out),
+                    "usage": self._usage(out, chat, stream=True),
                 }
             if self.config.params_in_stream and out.kv_transfer_params is not None:
                 # Opt-in kvrelay extra: the params ride on the last chunk. Stock vLLM sends

@@ -41,6 +41,7 @@ from kvrelay.connector.protocol import (
     REMOTE_URL,
     TP_SIZE,
     HoldRef,
+    KVTransferParams,
 )
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError, KeyTooLongError
 
@@ -82,6 +83,21 @@ _SHORT = {
     "chars_per_token": "c",
 }
 _LONG = {short: long for long, short in _SHORT.items()}
+# The entry's fields as `kv_transfer_params` name them (the url is the proxy's, never taken
+# from params), and those an entry cannot be without.
+_WIRE = {
+    "engine_id": REMOTE_ENGINE_ID,
+    "request_id": REMOTE_REQUEST_ID,
+    "host": REMOTE_HOST,
+    "port": REMOTE_PORT,
+    "block_ids": REMOTE_BLOCK_IDS,
+    "num_tokens": REMOTE_NUM_TOKENS,
+    "expires_at": REMOTE_BLOCKS_EXPIRY_TIME,
+    "block_hashes": REMOTE_BLOCK_HASHES,
+    "release_token": RELEASE_TOKEN,
+    "tp_size": TP_SIZE,
+}
+_REQUIRED = ("engine_id", "request_id", "host", "port", "block_ids", "num_tokens", "expires_at")
 _FORMAT_VERSION = 1
 
 
@@ -179,40 +195,39 @@ class KVEntry(BaseModel):
         except ValidationError as exc:
             raise EntryDecodeError(f"stored entry is invalid: {exc.error_count()} errors") from exc
 
-    # -- vLLM-style kv_transfer_params -----------------------------------------------------------
+    # -- kv_transfer_params ----------------------------------------------------------------------
 
     @property
     def hold_ref(self) -> HoldRef | None:
         """The hold on D that this entry names (None without a release token: stock vLLM)."""
         if self.release_token is None:
             return None
-        return HoldRef(self.host, self.port, self.request_id, self.release_token)
+        return HoldRef.from_params(
+            {
+                REMOTE_HOST: self.host,
+                REMOTE_PORT: self.port,
+                REMOTE_REQUEST_ID: self.request_id,
+                RELEASE_TOKEN: self.release_token,
+            }
+        )
 
-    def to_kv_transfer_params(self) -> dict[str, Any]:
+    def to_kv_transfer_params(self) -> KVTransferParams:
         """The params to send to P on a cache hit: pull these blocks, then hold for D."""
         params: dict[str, Any] = {
             DO_REMOTE_DECODE: True,
             DO_REMOTE_PREFILL: False,
-            REMOTE_ENGINE_ID: self.engine_id,
-            REMOTE_REQUEST_ID: self.request_id,
-            REMOTE_HOST: self.host,
-            REMOTE_PORT: self.port,
-            REMOTE_BLOCK_IDS: [list(group) for group in self.block_ids],
-            REMOTE_NUM_TOKENS: self.num_tokens,
-            TP_SIZE: self.tp_size,
-            REMOTE_BLOCKS_EXPIRY_TIME: self.expires_at,
             REMOTE_URL: self.url,
         }
-        if self.block_hashes is not None:
-            params[REMOTE_BLOCK_HASHES] = list(self.block_hashes)
-        if self.release_token is not None:
-            params[RELEASE_TOKEN] = self.release_token
-        return params
+        for name, wire in _WIRE.items():
+            value = getattr(self, name)
+            if value is not None:
+                params[wire] = value
+        return KVTransferParams.model_validate(params)
 
     @classmethod
     def from_kv_transfer_params(
         cls,
-        params: Mapping[str, Any],
+        params: KVTransferParams | Mapping[str, Any],
         *,
         url: str,
         fingerprint: str,
@@ -222,40 +237,31 @@ class KVEntry(BaseModel):
         """Build an entry from the params D returned when it finished a turn.
 
         `url` is the holder's HTTP base URL as the proxy knows it (never taken from params);
-        unknown extra fields (`dcp_size`, `pp_size`, ...) are ignored. Raises `ValueError`
-        (pydantic's `ValidationError` included) when the params are incomplete or invalid.
+        unknown extra fields (`dcp_size`, `pp_size`, ...) are ignored. Params not parsed yet
+        are parsed here (`KVTransferParams.from_wire`). Raises `ValueError` (pydantic's
+        `ValidationError` included) when the params are incomplete or invalid.
         """
-        if not isinstance(params, Mapping):
+        parsed = KVTransferParams.from_wire(params)
+        if parsed is None:
             raise ValueError("kv_transfer_params must be an object")
-        required = (
-            REMOTE_ENGINE_ID,
-            REMOTE_REQUEST_ID,
-            REMOTE_HOST,
-            REMOTE_PORT,
-            REMOTE_BLOCK_IDS,
-            REMOTE_NUM_TOKENS,
-            REMOTE_BLOCKS_EXPIRY_TIME,
-        )
-        missing = [name for name in required if params.get(name) is None]
-        if missing:
-            raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
         fields: dict[str, Any] = {
-            "engine_id": params[REMOTE_ENGINE_ID],
-            "host": params[REMOTE_HOST],
-            "port": params[REMOTE_PORT],
             "url": url,
-            "request_id": params[REMOTE_REQUEST_ID],
-            "block_ids": _lists(params[REMOTE_BLOCK_IDS]),
-            "num_tokens": params[REMOTE_NUM_TOKENS],
-            "block_hashes": _own_list(params.get(REMOTE_BLOCK_HASHES)),
             "fingerprint": fingerprint,
-            "expires_at": params[REMOTE_BLOCKS_EXPIRY_TIME],
-            "release_token": params.get(RELEASE_TOKEN),
             "prefill_url": prefill_url,
             "chars_per_token": chars_per_token,
         }
-        if params.get(TP_SIZE) is not None:
-            fields["tp_size"] = params[TP_SIZE]
+        missing = []
+        for name, wire in _WIRE.items():
+            value = getattr(parsed, wire)
+            if value is not None:
+                fields[name] = value
+            elif name in _REQUIRED:
+                missing.append(wire)
+        if missing:
+            raise ValueError(f"kv_transfer_params lacks {', '.join(missing)}")
+        if parsed.remote_block_hashes is not None:
+            # Not copied by validation (see `block_hashes`): the entry shares no list.
+            fields["block_hashes"] = list(parsed.remote_block_hashes)
         return cls.model_validate(fields)
 
 
@@ -288,25 +294,6 @@ def _is_http_url(value: str) -> bool:
     """Absolute http(s) URL? Cached: entries name the fleet's few engine URLs over and over."""
     parts = urlsplit(value)
     return parts.scheme in ("http", "https") and bool(parts.netloc)
-
-
-def _list(value: Any) -> Any:
-    """Tuples → lists (engines written in Python may hand over tuples); anything else as is,
-    so strict validation still rejects it."""
-    return list(value) if isinstance(value, tuple) else value
-
-
-def _own_list(value: Any) -> Any:
-    """A list or tuple → a new list, for a field pydantic does not copy (`block_hashes`): the
-    entry shares nothing with the params it came from."""
-    return list(value) if isinstance(value, list | tuple) else value
-
-
-def _lists(value: Any) -> Any:
-    value = _list(value)
-    if isinstance(value, list):
-        return [_list(group) for group in value]
-    return value
 
 
 class ConversationKey(NamedTuple):

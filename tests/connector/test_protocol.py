@@ -167,11 +167,11 @@ def test_block_hashes_chain_and_cover_full_blocks_only() -> None:
 
 
 def test_params_keep_unknown_fields_and_reject_wrong_types() -> None:
-    p = KVTransferParams.from_dict({"do_remote_decode": True, "vendor_x": 1})
-    assert p is not None and p.to_dict() == {"do_remote_decode": True, "vendor_x": 1}
+    p = KVTransferParams.from_wire({"do_remote_decode": True, "vendor_x": 1})
+    assert p is not None and p.to_wire() == {"do_remote_decode": True, "vendor_x": 1}
     assert not p.has_remote_blocks
     with pytest.raises(ValidationError):
-        KVTransferParams.from_dict({"remote_block_ids": "nope"})
+        KVTransferParams.from_wire({"remote_block_ids": "nope"})
 
 
 def test_tp_plans() -> None:
@@ -224,6 +224,8 @@ def test_proxy_facing_modules_import_without_torch() -> None:
 def test_hold_ref_refuses_params_that_name_no_usable_hold(change: dict[str, object]) -> None:
     good = {"remote_host": "10.0.0.2", "remote_port": 5600, "remote_request_id": "r1",
             "release_token": "tok"}  # fmt: skip
-    assert HoldRef.from_params(good) == HoldRef("10.0.0.2", 5600, "r1", "tok")
+    assert HoldRef.from_params(good) == HoldRef(
+        remote_host="10.0.0.2", remote_port=5600, remote_request_id="r1", release_token="tok"
+    )
     assert HoldRef.from_params({**good, **change}) is None
     assert HoldRef.from_params(None) is None and HoldRef.from_params({}) is None

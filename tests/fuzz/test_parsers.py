@@ -160,12 +160,12 @@ def test_client_kv_transfer_params_are_refused_and_never_forwarded(
 @given(engine_params)
 def test_engine_params_parse_or_fail_cleanly(params: dict[str, Any]) -> None:
     try:
-        parsed = KVTransferParams.from_dict(params)
+        parsed = KVTransferParams.from_wire(params)
     except ValidationError:
         parsed = None
     if parsed is not None:
-        again = KVTransferParams.from_dict(parsed.to_dict())
-        assert again is not None and again.to_dict() == parsed.to_dict()
+        again = KVTransferParams.from_wire(parsed.to_wire())
+        assert again is not None and again.to_wire() == parsed.to_wire()
     try:
         entry = KVEntry.from_kv_transfer_params(params, url="http://d:1", fingerprint="m:1:x")
     except ValueError:
@@ -174,7 +174,7 @@ def test_engine_params_parse_or_fail_cleanly(params: dict[str, Any]) -> None:
     assert entry.url == "http://d:1"
     assert entry.host == params["remote_host"] and entry.port == params["remote_port"]
     assert KVEntry.from_bytes(entry.to_bytes()) == entry
-    replay = entry.to_kv_transfer_params()
+    replay = entry.to_kv_transfer_params().to_wire()
     assert replay["remote_url"] == "http://d:1" and replay["do_remote_decode"] is True
 
 

@@ -135,7 +135,7 @@ def test_from_decode_params_and_replay_to_prefill() -> None:
     assert entry.tp_size == 2 and entry.release_token == "secret-token"
     assert entry.url == "http://d0:8000" and entry.fingerprint == "fp"
 
-    out = entry.to_kv_transfer_params()
+    out = entry.to_kv_transfer_params().to_wire()
     assert out["do_remote_decode"] is True and out["do_remote_prefill"] is False
     for name in (
         "remote_engine_id",
@@ -161,7 +161,7 @@ def test_params_without_optional_extras() -> None:
         del params[name]
     entry = KVEntry.from_kv_transfer_params(params, url="http://d0:8000", fingerprint="fp")
     assert entry.block_hashes is None and entry.release_token is None and entry.tp_size == 1
-    out = entry.to_kv_transfer_params()
+    out = entry.to_kv_transfer_params().to_wire()
     assert "remote_block_hashes" not in out and "release_token" not in out
 
 

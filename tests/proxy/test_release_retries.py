@@ -29,7 +29,15 @@ async def _release(port: int) -> bool:
     upstream = Upstream(connect_timeout=2.0)
     try:
         releaser = Releaser(SECRET, upstream, timeout_s=2.0)
-        return await releaser.release("decode", HoldRef("127.0.0.1", port, "h1", "token"))
+        return await releaser.release(
+            "decode",
+            HoldRef(
+                remote_host="127.0.0.1",
+                remote_port=port,
+                remote_request_id="h1",
+                release_token="token",
+            ),
+        )
     finally:
         upstream.close()
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.cli import serve_parser, settings_from_args
 from kvrelay.proxy.config import Settings, SettingsError, load_settings
@@ -243,7 +244,8 @@ def test_prefill_body_is_one_token_without_streaming() -> None:
     assert p["kv_transfer_params"]["do_remote_decode"] is True
     assert p["kv_transfer_params"]["remote_block_ids"] is None
     assert body["max_tokens"] == 50  # the client's body is not modified
-    hit = prefill_body(body, {"remote_engine_id": "D", "do_remote_decode": False})
+    reuse = KVTransferParams(remote_engine_id="D", do_remote_decode=False)
+    hit = prefill_body(body, reuse)
     assert hit["kv_transfer_params"]["remote_engine_id"] == "D"
     assert hit["kv_transfer_params"]["do_remote_decode"] is True
 

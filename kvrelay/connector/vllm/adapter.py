@@ -15,7 +15,8 @@ scheduler process (role SCHEDULER)            core
   update_state_after_alloc(req, blocks, n) -> sched.update_state_after_alloc(view, ids, n)
   build_connector_meta(out)              ->  sched.build_connector_meta()
   update_connector_output(out)           ->  sched.update_connector_output(...)
-  request_finished(req, block_ids)       ->  sched.request_finished(view, [ids]), or
+  request_finished(req, block_ids)       ->  sched.request_finished(view, [ids]) (its params
+                                             carry the request's reuse report), or
                                              sched.request_rejected(view) when the request
                                              never got blocks (vLLM's abort_immediately
                                              path for requests D refused before admission)
@@ -48,13 +49,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.logger import init_logger
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvrelay.connector.holds import HoldEntry
 from kvrelay.connector.metadata import ConnectorMetadata
 from kvrelay.connector.protocol import (
     REMOTE_BLOCK_IDS,
-    REMOTE_ENGINE_ID,
+    KVTransferParams,
 )
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.vllm.layout import prepare_caches
@@ -110,6 +112,10 @@ def _route_core_logs() -> None:
 
 class KVRelayConnector(KVConnectorBase_V1):
     """kvrelay's NIXL connector for vLLM (see the module docstring for the hook mapping)."""
+
+    # Loaded tokens come from another vLLM instance: `vllm:prompt_tokens_cached_by_source`
+    # counts them as `p2p` (vLLM's default for a connector is `external_unspecified`).
+    _cache_hit_source = CacheHitSource.P2P
 
     def __init__(
         self,
@@ -297,8 +303,8 @@ class KVRelayConnector(KVConnectorBase_V1):
         view = request_view(request)
         allocated = request.request_id in self._allocated
         self._allocated.discard(request.request_id)
-        params = view.kv_transfer_params or {}
-        if not allocated and params.get(REMOTE_BLOCK_IDS):
+        params = KVTransferParams.from_wire_or_none(view.kv_transfer_params)
+        if not allocated and params is not None and params.remote_block_ids:
             # Finished without ever getting blocks: refused before admission (vLLM submits an
             # abort_immediately request for it) or aborted while queued. The holder it would
             # have read from is released now instead of at lease expiry.
@@ -306,7 +312,7 @@ class KVRelayConnector(KVConnectorBase_V1):
             logger.info(
                 "kvrelay: request %s ended before admission; released its blocks on %s",
                 request.request_id,
-                params.get(REMOTE_ENGINE_ID),
+                params.remote_engine_id,
             )
             return False, None
         if request.status not in _COMPLETED:
@@ -317,7 +323,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         if delay_free and out is not None:
             logger.debug(
                 "kvrelay: holding %d blocks of request %s for a remote reader",
-                len(out.get("remote_block_ids", [[]])[0]),
+                len(out.get(REMOTE_BLOCK_IDS, [[]])[0]),
                 request.request_id,
             )
         return delay_free, out

@@ -17,7 +17,7 @@ import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from kvrelay.connector.protocol import HoldRef
+from kvrelay.connector.protocol import HoldRef, KVTransferParams
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
 from kvrelay.kvcache_map import ConversationKey, EvictionReason, KVEntry, MapUnavailableError
 from kvrelay.proxy.engines.finished_lookups import FinishedLookups
@@ -60,7 +60,9 @@ class Releaser:
             return await self._release(self._client, holder, ref)
         # The span names the holder's side channel, never the release token.
         attributes: tracing.Attributes = {
-            "kvrelay.holder": holder, "server.address": ref.host, "server.port": ref.port,
+            "kvrelay.holder": holder,
+            "server.address": ref.remote_host,
+            "server.port": ref.remote_port,
         }  # fmt: skip
         with tracing.span("kvrelay.side_channel.release", kind="client", attributes=attributes):
             released = await self._release(self._client, holder, ref)
@@ -73,14 +75,16 @@ class Releaser:
                 tracing.annotate({"kvrelay.retries": attempt})
             try:
                 released = await client.release(
-                    ref.host, ref.port, ref.request_id, ref.release_token
+                    ref.remote_host, ref.remote_port, ref.remote_request_id, ref.release_token
                 )
             except SideChannelError as exc:
                 if exc.status is None and attempt + 1 < RELEASE_ATTEMPTS:
                     await asyncio.sleep(_BACKOFF_S * 2**attempt)  # retry backoff
                     continue
                 metrics.RELEASES.labels(holder, "failed").inc()
-                log.warning("release on %s %s:%s failed: %s", holder, ref.host, ref.port, exc)
+                log.warning(
+                    "release on %s %s:%s failed: %s", holder, ref.remote_host, ref.remote_port, exc
+                )
                 return False
             metrics.RELEASES.labels(holder, "released" if released else "already_free").inc()
             return released
@@ -90,13 +94,18 @@ class Releaser:
         """Release one hold in the background (`holder`: "prefill" or "decode", for metrics)."""
         self.spawn(self.release(holder, ref))
 
-    def release_soon_params(self, holder: str, params: dict[str, Any] | None) -> None:
+    def release_soon_params(
+        self, holder: str, params: KVTransferParams | dict[str, Any] | None
+    ) -> None:
         """Release the hold that engine-returned params describe, in the background."""
         if params:
             self.release_soon(holder, HoldRef.from_params(params))
 
     async def release_unless_stored(
-        self, holder: str, settle: Callable[[], Awaitable[bool]], params: dict[str, Any]
+        self,
+        holder: str,
+        settle: Callable[[], Awaitable[bool]],
+        params: KVTransferParams | dict[str, Any],
     ) -> None:
         """A put that may have been stored (`UnconfirmedPutError`): free its blocks only once
         the map says it was not, so no entry points at released blocks. Asked again with

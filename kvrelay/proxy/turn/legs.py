@@ -19,9 +19,9 @@ from kvrelay.connector.protocol import (
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
     REMOTE_HOST,
-    REMOTE_NUM_TOKENS,
     REMOTE_PORT,
     REMOTE_URL,
+    KVTransferParams,
 )
 from kvrelay.proxy.base import strip_connector_fields
 
@@ -29,7 +29,7 @@ from kvrelay.proxy.base import strip_connector_fields
 _P_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "n", "best_of")
 
 
-def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> dict[str, Any]:
+def prefill_body(body: dict[str, Any], reuse_params: KVTransferParams | None) -> dict[str, Any]:
     """P's request: one token, no stream, keep the KV for D, maybe pull the old turn's KV."""
     out = strip_connector_fields({k: v for k, v in body.items() if k not in _P_DROPPED})
     out["stream"] = False
@@ -37,7 +37,7 @@ def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> d
     if "max_completion_tokens" in body:
         out["max_completion_tokens"] = 1
     if reuse_params is not None:
-        params = dict(reuse_params)
+        params = reuse_params.to_wire()
         params[DO_REMOTE_DECODE] = True
         params[DO_REMOTE_PREFILL] = False
     else:
@@ -55,15 +55,19 @@ def prefill_body(body: dict[str, Any], reuse_params: dict[str, Any] | None) -> d
 
 def decode_body(
     body: dict[str, Any],
-    prefill_params: dict[str, Any] | None,
+    prefill_params: KVTransferParams | dict[str, Any] | None,
     prefill_url: str | None,
     hold: bool,
 ) -> dict[str, Any]:
-    """D's request: the client's, with P's params (or none: decode-only) and `hold_blocks`."""
+    """D's request: the client's, with P's params (or none: decode-only) and `hold_blocks`.
+
+    P's params not parsed yet are parsed here; params that do not parse are none (D prefills,
+    as D's connector would have done with them)."""
     out = strip_connector_fields(dict(body))
+    prefill = KVTransferParams.from_wire_or_none(prefill_params)
     params: dict[str, Any] = {}
-    if prefill_params:
-        params.update(prefill_params)
+    if prefill is not None and (prefill.model_fields_set or prefill.model_extra):
+        params.update(prefill.to_wire())
         params[DO_REMOTE_PREFILL] = True
         params[DO_REMOTE_DECODE] = False
         if prefill_url is not None:
@@ -76,23 +80,10 @@ def decode_body(
     return out
 
 
-def prefill_has_blocks(params: dict[str, Any] | None) -> bool:
-    """Whether P's answer points at blocks D can read (else D must prefill itself)."""
-    if not params:
-        return False
-    ids = params.get(REMOTE_BLOCK_IDS)
-    return bool(
-        params.get(REMOTE_ENGINE_ID)
-        and params.get(REMOTE_HOST)
-        and params.get(REMOTE_PORT)
-        and isinstance(ids, list)
-        and any(ids)
-    )
-
-
-def capped_num_tokens(params: dict[str, Any], cap: int | None) -> int | None:
+def capped_num_tokens(params: KVTransferParams | dict[str, Any], cap: int | None) -> int | None:
     """`remote_num_tokens` limited to `cap` (stock engines: the previous prompt's tokens)."""
-    value = params.get(REMOTE_NUM_TOKENS)
-    if not isinstance(value, int) or isinstance(value, bool):
+    parsed = KVTransferParams.from_wire_or_none(params)
+    value = parsed.remote_num_tokens if parsed is not None else None
+    if value is None:
         return None
     return min(value, cap) if cap is not None else value

@@ -1,0 +1,131 @@
+"""Real vLLM P and D report, per request, what their connector did; it equals vLLM's counters.
+
+Direct to the engines (no proxy), as the proxy's legs send them: P's answer and D's answer
+carry the connector's reuse report (`kvr_*` in `kv_transfer_params`), and its loaded and local
+hit tokens equal the changes of vLLM's own `vllm:prompt_tokens_by_source_total` on that engine
+(P runs without a prefix cache, D with vLLM's default one). A re-rendered history that P is
+offered D's blocks for loads nothing and refuses every offered block by hash; a decode-only
+turn reports D's own prefix hit.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from typing import Any
+
+import pytest
+
+from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.devtools.vllm_servers import BLOCK_SIZE, CONNECTOR_SECRET, MODEL_NAME, VLLMServer
+from tests.harness import wait_until
+from tests.vllm.conftest import PDFleet
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+PROMPTS = 'vllm:prompt_tokens_total{engine="0",model_name="tiny"}'
+SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'
+P_LEG = {"do_remote_decode": True, "do_remote_prefill": False}
+SYSTEM = (
+    "You answer questions about reuse. A block of the cache is reused only when every token "
+    "before it and in it is the same as the one the engine computed before, turn after turn."
+)
+
+
+class Counted:
+    """vLLM's prompt token counters of one engine around one request."""
+
+    def __init__(self, server: VLLMServer) -> None:
+        self.server, self.before = server, server.metrics()
+
+    def split(self, prompt_tokens: int) -> dict[str, float]:
+        """Changes by source, once the request's prompt tokens are counted (stats lag)."""
+        wait_until(
+            lambda: self.server.metrics().get(PROMPTS, 0) - self.before.get(PROMPTS, 0)
+            >= prompt_tokens, 30, what=f"{self.server.name} to count the prompt tokens",
+        )  # fmt: skip
+        now = self.server.metrics()
+        return {
+            s: now.get(SOURCE % s, 0) - self.before.get(SOURCE % s, 0)
+            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+        }
+
+
+def chat(server: VLLMServer, rid: str, messages: list[dict[str, str]], **extra: Any) -> Any:
+    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0, **extra}
+    status, out = server.post("/v1/chat/completions", body, {"X-Request-Id": rid})
+    assert status == 200, out
+    return out
+
+
+def reuse(params: dict[str, Any]) -> tuple[int, int, int, int, dict[str, int]]:
+    return (
+        params["kvr_prompt_tokens"], params["kvr_local_hit_tokens"], params["kvr_loaded_tokens"],
+        params["kvr_offered_blocks"], params["kvr_refused_blocks"],
+    )  # fmt: skip
+
+
+def leg(
+    server: VLLMServer, messages: list[dict[str, str]], params: dict[str, Any], max_tokens: int
+) -> tuple[dict[str, Any], str, dict[str, float]]:
+    """One leg; returns its params, its text and vLLM's split of its prompt tokens."""
+    counted = Counted(server)
+    out = chat(server, f"acc-{uuid.uuid4().hex[:8]}", messages, max_tokens=max_tokens,
+               kv_transfer_params=params)  # fmt: skip
+    got: dict[str, Any] = out["kv_transfer_params"]
+    prompt = out["usage"]["prompt_tokens"]
+    split = counted.split(prompt)
+    p_tokens, local, loaded, _, _ = reuse(got)
+    # The connector's figures are vLLM's own: local hit and external tokens, by source.
+    assert p_tokens == prompt
+    assert (local, loaded) == (split["local_cache_hit"], split["external_kv_transfer"])
+    assert split["local_compute"] == prompt - local - loaded
+    return got, out["choices"][0]["message"]["content"], split
+
+
+def test_engines_report_reuse_as_vllm_counts_it(kvrelay_fleet: PDFleet) -> None:
+    p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
+    question = f"Question {uuid.uuid4().hex[:6]}: what is reused?"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    p1, _, _ = leg(p, messages, P_LEG, 1)
+    assert reuse(p1)[1:] == (0, 0, 0, {})
+    d_params = {**p1, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
+    d1, reply, _ = leg(d, messages, d_params, 12)
+    assert d1["kvr_loaded_tokens"] == d1["kvr_prompt_tokens"] - d1["kvr_local_hit_tokens"] - 1
+
+    # Affinity/always-P turn 2: P is offered D's hold and loads the history it verifies.
+    messages += [{"role": "assistant", "content": reply},
+                 {"role": "user", "content": "And which blocks are refused?"}]  # fmt: skip
+    p2, _, _ = leg(p, messages, {**d1, **P_LEG}, 1)
+    _, local, loaded, offered, refused = reuse(p2)
+    assert local == 0 and loaded >= BLOCK_SIZE  # P has no prefix cache: all from D
+    assert offered == len(d1["remote_block_ids"][0])
+    assert sum(refused.values()) == offered - math.ceil(loaded / BLOCK_SIZE)
+    # vLLM's own figure for D (P's cached tokens) agrees.
+    assert p2["remote_prefill_cached_tokens"] == local + loaded
+    d_params = {**p2, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
+    d2, reply, _ = leg(d, messages, d_params, 12)
+
+    # A template that re-renders its first line: every offered block is refused by hash.
+    rerendered = [{"role": "system", "content": "Now: " + SYSTEM}, *messages[1:],
+                  {"role": "assistant", "content": reply}]  # fmt: skip
+    p3, _, split = leg(p, rerendered, {**d2, **P_LEG}, 1)
+    _, local, loaded, offered, refused = reuse(p3)
+    assert offered == len(d2["remote_block_ids"][0]) > 0
+    assert (local, loaded, refused) == (0, 0, {"hash": offered})
+    assert split["external_kv_transfer"] == 0
+
+    # Decode-only turn on D: its prompt's history is in D's own prefix cache.
+    d4, _, split = leg(
+        d, [*messages, {"role": "assistant", "content": reply}], {"hold_blocks": True}, 4
+    )
+    assert d4["kvr_local_hit_tokens"] >= BLOCK_SIZE and d4["kvr_offered_blocks"] == 0
+
+    # Leave nothing held for the next module (P refused and released D's turn-2 hold).
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        for held in (p3, d4):
+            assert client.release(held["remote_host"], held["remote_port"],
+                                  held["remote_request_id"], held["release_token"])  # fmt: skip
+    finally:
+        client.close()
