@@ -42,11 +42,11 @@ from kvrelay.kvcache_map import (
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import H1Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try, probe
-from kvrelay.proxy.telemetry import metrics, tracing
+from kvrelay.proxy.telemetry import tracing
 from kvrelay.proxy.turn.conversation import PromptShape, chat_store_key_id, prompt_chars
 from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.turn.owed import Debt, Owed
-from kvrelay.proxy.turn.report import LegRecord, leg_scope, put_scope, take_scope, turn_scope
+from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.streaming import SSEFilter, error_event
 
 log = logging.getLogger(__name__)
@@ -83,28 +83,34 @@ class Turn:
     shape: PromptShape
     client_request_id: str = ""  # what the client sees in X-Request-Id
     forwarded: tuple[tuple[str, str], ...] = ()  # client headers for the engines (forward_headers)
-    started: float = field(default_factory=time.monotonic)
     entry: KVEntry | None = None
     p_backend: Backend | None = None
     p_params: dict[str, Any] | None = None
     p_prompt_tokens: int | None = None
-    hold: bool = False  # D is asked to hold its blocks for a next turn
     # Conditional routing sent the turn straight to the holding D, which prefills this many
     # (estimated) tokens itself; None: the turn goes through P.
     decode_only_tokens: int | None = None
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
+    report: TurnReport = field(init=False)  # what happened: metrics, spans, the log line
     # 5xx answers not yet judged: the engine's fault if another engine serves the request,
     # disputed (maybe the request's fault) if none does.
     pending_5xx: list[tuple[Pool, Backend, str]] = field(default_factory=list)
     # Every D tried answered 5xx/429 and they blame the input (`Pool.blames_input`):
     # a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise.
     suspect_input: tuple[Backend, ...] = ()
-    # What happened, for the turn's trace and log line (kvrelay.proxy.turn.report).
-    reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
-    tokens_reused: int = 0
-    prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
-    decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
     _work: int | None = None  # `_work_estimate`, once computed
+
+    def __post_init__(self) -> None:
+        self.report = TurnReport(
+            route=self.route,
+            request_id=self.request_id,
+            client_request_id=self.client_request_id,
+            tenant=self.tenant,
+            stream=self.body.get("stream") is True,
+            parent_headers=self.request.headers,
+            lookup_key=self._lookup_key(),
+            store_key=self._store_key(),
+        )
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -113,9 +119,9 @@ class Turn:
     ) -> Iterator[Backend]:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
-        leg = self.prefill_leg if role == "prefill" else self.decode_leg
-        retried = metrics.RETRIES.labels(role)
-        for backend in engines_to_try(pick, 1 + self.fleet.settings.retries, retried.inc):
+        leg = self.report.leg(role)
+        retried = functools.partial(self.report.retried, role)
+        for backend in engines_to_try(pick, 1 + self.fleet.settings.retries, retried):
             leg.attempt(backend.url)
             yield backend
 
@@ -139,14 +145,10 @@ class Turn:
             return ConversationKey(self.tenant, key_id) if key_id else None
         return None
 
-    def conversation_keys(self) -> tuple[ConversationKey | None, ConversationKey | None]:
-        """The map keys this turn looks up and stores under (for its log line and trace)."""
-        return self._lookup_key(), self._store_key()
-
     # -- the turn ------------------------------------------------------------------------------
 
     async def run(self) -> web.StreamResponse:
-        with turn_scope(self):
+        with self.report.turn_scope():
             try:
                 response = await self._run()
             except BaseException:
@@ -160,18 +162,18 @@ class Turn:
             return response
 
     async def _run(self) -> web.StreamResponse:
-        store_key = self._store_key()
-        self.hold = store_key is not None
+        store_key = self.report.store_key
+        self.report.hold = store_key is not None
         try:
-            with take_scope(self):
+            with self.report.take_scope():
                 await self._take_entry()
             self.decode_only_tokens = self.fleet.router.decode_only_tokens(
                 self.entry, self._work_estimate()
             )
             if self.decode_only_tokens is None:
-                with leg_scope(self.prefill_leg):
+                with self.report.leg_scope("prefill"):
                     await self._prefill()
-                self.prefill_leg.ended = time.monotonic()
+                self.report.prefill_leg.ended = time.monotonic()
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
@@ -181,65 +183,59 @@ class Turn:
             return await self._decode_leg(store_key)
         # Straight to the holder: D serves the history from the held blocks (its prefix-cache
         # hit), so the old hold is given back only once D is done with this turn.
-        metrics.ROUTING.labels("decode_only").inc()
+        self.report.routed("decode_only")
         try:
             return await self._decode_leg(store_key)
         finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
 
     async def _decode_leg(self, store_key: ConversationKey | None) -> web.StreamResponse:
-        with leg_scope(self.decode_leg):
+        with self.report.leg_scope("decode"):
             response = await self._decode(store_key)
-        self.decode_leg.ended = time.monotonic()
+        self.report.decode_leg.ended = time.monotonic()
         return response
 
-    def _count_reuse(self, result: str) -> None:
-        self.reuse = result
-        metrics.REUSE.labels(result).inc()
-
     async def _take_entry(self) -> None:
-        key = self._lookup_key()
+        key = self.report.lookup_key
         if key is None:
             if self.route == "chat" or self.conversation_id is not None:
-                self._count_reuse("miss")
+                self.report.reuse_result("miss")
             return
         try:
             entry = await self.fleet.kvmap.take(key)
         except MapUnavailableError as exc:
             self.fleet.map_unavailable("take", exc)
-            self._count_reuse("map_unavailable")
-            self.hold = False  # nowhere to store D's params: do not make D hold
+            self.report.reuse_result("map_unavailable")
+            self.report.hold = False  # nowhere to store D's params: do not make D hold
             return
         except InvalidKeyError as exc:
             raise ProxyError(
                 400, f"conversation id not accepted: {exc}", param="conversation_id"
             ) from None
         if entry is None:
-            self._count_reuse("miss")
+            self.report.reuse_result("miss")
             return
         settings = self.fleet.settings
         if not self.shape.extends(entry.fingerprint):
             # Edited or different history: the blocks describe another prompt.
-            self._count_reuse("refused")
+            self.report.reuse_result("refused")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.expires_at - time.time() < settings.entry_safety_margin_s:
-            self._count_reuse("expired")
+            self.report.reuse_result("expired")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         if entry.block_hashes is None and not settings.stock_vllm_reuse:
-            self._count_reuse("unverifiable")
+            self.report.reuse_result("unverifiable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
         holder = self.fleet.decode.get(entry.url)
         if holder is None or not holder.healthy:
             # P's pull would only wait for a handshake timeout; a draining holder still serves.
-            self._count_reuse("holder_unavailable")
+            self.report.reuse_result("holder_unavailable")
             self.fleet.releaser.release_soon("decode", entry.hold_ref)
             return
-        self._count_reuse("hit")
-        self.tokens_reused = entry.num_tokens
-        metrics.TOKENS_REUSED.inc(entry.num_tokens)
+        self.report.reuse_result("hit", entry.num_tokens)
         self.entry = entry
         releaser = self.fleet.releaser
         self.owed.owe(Debt.PREVIOUS_HOLD, lambda: releaser.release_soon("decode", entry.hold_ref))
@@ -269,15 +265,13 @@ class Turn:
             try:
                 with fleet.prefill.busy(backend, work):
                     status, raw = await self._post_read(backend, payload)
-                self.prefill_leg.status = status
+                self.report.prefill_leg.status = status
             except LegFailure as exc:
                 await self._charge(fleet.prefill, backend, exc)
-                metrics.LEG_LATENCY.labels("prefill", "error").observe(time.monotonic() - start)
+                self.report.leg_latency("prefill", "error", start)
                 log.warning("prefill on %s failed: %s", backend.url, exc.reason)
                 continue
-            metrics.LEG_LATENCY.labels("prefill", str(status // 100) + "xx").observe(
-                time.monotonic() - start
-            )
+            self.report.leg_latency("prefill", str(status // 100) + "xx", start)
             if status >= 500 or status == 429:
                 self.pending_5xx.append((fleet.prefill, backend, f"HTTP {status}"))
                 log.warning("prefill on %s answered %d", backend.url, status)
@@ -290,7 +284,7 @@ class Turn:
             self._judge_5xx(served=fleet.prefill)
             self.p_backend = backend
             decision = "prefill_affinity" if backend.url in affine else "prefill_chosen"
-            metrics.ROUTING.labels(decision).inc()
+            self.report.routed(decision)
             self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
             self._read_prefill_answer(raw)
             if self.p_params is not None:
@@ -299,7 +293,7 @@ class Turn:
                 )
                 self.owed.owe(Debt.PREFILL_BLOCKS, release)
             return
-        metrics.FALLBACKS.labels("decode_only").inc()
+        self.report.fell_back("decode_only")
         log.warning("no prefill engine answered; decode engine prefills (request %s)",
                     self.request_id)  # fmt: skip
 
@@ -319,7 +313,7 @@ class Turn:
                 self.p_prompt_tokens = prompt_tokens
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                metrics.TOKENS_PULLED.inc(details["cached_tokens"])
+                self.report.tokens_pulled(details["cached_tokens"])
 
     async def _post_read(self, backend: Backend, payload: bytes) -> tuple[int, bytes]:
         resp = await self._open(backend, payload)
@@ -374,7 +368,7 @@ class Turn:
         for backend in self._engines_to_try("decode", pick_decode):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
-            hold = self.hold and (not stream or fleet.side_channel_of(backend) is not None)
+            hold = self.report.hold and (not stream or fleet.side_channel_of(backend) is not None)
             payload = jsoncodec.dumps(
                 decode_body(
                     self.body, self.p_params, self.p_backend.url if self.p_backend else None, hold
@@ -386,11 +380,11 @@ class Turn:
             with fleet.decode.busy(backend, 1 + (self.decode_only_tokens or 0)):
                 try:
                     resp = await self._open(backend, payload)
-                    self.decode_leg.status = resp.status
+                    self.report.decode_leg.status = resp.status
                 except LegFailure as exc:
                     if not await self._charge(fleet.decode, backend, exc):
                         slow += 1
-                    metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
+                    self.report.leg_latency("decode", "error", start)
                     reasons.append(f"{backend.name}: {exc.public}")
                     log.warning("decode on %s failed: %s", backend.url, exc.reason)
                     continue
@@ -407,7 +401,7 @@ class Turn:
                         raise upstream_error_from_body(resp.status, raw, "decode")
                     fleet.decode.record_served(backend, self.tenant)
                     self._judge_5xx(served=fleet.decode)
-                    self.hold = hold
+                    self.report.hold = hold
                     if hold:
                         self.owed.owe(
                             Debt.DECODE_HOLD,
@@ -454,13 +448,13 @@ class Turn:
         try:
             raw = await resp.read()
         except UpstreamError as exc:
-            metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
+            self.report.leg_latency("decode", "error", start)
             raise ProxyError(
                 502,
                 f"the decode engine failed while answering ({type(exc).__name__}); retry",
                 code="decode_failed",
             ) from exc
-        metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
+        self.report.leg_latency("decode", "2xx", start)
         try:
             data = jsoncodec.loads(raw)
         except (ValueError, RecursionError) as exc:
@@ -472,16 +466,16 @@ class Turn:
             params = data.pop(KV_TRANSFER_PARAMS)
             raw = jsoncodec.dumps(data)  # the params stay between the proxy and the engines
         if isinstance(params, dict):
-            metrics.FINISHED_PARAMS.labels("response").inc()
+            self.report.finished_params("response")
             if self.fleet.kvmap.in_process:
                 # Nothing here waits, so nothing can interrupt it: a cancellation (the client
                 # leaving) is delivered only at a wait. No task, and no wait for one.
                 await self._store(params, backend, store_key)
             else:
                 await self._settle(self._store(params, backend, store_key))
-        elif self.hold:
+        elif self.report.hold:
             self._no_params()
-        self._first_byte()
+        self.report.first_byte()
         return web.Response(
             body=raw,
             status=resp.status,
@@ -517,7 +511,7 @@ class Turn:
                 data = sse.feed(chunk)
                 if data:
                     if first:
-                        self._first_byte()
+                        self.report.first_byte()
                         first = False
                     await out.write(data)
             tail = sse.flush()
@@ -525,7 +519,7 @@ class Turn:
                 await out.write(tail)
         except UpstreamError as exc:
             # D broke after the first byte: nothing can be retried, the client learns why.
-            metrics.LEG_LATENCY.labels("decode", "error").observe(time.monotonic() - start)
+            self.report.leg_latency("decode", "error", start)
             log.warning("decode stream from %s broke: %s", backend.url, type(exc).__name__)
             await out.write(
                 error_event(
@@ -544,17 +538,12 @@ class Turn:
             if sse.saw_finish or sse.saw_done:
                 self._settle_in_background(self._after_stream(sse.params, backend, store_key))
             raise
-        metrics.LEG_LATENCY.labels("decode", "2xx").observe(time.monotonic() - start)
+        self.report.leg_latency("decode", "2xx", start)
         await self._settle(self._after_stream(sse.params, backend, store_key))
         with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
             # [DONE] and the end of the chunked body leave in one write.
             await out.write_eof(sse.done_event or b"")
         return out
-
-    def _first_byte(self) -> None:
-        now = time.monotonic()
-        self.decode_leg.first_byte = now
-        metrics.TTFT.labels(self.route).observe(now - self.started)
 
     async def _after_stream(
         self,
@@ -564,12 +553,12 @@ class Turn:
     ) -> None:
         """Store D's params of a finished stream: from the stream or from D's side channel."""
         if params is not None:
-            metrics.FINISHED_PARAMS.labels("stream").inc()
+            self.report.finished_params("stream")
             await self._store(params, backend, store_key)
-        elif self.hold:
+        elif self.report.hold:
             fetched = await self._fetch_finished(backend)
             if fetched is not None:
-                metrics.FINISHED_PARAMS.labels("side_channel").inc()
+                self.report.finished_params("side_channel")
                 await self._store(fetched, backend, store_key)
             else:
                 self._no_params()
@@ -607,7 +596,7 @@ class Turn:
 
     def _no_params(self) -> None:
         self.owed.settle(Debt.DECODE_HOLD)  # nothing to store; a stock D's lease frees it
-        metrics.FINISHED_PARAMS.labels("missing").inc()
+        self.report.finished_params("missing")
 
     async def _fetch_finished(self, backend: Backend) -> dict[str, Any] | None:
         address = self.fleet.side_channel_of(backend)
@@ -627,13 +616,13 @@ class Turn:
         if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
             backend.side_channel = (host, port)  # learnt for later streams
         stock = not params.get(RELEASE_TOKEN) and not params.get(REMOTE_BLOCK_HASHES)
-        if store_key is None or not self.hold:
+        if store_key is None or not self.report.hold:
             # Not asked to hold: kvrelay's D freed them already; a stock D holds until its lease.
             if stock and params.get(REMOTE_NUM_TOKENS):
-                metrics.RELEASES.labels("decode", "unsupported").inc()
+                self.report.hold_unsupported()
             return
         if stock and not fleet.settings.stock_vllm_reuse:
-            metrics.RELEASES.labels("decode", "unsupported").inc()
+            self.report.hold_unsupported()
             return
         expiry = params.get(REMOTE_BLOCKS_EXPIRY_TIME)
         ttl = fleet.settings.conversation_ttl_s
@@ -658,7 +647,7 @@ class Turn:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
             fleet.releaser.release_soon_params("decode", params)
             return
-        with put_scope(entry.num_tokens, ttl):
+        with self.report.put_scope(entry.num_tokens, ttl):
             try:
                 await fleet.kvmap.put(store_key, entry, ttl)
             except UnconfirmedPutError as exc:
@@ -722,7 +711,7 @@ class Turn:
 
     def _release_decode_later(self, backend: Backend) -> None:
         """D may have finished (and held) before the turn was abandoned: free that hold."""
-        if not self.hold:
+        if not self.report.hold:
             return
         address = self.fleet.side_channel_of(backend)
         if address is None:
