@@ -8,7 +8,6 @@ the engines were sent, what the client got, what the map holds and what was rele
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -221,7 +220,7 @@ async def _rig(kvmap: MemoryMap) -> AsyncGenerator[Rig, None]:
     # straight to its D), and back to the conversation's previous P.
     settings = Settings(
         _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1, routing_policy="affinity"
-    )  # type: ignore[call-arg]
+    )
     prefill = Pool("prefill", eject_after=3, readmit_after=1)
     decode = Pool("decode", eject_after=3, readmit_after=1)
     for url in (P1, P2):
@@ -395,11 +394,3 @@ async def test_an_unavailable_map_serves_without_reuse_and_asks_d_for_no_hold(
     assert client.json_status == 200 and client.json_body == {"choices": [{"text": "hi"}]}
     await rig.releaser.drain()
     assert rig.released() == []
-
-
-def test_fakes_are_what_a_turn_needs() -> None:
-    """The fakes keep to the interfaces the turn types against (checked by mypy too)."""
-    answer: EngineAnswer = FakeAnswer(200)
-    stream: ClientStream = FakeStream()
-    assert answer.status == 200 and stream is not None
-    assert asyncio.iscoroutinefunction(FakeEngines.post)
