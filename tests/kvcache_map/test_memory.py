@@ -244,8 +244,9 @@ async def test_close_does_not_hang_on_a_stuck_callback() -> None:
 
 
 async def test_in_process_map_operations_never_wait() -> None:
-    # The proxy stores a non-streamed turn inline when `in_process` (relay.py): that is safe
-    # only while put and take complete without suspending, where no cancellation can land.
+    # The proxy stores a non-streamed turn inline when `in_process` (proxy `turn/answer.py`):
+    # that is safe only while put and take complete without suspending, where no cancellation
+    # can land.
     m = MemoryMap(max_entries=2)
     assert m.in_process
     for _ in range(3):  # the third put evicts

@@ -77,6 +77,12 @@ class Router:
 
     # -- D -----------------------------------------------------------------------------------
 
+    def holder_available(self, entry: KVEntry) -> bool:
+        """The D holding `entry` can serve P's pull of its blocks: it is in the pool and
+        healthy (a draining holder still serves what it holds)."""
+        holder = self.decode.get(entry.url)
+        return holder is not None and holder.healthy
+
     def pick_decode(self, preferred: str | None, exclude: set[str]) -> Backend | None:
         """D by affinity (the holder) unless it is overloaded or busy, else the least loaded."""
         if preferred is not None and preferred not in exclude:

@@ -63,6 +63,7 @@ from kvrelay.proxy.tenants import Slot, TenantBreaker, open_limiter
 from kvrelay.proxy.turn import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
+    AiohttpClient,
     Turn,
     chat_shape,
     completion_shape,
@@ -125,9 +126,10 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             header_text(request, CONVERSATION_HEADER), body, header_text(request, SESSION_HEADER)
         )
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
+        client = AiohttpClient(request)
         turn = Turn(
             fleet=fleet,
-            request=request,
+            client=client,
             route=route,
             body=body,
             request_id=upstream_request_id(request_id, supplied == request_id),
@@ -137,9 +139,9 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             conversation_id=conversation_id,
             shape=shape,
         )
-        response = await turn.run()
+        await turn.run()
         outcome = "ok"
-        return response
+        return client.response
     except ProxyError as exc:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
         suspect = turn.suspect_input if turn is not None else ()

@@ -1,7 +1,12 @@
 """One turn of a conversation: identify it, take its entry, the P and D legs, relay the answer,
-store what D holds, free what the turn owes (`Turn`), and report it.
+store what D holds, free what the turn owes (`Turn`), and report it (`TurnReport`).
+
+A turn talks to its client through `Client` (`AiohttpClient` for the proxy's server) and to
+engines through `Engines` (the worker's engine client unless a test gives it another).
 """
 
+from kvrelay.proxy.turn.attempts import EngineAnswer, Engines, LegFailure
+from kvrelay.proxy.turn.client import AiohttpClient, Client, ClientStream
 from kvrelay.proxy.turn.conversation import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
@@ -18,15 +23,23 @@ from kvrelay.proxy.turn.conversation import (
 from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.relay import Turn
+from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.streaming import SSEFilter
 
 __all__ = [
     "CONVERSATION_HEADER",
     "SESSION_HEADER",
+    "AiohttpClient",
+    "Client",
+    "ClientStream",
     "Debt",
+    "EngineAnswer",
+    "Engines",
+    "LegFailure",
     "Owed",
     "SSEFilter",
     "Turn",
+    "TurnReport",
     "capped_num_tokens",
     "chained_fingerprints",
     "chat_shape",

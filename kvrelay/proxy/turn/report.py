@@ -1,10 +1,12 @@
-"""What a turn did (reuse result, legs, timings), reported as trace spans and one log line.
+"""What a turn did, counted and reported by one `TurnReport`: metrics, trace spans, log line.
 
-`kvrelay.proxy.turn.relay.Turn` fills a `LegRecord` per leg and its reuse fields as it goes;
-the scopes here wrap the turn, the map take and the legs in spans (`telemetry.tracing`) and,
-when the turn ends, write its summary line (`telemetry.logs`). Span attributes and log fields
-are ids, engine URLs, hashes and numbers: never a prompt, an answer, a key or a token. With
-tracing off and text logs each scope is the shared no-op `tracing.OFF`.
+`kvrelay.proxy.turn.relay.Turn` tells the report what happens as it happens (the
+reuse result, each attempt, a retry, a fallback, the first byte, where D's params came from);
+the report counts it in `/metrics` (`telemetry.metrics`), wraps the turn, the map take, the legs
+and the map put in spans (`telemetry.tracing`) and, when the turn ends, writes its summary line
+(`telemetry.logs`). Span attributes and log fields are ids, engine URLs, hashes and numbers:
+never a prompt, an answer, a key or a token. With tracing off and text logs each scope is the
+shared no-op `tracing.OFF`.
 """
 
 from __future__ import annotations
@@ -12,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Protocol
-
-from aiohttp import web
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from kvrelay.kvcache_map import ConversationKey
-from kvrelay.proxy.telemetry import logs, tracing
+from kvrelay.proxy.telemetry import logs, metrics, tracing
 
 # Span names, one per step of a turn (docs/DESIGN.md §1).
 TURN_SPAN = "kvrelay.turn"
@@ -74,24 +74,175 @@ class LegRecord:
         return {"engine": self.engine, "status": self.status, "attempts": self.attempts}
 
 
-class ReportedTurn(Protocol):
-    """What the report reads of a turn (`kvrelay.proxy.turn.relay.Turn` is one): the report
-    sits below the turn, so it names what it needs instead of importing the turn."""
+@dataclass(slots=True)
+class TurnReport:
+    """The logbook of one turn: what it did, counted as it happens and reported at its end."""
 
-    request: web.Request
-    route: str
-    body: dict[str, Any]
-    request_id: str
-    client_request_id: str
+    route: str  # "chat" | "completions"
+    request_id: str  # upstream id, on both legs
+    client_request_id: str  # what the client sees in X-Request-Id
     tenant: str
-    started: float
-    hold: bool
-    reuse: str
-    tokens_reused: int
-    prefill_leg: LegRecord
-    decode_leg: LegRecord
+    stream: bool
+    parent_headers: Mapping[str, str]  # the client's headers: its trace context
+    lookup_key: ConversationKey | None  # the map key the turn looks up
+    store_key: ConversationKey | None  # ... and stores under
+    started: float = field(default_factory=time.monotonic)
+    hold: bool = False  # D is asked to hold its blocks for a next turn
+    reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
+    tokens_reused: int = 0
+    prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
+    decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
 
-    def conversation_keys(self) -> tuple[ConversationKey | None, ConversationKey | None]: ...
+    # -- counted as it happens -----------------------------------------------------------------
+
+    def reuse_result(self, result: str, tokens: int = 0) -> None:
+        """What the map lookup gave (`kvrelay_reuse_total`); on a hit, the tokens offered."""
+        self.reuse = result
+        metrics.REUSE.labels(result).inc()
+        if tokens:
+            self.tokens_reused = tokens
+            metrics.TOKENS_REUSED.inc(tokens)
+
+    def leg(self, role: str) -> LegRecord:
+        return self.prefill_leg if role == "prefill" else self.decode_leg
+
+    def retried(self, role: str) -> None:
+        metrics.RETRIES.labels(role).inc()
+
+    def leg_latency(self, role: str, outcome: str, start: float) -> None:
+        """One attempt of a leg ended: `outcome` is "error" or the status class ("2xx")."""
+        metrics.LEG_LATENCY.labels(role, outcome).observe(time.monotonic() - start)
+
+    def routed(self, decision: str) -> None:
+        """decode_only | prefill_affinity | prefill_chosen (`kvrelay_routing_decisions_total`)."""
+        metrics.ROUTING.labels(decision).inc()
+
+    def fell_back(self, kind: str) -> None:
+        metrics.FALLBACKS.labels(kind).inc()
+
+    def tokens_pulled(self, tokens: int) -> None:
+        """P's `cached_tokens`: what it pulled (or had) instead of computing."""
+        metrics.TOKENS_PULLED.inc(tokens)
+
+    def first_byte(self) -> None:
+        """The first byte of D's answer goes to the client."""
+        now = time.monotonic()
+        self.decode_leg.first_byte = now
+        metrics.TTFT.labels(self.route).observe(now - self.started)
+
+    def finished_params(self, source: str) -> None:
+        """Where D's final params came from: response | stream | side_channel | missing."""
+        metrics.FINISHED_PARAMS.labels(source).inc()
+
+    def hold_unsupported(self) -> None:
+        """D holds blocks the proxy cannot release (a stock engine): its lease frees them."""
+        metrics.RELEASES.labels("decode", "unsupported").inc()
+
+    # -- scopes --------------------------------------------------------------------------------
+
+    def turn_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """The whole turn: its span (continuing the client's `traceparent`) and its log line."""
+        traced, logged = tracing.enabled(), logs.turn_log_enabled()
+        if not traced and not logged:
+            return tracing.OFF
+        return self._turn_scope(logged)
+
+    @contextlib.contextmanager
+    def _turn_scope(self, logged: bool) -> Iterator[None]:
+        error: BaseException | None = None
+        try:
+            with tracing.span(
+                TURN_SPAN, kind="server", parent_headers=self.parent_headers,
+                attributes={"kvrelay.route": self.route, "kvrelay.request_id": self.request_id},
+                finish=lambda: self._turn_attributes(error),
+            ):  # fmt: skip
+                try:
+                    yield
+                except BaseException as exc:
+                    error = exc
+                    raise
+        finally:
+            if logged:
+                logs.log_turn("turn", self._summary(error))
+
+    def take_scope(self) -> contextlib.AbstractContextManager[Any]:
+        """Taking the conversation's entry from the map."""
+        if not tracing.enabled():
+            return tracing.OFF
+        return tracing.span(TAKE_SPAN, finish=self._take_attributes)
+
+    def _take_attributes(self) -> dict[str, Any]:
+        return {"kvrelay.reuse": self.reuse, "kvrelay.tokens_reused": self.tokens_reused}
+
+    @staticmethod
+    def put_scope(tokens: int, ttl_s: float) -> contextlib.AbstractContextManager[Any]:
+        """Storing D's params as the conversation's new entry."""
+        if not tracing.enabled():
+            return tracing.OFF
+        attributes = {"kvrelay.tokens": tokens, "kvrelay.map.ttl_s": ttl_s}
+        return tracing.span(PUT_SPAN, attributes=attributes)
+
+    def leg_scope(self, role: str) -> contextlib.AbstractContextManager[Any]:
+        """One leg, all its attempts (each an `attempt` event naming the engine)."""
+        if not tracing.enabled():
+            return tracing.OFF
+        return tracing.span(LEG_SPANS[role], kind="client", finish=self.leg(role).attributes)
+
+    # -- what is reported ----------------------------------------------------------------------
+
+    def _status(self, error: BaseException | None) -> int:
+        if error is None:
+            return self.decode_leg.status or 200
+        status = getattr(error, "status", None)  # ProxyError
+        if isinstance(status, int):
+            return status
+        if isinstance(error, asyncio.CancelledError | ConnectionResetError):
+            return CLIENT_GONE
+        return 500
+
+    def _turn_attributes(self, error: BaseException | None) -> dict[str, Any]:
+        p, d = self.prefill_leg, self.decode_leg
+        out: dict[str, Any] = {
+            "kvrelay.tenant": self.tenant,
+            "kvrelay.reuse": self.reuse,
+            "kvrelay.tokens_reused": self.tokens_reused,
+            "kvrelay.retries": p.retries + d.retries,
+            "kvrelay.stream": self.stream,
+            "http.response.status_code": self._status(error),
+        }
+        conversation = conversation_hash(self.lookup_key)
+        if conversation is not None:
+            out["kvrelay.conversation"] = conversation
+        if p.engine is not None:
+            out["kvrelay.prefill.url"] = p.engine
+        if d.engine is not None:
+            out["kvrelay.decode.url"] = d.engine
+        return out
+
+    def _summary(self, error: BaseException | None) -> dict[str, Any]:
+        p, d = self.prefill_leg, self.decode_leg
+        return {
+            "request_id": self.client_request_id or self.request_id,
+            "upstream_request_id": self.request_id,
+            "route": self.route,
+            "tenant": self.tenant,
+            "conversation": conversation_hash(self.lookup_key),
+            "stored_as": conversation_hash(self.store_key) if self.hold else None,
+            "reuse": self.reuse,
+            "tokens_reused": self.tokens_reused,
+            "stream": self.stream,
+            "status": self._status(error),
+            "error": type(error).__name__ if error is not None else None,
+            "prefill": p.summary(),
+            "decode": d.summary(),
+            "retries": p.retries + d.retries,
+            "duration_ms": {
+                "total": _ms(self.started, time.monotonic()),
+                "prefill": _ms(p.started, p.ended),
+                "decode_ttfb": _ms(d.started, d.first_byte),
+                "decode": _ms(d.started, d.ended),
+            },
+        }
 
 
 def _seconds(start: float | None, end: float | None) -> float | None:
@@ -106,119 +257,3 @@ def _ms(start: float | None, end: float | None) -> float | None:
 def conversation_hash(key: ConversationKey | None) -> str | None:
     """A short hash of a conversation's map key: correlates turns without naming the id."""
     return None if key is None else logs.short_hash(key.tenant, key.conversation_id)
-
-
-# -- scopes --------------------------------------------------------------------------------------
-
-
-def turn_scope(turn: ReportedTurn) -> contextlib.AbstractContextManager[Any]:
-    """The whole turn: its span (continuing the client's `traceparent`) and its log line."""
-    traced, logged = tracing.enabled(), logs.turn_log_enabled()
-    if not traced and not logged:
-        return tracing.OFF
-    return _turn_scope(turn, logged)
-
-
-@contextlib.contextmanager
-def _turn_scope(turn: ReportedTurn, logged: bool) -> Iterator[None]:
-    error: BaseException | None = None
-    try:
-        with tracing.span(
-            TURN_SPAN, kind="server", parent_headers=turn.request.headers,
-            attributes={"kvrelay.route": turn.route, "kvrelay.request_id": turn.request_id},
-            finish=lambda: _turn_attributes(turn, error),
-        ):  # fmt: skip
-            try:
-                yield
-            except BaseException as exc:
-                error = exc
-                raise
-    finally:
-        if logged:
-            logs.log_turn("turn", _summary(turn, error))
-
-
-def take_scope(turn: ReportedTurn) -> contextlib.AbstractContextManager[Any]:
-    """Taking the conversation's entry from the map."""
-    if not tracing.enabled():
-        return tracing.OFF
-    return tracing.span(
-        TAKE_SPAN,
-        finish=lambda: {"kvrelay.reuse": turn.reuse, "kvrelay.tokens_reused": turn.tokens_reused},
-    )
-
-
-def put_scope(tokens: int, ttl_s: float) -> contextlib.AbstractContextManager[Any]:
-    """Storing D's params as the conversation's new entry."""
-    if not tracing.enabled():
-        return tracing.OFF
-    return tracing.span(PUT_SPAN, attributes={"kvrelay.tokens": tokens, "kvrelay.map.ttl_s": ttl_s})
-
-
-def leg_scope(leg: LegRecord) -> contextlib.AbstractContextManager[Any]:
-    """One leg, all its attempts (each an `attempt` event naming the engine)."""
-    if not tracing.enabled():
-        return tracing.OFF
-    return tracing.span(LEG_SPANS[leg.role], kind="client", finish=leg.attributes)
-
-
-# -- what is reported ----------------------------------------------------------------------------
-
-
-def _status(turn: ReportedTurn, error: BaseException | None) -> int:
-    if error is None:
-        return turn.decode_leg.status or 200
-    status = getattr(error, "status", None)  # ProxyError
-    if isinstance(status, int):
-        return status
-    if isinstance(error, asyncio.CancelledError | ConnectionResetError):
-        return CLIENT_GONE
-    return 500
-
-
-def _turn_attributes(turn: ReportedTurn, error: BaseException | None) -> dict[str, Any]:
-    p, d = turn.prefill_leg, turn.decode_leg
-    lookup, _ = turn.conversation_keys()
-    out: dict[str, Any] = {
-        "kvrelay.tenant": turn.tenant,
-        "kvrelay.reuse": turn.reuse,
-        "kvrelay.tokens_reused": turn.tokens_reused,
-        "kvrelay.retries": p.retries + d.retries,
-        "kvrelay.stream": turn.body.get("stream") is True,
-        "http.response.status_code": _status(turn, error),
-    }
-    conversation = conversation_hash(lookup)
-    if conversation is not None:
-        out["kvrelay.conversation"] = conversation
-    if p.engine is not None:
-        out["kvrelay.prefill.url"] = p.engine
-    if d.engine is not None:
-        out["kvrelay.decode.url"] = d.engine
-    return out
-
-
-def _summary(turn: ReportedTurn, error: BaseException | None) -> dict[str, Any]:
-    p, d = turn.prefill_leg, turn.decode_leg
-    lookup, store = turn.conversation_keys()
-    return {
-        "request_id": turn.client_request_id or turn.request_id,
-        "upstream_request_id": turn.request_id,
-        "route": turn.route,
-        "tenant": turn.tenant,
-        "conversation": conversation_hash(lookup),
-        "stored_as": conversation_hash(store) if turn.hold else None,
-        "reuse": turn.reuse,
-        "tokens_reused": turn.tokens_reused,
-        "stream": turn.body.get("stream") is True,
-        "status": _status(turn, error),
-        "error": type(error).__name__ if error is not None else None,
-        "prefill": p.summary(),
-        "decode": d.summary(),
-        "retries": p.retries + d.retries,
-        "duration_ms": {
-            "total": _ms(turn.started, time.monotonic()),
-            "prefill": _ms(p.started, p.ended),
-            "decode_ttfb": _ms(d.started, d.first_byte),
-            "decode": _ms(d.started, d.ended),
-        },
-    }

@@ -1,0 +1,123 @@
+"""The D leg of a turn: D decodes with P's params (or prefills alone: decode-only) and, when
+the conversation can continue, holds its blocks for the next turn.
+
+D is chosen by the router (`kvrelay.proxy.fleet.Router.pick_decode`: the D that holds the
+conversation unless it is overloaded or busy, else the least loaded). A failure before the
+first byte (connect error, timeout, 5xx or 429; judged in `kvrelay.proxy.turn.attempts`) makes
+the leg try another D with the same P params; the first D that answers 2xx has its answer
+relayed to the client (`kvrelay.proxy.turn.answer`). When no D could serve, the client gets a
+shaped 502/503, or 504 `decode_timeout` when every attempt timed out on a healthy engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
+from kvrelay.proxy.engines import UpstreamError
+from kvrelay.proxy.fleet import Backend
+from kvrelay.proxy.turn.answer import Answer
+from kvrelay.proxy.turn.attempts import Attempts, EngineAnswer, LegFailure, Verdict
+from kvrelay.proxy.turn.legs import decode_body
+from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
+
+log = logging.getLogger(__name__)
+
+
+class DecodeLeg:
+    """One turn's D leg: its request, its retries, the error when no D serves."""
+
+    def __init__(self, attempts: Attempts, answer: Answer) -> None:
+        self._attempts = attempts
+        self._answer = answer
+        # Every D tried answered 5xx/429 and they blame the input (`Pool.blames_input`):
+        # a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise.
+        self.suspect_input: tuple[Backend, ...] = ()
+
+    async def run(
+        self,
+        body: dict[str, Any],
+        prefill: PrefillAnswer | None,
+        holder: str | None,
+        hold: bool,
+        decode_only_tokens: int | None,
+    ) -> None:
+        """Serve the client from D. `holder`: the D holding the conversation (affinity);
+        `hold`: ask D to hold for a next turn; `decode_only_tokens`: the tokens D prefills
+        itself on a turn that skipped P (weighed by the router against D's budget)."""
+        attempts, answer = self._attempts, self._answer
+        fleet, report = attempts.fleet, attempts.report
+        pool = fleet.decode
+        stream = body.get("stream") is True
+        p_params = prefill.params if prefill is not None else None
+        p_url = prefill.backend.url if prefill is not None else None
+        reasons: list[str] = []
+        refused: list[Backend] = []  # the engines that answered 5xx/429
+        slow = 0  # attempts that timed out on an engine that then passed its health probe
+
+        def pick(exclude: set[str]) -> Backend | None:
+            return fleet.router.pick_decode(holder, exclude)
+
+        for backend in attempts.tries("decode", pick):
+            # A stream carries no params on stock engines: only ask D to hold when the proxy
+            # can fetch them from D's side channel afterwards (else they would be stranded).
+            d_hold = hold and (not stream or fleet.side_channel_of(backend) is not None)
+            payload = jsoncodec.dumps(decode_body(body, p_params, p_url, d_hold))
+            start = time.monotonic()
+            # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
+            # turn (what the router weighs against D's prefill budget).
+            with pool.busy(backend, 1 + (decode_only_tokens or 0)):
+                try:
+                    resp = await attempts.send(backend, payload)
+                    report.decode_leg.status = resp.status
+                except LegFailure as exc:
+                    if not await attempts.failed(pool, backend, exc, start):
+                        slow += 1
+                    reasons.append(f"{backend.name}: {exc.public}")
+                    continue
+                try:
+                    verdict = attempts.verdict(pool, backend, resp.status)
+                    if verdict is Verdict.REFUSED:
+                        await _drain(resp)
+                        reasons.append(f"{backend.name}: HTTP {resp.status}")
+                        refused.append(backend)
+                        continue
+                    if verdict is Verdict.REJECTED:
+                        raise upstream_error_from_body(resp.status, await resp.read(), "decode")
+                    report.hold = d_hold
+                    await answer.relay(resp, backend, d_hold, start)
+                    return
+                except BaseException:
+                    # Closing (not pooling) the connection is what tells D to stop.
+                    resp.close()
+                    raise
+                finally:
+                    resp.release()
+        if refused and len(refused) == len(reasons) and pool.blames_input(refused, report.tenant):
+            self.suspect_input = tuple(refused)
+        raise self._no_decode(reasons, slow)
+
+    def _no_decode(self, reasons: list[str], slow: int) -> ProxyError:
+        detail = "; ".join(reasons) if reasons else "no decode engine is healthy"
+        if reasons and slow == len(reasons):
+            return ProxyError(
+                504,
+                f"no decode engine answered within first_byte_timeout "
+                f"({self._attempts.fleet.settings.first_byte_timeout:g} s; {detail}); a long "
+                'answer needs "stream": true, or a larger first_byte_timeout',
+                code="decode_timeout",
+            )
+        return ProxyError(
+            503 if not reasons else 502,
+            f"no decode engine could serve the request ({detail}); retry later or check "
+            "the decode engines' health at /ready",
+            code="decode_unavailable",
+        )
+
+
+async def _drain(resp: EngineAnswer) -> None:
+    with contextlib.suppress(UpstreamError):
+        await resp.read()

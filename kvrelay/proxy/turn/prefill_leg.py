@@ -1,0 +1,109 @@
+"""The P leg of a turn: P prefills the prompt (pulling the old turn's KV on a reuse hit) and
+keeps its KV for D.
+
+P is chosen by the router (`kvrelay.proxy.fleet.Router.pick_prefill`: the conversation's
+previous P under `affinity`/`conditional`, else the least loaded); on a connect error, a 5xx
+or a timeout another P is tried (`kvrelay.proxy.turn.attempts`). When no P answers, the leg
+gives up and D prefills alone (decode-only); a 4xx means the prompt itself is bad, which the
+client is told.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
+from kvrelay.kvcache_map import KVEntry
+from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
+from kvrelay.proxy.engines import UpstreamError
+from kvrelay.proxy.fleet import Backend
+from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
+from kvrelay.proxy.turn.legs import prefill_body
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillAnswer:
+    """What P gave the turn: where it ran, its params for D, its prompt's token count."""
+
+    backend: Backend
+    params: dict[str, Any] | None
+    prompt_tokens: int | None
+
+
+class PrefillLeg:
+    """One turn's P leg: its request, its retries, and reading P's answer."""
+
+    def __init__(self, attempts: Attempts) -> None:
+        self._attempts = attempts
+
+    async def run(
+        self, body: dict[str, Any], entry: KVEntry | None, work: int
+    ) -> PrefillAnswer | None:
+        """P's answer, or None when no P answered (D then prefills alone). `work` is the
+        prompt's weight, counted against P's outstanding work while it prefills."""
+        attempts = self._attempts
+        report, pool, router = attempts.report, attempts.fleet.prefill, attempts.fleet.router
+        reuse = entry.to_kv_transfer_params() if entry is not None else None
+        payload = jsoncodec.dumps(prefill_body(body, reuse))
+        affine: set[str] = set()
+
+        def pick(exclude: set[str]) -> Backend | None:
+            backend, by_affinity = router.pick_prefill(entry, exclude)
+            if backend is not None and by_affinity:
+                affine.add(backend.url)
+            return backend
+
+        for backend in attempts.tries("prefill", pick):
+            start = time.monotonic()
+            try:
+                with pool.busy(backend, work):
+                    status, raw = await self._post_read(backend, payload)
+                report.prefill_leg.status = status
+            except LegFailure as exc:
+                await attempts.failed(pool, backend, exc, start)
+                continue
+            report.leg_latency("prefill", str(status // 100) + "xx", start)
+            verdict = attempts.verdict(pool, backend, status)
+            if verdict is Verdict.REFUSED:
+                log.warning("prefill on %s answered %d", backend.url, status)
+                continue
+            if verdict is Verdict.REJECTED:
+                raise upstream_error_from_body(status, raw, "prefill")  # D would refuse it too
+            report.routed("prefill_affinity" if backend.url in affine else "prefill_chosen")
+            return self._answer(backend, raw)
+        report.fell_back("decode_only")
+        log.warning("no prefill engine answered; decode engine prefills (request %s)",
+                    report.request_id)  # fmt: skip
+        return None
+
+    async def _post_read(self, backend: Backend, payload: bytes) -> tuple[int, bytes]:
+        resp = await self._attempts.send(backend, payload)
+        try:
+            return resp.status, await resp.read()
+        except UpstreamError as exc:
+            raise LegFailure(f"reading the answer failed: {type(exc).__name__}") from exc
+        finally:
+            resp.release()
+
+    def _answer(self, backend: Backend, raw: bytes) -> PrefillAnswer:
+        try:
+            data = jsoncodec.loads(raw)
+        except (ValueError, RecursionError):
+            return PrefillAnswer(backend, None, None)
+        if not isinstance(data, dict):
+            return PrefillAnswer(backend, None, None)
+        params = data.get(KV_TRANSFER_PARAMS)
+        prompt_tokens = None
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            if isinstance(usage.get("prompt_tokens"), int):
+                prompt_tokens = usage["prompt_tokens"]
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+                self._attempts.report.tokens_pulled(details["cached_tokens"])
+        return PrefillAnswer(backend, params if isinstance(params, dict) else None, prompt_tokens)

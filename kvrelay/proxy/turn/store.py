@@ -1,0 +1,113 @@
+"""Step 6 of a turn: D's final params become the conversation's map entry, or D's blocks are
+released when they cannot be (not asked to hold, a stock engine without `stock_vllm_reuse`,
+params past their expiry, unusable params, the map unavailable).
+
+A put that timed out may have been stored all the same (`UnconfirmedPutError`): D's blocks stay
+held until the map says it was not (`Releaser.release_unless_stored`), so a next turn never
+finds an entry whose blocks were released.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.connector.protocol import (
+    RELEASE_TOKEN,
+    REMOTE_BLOCK_HASHES,
+    REMOTE_BLOCKS_EXPIRY_TIME,
+    REMOTE_HOST,
+    REMOTE_NUM_TOKENS,
+    REMOTE_PORT,
+)
+from kvrelay.kvcache_map import (
+    ConversationKey,
+    KVEntry,
+    MapUnavailableError,
+    UnconfirmedPutError,
+)
+from kvrelay.proxy.fleet import Backend, Fleet
+from kvrelay.proxy.turn.legs import capped_num_tokens
+from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
+from kvrelay.proxy.turn.report import TurnReport
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Store:
+    """Where and how one turn stores D's params."""
+
+    fleet: Fleet
+    report: TurnReport
+    key: ConversationKey | None  # None: the turn cannot be continued
+    fingerprint: str | None  # the prompt's, for the next turn's history check
+    previous: KVEntry | None  # the entry the turn took (its routing hints carry over)
+    prefill: PrefillAnswer | None
+    work: int  # the prompt's characters (+1): with P's token count, characters per token
+
+    async def put(self, params: dict[str, Any], backend: Backend, hold: bool) -> None:
+        """Make D's params the conversation's entry, or release D's blocks if they cannot be."""
+        fleet, report = self.fleet, self.report
+        host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
+        if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+            backend.side_channel = (host, port)  # learnt for later streams
+        stock = not params.get(RELEASE_TOKEN) and not params.get(REMOTE_BLOCK_HASHES)
+        if self.key is None or not hold:
+            # Not asked to hold: kvrelay's D freed them already; a stock D holds until its lease.
+            if stock and params.get(REMOTE_NUM_TOKENS):
+                report.hold_unsupported()
+            return
+        if stock and not fleet.settings.stock_vllm_reuse:
+            report.hold_unsupported()
+            return
+        expiry = params.get(REMOTE_BLOCKS_EXPIRY_TIME)
+        ttl = fleet.settings.conversation_ttl_s
+        if isinstance(expiry, int | float):
+            ttl = min(ttl, float(expiry) - time.time() - fleet.settings.entry_safety_margin_s)
+        if ttl <= 0:
+            fleet.releaser.release_soon_params("decode", params)
+            return
+        prompt_tokens = self.prefill.prompt_tokens if self.prefill is not None else None
+        to_store = dict(params)
+        if stock:
+            # Stock engines cannot verify tokens: trust only the previous prompt's part.
+            to_store[REMOTE_NUM_TOKENS] = capped_num_tokens(params, prompt_tokens)
+        try:
+            assert self.fingerprint is not None
+            entry = KVEntry.from_kv_transfer_params(
+                to_store, url=backend.url, fingerprint=self.fingerprint, **self._routing_hints()
+            )
+        except ValueError as exc:
+            log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
+            fleet.releaser.release_soon_params("decode", params)
+            return
+        with report.put_scope(entry.num_tokens, ttl):
+            try:
+                await fleet.kvmap.put(self.key, entry, ttl)
+            except UnconfirmedPutError as exc:
+                fleet.map_unavailable("put", exc)
+                # The entry may be stored all the same: D's blocks stay held until the map
+                # says it is not (else a next turn could find an entry pointing at nothing).
+                fleet.releaser.spawn(
+                    fleet.releaser.release_unless_stored("decode", exc.settle, params)
+                )
+            except MapUnavailableError as exc:
+                fleet.map_unavailable("put", exc)
+                fleet.releaser.release_soon_params("decode", params)
+
+    def _routing_hints(self) -> dict[str, Any]:
+        """What the next turn's routing needs (kvrelay.proxy.fleet.routing): this turn's P and its
+        prompt's characters per token; a turn without P keeps the previous turn's."""
+        previous, prefill = self.previous, self.prefill
+        prefill_url = prefill.backend.url if prefill is not None else None
+        chars_per_token = None
+        if prefill is not None and prefill.prompt_tokens:
+            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
+            chars_per_token = round(max(self.work / prefill.prompt_tokens, 1e-3), 4)
+        if previous is not None:
+            prefill_url = prefill_url or previous.prefill_url
+            chars_per_token = chars_per_token or previous.chars_per_token
+        return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}

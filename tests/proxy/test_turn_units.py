@@ -1,0 +1,396 @@
+"""`Turn` driven without a server: fake engine legs, a fake client, a fake releaser.
+
+The fakes stand in for what a turn talks to (`Engines`, `Client`, the releaser's side-channel
+calls); everything between them is the proxy's own code: the router, the pools, the legs and
+their status handling, the owed holds, the in-process conversation map. Each test checks what
+the engines were sent, what the client got, what the map holds and what was released.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+
+from kvrelay.connector.protocol import HoldRef
+from kvrelay.kvcache_map import ConversationKey, MapUnavailableError, MemoryMap
+from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.engines import (
+    Releaser,
+    Upstream,
+    UpstreamBroken,
+    UpstreamConnectError,
+    UpstreamError,
+)
+from kvrelay.proxy.fleet import Fleet, Pool
+from kvrelay.proxy.turn import ClientStream, EngineAnswer, Turn, completion_shape
+
+P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
+D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
+TENANT = "tenant-a"
+
+
+# -- fakes ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class FakeAnswer:
+    """One scripted engine answer: a JSON body, or SSE chunks (maybe broken off after them)."""
+
+    status: int
+    body: bytes = b""
+    chunks: tuple[bytes, ...] = ()
+    breaks: bool = False  # the connection drops after `chunks`
+    closed: bool = False  # the leg dropped the connection (what tells an engine to stop)
+
+    def header(self, name: bytes) -> bytes | None:
+        if name == b"content-type":
+            return b"text/event-stream" if self.chunks else b"application/json"
+        return None
+
+    async def read(self) -> bytes:
+        return self.body
+
+    async def iter_chunks(self) -> AsyncIterator[bytes]:
+        for chunk in self.chunks:
+            yield chunk
+        if self.breaks:
+            raise UpstreamBroken("connection lost")
+
+    def close(self) -> None:
+        self.closed = True
+
+    def release(self) -> None:
+        pass
+
+
+@dataclass
+class FakeEngines:
+    """The engines' side of the legs: per URL, answers (or errors) handed out in order."""
+
+    script: dict[str, list[FakeAnswer | UpstreamError]]
+    sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+    async def post(
+        self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
+    ) -> EngineAnswer:
+        self.sent.append((url, json.loads(payload)))
+        answer = self.script[url].pop(0)
+        if isinstance(answer, UpstreamError):
+            raise answer
+        return answer
+
+    def bodies(self, url: str) -> list[dict[str, Any]]:
+        return [body for to, body in self.sent if to == url]
+
+
+@dataclass
+class FakeStream:
+    """What the client got of a streamed answer; `leave_at`: the write the client is gone by."""
+
+    writes: list[bytes] = field(default_factory=list)
+    ended: bool = False
+    leave_at: int | None = None
+
+    async def write(self, data: bytes) -> None:
+        if self.leave_at is not None and len(self.writes) >= self.leave_at:
+            raise ConnectionResetError("the client left")
+        self.writes.append(data)
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self.write(data)
+        self.ended = True
+
+
+@dataclass
+class FakeClient:
+    """The client's side of a turn, recorded."""
+
+    stream_out: FakeStream = field(default_factory=FakeStream)
+    json_status: int | None = None
+    json_body: dict[str, Any] | None = None
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return {}
+
+    def send_json(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
+        self.json_status, self.json_body = status, json.loads(body)
+
+    async def open_stream(self, status: int, headers: Mapping[str, str]) -> ClientStream:
+        return self.stream_out
+
+
+class FakeReleaser(Releaser):
+    """Records releases instead of calling side channels; D's finished params are scripted."""
+
+    def __init__(self) -> None:
+        super().__init__(None, Upstream(connect_timeout=1.0), 1.0)
+        self.released: list[tuple[str, HoldRef | None]] = []
+        self.finished: dict[str, dict[str, Any]] = {}  # request id -> D's published params
+
+    async def release(self, holder: str, ref: HoldRef | None) -> bool:
+        self.released.append((holder, ref))
+        return True
+
+    async def finished_params(
+        self, host: str, port: int, client_request_id: str
+    ) -> dict[str, Any] | None:
+        return self.finished.get(client_request_id)
+
+
+class FakeUnavailableMap(MemoryMap):
+    """A conversation map whose every call fails as Redis down does."""
+
+    async def take(self, key: ConversationKey) -> Any:
+        raise MapUnavailableError("fake: the map is down")
+
+    async def put(self, key: ConversationKey, entry: Any, ttl: float) -> None:
+        raise MapUnavailableError("fake: the map is down")
+
+
+# -- engine answers ------------------------------------------------------------------------------
+
+
+def p_params(request_id: str) -> dict[str, Any]:
+    """P's answer params: its blocks for D."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p-engine",
+        "remote_request_id": request_id, "remote_host": "10.0.0.1", "remote_port": 5600,
+        "remote_block_ids": [[7, 8]], "release_token": f"p-token-{request_id}",
+    }  # fmt: skip
+
+
+def d_params(request_id: str, tokens: int = 40) -> dict[str, Any]:
+    """D's final params: the hold it keeps for the next turn."""
+    return {
+        "remote_engine_id": "d-engine", "remote_request_id": request_id,
+        "remote_host": "10.0.0.2", "remote_port": 5700, "remote_block_ids": [[1, 2, 3]],
+        "remote_num_tokens": tokens, "remote_blocks_expiry_time": time.time() + 600,
+        "remote_block_hashes": ["0123456789abcdef"] * 3, "release_token": f"d-token-{request_id}",
+    }  # fmt: skip
+
+
+def prefill_ok(request_id: str) -> FakeAnswer:
+    body = {"kv_transfer_params": p_params(request_id), "usage": {"prompt_tokens": 40}}
+    return FakeAnswer(200, json.dumps(body).encode())
+
+
+def decode_ok(request_id: str, text: str = "answer") -> FakeAnswer:
+    body = {"choices": [{"text": text}], "kv_transfer_params": d_params(request_id)}
+    return FakeAnswer(200, json.dumps(body).encode())
+
+
+def sse(event: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+# -- the fleet -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Rig:
+    fleet: Fleet
+    releaser: FakeReleaser
+    kvmap: MemoryMap
+
+    def turn(
+        self, prompt: str, request_id: str, engines: FakeEngines, client: FakeClient, **body: Any
+    ) -> Turn:
+        request = {"model": "m", "prompt": prompt, "max_tokens": 8, **body}
+        return Turn(
+            fleet=self.fleet, client=client, route="completions", body=request,
+            request_id=request_id, tenant=TENANT, conversation_id="conv-1",
+            shape=completion_shape(request), engines=engines,
+        )  # fmt: skip
+
+    def released(self) -> list[tuple[str, str]]:
+        """(holder, release token) of every release so far."""
+        return [(holder, ref.release_token) for holder, ref in self.releaser.released if ref]
+
+
+async def _rig(kvmap: MemoryMap) -> AsyncGenerator[Rig, None]:
+    # `affinity`: every turn goes through P (`conditional` would send a short follow-up
+    # straight to its D), and back to the conversation's previous P.
+    settings = Settings(
+        _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1, routing_policy="affinity"
+    )
+    prefill = Pool("prefill", eject_after=3, readmit_after=1)
+    decode = Pool("decode", eject_after=3, readmit_after=1)
+    for url in (P1, P2):
+        prefill.add(url)
+    for url in (D1, D2):
+        decode.add(url)
+    releaser = FakeReleaser()
+    # The session is the fleet's for health probes; these tests time nothing out, so no
+    # probe (and no request) ever goes through it.
+    async with aiohttp.ClientSession() as session:
+        fleet = Fleet(settings, prefill, decode, kvmap, session, Upstream(connect_timeout=1.0),
+                      releaser)  # fmt: skip
+        try:
+            yield Rig(fleet, releaser, kvmap)
+        finally:
+            await releaser.drain()
+            await kvmap.close()
+
+
+@pytest.fixture
+async def rig() -> AsyncGenerator[Rig, None]:
+    async for made in _rig(MemoryMap()):
+        yield made
+
+
+@pytest.fixture
+async def rig_without_map() -> AsyncGenerator[Rig, None]:
+    async for made in _rig(FakeUnavailableMap()):
+        yield made
+
+
+async def _stored(rig: Rig) -> Any:
+    """What the map holds for the conversation (taken, so it is gone afterwards)."""
+    return await rig.kvmap.take(ConversationKey(TENANT, "conv-1"))
+
+
+# -- the tests -----------------------------------------------------------------------------------
+
+
+async def test_a_miss_then_a_hit_pulls_the_first_turns_blocks(rig: Rig) -> None:
+    first = "You are terse. Tell me about otters."
+    engines = FakeEngines({P1: [prefill_ok("r1")], D1: [decode_ok("r1", "Otters swim.")]})
+    client = FakeClient()
+    turn = rig.turn(first, "r1", engines, client)
+    await turn.run()
+    assert turn.report.reuse == "miss"
+    assert client.json_status == 200 and client.json_body is not None
+    assert "kv_transfer_params" not in client.json_body  # the params stay with the proxy
+    p_sent = engines.bodies(P1)[0]["kv_transfer_params"]
+    assert p_sent["do_remote_decode"] is True and p_sent["remote_engine_id"] is None
+    d_sent = engines.bodies(D1)[0]["kv_transfer_params"]
+    assert d_sent["do_remote_prefill"] is True and d_sent["hold_blocks"] is True
+    assert d_sent["remote_block_ids"] == [[7, 8]] and d_sent["remote_url"] == P1
+
+    # The second turn extends the first prompt: P pulls D1's blocks, D1 (the holder) decodes.
+    engines.script.update({P1: [prefill_ok("r2")], D1: [decode_ok("r2")]})
+    turn2 = rig.turn(first + " Otters swim. And beavers?", "r2", engines, FakeClient())
+    await turn2.run()
+    assert turn2.report.reuse == "hit" and turn2.report.tokens_reused == 40
+    p_sent = engines.bodies(P1)[1]["kv_transfer_params"]
+    assert p_sent["remote_engine_id"] == "d-engine" and p_sent["release_token"] == "d-token-r1"
+    stored = await _stored(rig)
+    assert stored is not None and stored.release_token == "d-token-r2" and stored.url == D1
+    assert stored.prefill_url == P1  # P affinity for the next turn
+    # P read turn 1's hold and D read P's blocks: their connectors freed them, not the proxy.
+    await rig.releaser.drain()
+    assert rig.released() == []
+
+
+async def test_p_failing_falls_back_to_decode_only(rig: Rig) -> None:
+    engines = FakeEngines(
+        {
+            P1: [UpstreamConnectError("refused")],
+            P2: [FakeAnswer(500, b"boom")],
+            D1: [decode_ok("r1")],
+            D2: [decode_ok("r1")],
+        }
+    )
+    client = FakeClient()
+    turn = rig.turn("Hello there", "r1", engines, client)
+    await turn.run()
+    assert len(engines.bodies(P1)) + len(engines.bodies(P2)) == 2  # both P tried
+    (d_url, d_body) = next((url, body) for url, body in engines.sent if url in (D1, D2))
+    params = d_body["kv_transfer_params"]
+    assert "do_remote_prefill" not in params and params["hold_blocks"] is True  # D prefills
+    assert client.json_status == 200
+    assert turn.prefill is None and turn.report.prefill_leg.attempts == 2
+    # P's connect error is P's fault at once; its 5xx is disputed (D prefilled another way).
+    p_failed = [b for b in rig.fleet.prefill.backends.values() if b.failures]
+    assert len(p_failed) == 1 and p_failed[0].last_error is not None
+    stored = await _stored(rig)
+    assert stored is not None and stored.url == d_url and stored.prefill_url is None
+    await rig.releaser.drain()
+    assert rig.released() == []
+
+
+async def test_d_failing_before_the_first_byte_is_retried_on_another_d(rig: Rig) -> None:
+    engines = FakeEngines(
+        {P1: [prefill_ok("r1")], P2: [prefill_ok("r1")],
+         D1: [FakeAnswer(503, b"overloaded")], D2: [decode_ok("r1")]}
+    )  # fmt: skip
+    # D1 is the first choice (the less loaded), D2 the retry.
+    rig.fleet.decode.backends[D2].inflight = 1
+    client = FakeClient()
+    turn = rig.turn("Hello there", "r1", engines, client)
+    await turn.run()
+    d1, d2 = engines.bodies(D1), engines.bodies(D2)
+    assert len(d1) == 1 and len(d2) == 1
+    assert d1[0]["kv_transfer_params"] == d2[0]["kv_transfer_params"]  # the same P params
+    assert client.json_status == 200 and turn.report.decode_leg.attempts == 2
+    # D2 served the request that D1 refused: the 503 was D1's fault.
+    assert rig.fleet.decode.backends[D1].failures == 1
+    stored = await _stored(rig)
+    assert stored is not None and stored.url == D2
+
+
+async def test_every_d_failing_is_a_shaped_502_and_frees_ps_blocks(rig: Rig) -> None:
+    engines = FakeEngines(
+        {P1: [prefill_ok("r1")], P2: [prefill_ok("r1")],
+         D1: [UpstreamConnectError("refused")], D2: [UpstreamConnectError("refused")]}
+    )  # fmt: skip
+    turn = rig.turn("Hello there", "r1", engines, FakeClient())
+    with pytest.raises(ProxyError) as raised:
+        await turn.run()
+    assert raised.value.status == 502 and raised.value.code == "decode_unavailable"
+    await rig.releaser.drain()
+    assert rig.released() == [("prefill", "p-token-r1")]  # no D took P's blocks
+
+
+async def test_a_client_leaving_mid_stream_frees_ds_hold_and_ps_blocks(rig: Rig) -> None:
+    stream = (
+        sse({"choices": [{"text": "Ot", "finish_reason": None}]}),
+        sse({"choices": [{"text": "ters", "finish_reason": None}]}),
+        sse({"choices": [{"text": " swim", "finish_reason": None}]}),
+    )
+    engines = FakeEngines({P1: [prefill_ok("r1")], P2: [prefill_ok("r1")]})
+    answer = FakeAnswer(200, chunks=stream)
+    engines.script[D1] = [answer]
+    engines.script[D2] = [answer]
+    for backend in rig.fleet.decode.backends.values():
+        backend.side_channel = ("10.0.0.2", 5700)  # D's hold can be found after a stream
+    rig.releaser.finished["r1"] = d_params("r1")  # what D published when it stopped
+    client = FakeClient(stream_out=FakeStream(leave_at=1))
+    turn = rig.turn("Hello there", "r1", engines, client, stream=True)
+    with pytest.raises(ConnectionResetError):
+        await turn.run()
+    assert len(client.stream_out.writes) == 1 and not client.stream_out.ended
+    assert answer.closed  # the connection to D is dropped: D stops
+    await rig.releaser.drain()
+    # The answer was cut short: D's hold (looked up on its side channel) and P's blocks go.
+    assert sorted(rig.released()) == [("decode", "d-token-r1"), ("prefill", "p-token-r1")]
+    assert await _stored(rig) is None
+
+
+async def test_an_unavailable_map_serves_without_reuse_and_asks_d_for_no_hold(
+    rig_without_map: Rig,
+) -> None:
+    rig = rig_without_map
+    body = {"choices": [{"text": "hi"}], "kv_transfer_params": {"remote_num_tokens": 0}}
+    engines = FakeEngines(
+        {P1: [prefill_ok("r1")], P2: [prefill_ok("r1")],
+         D1: [FakeAnswer(200, json.dumps(body).encode())],
+         D2: [FakeAnswer(200, json.dumps(body).encode())]}
+    )  # fmt: skip
+    client = FakeClient()
+    turn = rig.turn("Hello there", "r1", engines, client)
+    await turn.run()
+    assert turn.report.reuse == "map_unavailable" and turn.report.hold is False
+    d_body = next(body for url, body in engines.sent if url in (D1, D2))
+    assert "hold_blocks" not in d_body["kv_transfer_params"]
+    assert client.json_status == 200 and client.json_body == {"choices": [{"text": "hi"}]}
+    await rig.releaser.drain()
+    assert rig.released() == []
