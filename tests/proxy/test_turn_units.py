@@ -14,7 +14,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import pytest
 
 from kvrelay.connector.protocol import HoldRef
@@ -27,6 +26,7 @@ from kvrelay.proxy.engines import (
     UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
+    UpstreamTimeout,
 )
 from kvrelay.proxy.fleet import Fleet, Pool
 from kvrelay.proxy.turn import ClientStream, EngineAnswer, Turn, completion_shape
@@ -76,6 +76,8 @@ class FakeEngines:
 
     script: dict[str, list[FakeAnswer | UpstreamError]]
     sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    unhealthy: set[str] = field(default_factory=set)
+    probed: list[str] = field(default_factory=list)
 
     async def post(
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
@@ -85,6 +87,11 @@ class FakeEngines:
         if isinstance(answer, UpstreamError):
             raise answer
         return answer
+
+    async def probe(self, url: str) -> tuple[bool, str]:
+        # A timed-out engine that still answers its probe is not charged (the request was slow).
+        self.probed.append(url)
+        return url not in self.unhealthy, "scripted probe"
 
     def bodies(self, url: str) -> list[dict[str, Any]]:
         return [body for to, body in self.sent if to == url]
@@ -228,16 +235,13 @@ async def _rig(kvmap: MemoryMap) -> AsyncGenerator[Rig, None]:
     for url in (D1, D2):
         decode.add(url)
     releaser = FakeReleaser()
-    # The session is the fleet's for health probes; these tests time nothing out, so no
-    # probe (and no request) ever goes through it.
-    async with aiohttp.ClientSession() as session:
-        fleet = Fleet(settings, prefill, decode, kvmap, session, Upstream(connect_timeout=1.0),
-                      releaser)  # fmt: skip
-        try:
-            yield Rig(fleet, releaser, kvmap)
-        finally:
-            await releaser.drain()
-            await kvmap.close()
+    # The fleet's engine client is never used: every engine call goes through `FakeEngines`.
+    fleet = Fleet(settings, prefill, decode, kvmap, Upstream(connect_timeout=1.0), releaser)
+    try:
+        yield Rig(fleet, releaser, kvmap)
+    finally:
+        await releaser.drain()
+        await kvmap.close()
 
 
 @pytest.fixture
@@ -348,6 +352,24 @@ async def test_every_d_failing_is_a_shaped_502_and_frees_ps_blocks(rig: Rig) -> 
     assert raised.value.status == 502 and raised.value.code == "decode_unavailable"
     await rig.releaser.drain()
     assert rig.released() == [("prefill", "p-token-r1")]  # no D took P's blocks
+
+
+async def test_a_slow_d_that_answers_its_probe_is_not_charged_one_that_fails_it_is(
+    rig: Rig,
+) -> None:
+    engines = FakeEngines(
+        {P1: [prefill_ok("r1")], P2: [prefill_ok("r1")],
+         D1: [UpstreamTimeout("no first byte")], D2: [UpstreamTimeout("no first byte")]},
+        unhealthy={D2},
+    )  # fmt: skip
+    turn = rig.turn("Hello there", "r1", engines, FakeClient())
+    with pytest.raises(ProxyError) as raised:
+        await turn.run()
+    assert sorted(engines.probed) == [D1, D2]  # each timeout asked the engine's health at once
+    # D1 still answers its probe: a slow answer is the request's timeout, not D1's failure.
+    assert rig.fleet.decode.backends[D1].failures == 0
+    assert rig.fleet.decode.backends[D2].failures == 1
+    assert raised.value.status in (502, 504)
 
 
 async def test_a_client_leaving_mid_stream_frees_ds_hold_and_ps_blocks(rig: Rig) -> None:

@@ -31,7 +31,6 @@ from kvrelay.proxy.fleet.pools import (
     Pool,
     engine_name,
     engines_to_try,
-    probe,
     probe_health,
 )
 from kvrelay.proxy.fleet.routing import Router, uncached_tokens
@@ -62,7 +61,6 @@ __all__ = [
     "load_from_metrics",
     "make_resolver",
     "open_fleet_sync",
-    "probe",
     "probe_health",
     "ready_engines",
     "start_discovery",

@@ -34,8 +34,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-import aiohttp
-
 from kvrelay.proxy.base import cancel_and_wait
 from kvrelay.proxy.engines import Upstream, UpstreamError
 from kvrelay.proxy.fleet.load_reading import EngineLoad
@@ -152,20 +150,6 @@ async def probe_health(client: Upstream, url: str, timeout_s: float) -> tuple[bo
     except (UpstreamError, TimeoutError, OSError) as exc:
         return False, f"health probe failed: {type(exc).__name__}"
     return status == 200, f"health probe answered {status}"
-
-
-async def probe(
-    session: aiohttp.ClientSession, url: str, limit: aiohttp.ClientTimeout
-) -> tuple[bool, str]:
-    """`probe_health` on an aiohttp session: only `turn/relay.py`'s timeout judgement still
-    calls it (that module is being rewritten apart); it goes, with `Fleet.session`, once the
-    turn calls `probe_health(fleet.upstream, ...)`."""
-    try:
-        async with session.get(url + "/health", timeout=limit) as resp:
-            await resp.read()
-            return resp.status == 200, f"health probe answered {resp.status}"
-    except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-        return False, f"health probe failed: {type(exc).__name__}"
 
 
 @dataclass

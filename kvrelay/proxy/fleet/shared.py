@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
 from kvrelay.kvcache_map import KVMap
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream, UpstreamError
@@ -30,9 +28,6 @@ class Fleet:
     prefill: Pool
     decode: Pool
     kvmap: KVMap
-    # Only `turn/relay.py`'s timeout probe (`pools.probe`) still uses it, until that module
-    # calls `probe_health(upstream, ...)`; then it goes.
-    session: aiohttp.ClientSession
     upstream: Upstream  # every engine call: P, D, side channels, probes, pass-through
     releaser: Releaser
     map_errors_logged_at: float = 0.0

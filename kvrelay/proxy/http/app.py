@@ -267,10 +267,6 @@ def _make_state(
     settings: Settings, injected_map: KVMap | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
     async def state(app: web.Application) -> AsyncIterator[None]:
-        # Only `turn/relay.py`'s timeout probe still uses this session (`fleet.pools.probe`); every
-        # other engine call goes through `upstream`.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30, enable_cleanup_closed=True)
-        session = aiohttp.ClientSession(connector=connector)
         secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
         upstream = Upstream(connect_timeout=settings.connect_timeout)
         releaser = Releaser(secret, upstream, settings.side_channel_timeout)
@@ -295,7 +291,7 @@ def _make_state(
             prefill.add(url)
         for url in settings.decode:
             decode.add(url)
-        fleet = Fleet(settings, prefill, decode, kvmap, session, upstream, releaser)
+        fleet = Fleet(settings, prefill, decode, kvmap, upstream, releaser)
         app[FLEET] = fleet
         app[MODELS] = ModelCatalog(fleet)
         app[VERSIONS] = EngineVersions(fleet)
@@ -335,6 +331,5 @@ def _make_state(
                 await kvmap.close()
                 await releaser.drain()
             upstream.close()
-            await session.close()
 
     return state

@@ -22,10 +22,8 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Protocol
 
-import aiohttp
-
 from kvrelay.proxy.engines import Upstream, UpstreamConnectError, UpstreamError, UpstreamTimeout
-from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try, probe
+from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try, probe_health
 from kvrelay.proxy.telemetry import tracing
 from kvrelay.proxy.turn.report import TurnReport
 
@@ -72,14 +70,25 @@ class Engines(Protocol):
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
     ) -> EngineAnswer: ...
 
+    async def probe(self, url: str) -> tuple[bool, str]:
+        """One health probe of the engine at `url`: (passed, why not)."""
+        ...
+
 
 class UpstreamEngines:
     """The legs' requests on the worker's engine client, with the turn's timeouts."""
 
-    def __init__(self, upstream: Upstream, first_byte_timeout: float, total_timeout: float):
+    def __init__(
+        self,
+        upstream: Upstream,
+        first_byte_timeout: float,
+        total_timeout: float,
+        probe_timeout: float,
+    ):
         self._upstream = upstream
         self._first_byte_timeout = first_byte_timeout
         self._total_timeout = total_timeout
+        self._probe_timeout = probe_timeout
 
     async def post(
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
@@ -92,6 +101,9 @@ class UpstreamEngines:
             read_timeout=self._first_byte_timeout,
             total_timeout=self._total_timeout,
         )
+
+    async def probe(self, url: str) -> tuple[bool, str]:
+        return await probe_health(self._upstream, url, self._probe_timeout)
 
 
 class Verdict(enum.Enum):
@@ -188,8 +200,7 @@ class Attempts:
         if not exc.timeout:
             pool.record_failure(backend, exc.reason)
             return True
-        limit = aiohttp.ClientTimeout(total=self.fleet.settings.probe_timeout_s)
-        ok, why = await probe(self.fleet.session, backend.url, limit)
+        ok, why = await self._engines.probe(backend.url)
         if pool.get(backend.url) is not backend:
             return True  # removed meanwhile: nothing to judge
         backend.probe_ok = ok

@@ -75,7 +75,10 @@ class Turn:
         )
         settings = self.fleet.settings
         engines = self.engines or UpstreamEngines(
-            self.fleet.upstream, settings.first_byte_timeout, settings.total_timeout
+            self.fleet.upstream,
+            settings.first_byte_timeout,
+            settings.total_timeout,
+            settings.probe_timeout_s,
         )
         self._attempts = Attempts(self.fleet, engines, self.report, self.forwarded)
 
