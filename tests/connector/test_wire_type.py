@@ -176,6 +176,5 @@ def test_entry_and_legs_go_through_the_type() -> None:
         "remote_url": "http://p0:8000", "hold_blocks": True,
     }  # fmt: skip
     # Params that do not parse are none: D prefills.
-    assert "kv_transfer_params" not in decode_body(
-        {"prompt": "x"}, {"remote_port": "1"}, None, hold=False
-    )
+    unusable = KVTransferParams.from_wire_or_none({"remote_port": "1"})
+    assert "kv_transfer_params" not in decode_body({"prompt": "x"}, unusable, None, hold=False)

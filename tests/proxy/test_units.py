@@ -251,13 +251,13 @@ def test_prefill_body_is_one_token_without_streaming() -> None:
 
 
 def test_decode_body_carries_p_params_and_hold() -> None:
-    d = decode_body({"prompt": "x"}, {"remote_engine_id": "P", "do_remote_decode": True},
-                    "http://p", hold=True)  # fmt: skip
+    p_params = KVTransferParams.from_wire({"remote_engine_id": "P", "do_remote_decode": True})
+    d = decode_body({"prompt": "x"}, p_params, "http://p", hold=True)
     params = d["kv_transfer_params"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     assert params["hold_blocks"] is True
     assert "kv_transfer_params" not in decode_body({"prompt": "x"}, None, None, hold=False)
-    assert capped_num_tokens({"remote_num_tokens": 90}, 40) == 40
+    assert capped_num_tokens(KVTransferParams(remote_num_tokens=90), 40) == 40
 
 
 def _router(**settings: object) -> tuple[Router, Pool, Pool]:

@@ -55,16 +55,13 @@ def prefill_body(body: dict[str, Any], reuse_params: KVTransferParams | None) ->
 
 def decode_body(
     body: dict[str, Any],
-    prefill_params: KVTransferParams | dict[str, Any] | None,
+    prefill: KVTransferParams | None,
     prefill_url: str | None,
     hold: bool,
 ) -> dict[str, Any]:
-    """D's request: the client's, with P's params (or none: decode-only) and `hold_blocks`.
-
-    P's params not parsed yet are parsed here; params that do not parse are none (D prefills,
-    as D's connector would have done with them)."""
+    """D's request: the client's, with P's params (parsed where P's answer came in; none:
+    decode-only) and `hold_blocks`."""
     out = strip_connector_fields(dict(body))
-    prefill = KVTransferParams.from_wire_or_none(prefill_params)
     params: dict[str, Any] = {}
     if prefill is not None and (prefill.model_fields_set or prefill.model_extra):
         params.update(prefill.to_wire())
@@ -80,10 +77,9 @@ def decode_body(
     return out
 
 
-def capped_num_tokens(params: KVTransferParams | dict[str, Any], cap: int | None) -> int | None:
+def capped_num_tokens(params: KVTransferParams, cap: int | None) -> int | None:
     """`remote_num_tokens` limited to `cap` (stock engines: the previous prompt's tokens)."""
-    parsed = KVTransferParams.from_wire_or_none(params)
-    value = parsed.remote_num_tokens if parsed is not None else None
+    value = params.remote_num_tokens
     if value is None:
         return None
     return min(value, cap) if cap is not None else value

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
+from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
@@ -31,7 +31,7 @@ class PrefillAnswer:
     """What P gave the turn: where it ran, its params for D, its prompt's token count."""
 
     backend: Backend
-    params: dict[str, Any] | None
+    params: KVTransferParams | None  # parsed once, here at the edge; None when unusable
     prompt_tokens: int | None
 
 
@@ -97,7 +97,7 @@ class PrefillLeg:
             return PrefillAnswer(backend, None, None)
         if not isinstance(data, dict):
             return PrefillAnswer(backend, None, None)
-        params = data.get(KV_TRANSFER_PARAMS)
+        params = KVTransferParams.from_wire_or_none(data.get(KV_TRANSFER_PARAMS))
         prompt_tokens = None
         usage = data.get("usage")
         if isinstance(usage, dict):
@@ -106,4 +106,4 @@ class PrefillLeg:
             details = usage.get("prompt_tokens_details")
             if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
                 self._attempts.report.tokens_pulled(details["cached_tokens"])
-        return PrefillAnswer(backend, params if isinstance(params, dict) else None, prompt_tokens)
+        return PrefillAnswer(backend, params, prompt_tokens)

@@ -14,14 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.connector.protocol import (
-    RELEASE_TOKEN,
-    REMOTE_BLOCK_HASHES,
-    REMOTE_BLOCKS_EXPIRY_TIME,
-    REMOTE_HOST,
-    REMOTE_NUM_TOKENS,
-    REMOTE_PORT,
-)
+from kvrelay.connector.protocol import REMOTE_NUM_TOKENS, KVTransferParams
 from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
@@ -48,33 +41,44 @@ class Store:
     prefill: PrefillAnswer | None
     work: int  # the prompt's characters (+1): with P's token count, characters per token
 
-    async def put(self, params: dict[str, Any], backend: Backend, hold: bool) -> None:
-        """Make D's params the conversation's entry, or release D's blocks if they cannot be."""
+    async def put(
+        self, raw: KVTransferParams | dict[str, Any], backend: Backend, hold: bool
+    ) -> None:
+        """Make D's params the conversation's entry, or release D's blocks if they cannot be.
+        `raw` is D's params as they came (from its answer, its stream or its side channel):
+        parsed here, once, into the one wire type."""
         fleet, report = self.fleet, self.report
-        host, port = params.get(REMOTE_HOST), params.get(REMOTE_PORT)
-        if isinstance(host, str) and isinstance(port, int) and not isinstance(port, bool):
+        params = KVTransferParams.from_wire_or_none(raw)
+        if params is None:
+            if self.key is not None and hold:
+                log.warning("decode engine %s returned unusable params", backend.url)
+                fleet.releaser.release_soon_params("decode", raw)  # reads only the hold's fields
+            return
+        host, port = params.remote_host, params.remote_port
+        if host is not None and port is not None:
             backend.side_channel = (host, port)  # learnt for later streams
-        stock = not params.get(RELEASE_TOKEN) and not params.get(REMOTE_BLOCK_HASHES)
+        stock = not params.release_token and not params.remote_block_hashes
         if self.key is None or not hold:
             # Not asked to hold: kvrelay's D freed them already; a stock D holds until its lease.
-            if stock and params.get(REMOTE_NUM_TOKENS):
+            if stock and params.remote_num_tokens:
                 report.hold_unsupported()
             return
         if stock and not fleet.settings.stock_vllm_reuse:
             report.hold_unsupported()
             return
-        expiry = params.get(REMOTE_BLOCKS_EXPIRY_TIME)
+        expiry = params.remote_blocks_expiry_time
         ttl = fleet.settings.conversation_ttl_s
-        if isinstance(expiry, int | float):
-            ttl = min(ttl, float(expiry) - time.time() - fleet.settings.entry_safety_margin_s)
+        if expiry is not None:
+            ttl = min(ttl, expiry - time.time() - fleet.settings.entry_safety_margin_s)
         if ttl <= 0:
             fleet.releaser.release_soon_params("decode", params)
             return
         prompt_tokens = self.prefill.prompt_tokens if self.prefill is not None else None
-        to_store = dict(params)
+        to_store = params
         if stock:
             # Stock engines cannot verify tokens: trust only the previous prompt's part.
-            to_store[REMOTE_NUM_TOKENS] = capped_num_tokens(params, prompt_tokens)
+            capped = capped_num_tokens(params, prompt_tokens)
+            to_store = params.model_copy(update={REMOTE_NUM_TOKENS: capped})
         try:
             assert self.fingerprint is not None
             entry = KVEntry.from_kv_transfer_params(
