@@ -148,6 +148,8 @@ def test_a_profile_sets_the_pool_unless_told_otherwise() -> None:
         "--cost-profile", "llama3-8b-h100", "--num-blocks", "500", "--max-model-len", "2048"
     )  # fmt: skip
     assert (told.num_blocks, told.max_model_len) == (500, 2048)
+    with pytest.raises(ValueError, match="kv-scale"):
+        _cli("--cost-profile", "llama3-8b-h100", "--kv-scale", "0")
     plain = _cli()
     assert (plain.cost_profile, plain.num_blocks, plain.block_size, plain.max_model_len) == (
         None, 1024, 16, 4096,
