@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvrelay.connector.config import ConnectorConfig
+from kvrelay.enginesim.costs import DEFAULT_LINK, get_link, get_profile
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import ModelGeometry
 
@@ -27,6 +28,11 @@ class EngineConfig:
     # One decode step of the running batch; prefill computed in the same step adds its own
     # time to that step, so prefill work on an engine slows its decoding requests.
     decode_us_per_step: float = 0.0
+    # A named GPU cost profile (`costs.PROFILES`) instead of the two flat knobs above: each
+    # step waits the modelled time of its prefill chunks and decode batch, and each KV load
+    # waits the modelled transfer time over `kv_link` on top of the real NIXL read.
+    cost_profile: str | None = None
+    kv_link: str = DEFAULT_LINK
     # Local prefix cache (full blocks of finished requests), in blocks; 0: none.
     prefix_cache_blocks: int = 0
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
@@ -53,3 +59,11 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        get_link(self.kv_link)
+        if self.cost_profile is not None:
+            get_profile(self.cost_profile)
+            if self.prefill_us_per_token or self.decode_us_per_step:
+                raise ValueError(
+                    "a cost profile replaces prefill_us_per_token and decode_us_per_step: "
+                    "give one or the other"
+                )

@@ -4,12 +4,14 @@ One call to `step()` is one engine step, in vLLM's order:
 1. admit waiting requests (connector: `get_num_new_matched_tokens`, then allocate, then
    `update_state_after_alloc`); requests loading remote KV wait in WAITING_FOR_REMOTE_KVS;
 2. connector metadata to the worker (`start_step`: starts reads, executes frees);
-3. compute: prefill of ready requests (simulated time per locally computed token) and one
-   decode token for every running request;
+3. compute: prefill of ready requests and one decode token for every running request; the
+   step then waits its simulated time (flat knobs, or a GPU cost profile's modelled time of
+   these prefill chunks and decode contexts: `costs.py`);
 4. finished requests: `request_finished` decides free-now or hold-for-remote;
 5. poll the worker and feed the scheduler side (`finish_step`): free the blocks of
    `finished_sending`, release `finished_recving` requests to prefill what did not arrive,
-   error the requests the `fail` policy failed.
+   error the requests the `fail` policy failed. With a cost profile, a finished load first
+   waits (in `arriving`) the modelled transfer time of the bytes the real GPUs would move.
 Not thread-safe: `EngineRunner` drives it from one thread; `reference` drives it inline.
 
 Where vLLM's scheduler asserts on what a connector reports, this engine raises
@@ -30,6 +32,7 @@ from kvrelay.connector.protocol import (
     REMOTE_PREFILL_CACHED_TOKENS,
 )
 from kvrelay.enginesim.config import EngineConfig
+from kvrelay.enginesim.costs import CostProfile, get_link, get_profile
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
@@ -47,10 +50,19 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, kv_host: KVHost | None = None,
-        pool: BlockPool | None = None,
+        pool: BlockPool | None = None, *, wait: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         config.validate()
         self.config = config
+        # Modelled time is waited out on the engine thread (two cores simulate a fleet);
+        # tests pass their own `wait` and `clock` to check what is waited, not how long.
+        self._wait = wait
+        self._clock = clock
+        self.costs: CostProfile | None = (
+            get_profile(config.cost_profile) if config.cost_profile else None
+        )
+        self.link = get_link(config.kv_link)
         self.tokenizer: Tokenizer = get_tokenizer()
         self.model = SimModel(
             config.model, config.geometry, self.tokenizer.output_vocab(),
@@ -63,6 +75,9 @@ class EngineCore:
         self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
+        # Loads the connector finished, waiting out their modelled transfer time: id -> (request,
+        # when it may run).
+        self.arriving: dict[str, tuple[SimRequest, float]] = {}
         self.running: dict[str, SimRequest] = {}
         # Finished requests whose blocks the connector holds for a remote reader, oldest first.
         self.held: OrderedDict[str, list[int]] = OrderedDict()
@@ -116,6 +131,12 @@ class EngineCore:
             self.counters["requests_aborted"] += 1
             self.kv.request_finished(loading, [])
             return
+        arriving = self.arriving.pop(request_id, None)
+        if arriving is not None:
+            # The connector is done with it: like a running request, finish and free.
+            self.counters["requests_aborted"] += 1
+            self._release(arriving[0], hold=False)
+            return
         running = self.running.pop(request_id, None)
         if running is not None:
             self.counters["requests_aborted"] += 1
@@ -127,8 +148,13 @@ class EngineCore:
         self.kv.request_rejected(req)
 
     @property
+    def busy(self) -> bool:
+        """Requests in flight (queued, loading, arriving or running), holds aside."""
+        return bool(self.waiting or self.loading or self.arriving or self.running)
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.loading or self.running or self.held)
+        return self.busy or bool(self.held)
 
     def num_held_blocks(self) -> int:
         return sum(len(blocks) for blocks in self.held.values())
@@ -136,6 +162,7 @@ class EngineCore:
     # ----- one step ---------------------------------------------------------------------------
     def step(self) -> None:
         self._check_loads_progress()
+        self._release_arrived()
         self._admit()
         self.kv.start_step()
         self._compute()
@@ -216,12 +243,12 @@ class EngineCore:
 
     def _start_loading(self, req: SimRequest) -> None:
         req.state = ReqState.WAITING_FOR_REMOTE_KVS
-        req.loading_since = time.monotonic()
+        req.loading_since = self._clock()
         self.loading[req.request_id] = req
 
     def _check_loads_progress(self) -> None:
         limit = self.config.remote_kv_wait_limit_s
-        now = time.monotonic()
+        now = self._clock()
         for req in self.loading.values():
             if now - req.loading_since > limit:
                 raise EngineInvariantError(
@@ -229,18 +256,36 @@ class EngineCore:
                     f"remote KV (limit {limit:.0f}s): its load was never reported finished"
                 )
 
+    def _release_arrived(self) -> None:
+        now = self._clock()
+        for request_id, (req, ready_at) in list(self.arriving.items()):
+            if ready_at <= now:
+                del self.arriving[request_id]
+                self.running[request_id] = req
+
     def _compute(self) -> None:
         prefill = [r for r in self.running.values() if r.state is ReqState.PREFILL]
-        computed = 0
-        for req in prefill:
-            computed += self._prefill(req)
+        # Decode contexts are read before prefill: a request prefilled now decodes next step.
         decoding = [r for r in self.running.values() if r.state is ReqState.RUNNING]
+        contexts = [len(r.all_token_ids) for r in decoding]
+        computed = 0
+        chunks: list[tuple[int, int]] = []
+        for req in prefill:
+            start = min(req.num_computed, len(req.all_token_ids))
+            chunks.append((len(req.all_token_ids) - start, start))
+            computed += self._prefill(req)
         if prefill or decoding:
-            cost_us = computed * self.config.prefill_us_per_token
-            if decoding:
-                cost_us += self.config.decode_us_per_step
-            if cost_us > 0:
-                time.sleep(cost_us / 1e6)
+            if self.costs is not None:
+                # A preempted request's recomputation is real work on a GPU: the chunks count
+                # it, though the prompt counters do not.
+                cost_s = self.costs.step_time([c for c in chunks if c[0] > 0], contexts)
+            else:
+                cost_us = computed * self.config.prefill_us_per_token
+                if decoding:
+                    cost_us += self.config.decode_us_per_step
+                cost_s = cost_us / 1e6
+            if cost_s > 0:
+                self._wait(cost_s)
         for req in prefill:
             if req.request_id in self.running:
                 self._sample(req)
@@ -438,11 +483,19 @@ class EngineCore:
             arrived = self.kv.loaded_tokens(req)
             req.num_computed = max(arrived, req.cached_tokens)
             req.state = ReqState.PREFILL
-            self.running[request_id] = req
+            delay = self._modelled_transfer(max(0, arrived - req.cached_tokens))
+            if delay > 0:
+                # The real read moved the scaled-down pool's bytes; a GPU's take this long more.
+                self.arriving[request_id] = (req, self._clock() + delay)
+            else:
+                self.running[request_id] = req
         for request_id in out.failed - out.finished_recving:
             req = self.loading.pop(request_id, None) or self.running.pop(request_id, None)
             if req is not None:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
+
+    def _modelled_transfer(self, tokens: int) -> float:
+        return self.costs.transfer_time(tokens, self.link) if self.costs is not None else 0.0
 
     def _fail(self, req: SimRequest, error: EngineError) -> None:
         self.counters["requests_failed"] += 1
