@@ -18,11 +18,17 @@ boundary. A prompt position p (in tokens) is word `p % block_tokens` of block
 Conversations. The last block of a request is usually partial, and the trace gives it a new
 id once it fills, so a later turn does not repeat its predecessor's ids exactly: it repeats
 all of them but the last. Request r is a later turn of q (q its predecessor) when q arrived
-earlier, all of q's blocks but its last are a leading prefix of r's, r's prompt is longer than
-q's, and the prefix r shares with q is longer than what q shared with any request before it
-(a block 0 that every conversation starts with, a system prompt, does not make two requests
-one conversation). Among several such q, the one sharing the longest prefix, then the latest.
-Any other request is a first turn: a new conversation.
+earlier, all of q's blocks but its last are a leading prefix of r's, r's prompt is longer
+than q's, and the prefix r shares with q goes past (a) the prefix q shared with the requests
+before it and (b) q's last branch point in the slice: the deepest prefix of q above its
+last full block that two different continuations share, or that last full block itself
+when `END_FANOUT` (8) continuations share it. A turn chain gives each turn's end two
+continuations (the partial block and its filled successor), a few more when a turn is
+answered again and followed up differently; a system prompt block that every conversation
+starts with gives many, so it does not make two requests one conversation. Among several
+such q, the one sharing the longest prefix, then the latest. Any other request is a first
+turn: a new conversation. The ids cannot tell a conversation whose first turn is one full
+block plus a partial one from a new conversation with the same system block.
 
 Messages (positions in tokens of the trace, scaled by `block_tokens / 512`):
 - first turn r: a system message with positions [0, s) where s is the prefix r shares with
@@ -54,24 +60,86 @@ import math
 import random
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 TRACE_BLOCK_TOKENS = 512  # the block size the Mooncake format's hash_ids stand for
+# A branch point at a turn's last full block needs this many continuations (module docstring).
+END_FANOUT = 8
 CITATION = "Mooncake FAST'25 conversation trace"
 
 # One token each (with the leading space) on enginesim's tokenizer and on the tiny model's;
 # tests/bench/test_trace_replay.py checks the first, the module docstring says how.
 WORDS: tuple[str, ...] = (
-    "about", "all", "an", "and", "are", "as", "at", "be", "block", "but", "by", "cache", "can",
-    "could", "do", "every", "for", "from", "go", "good", "have", "he", "how", "if", "in", "is",
-    "it", "just", "know", "light", "like", "make", "me", "model", "more", "my", "new", "no", "of",
-    "on", "one", "or", "out", "right", "so", "some", "that", "the", "their", "there", "they",
-    "this", "time", "to", "token", "turn", "up", "was", "we", "what", "when", "will", "with",
-    "would", "you", "your",
-)  # fmt: skip
+    "about",
+    "all",
+    "an",
+    "and",
+    "are",
+    "as",
+    "at",
+    "be",
+    "block",
+    "but",
+    "by",
+    "cache",
+    "can",
+    "could",
+    "do",
+    "every",
+    "for",
+    "from",
+    "go",
+    "good",
+    "have",
+    "he",
+    "how",
+    "if",
+    "in",
+    "is",
+    "it",
+    "just",
+    "know",
+    "light",
+    "like",
+    "make",
+    "me",
+    "model",
+    "more",
+    "my",
+    "new",
+    "no",
+    "of",
+    "on",
+    "one",
+    "or",
+    "out",
+    "right",
+    "so",
+    "some",
+    "that",
+    "the",
+    "their",
+    "there",
+    "they",
+    "this",
+    "time",
+    "to",
+    "token",
+    "turn",
+    "up",
+    "was",
+    "we",
+    "what",
+    "when",
+    "will",
+    "with",
+    "would",
+    "you",
+    "your",
+)
 
 
 class TraceError(ValueError):
@@ -107,8 +175,10 @@ def parse_line(text: str, line: int, index: int) -> TraceRequest:
     if not isinstance(stamp, int | float) or isinstance(stamp, bool) or stamp < 0:
         raise TraceError(f"line {line}: 'timestamp' must be a number of ms >= 0")
     ids = obj.get("hash_ids")
-    if not isinstance(ids, list) or not ids or not all(
-        isinstance(x, int) and not isinstance(x, bool) for x in ids
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in ids)
     ):
         raise TraceError(f"line {line}: 'hash_ids' must be a non-empty list of integers")
     length = _int_field(obj, "input_length", line, 1)
@@ -192,6 +262,7 @@ class PlannedTurn:
     system_end: int = 0  # first turns: positions [0, system_end) are the system message
     user_start: int = 0  # positions [user_start, input_tokens) are the new user message
     short_growth: bool = False  # the trace's growth was under the predecessor's output
+    branch_depth: int = 0  # a later turn must share more blocks than this (module docstring)
 
 
 @dataclass
@@ -232,6 +303,28 @@ class _Trie:
         return nodes
 
 
+def _branch_depths(requests: Sequence[TraceRequest]) -> list[int]:
+    """Per request: its last branch point in the whole slice (module docstring)."""
+    full = _Trie()
+    for r in requests:
+        full.insert(r.hash_ids)
+    fanout: dict[int, int] = {}
+    for parent, _ in full.children:
+        fanout[parent] = fanout.get(parent, 0) + 1
+    out = []
+    for r in requests:
+        nodes = full.walk(r.hash_ids)
+        end = len(r.hash_ids) - 1  # depth of the node before the last block
+        depth = 0
+        for d in range(end):
+            if fanout.get(nodes[d], 0) >= 2:
+                depth = d
+        if fanout.get(nodes[end], 0) >= END_FANOUT:
+            depth = end
+        out.append(depth)
+    return out
+
+
 def _scale(tokens: int, block_tokens: int) -> int:
     return max(1, round(tokens * block_tokens / TRACE_BLOCK_TOKENS))
 
@@ -246,15 +339,16 @@ def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def reconstruct(
-    requests: Sequence[TraceRequest], block_tokens: int = TRACE_BLOCK_TOKENS,
+    requests: Sequence[TraceRequest],
+    block_tokens: int = TRACE_BLOCK_TOKENS,
     max_output_tokens: int | None = None,
-) -> Plan:  # fmt: skip
+) -> Plan:
     """Conversations of the slice (rules in the module docstring)."""
+    branch_depth = _branch_depths(requests)
     trie = _Trie()
     turns: list[PlannedTurn] = []
-    own_shared: list[int] = []  # per plan index: prefix shared with requests before it
     conversations = 0
-    for r in requests:
+    for r, own_branch in zip(requests, branch_depth, strict=True):
         nodes = trie.walk(r.hash_ids)
         shared = len(nodes) - 1
         best: tuple[int, float, int] | None = None  # (lcp, timestamp, plan index)
@@ -262,7 +356,8 @@ def reconstruct(
             for qi in trie.ending.get(nodes[depth], ()):
                 q = turns[qi].request
                 lcp = _lcp(q.hash_ids, r.hash_ids)
-                if lcp > own_shared[qi] and r.input_length > q.input_length:
+                floor = max(turns[qi].branch_depth, turns[qi].shared_blocks)
+                if lcp > floor and r.input_length > q.input_length:
                     cand = (lcp, q.timestamp_ms, qi)
                     if best is None or cand > best:
                         best = cand
@@ -275,23 +370,58 @@ def reconstruct(
         if best is None:
             conversations += 1
             system_end = min(shared * block_tokens, in_tokens - 1)
-            turn = PlannedTurn(r, conversations, 1, None, shared, in_tokens, out_tokens,
-                               system_end=max(system_end, 0), user_start=max(system_end, 0))  # fmt: skip
+            turn = PlannedTurn(
+                r,
+                conversations,
+                1,
+                None,
+                shared,
+                in_tokens,
+                out_tokens,
+                system_end=max(system_end, 0),
+                user_start=max(system_end, 0),
+            )
         else:
             prev = turns[best[2]]
             start = prev.input_tokens + prev.output_tokens
             short = start >= in_tokens
             turn = PlannedTurn(
-                r, prev.conversation, prev.turn + 1, best[2], shared, in_tokens, out_tokens,
-                user_start=in_tokens - 1 if short else start, short_growth=short,
-            )  # fmt: skip
-        own_shared.append(shared)
+                r,
+                prev.conversation,
+                prev.turn + 1,
+                best[2],
+                shared,
+                in_tokens,
+                out_tokens,
+                user_start=in_tokens - 1 if short else start,
+                short_growth=short,
+            )
+        turn.branch_depth = own_branch
         turns.append(turn)
         trie.insert(r.hash_ids)
         trie.ending.setdefault(trie.walk(r.hash_ids[:-1])[-1], []).append(len(turns) - 1)
     plan = Plan(turns, block_tokens, conversations)
     plan.stats = plan_stats(plan)
     return plan
+
+
+def keep_conversations(plan: Plan, count: int, min_turns: int = 1) -> Plan:
+    """The first `count` conversations (by first arrival) with at least `min_turns` turns."""
+    sizes: dict[int, int] = {}
+    for t in plan.turns:
+        sizes[t.conversation] = sizes.get(t.conversation, 0) + 1
+    chosen = [c for c in sorted(sizes) if sizes[c] >= min_turns][:count]
+    renumber = {c: i + 1 for i, c in enumerate(chosen)}
+    moved: dict[int, int] = {}
+    kept: list[PlannedTurn] = []
+    for i, t in enumerate(plan.turns):
+        if t.conversation in renumber:
+            moved[i] = len(kept)
+            pred = None if t.predecessor is None else moved[t.predecessor]
+            kept.append(replace(t, conversation=renumber[t.conversation], predecessor=pred))
+    out = Plan(kept, plan.block_tokens, len(chosen))
+    out.stats = plan_stats(out)
+    return out
 
 
 def percentile(values: Sequence[float], q: float) -> float:

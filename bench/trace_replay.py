@@ -47,14 +47,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from openai import AsyncOpenAI
 
 from bench import _trace as tr
 
 BENCH_DIR = Path(__file__).resolve().parent
-DEFAULT_TRACE = BENCH_DIR.parent.parent / "shared" / "workloads" / "mooncake" / (
-    "conversation_trace.jsonl"
+DEFAULT_TRACE = (
+    BENCH_DIR.parent.parent / "shared" / "workloads" / "mooncake" / ("conversation_trace.jsonl")
 )
 WORK_DIR = BENCH_DIR / ".work"
 RECORDED_HEADERS = ("x-request-id", "x-kvrelay-")
@@ -157,14 +157,16 @@ class Replayer:
             pred = turn.predecessor
             self.records.append(
                 Record(
-                    turn.request.index, turn.conversation, turn.turn,
+                    turn.request.index,
+                    turn.conversation,
+                    turn.turn,
                     None if pred is None else plan.turns[pred].request.index,
-                    f"trace-{self.run_tag}-c{turn.conversation}" if args.conversation_ids
-                    else None,
-                    turn.input_tokens, turn.output_tokens,
+                    f"trace-{self.run_tag}-c{turn.conversation}" if args.conversation_ids else None,
+                    turn.input_tokens,
+                    turn.output_tokens,
                     (turn.request.timestamp_ms - origin) / 1000 / args.time_scale,
                 )
-            )  # fmt: skip
+            )
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -218,16 +220,21 @@ class Replayer:
         headers = {"X-Conversation-Id": rec.conversation_id} if rec.conversation_id else {}
         rec.sent_s = self.now()
         raw = await self.client.chat.completions.with_raw_response.create(
-            model=self.model, messages=messages, max_tokens=out, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body=extra_body,
+            model=self.model,
+            messages=messages,
+            max_tokens=out,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra_body,
             extra_headers=headers,
-        )  # type: ignore[call-overload]  # fmt: skip
+        )  # type: ignore[call-overload]
         rec.headers = {
             k.lower(): v for k, v in raw.headers.items() if k.lower().startswith(RECORDED_HEADERS)
         }
         reply: list[str] = []
         last_token_s = math.nan
-        async for chunk in await raw.parse():
+        async for chunk in raw.parse():
             for choice in chunk.choices:
                 if choice.delta.content:
                     last_token_s = self.now()
@@ -258,9 +265,10 @@ class Replayer:
     async def end_conversations(self, base_url: str) -> None:
         """Ask the proxy to release what D still holds for the replay's conversations."""
         ids = sorted({r.conversation_id for r in self.records if r.conversation_id})
-        async with httpx.AsyncClient(timeout=30) as http:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             for conv_id in ids:
-                await http.delete(f"{base_url}/v1/conversations/{conv_id}")
+                async with http.delete(f"{base_url}/v1/conversations/{conv_id}") as resp:
+                    await resp.read()
 
 
 def summarize(records: list[Record], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
@@ -269,11 +277,7 @@ def summarize(records: list[Record], wall_s: float, args: argparse.Namespace) ->
     later = [r.ttft_s for r in ok if r.turn > 1]
     tpots = [r.tpot_s for r in ok if not math.isnan(r.tpot_s)]
     slo_ttft, slo_tpot = args.slo_ttft_ms / 1000, args.slo_tpot_ms / 1000
-    met = [
-        r
-        for r in ok
-        if r.ttft_s <= slo_ttft and (math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot)
-    ]
+    met = [r for r in ok if r.ttft_s <= slo_ttft and (math.isnan(r.tpot_s) or r.tpot_s <= slo_tpot)]
     cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
     return {
         "requests": len(records),
@@ -299,34 +303,78 @@ def summarize(records: list[Record], wall_s: float, args: argparse.Namespace) ->
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
-    p.add_argument("--base-url", help="endpoint to replay against (e.g. the proxy's URL); "
-                   "without it only the offline figures are printed")  # fmt: skip
+    p.add_argument(
+        "--base-url",
+        help="endpoint to replay against (e.g. the proxy's URL); "
+        "without it only the offline figures are printed",
+    )
     p.add_argument("--model", help="model name (default: the endpoint's first /v1/models)")
     p.add_argument("--api-key", default="bench")
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="replay S times faster than the trace (arrivals at timestamp / S)")  # fmt: skip
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="replay S times faster than the trace (arrivals at timestamp / S)",
+    )
     p.add_argument("--start-s", type=float, default=0.0, help="slice start, trace seconds")
     p.add_argument("--duration-s", type=float, help="slice length, trace seconds")
     p.add_argument("--first", type=int, help="first request index (trace line from 0)")
     p.add_argument("--last", type=int, help="request index the slice stops before")
-    p.add_argument("--max-in-flight", type=int, default=0, help="open requests at most (0: no bound)")
-    p.add_argument("--block-tokens", type=int, default=tr.TRACE_BLOCK_TOKENS,
-                   help="tokens per hash_id block; lengths scale by it/512 (small for tests)")  # fmt: skip
+    p.add_argument(
+        "--conversations",
+        type=int,
+        help="keep only the slice's first N reconstructed conversations",
+    )
+    p.add_argument(
+        "--min-turns",
+        type=int,
+        default=1,
+        help="with --conversations: only conversations of at least this many turns",
+    )
+    p.add_argument(
+        "--max-in-flight", type=int, default=0, help="open requests at most (0: no bound)"
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int,
+        default=tr.TRACE_BLOCK_TOKENS,
+        help="tokens per hash_id block; lengths scale by it/512 (small for tests)",
+    )
     p.add_argument("--max-output-tokens", type=int, help="cap on each answer's tokens")
-    p.add_argument("--conversation-ids", action="store_true",
-                   help="send X-Conversation-Id per reconstructed conversation")  # fmt: skip
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                   help="send ignore_eos and min_tokens so answers have the trace's length")  # fmt: skip
+    p.add_argument(
+        "--conversation-ids",
+        action="store_true",
+        help="send X-Conversation-Id per reconstructed conversation",
+    )
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send ignore_eos and min_tokens so answers have the trace's length",
+    )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
-    p.add_argument("--lease-s", type=float,
-                   help="the fleet's unscaled hold lease (default: the connector's default)")  # fmt: skip
-    p.add_argument("--print-scaled-settings", action="store_true",
-                   help="print the fleet settings for --time-scale and exit")  # fmt: skip
-    p.add_argument("--lru-bound", type=int, metavar="CAPACITY_BLOCKS",
-                   help="print the reuse of an LRU prefix cache of that many 512-token blocks")  # fmt: skip
-    p.add_argument("--record-messages", action="store_true",
-                   help="keep every request's messages and reply in the JSON")  # fmt: skip
+    p.add_argument(
+        "--lease-s",
+        type=float,
+        help="the fleet's unscaled hold lease (default: the connector's default)",
+    )
+    p.add_argument(
+        "--print-scaled-settings",
+        action="store_true",
+        help="print the fleet settings for --time-scale and exit",
+    )
+    p.add_argument(
+        "--lru-bound",
+        type=int,
+        metavar="CAPACITY_BLOCKS",
+        help="print the reuse of an LRU prefix cache of that many 512-token blocks",
+    )
+    p.add_argument(
+        "--record-messages",
+        action="store_true",
+        help="keep every request's messages and reply in the JSON",
+    )
     p.add_argument("--json", type=Path, default=WORK_DIR / "trace_replay.json")
     args = p.parse_args(argv)
     if args.time_scale <= 0:
@@ -338,9 +386,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 async def replay(plan: tr.Plan, args: argparse.Namespace) -> dict[str, Any]:
     client = AsyncOpenAI(
-        base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key, max_retries=0,
-        timeout=httpx.Timeout(600, connect=10),
-    )  # fmt: skip
+        base_url=args.base_url.rstrip("/") + "/v1",
+        api_key=args.api_key,
+        max_retries=0,
+        timeout=600.0,
+    )
     async with client:
         model = args.model or (await client.models.list()).data[0].id
         replayer = Replayer(plan, client, model, args)
@@ -348,8 +398,11 @@ async def replay(plan: tr.Plan, args: argparse.Namespace) -> dict[str, Any]:
         if args.conversation_ids:
             await replayer.end_conversations(args.base_url.rstrip("/"))
     records = replayer.records
-    return {"model": model, "summary": summarize(records, wall, args),
-            "records": [asdict(r) for r in records]}  # fmt: skip
+    return {
+        "model": model,
+        "summary": summarize(records, wall, args),
+        "records": [asdict(r) for r in records],
+    }
 
 
 def _json_safe(value: Any) -> Any:
@@ -369,8 +422,10 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in settings["proxy_env"].items():
             print(f"export {k}={v}")
         print("# enginesim: " + " ".join(settings["enginesim_args"]))
-        print("# vLLM kv_connector_extra_config: "
-              + json.dumps(settings["vllm_kv_connector_extra_config"]))  # fmt: skip
+        print(
+            "# vLLM kv_connector_extra_config: "
+            + json.dumps(settings["vllm_kv_connector_extra_config"])
+        )
         return 0
     try:
         requests = tr.select(
@@ -380,12 +435,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trace_replay: {err}", file=sys.stderr)
         return 2
     plan = tr.reconstruct(requests, args.block_tokens, args.max_output_tokens)
+    if args.conversations is not None:
+        plan = tr.keep_conversations(plan, args.conversations, args.min_turns)
+        kept = {t.request.index for t in plan.turns}
+        requests = [r for r in requests if r.index in kept]
     warning = scale_warning(args.time_scale, settings)
     result: dict[str, Any] = {
         "trace": str(args.trace),
         "citation": tr.CITATION,
-        "slice": {"start_s": args.start_s, "duration_s": args.duration_s, "first": args.first,
-                  "last": args.last, "requests": len(requests)},  # fmt: skip
+        "slice": {
+            "start_s": args.start_s,
+            "duration_s": args.duration_s,
+            "first": args.first,
+            "last": args.last,
+            "conversations": args.conversations,
+            "min_turns": args.min_turns,
+            "requests": len(requests),
+        },
         "time_scale": args.time_scale,
         "time_scale_warning": warning,
         "scaled_settings": settings,
@@ -399,8 +465,10 @@ def main(argv: list[str] | None = None) -> int:
         bound = tr.lru_bound(requests, args.lru_bound)
         result["lru_bound"] = bound
         share = bound["reused_tokens"] / bound["prompt_tokens"] if bound["prompt_tokens"] else 0
-        print(f"LRU bound ({args.lru_bound} blocks): {bound['reused_tokens']} of "
-              f"{bound['prompt_tokens']} prompt tokens reused ({share:.1%})")  # fmt: skip
+        print(
+            f"LRU bound ({args.lru_bound} blocks): {bound['reused_tokens']} of "
+            f"{bound['prompt_tokens']} prompt tokens reused ({share:.1%})"
+        )
     if args.base_url and plan.turns:
         result.update(asyncio.run(replay(plan, args)))
         print("summary: " + json.dumps(_json_safe(result["summary"])))
