@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192,
+        help="tokens one step may compute: decodes first, then prefill chunks (vLLM's flag; "
+        "8192 is its online default on H100/H200)",
+    )  # fmt: skip
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=16)
@@ -123,6 +128,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         geometry=ModelGeometry(args.num_layers, args.num_kv_heads, args.head_size, args.dtype),
         kv_layout=KVLayout(args.kv_layout),
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_us_per_token=args.prefill_us_per_token,
         decode_us_per_step=args.decode_us_per_step,
         cost_profile=args.cost_profile,

@@ -23,6 +23,11 @@ class EngineConfig:
     geometry: ModelGeometry = field(default_factory=ModelGeometry)
     kv_layout: KVLayout = KVLayout.KV_FIRST
     max_num_seqs: int = 64
+    # Tokens one step may compute (vLLM's `--max-num-batched-tokens`): running decodes take
+    # one each, prefill chunks the rest, so a long prompt is prefilled over several steps
+    # while the engine's decoders keep going. 8192 is what vLLM 0.32 picks for online serving
+    # on an H100 or H200 (the GPUs of every cost profile); 2048 on smaller GPUs.
+    max_num_batched_tokens: int = 8192
     # Simulated compute: prefill sleeps this long per locally computed prompt token.
     prefill_us_per_token: float = 0.0
     # One decode step of the running batch; prefill computed in the same step adds its own
@@ -59,6 +64,14 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses this too: every running request must fit one step's budget.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
         get_link(self.kv_link)
         if self.cost_profile is not None:
             get_profile(self.cost_profile)
