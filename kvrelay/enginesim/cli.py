@@ -11,6 +11,7 @@ import sys
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.enginesim.config import DEFAULT_MODEL, EngineConfig
+from kvrelay.enginesim.costs import DEFAULT_LINK, LINKS, PROFILES, get_profile
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import DTYPES, ModelGeometry
 
@@ -37,13 +38,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-us-per-step", type=float, default=0.0)
     p.add_argument(
+        "--cost-profile", choices=sorted(PROFILES), default=None,
+        help="model a GPU's step and KV transfer times instead of the two flat knobs above; "
+        "also sets the pool's block count and size and the context length (README)",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-link", choices=sorted(LINKS), default=DEFAULT_LINK,
+        help="the link a cost profile's KV transfers are modelled over",
+    )  # fmt: skip
+    p.add_argument(
+        "--kv-scale", type=float, default=1.0,
+        help="with --cost-profile: the share of the profile's KV blocks this engine gets",
+    )  # fmt: skip
+    p.add_argument(
         "--prefix-cache-blocks", type=int, default=0,
         help="local prefix cache size in blocks (0: none)",
     )  # fmt: skip
-    p.add_argument("--num-blocks", type=int, default=1024)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    # Unset: 1024 blocks of 16 tokens and 4096 tokens, or what --cost-profile says.
+    p.add_argument("--num-blocks", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=8192,
+        help="tokens one step may compute: decodes first, then prefill chunks (vLLM's flag; "
+        "8192 is its online default on H100/H200)",
+    )  # fmt: skip
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=16)
@@ -72,6 +92,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def pool_from_args(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(num_blocks, block_size, max_model_len): given flags win; else the profile's GPU
+    memory (times --kv-scale) and the model's context length, capped by the pool."""
+    if args.cost_profile is None:
+        return args.num_blocks or 1024, args.block_size or 16, args.max_model_len or 4096
+    if args.kv_scale <= 0:
+        raise ValueError("--kv-scale must be positive")
+    profile = get_profile(args.cost_profile)
+    block_size = args.block_size or profile.block_size
+    num_blocks = args.num_blocks or max(1, round(profile.num_blocks() * args.kv_scale))
+    max_model_len = args.max_model_len or min(profile.model.max_model_len, num_blocks * block_size)
+    return num_blocks, block_size, max_model_len
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     connector = None
     if args.side_channel_port is not None:
@@ -85,16 +119,20 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             publish_finished_params=args.publish_finished_params,
             handshake_timeout_s=args.handshake_timeout,
         )
+    num_blocks, block_size, max_model_len = pool_from_args(args)
     return EngineConfig(
         model=args.model,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        block_size=args.block_size,
+        max_model_len=max_model_len,
+        num_blocks=num_blocks,
+        block_size=block_size,
         geometry=ModelGeometry(args.num_layers, args.num_kv_heads, args.head_size, args.dtype),
         kv_layout=KVLayout(args.kv_layout),
         max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_us_per_token=args.prefill_us_per_token,
         decode_us_per_step=args.decode_us_per_step,
+        cost_profile=args.cost_profile,
+        kv_link=args.kv_link,
         prefix_cache_blocks=args.prefix_cache_blocks,
         eos_period=args.eos_period,
         params_in_stream=args.params_in_stream,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvrelay.connector.config import ConnectorConfig
+from kvrelay.enginesim.costs import DEFAULT_LINK, get_link, get_profile
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import ModelGeometry
 
@@ -22,11 +23,21 @@ class EngineConfig:
     geometry: ModelGeometry = field(default_factory=ModelGeometry)
     kv_layout: KVLayout = KVLayout.KV_FIRST
     max_num_seqs: int = 64
+    # Tokens one step may compute (vLLM's `--max-num-batched-tokens`): running decodes take
+    # one each, prefill chunks the rest, so a long prompt is prefilled over several steps
+    # while the engine's decoders keep going. 8192 is what vLLM 0.32 picks for online serving
+    # on an H100 or H200 (the GPUs of every cost profile); 2048 on smaller GPUs.
+    max_num_batched_tokens: int = 8192
     # Simulated compute: prefill sleeps this long per locally computed prompt token.
     prefill_us_per_token: float = 0.0
     # One decode step of the running batch; prefill computed in the same step adds its own
     # time to that step, so prefill work on an engine slows its decoding requests.
     decode_us_per_step: float = 0.0
+    # A named GPU cost profile (`costs.PROFILES`) instead of the two flat knobs above: each
+    # step waits the modelled time of its prefill chunks and decode batch, and each KV load
+    # waits the modelled transfer time over `kv_link` on top of the real NIXL read.
+    cost_profile: str | None = None
+    kv_link: str = DEFAULT_LINK
     # Local prefix cache (full blocks of finished requests), in blocks; 0: none.
     prefix_cache_blocks: int = 0
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
@@ -53,3 +64,19 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # vLLM refuses this too: every running request must fit one step's budget.
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+        get_link(self.kv_link)
+        if self.cost_profile is not None:
+            get_profile(self.cost_profile)
+            if self.prefill_us_per_token or self.decode_us_per_step:
+                raise ValueError(
+                    "a cost profile replaces prefill_us_per_token and decode_us_per_step: "
+                    "give one or the other"
+                )

@@ -1,15 +1,22 @@
 """`EngineCore`: the synchronous scheduler + model runner of one simulated engine.
 
 One call to `step()` is one engine step, in vLLM's order:
-1. admit waiting requests (connector: `get_num_new_matched_tokens`, then allocate, then
-   `update_state_after_alloc`); requests loading remote KV wait in WAITING_FOR_REMOTE_KVS;
+1. schedule within the step's token budget (`max_num_batched_tokens`, vLLM's chunked
+   prefill): one token for every decoding request, then prefill chunks of the running
+   requests still prefilling, then admit waiting requests (connector:
+   `get_num_new_matched_tokens`, then allocate, then `update_state_after_alloc`) with chunks
+   of what budget is left; a long prompt is prefilled over several steps. Blocks are
+   allocated per chunk, as vLLM's `allocate_slots` does; requests loading remote KV wait in
+   WAITING_FOR_REMOTE_KVS with blocks for what arrives, and compute only the rest;
 2. connector metadata to the worker (`start_step`: starts reads, executes frees);
-3. compute: prefill of ready requests (simulated time per locally computed token) and one
-   decode token for every running request;
+3. compute: the scheduled prefill chunks and one decode token for every decoding request;
+   the step then waits its simulated time (flat knobs, or a GPU cost profile's modelled time
+   of these prefill chunks and decode contexts: `costs.py`);
 4. finished requests: `request_finished` decides free-now or hold-for-remote;
 5. poll the worker and feed the scheduler side (`finish_step`): free the blocks of
    `finished_sending`, release `finished_recving` requests to prefill what did not arrive,
-   error the requests the `fail` policy failed.
+   error the requests the `fail` policy failed. With a cost profile, a finished load first
+   waits (in `arriving`) the modelled transfer time of the bytes the real GPUs would move.
 Not thread-safe: `EngineRunner` drives it from one thread; `reference` drives it inline.
 
 Where vLLM's scheduler asserts on what a connector reports, this engine raises
@@ -30,6 +37,7 @@ from kvrelay.connector.protocol import (
     REMOTE_PREFILL_CACHED_TOKENS,
 )
 from kvrelay.enginesim.config import EngineConfig
+from kvrelay.enginesim.costs import CostProfile, get_link, get_profile
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
@@ -47,10 +55,19 @@ class EngineCore:
 
     def __init__(
         self, config: EngineConfig, kv_host: KVHost | None = None,
-        pool: BlockPool | None = None,
+        pool: BlockPool | None = None, *, wait: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:  # fmt: skip
         config.validate()
         self.config = config
+        # Modelled time is waited out on the engine thread (two cores simulate a fleet);
+        # tests pass their own `wait` and `clock` to check what is waited, not how long.
+        self._wait = wait
+        self._clock = clock
+        self.costs: CostProfile | None = (
+            get_profile(config.cost_profile) if config.cost_profile else None
+        )
+        self.link = get_link(config.kv_link)
         self.tokenizer: Tokenizer = get_tokenizer()
         self.model = SimModel(
             config.model, config.geometry, self.tokenizer.output_vocab(),
@@ -63,6 +80,9 @@ class EngineCore:
         self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
+        # Loads the connector finished, waiting out their modelled transfer time: id -> (request,
+        # when it may run).
+        self.arriving: dict[str, tuple[SimRequest, float]] = {}
         self.running: dict[str, SimRequest] = {}
         # Finished requests whose blocks the connector holds for a remote reader, oldest first.
         self.held: OrderedDict[str, list[int]] = OrderedDict()
@@ -80,6 +100,7 @@ class EngineCore:
             "prompt_tokens_cached": 0,
             "generation_tokens": 0,
             "preemptions": 0,
+            "prefill_chunks": 0,
             "reclaim_requests": 0,
             # vLLM's prompt token counters (`PromptTokenStats`): counted when a request's first
             # output is emitted, from what its first admission planned, as vLLM counts them.
@@ -116,6 +137,12 @@ class EngineCore:
             self.counters["requests_aborted"] += 1
             self.kv.request_finished(loading, [])
             return
+        arriving = self.arriving.pop(request_id, None)
+        if arriving is not None:
+            # The connector is done with it: like a running request, finish and free.
+            self.counters["requests_aborted"] += 1
+            self._release(arriving[0], hold=False)
+            return
         running = self.running.pop(request_id, None)
         if running is not None:
             self.counters["requests_aborted"] += 1
@@ -127,8 +154,13 @@ class EngineCore:
         self.kv.request_rejected(req)
 
     @property
+    def busy(self) -> bool:
+        """Requests in flight (queued, loading, arriving or running), holds aside."""
+        return bool(self.waiting or self.loading or self.arriving or self.running)
+
+    @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.loading or self.running or self.held)
+        return self.busy or bool(self.held)
 
     def num_held_blocks(self) -> int:
         return sum(len(blocks) for blocks in self.held.values())
@@ -136,9 +168,10 @@ class EngineCore:
     # ----- one step ---------------------------------------------------------------------------
     def step(self) -> None:
         self._check_loads_progress()
-        self._admit()
+        self._release_arrived()
+        decoding, chunks = self._schedule()
         self.kv.start_step()
-        self._compute()
+        self._compute(decoding, chunks)
         self._process_connector(self.kv.finish_step())
 
     def deliver_outputs(self) -> None:
@@ -155,55 +188,130 @@ class EngineCore:
             self._reclaim_pending = self.kv.reclaim_holds(n - self.pool.num_free)
         return blocks
 
-    def _admit(self) -> None:
-        while self.waiting and len(self.running) + len(self.loading) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.preempted:
-                if not self._resume(req):
-                    return
-                continue
-            # Asked on every admission attempt, as vLLM does (a retry after a failed
-            # allocation may see a different local hit). The connector is told the local
-            # hit, so it loads only what lies beyond it.
-            local = self.prefix_cache.hit_tokens(req.hashes, req.num_prompt_tokens)
-            n_ext, is_async = req.external = self._ask_connector(req, local)
-            # Blocks for the prompt plus the first generated token's KV.
-            blocks = self._allocate(self.pool.blocks_for(req.num_prompt_tokens + 1))
-            if blocks is None:
-                return
-            self.waiting.popleft()
-            req.block_ids = blocks
-            self.prefix_cache.load(self.pool, blocks, req.hashes, local)
-            req.cached_tokens = local
-            if req.admitted_local is None:
-                req.admitted_local, req.admitted_external = local, n_ext
-            self.kv.update_state_after_alloc(req, blocks, n_ext)
-            if is_async:
-                self._start_loading(req)
-            else:
-                req.num_computed = local + n_ext
-                req.loaded_tokens = n_ext
-                req.state = ReqState.PREFILL
-                self.running[req.request_id] = req
+    def _schedule(self) -> tuple[list[SimRequest], list[tuple[SimRequest, int]]]:
+        """This step's work within `max_num_batched_tokens`, in vLLM's order: a token for each
+        decoding request, then chunks of the prefills in progress, then new admissions.
+        Returns the decoding requests and the (request, new tokens) prefill chunks."""
+        total = self.config.max_num_batched_tokens
+        decoding = [r for r in self.running.values() if r.state is ReqState.RUNNING]
+        chunks: list[tuple[SimRequest, int]] = []
+        preempted = self.counters["preemptions"]
+        for req in [r for r in self.running.values() if r.state is ReqState.PREFILL]:
+            if req.request_id not in self.running:
+                continue  # preempted for an earlier chunk's blocks
+            budget = total - len(decoding) - sum(n for _, n in chunks)
+            remaining = len(req.all_token_ids) - req.num_computed
+            n = min(remaining, budget)
+            if n <= 0 < remaining:
+                break
+            grown = self._grow(req, req.num_computed + n + int(n == remaining))
+            # A preemption may have taken a request scheduled earlier in this step.
+            chunks = [(r, k) for r, k in chunks if r.request_id in self.running]
+            decoding = [r for r in decoding if r.request_id in self.running]
+            if not grown:
+                break
+            chunks.append((req, n))
+        if self.counters["preemptions"] == preempted:
+            # vLLM admits nothing in a step that had to preempt.
+            self._admit(total - len(decoding) - sum(n for _, n in chunks), chunks)
+        return decoding, chunks
 
-    def _resume(self, req: SimRequest) -> bool:
+    def _grow(self, req: SimRequest, tokens: int) -> bool:
+        """Blocks for the first `tokens` positions of a running request; under pressure
+        reclaim holds, then preempt the newest running request (perhaps this one)."""
+        while True:
+            need = self.pool.blocks_for(tokens) - len(req.block_ids)
+            if need <= 0:
+                return True
+            extra = self._allocate(need)
+            if extra is not None:
+                req.block_ids.extend(extra)
+                return True
+            if self._reclaim_pending or self._preempt_newest() is req:
+                return False
+
+    def _admit(self, budget: int, chunks: list[tuple[SimRequest, int]]) -> None:
+        """Admit waiting requests while budget is left; each prefills a first chunk of it
+        (appended to `chunks`), or waits for its remote KV (no budget, as in vLLM)."""
+        while (
+            self.waiting
+            and budget > 0
+            and len(self.running) + len(self.loading) < self.config.max_num_seqs
+        ):
+            req = self.waiting[0]
+            admit = self._resume if req.preempted else self._admit_new
+            n = admit(req, budget)
+            if n is None:
+                return
+            if req.request_id in self.running:
+                chunks.append((req, n))
+                budget -= n
+
+    def _first_chunk_blocks(self, req: SimRequest, computed: int, budget: int) -> tuple[int, int]:
+        """(first chunk's tokens, positions its blocks must cover) for a request that starts
+        prefilling at `computed`: the final chunk also covers the first sampled token's KV."""
+        remaining = len(req.all_token_ids) - computed
+        n = min(remaining, budget)
+        return n, computed + n + int(n == remaining)
+
+    def _admit_new(self, req: SimRequest, budget: int) -> int | None:
+        """Admit the head of the queue; returns its first chunk (0 when it loads), or None
+        when the pool cannot take it now."""
+        # Asked on every admission attempt, as vLLM does (a retry after a failed allocation
+        # may see a different local hit). The connector is told the local hit, so it loads
+        # only what lies beyond it.
+        local = self.prefix_cache.hit_tokens(req.hashes, req.num_prompt_tokens)
+        n_ext, is_async = req.external = self._ask_connector(req, local)
+        computed = local + n_ext
+        if is_async:
+            # Blocks for what arrives; the rest is allocated chunk by chunk after it.
+            n, tokens = 0, computed
+        else:
+            n, tokens = self._first_chunk_blocks(req, computed, budget)
+        blocks = self._allocate(self.pool.blocks_for(tokens))
+        if blocks is None:
+            return None
+        self.waiting.popleft()
+        req.block_ids = blocks
+        req.prefill_start = None
+        self.prefix_cache.load(self.pool, blocks, req.hashes, local)
+        req.cached_tokens = local
+        if req.admitted_local is None:
+            req.admitted_local, req.admitted_external = local, n_ext
+        self.kv.update_state_after_alloc(req, blocks, n_ext)
+        if is_async:
+            self._start_loading(req)
+            return 0
+        req.num_computed = computed
+        req.loaded_tokens = n_ext
+        req.state = ReqState.PREFILL
+        self.running[req.request_id] = req
+        return n
+
+    def _resume(self, req: SimRequest, budget: int) -> int | None:
         """Re-admit a preempted request. vLLM asks the connector again (nothing is computed);
         whatever does not arrive is recomputed locally (same values)."""
         n_ext, is_async = self._ask_connector(req)
-        blocks = self._allocate(self.pool.blocks_for(len(req.all_token_ids) + 1))
+        if is_async:
+            n, tokens = 0, n_ext
+        else:
+            n, tokens = self._first_chunk_blocks(req, 0, budget)
+            tokens = max(tokens, n_ext)
+        blocks = self._allocate(self.pool.blocks_for(tokens))
         if blocks is None:
-            return False
+            return None
         self.waiting.popleft()
         req.block_ids = blocks
         req.num_computed = 0
         req.cached_tokens = 0
+        req.prefill_start = None
         self.kv.update_state_after_alloc(req, blocks, n_ext)
         if is_async:
             self._start_loading(req)
-            return True
+            return 0
         req.state = ReqState.PREFILL
         self.running[req.request_id] = req
-        return True
+        return n
 
     def _ask_connector(self, req: SimRequest, local_hit: int = 0) -> tuple[int, bool]:
         n_ext, is_async = self.kv.get_num_new_matched_tokens(req, local_hit)
@@ -216,12 +324,12 @@ class EngineCore:
 
     def _start_loading(self, req: SimRequest) -> None:
         req.state = ReqState.WAITING_FOR_REMOTE_KVS
-        req.loading_since = time.monotonic()
+        req.loading_since = self._clock()
         self.loading[req.request_id] = req
 
     def _check_loads_progress(self) -> None:
         limit = self.config.remote_kv_wait_limit_s
-        now = time.monotonic()
+        now = self._clock()
         for req in self.loading.values():
             if now - req.loading_since > limit:
                 raise EngineInvariantError(
@@ -229,45 +337,69 @@ class EngineCore:
                     f"remote KV (limit {limit:.0f}s): its load was never reported finished"
                 )
 
-    def _compute(self) -> None:
-        prefill = [r for r in self.running.values() if r.state is ReqState.PREFILL]
+    def _release_arrived(self) -> None:
+        now = self._clock()
+        for request_id, (req, ready_at) in list(self.arriving.items()):
+            if ready_at <= now:
+                del self.arriving[request_id]
+                self.running[request_id] = req
+
+    def _compute(self, decoding: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
+        # Decode contexts are read before prefill: a request prefilled now decodes next step.
+        contexts = [len(r.all_token_ids) for r in decoding]
         computed = 0
-        for req in prefill:
-            computed += self._prefill(req)
-        decoding = [r for r in self.running.values() if r.state is ReqState.RUNNING]
-        if prefill or decoding:
-            cost_us = computed * self.config.prefill_us_per_token
-            if decoding:
-                cost_us += self.config.decode_us_per_step
-            if cost_us > 0:
-                time.sleep(cost_us / 1e6)
-        for req in prefill:
-            if req.request_id in self.running:
+        work: list[tuple[int, int]] = []
+        for req, n in chunks:
+            if n > 0:
+                work.append((n, req.num_computed))
+            if not req.preempted:
+                computed += n
+            self._prefill_chunk(req, n)
+        if chunks or decoding:
+            if self.costs is not None:
+                # A preempted request's recomputation is real work on a GPU: the chunks count
+                # it, though the prompt counters do not.
+                cost_s = self.costs.step_time(work, contexts)
+            else:
+                cost_us = computed * self.config.prefill_us_per_token
+                if decoding:
+                    cost_us += self.config.decode_us_per_step
+                cost_s = cost_us / 1e6
+            if cost_s > 0:
+                self._wait(cost_s)
+        for req, _ in chunks:
+            if req.request_id in self.running and req.state is ReqState.RUNNING:
                 self._sample(req)
         for req in decoding:
             if req.request_id in self.running and self._ensure_slot(req):
                 self._sample(req)
 
-    def _prefill(self, req: SimRequest) -> int:
-        """Compute the KV the request still lacks; returns prompt tokens computed here."""
-        end = len(req.all_token_ids)
-        start = min(req.num_computed, end)
-        if start < end:
+    def _prefill_chunk(self, req: SimRequest, n: int) -> None:
+        """Compute the KV of the request's next `n` positions; the chunk that completes the
+        prompt (or a preempted request's tokens) makes it ready to sample."""
+        start = req.num_computed
+        end = start + n
+        if req.prefill_start is None:
+            req.prefill_start = start
+        if n > 0:
             self.pool.write(req.block_ids, start, self.model.kv_for(req.hashes[start:end]))
+            self.counters["prefill_chunks"] += 1
         req.num_computed = end
-        if req.preempted:
-            req.preempted = False
-            req.state = ReqState.RUNNING
-            return 0
-        cached = min(req.cached_tokens, start)
-        self.counters["prompt_tokens_computed"] += end - start
-        self.counters["prompt_tokens_loaded"] += start - cached
+        if end < len(req.all_token_ids):
+            return
+        req.state = ReqState.RUNNING
+        was_preempted, req.preempted = req.preempted, False
+        if was_preempted and req.digest is not None:
+            # Recomputed after a preemption: the model's state carries on from where it was.
+            return
+        first = req.prefill_start
+        cached = min(req.cached_tokens, first)
+        self.counters["prompt_tokens_computed"] += end - first
+        self.counters["prompt_tokens_loaded"] += first - cached
         self.counters["prompt_tokens_cached"] += cached
-        req.loaded_tokens = start - cached
+        req.loaded_tokens = first - cached
         # The request's state after prefill: every prompt position's KV, read back.
         req.digest = self.model.prompt_digest(self.pool.read(req.block_ids, 0, end))
-        req.state = ReqState.RUNNING
-        return end - start
 
     def _ensure_slot(self, req: SimRequest) -> bool:
         """A block for the next token's KV; under pressure reclaim holds, then preempt."""
@@ -278,20 +410,23 @@ class EngineCore:
             req.block_ids.extend(extra)
             return True
         if self._reclaim_pending == 0:
-            self._preempt(req)
+            self._preempt_newest()
         return False
 
-    def _preempt(self, req: SimRequest) -> None:
-        # Newest running request goes back to the queue head; its KV is recomputed later.
+    def _preempt_newest(self) -> SimRequest:
+        """The newest running request goes back to the queue head, its blocks freed; its KV
+        is recomputed (or loaded again) when it is resumed."""
         victim = next(reversed(self.running.values()))
         del self.running[victim.request_id]
         self.pool.free(victim.block_ids)
         victim.block_ids = []
         victim.num_computed = 0
+        victim.prefill_start = None
         victim.preempted = True
         victim.state = ReqState.WAITING
         self.waiting.appendleft(victim)
         self.counters["preemptions"] += 1
+        return victim
 
     def _sample(self, req: SimRequest) -> None:
         assert req.digest is not None
@@ -438,11 +573,19 @@ class EngineCore:
             arrived = self.kv.loaded_tokens(req)
             req.num_computed = max(arrived, req.cached_tokens)
             req.state = ReqState.PREFILL
-            self.running[request_id] = req
+            delay = self._modelled_transfer(max(0, arrived - req.cached_tokens))
+            if delay > 0:
+                # The real read moved the scaled-down pool's bytes; a GPU's take this long more.
+                self.arriving[request_id] = (req, self._clock() + delay)
+            else:
+                self.running[request_id] = req
         for request_id in out.failed - out.finished_recving:
             req = self.loading.pop(request_id, None) or self.running.pop(request_id, None)
             if req is not None:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
+
+    def _modelled_transfer(self, tokens: int) -> float:
+        return self.costs.transfer_time(tokens, self.link) if self.costs is not None else 0.0
 
     def _fail(self, req: SimRequest, error: EngineError) -> None:
         self.counters["requests_failed"] += 1

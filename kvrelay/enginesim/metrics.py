@@ -24,6 +24,8 @@ _COUNTERS = {
     "prompt_tokens_cached": "prompt tokens found in the engine's local prefix cache",
     "generation_tokens": "generated tokens",
     "preemptions": "running requests preempted for lack of blocks",
+    "prefill_chunks": "prefill chunks computed (a prompt longer than a step's token budget "
+    "takes several; recomputation after a preemption included)",
     "reclaim_requests": "times the engine asked the connector to reclaim holds",
 }
 _OUTCOMES = ("finished", "failed", "aborted", "rejected")

@@ -72,6 +72,9 @@ class SimRequest:
     block_ids: list[int] = field(default_factory=list)
     # Positions whose KV is in this request's blocks.
     num_computed: int = 0
+    # Where this admission's prefill started (what was cached or loaded before the first
+    # chunk); None until that chunk runs. A prefill may span several steps (chunked).
+    prefill_start: int | None = None
     # Prefix hashes of every token position (the model's KV seeds).
     hashes: list[int] = field(default_factory=list)
     digest: bytes | None = None

@@ -79,7 +79,7 @@ class EngineRunner:
                 self.core.step()
                 self._publish()
                 self.core.deliver_outputs()
-                busy = bool(self.core.waiting or self.core.loading or self.core.running)
+                busy = self.core.busy
                 if busy and self._ready_to_run():
                     continue
                 if busy:
@@ -109,7 +109,8 @@ class EngineRunner:
             blocks_held_for_remote=core.num_held_blocks(),
             requests_held=len(core.held),
             requests_waiting=len(core.waiting),
-            requests_loading=len(core.loading),
+            # Arriving requests still wait for their KV (its modelled transfer time).
+            requests_loading=len(core.loading) + len(core.arriving),
             requests_running=len(core.running),
             connector=core.kv.stats(),
             at=time.time(),
