@@ -63,7 +63,7 @@ RECORDED_HEADERS = ("x-request-id", "x-kvrelay-")
 def _defaults() -> dict[str, float]:
     """The unscaled time settings a think time races against, from the code's defaults."""
     from kvrelay.connector.config import ConnectorConfig
-    from kvrelay.proxy.settings import Settings
+    from kvrelay.proxy.config import Settings
 
     def default(model: Any, name: str) -> float:
         return float(model.model_fields[name].default)
