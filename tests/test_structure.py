@@ -315,3 +315,16 @@ def test_an_arrow_up_is_found(tmp_path: Path) -> None:
         "kvrelay.connector.protocol (kvrelay.connector) imports kvrelay.kvcache_map"
         " (kvrelay.kvcache_map), a room above it"
     ]
+
+
+def test_every_kvrelay_import_names_a_module_that_exists(modules: dict[str, Path]) -> None:
+    """A stale path (a module that moved to a room) fails here, even inside a function or a
+    TYPE_CHECKING block that no test runs."""
+    files = {**modules, **sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])}
+    stale = [
+        f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}"
+        for name, path in files.items()
+        for imp in imports_of(name, path, set(modules))
+        if imp.target not in modules
+    ]
+    assert stale == []
