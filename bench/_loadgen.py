@@ -87,17 +87,23 @@ def build_headers(job: dict[str, Any], n: int, tag: str) -> list[dict[str, str]]
     return [{**base, "X-Conversation-Id": f"conv-{tag}-{i}"} for i in range(n)]
 
 
+async def _read_answer(resp: aiohttp.ClientResponse, what: str) -> float:
+    """Reads the whole answer; the clock time of its first byte (0.0 when it had none)."""
+    first = 0.0
+    async for _chunk in resp.content.iter_any():
+        if not first:
+            first = time.perf_counter()
+    if resp.status != 200:
+        raise RuntimeError(f"{what}HTTP {resp.status}")
+    return first
+
+
 async def one_single(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
 ) -> tuple[float, float]:
     start = time.perf_counter()
-    first = 0.0
     async with session.post(url, data=body, headers=headers) as resp:
-        async for _chunk in resp.content.iter_any():
-            if not first:
-                first = time.perf_counter()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
+        first = await _read_answer(resp, "")
     end = time.perf_counter()
     return end - start, (first or end) - start
 
@@ -117,13 +123,8 @@ async def one_pd(
         raise RuntimeError("P returned no kv_transfer_params")
     d_body = dict(body)
     d_body["kv_transfer_params"] = {**params, "do_remote_prefill": True, "do_remote_decode": False}
-    first = 0.0
     async with session.post(d_url, json=d_body) as resp:
-        async for _chunk in resp.content.iter_any():
-            if not first:
-                first = time.perf_counter()
-        if resp.status != 200:
-            raise RuntimeError(f"D HTTP {resp.status}")
+        first = await _read_answer(resp, "D ")
     end = time.perf_counter()
     return end - start, (first or end) - start
 

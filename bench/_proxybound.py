@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -608,61 +609,57 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def _both(
+    cases: list[dict[str, Any]], concs: list[int], target: str, other: str
+) -> Iterator[tuple[str, int, dict[str, Any], dict[str, Any]]]:
+    """(mode, concurrency, target's case, other's case) for each aim case both of them ran."""
+    for mode in AIM_MODES:
+        for conc in concs:
+            a, b = find(cases, mode, conc, target), find(cases, mode, conc, other)
+            if a is not None and b is not None:
+                yield mode, conc, a, b
+
+
 def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
     """Each aim of the issue's "Done when", met or missed, with its ratio."""
     out = ["Aims (kvrelay `--workers 1` unless said):", ""]
     concs = sorted({int(x["concurrency"]) for x in cases})
-    for mode in AIM_MODES:
-        for conc in concs:
-            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
-            if k is None or r is None:
-                continue
-            ratio = _ratio(k["rps"], r["rps"])
-            out.append(
-                f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
-            )
-    for mode in AIM_MODES:
-        k, d = find(cases, mode, 1, "kvrelay-w1"), find(cases, mode, 1, "direct")
-        if k is not None and d is not None:
-            added = k["p50"] - d["p50"]
-            out.append(
-                f"- added p50 at c=1 <= {AIM_ADDED_P50_C1_S * 1000:.1f} ms over direct, {mode}: "
-                f"{c.fmt_ms(added)} ms ({c.fmt_ratio(added / AIM_ADDED_P50_C1_S)}x the aim), "
-                f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
-            )
+    for mode, conc, k, r in _both(cases, concs, "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["rps"], r["rps"])
+        out.append(
+            f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
+        )
+    for mode, _, k, d in _both(cases, [1], "kvrelay-w1", "direct"):
+        added = k["p50"] - d["p50"]
+        out.append(
+            f"- added p50 at c=1 <= {AIM_ADDED_P50_C1_S * 1000:.1f} ms over direct, {mode}: "
+            f"{c.fmt_ms(added)} ms ({c.fmt_ratio(added / AIM_ADDED_P50_C1_S)}x the aim), "
+            f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
+        )
     top = max(concs, default=0)
-    for mode in AIM_MODES:
-        k, r = find(cases, mode, top, "kvrelay-w1"), find(cases, mode, top, "vllm-router")
-        if k is not None and r is not None:
-            ratio = _ratio(k["p99"], r["p99"])
-            out.append(
-                f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
-            )
-    for mode in AIM_MODES:
-        for conc in concs:
-            if conc == 1:
-                continue  # one client in a closed loop cannot use a second worker
-            w1, w2 = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "kvrelay-w2")
-            if w1 is None or w2 is None:
-                continue
-            ratio = _ratio(w2["rps"], w1["rps"])
-            out.append(
-                f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
-            )
-    for mode in AIM_MODES:
-        for conc in concs:
-            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
-            if k is None or r is None:
-                continue
-            ratio = _ratio(k["router_cpu_us"], r["router_cpu_us"])
-            out.append(
-                f"- proxy CPU/request <= vllm-router's, {mode} c={conc}: "
-                f"{k['router_cpu_us']:.0f} vs {r['router_cpu_us']:.0f} us "
-                f"({c.fmt_ratio(ratio)}x), {_verdict(ratio <= 1.0)}"
-            )
+    for mode, _, k, r in _both(cases, [top], "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["p99"], r["p99"])
+        out.append(
+            f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
+        )
+    # One client in a closed loop cannot use a second worker: c=1 is left out.
+    for mode, conc, w1, w2 in _both(
+        cases, [n for n in concs if n != 1], "kvrelay-w1", "kvrelay-w2"
+    ):
+        ratio = _ratio(w2["rps"], w1["rps"])
+        out.append(
+            f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
+        )
+    for mode, conc, k, r in _both(cases, concs, "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["router_cpu_us"], r["router_cpu_us"])
+        out.append(
+            f"- proxy CPU/request <= vllm-router's, {mode} c={conc}: "
+            f"{k['router_cpu_us']:.0f} vs {r['router_cpu_us']:.0f} us "
+            f"({c.fmt_ratio(ratio)}x), {_verdict(ratio <= 1.0)}"
+        )
     return out
 
 
