@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from bench import _common as c
+from bench._closed_loop import closed_loop
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -152,30 +153,20 @@ async def run(job: dict[str, Any]) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=float(job.get("timeout_s", 120)))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        # Warm-up opens the keep-alive connections (and the routers' upstream pools).
-        next_i = 0
 
-        async def worker(limit: int, record: bool) -> None:
-            nonlocal next_i
-            while next_i < limit:
-                i = next_i
-                next_i += 1
-                try:
-                    lat, first = await send(session, i)
-                except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
-                    if record:
-                        errors.append(f"{type(e).__name__}: {e}"[:200])
-                    continue
+        async def attempt(i: int, record: bool) -> None:
+            try:
+                lat, first = await send(session, i)
+            except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
                 if record:
-                    latencies.append(lat)
-                    ttfbs.append(first)
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+                return
+            if record:
+                latencies.append(lat)
+                ttfbs.append(first)
 
-        await asyncio.gather(*(worker(warmup, False) for _ in range(concurrency)))
-        started = time.perf_counter()
-        cpu_started = time.process_time()
-        await asyncio.gather(*(worker(warmup + total, True) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-        cpu = time.process_time() - cpu_started
+        # Warm-up opens the keep-alive connections (and the routers' upstream pools).
+        wall, cpu = await closed_loop(attempt, concurrency, warmup, total)
     return {
         "latencies": latencies,
         "ttfbs": ttfbs,
