@@ -108,6 +108,16 @@ def run_header(argv: Sequence[str] | None = None) -> str:
     return f"Command: `{command_line(argv)}`  \nDate: {date}  \nMachine: {machine_description()}\n"
 
 
+def publish(section: str, text: str, no_results: bool, *, plot: str = "", wrote: str = "") -> None:
+    """End of a benchmark run: `text` (and the `plot` link) into RESULTS.md's `section` unless
+    `--no-results`, `text` on stdout, then `wrote` (what files, in how long) when given."""
+    if not no_results:
+        update_results_section(section, text + plot)
+    print(text)
+    if wrote:
+        print(f"\nwrote {wrote}")
+
+
 def update_results_section(name: str, body: str, path: Path = RESULTS_MD) -> None:
     """Replace the `## name` section of RESULTS.md with `body` (created when missing).
 

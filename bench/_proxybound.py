@@ -780,8 +780,10 @@ def main(args: argparse.Namespace) -> int:
             data["baseline"] = c.relpath(args.baseline_src)
     c.write_json(json_path, data)
     text = render_tracing(data, args) if tracing else render(data, args)
-    if not args.no_results:
-        c.update_results_section(TRACING_SECTION if tracing else SECTION, text)
-    print(text)
-    print(f"\nwrote {c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s")
+    c.publish(
+        TRACING_SECTION if tracing else SECTION,
+        text,
+        args.no_results,
+        wrote=f"{c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s",
+    )
     return 0

@@ -306,10 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = measure(args)
     c.write_json(Path(args.json), {"cases": cases, "header": header})
     text = render(cases, args, header)
-    if not args.no_results:
-        c.update_results_section(SECTION, text)
-    print(text)
-    print(f"\nwrote {args.json} in {time.monotonic() - started:.0f}s")
+    c.publish(
+        SECTION, text, args.no_results, wrote=f"{args.json} in {time.monotonic() - started:.0f}s"
+    )
     return 0
 
 

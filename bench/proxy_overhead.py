@@ -481,11 +481,13 @@ def main(argv: list[str] | None = None) -> int:
     c.write_json(args.json, data)
     plot(data, args.plot)
     text = render_markdown(data, args)
-    if not args.no_results:
-        body = text + f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-        c.update_results_section(SECTION, body)
-    print(text)
-    print(f"\nwrote {c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s")
+    c.publish(
+        SECTION,
+        text,
+        args.no_results,
+        plot=f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n",
+        wrote=f"{c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s",
+    )
     return 0
 
 
