@@ -29,6 +29,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.redis import RedisServer
@@ -106,6 +107,20 @@ def run_header(argv: Sequence[str] | None = None) -> str:
     """Markdown lines: command, date (UTC) and machine."""
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return f"Command: `{command_line(argv)}`  \nDate: {date}  \nMachine: {machine_description()}\n"
+
+
+# The first columns of a per-case table (a case: one mode, concurrency and target), which
+# the per-benchmark columns follow.
+CASE_COLUMNS = "| mode | conc | target | req/s | p50 ms | p99 ms "
+CASE_ALIGN = "|---|---:|---|---:|---:|---:"
+
+
+def case_cells(case: dict[str, Any]) -> str:
+    """`case`'s cells under `CASE_COLUMNS`."""
+    return (
+        f"| {case['mode']} | {case['concurrency']} | {case['target']} | {case['rps']:.0f} "
+        f"| {fmt_ms(case['p50'])} | {fmt_ms(case['p99'])} "
+    )
 
 
 def publish(section: str, text: str, no_results: bool, *, plot: str = "", wrote: str = "") -> None:

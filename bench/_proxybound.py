@@ -547,17 +547,15 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
     lines.append(
-        "| mode | conc | target | req/s | p50 ms | p99 ms | TTFB p50 ms | TTFB p99 ms "
+        f"{c.CASE_COLUMNS}| TTFB p50 ms | TTFB p99 ms "
         "| router CPU us/req | fakes CPU us/req | load gen CPU us/req | errors |"
     )
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append(f"{c.CASE_ALIGN}|---:|---:|---:|---:|---:|---:|")
     for x in cases:
         stream = x["mode"] == "stream"
         router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
         lines.append(
-            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
-            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} "
-            f"| {c.fmt_ms(x['ttfb_p50']) if stream else '-'} "
+            c.case_cells(x) + f"| {c.fmt_ms(x['ttfb_p50']) if stream else '-'} "
             f"| {c.fmt_ms(x['ttfb_p99']) if stream else '-'} "
             f"| {router_cpu} | {x['engine_cpu_us']:.0f} "
             f"| {x['loadgen_cpu_us']:.0f} | {int(x['errors'])} |"
@@ -742,15 +740,11 @@ def render_tracing(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{data.get('elapsed_s', 0) / 60:.1f} min."
     )
     lines += ["", *tracing_lines(data), "", "All targets (medians over rounds):", ""]
-    lines.append("| mode | conc | target | req/s | p50 ms | p99 ms | router CPU us/req | errors |")
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
+    lines.append(f"{c.CASE_COLUMNS}| router CPU us/req | errors |")
+    lines.append(f"{c.CASE_ALIGN}|---:|---:|")
     for x in data["cases"]:
         router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
-        lines.append(
-            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
-            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} | {router_cpu} "
-            f"| {int(x['errors'])} |"
-        )
+        lines.append(c.case_cells(x) + f"| {router_cpu} | {int(x['errors'])} |")
     return "\n".join(lines)
 
 

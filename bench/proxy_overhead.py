@@ -312,17 +312,15 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
     )
     lines.append("")
     lines.append(
-        "| mode | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
+        f"{c.CASE_COLUMNS}| added p50 ms | added p99 ms "
         "| TTFB p50 ms | router CPU us/req | engines CPU us/req | D pulled tok | errors |"
     )
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines.append(f"{c.CASE_ALIGN}|---:|---:|---:|---:|---:|---:|---:|")
     for case in cases:
         stream = case["mode"] == "stream"
         added = case["target"] != "direct"
         lines.append(
-            f"| {case['mode']} | {case['concurrency']} | {case['target']} | {case['rps']:.0f} "
-            f"| {c.fmt_ms(case['p50'])} | {c.fmt_ms(case['p99'])} "
-            f"| {c.fmt_ms(case['added_p50']) if added else '-'} "
+            c.case_cells(case) + f"| {c.fmt_ms(case['added_p50']) if added else '-'} "
             f"| {c.fmt_ms(case['added_p99']) if added else '-'} "
             f"| {c.fmt_ms(case['ttfb_p50']) if stream else '-'} "
             f"| {case['router_cpu_us']:.0f} | {case['engine_cpu_us']:.0f} "
