@@ -546,20 +546,17 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
                   "cases never reached are missing from the tables."]  # fmt: skip
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
-    lines.append(
-        f"{c.CASE_COLUMNS}| TTFB p50 ms | TTFB p99 ms "
-        "| router CPU us/req | fakes CPU us/req | load gen CPU us/req | errors |"
+    lines += c.case_table(
+        cases,
+        [
+            ("TTFB p50 ms", c.streamed_ms("ttfb_p50")),
+            ("TTFB p99 ms", c.streamed_ms("ttfb_p99")),
+            ("router CPU us/req", c.routed(c.whole("router_cpu_us"))),
+            ("fakes CPU us/req", c.whole("engine_cpu_us")),
+            ("load gen CPU us/req", c.whole("loadgen_cpu_us")),
+            ("errors", c.errors_cell),
+        ],
     )
-    lines.append(f"{c.CASE_ALIGN}|---:|---:|---:|---:|---:|---:|")
-    for x in cases:
-        stream = x["mode"] == "stream"
-        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
-        lines.append(
-            c.case_cells(x) + f"| {c.fmt_ms(x['ttfb_p50']) if stream else '-'} "
-            f"| {c.fmt_ms(x['ttfb_p99']) if stream else '-'} "
-            f"| {router_cpu} | {x['engine_cpu_us']:.0f} "
-            f"| {x['loadgen_cpu_us']:.0f} | {int(x['errors'])} |"
-        )
     for name, counts in sorted(data.get("work", {}).items()):
         # Workers' metrics are aggregated by kvrelay (prometheus multiprocess mode).
         counted = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
@@ -740,11 +737,10 @@ def render_tracing(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{data.get('elapsed_s', 0) / 60:.1f} min."
     )
     lines += ["", *tracing_lines(data), "", "All targets (medians over rounds):", ""]
-    lines.append(f"{c.CASE_COLUMNS}| router CPU us/req | errors |")
-    lines.append(f"{c.CASE_ALIGN}|---:|---:|")
-    for x in data["cases"]:
-        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
-        lines.append(c.case_cells(x) + f"| {router_cpu} | {int(x['errors'])} |")
+    lines += c.case_table(
+        data["cases"],
+        [("router CPU us/req", c.routed(c.whole("router_cpu_us"))), ("errors", c.errors_cell)],
+    )
     return "\n".join(lines)
 
 
