@@ -26,9 +26,10 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready
 from kvrelay.devtools.redis import RedisServer
@@ -106,6 +107,55 @@ def run_header(argv: Sequence[str] | None = None) -> str:
     """Markdown lines: command, date (UTC) and machine."""
     date = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     return f"Command: `{command_line(argv)}`  \nDate: {date}  \nMachine: {machine_description()}\n"
+
+
+Case = dict[str, Any]  # one mode, concurrency and target, with its measured figures
+
+
+def case_table(
+    cases: Sequence[Case], columns: Sequence[tuple[str, Callable[[Case], str]]]
+) -> list[str]:
+    """A Markdown table, a row per case: mode, conc, target, req/s, p50 and p99, then
+    `columns` (heading, cell of a case), all right-aligned."""
+    head = "| mode | conc | target | req/s | p50 ms | p99 ms " + "".join(
+        f"| {h} " for h, _ in columns
+    )
+    rows = [
+        f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
+        f"| {fmt_ms(x['p50'])} | {fmt_ms(x['p99'])} "
+        + "".join(f"| {cell(x)} " for _, cell in columns)
+        + "|"
+        for x in cases
+    ]
+    return [head + "|", "|---|---:|---|---:|---:|---:" + "|---:" * len(columns) + "|", *rows]
+
+
+def streamed_ms(key: str) -> Callable[[Case], str]:
+    """A cell of milliseconds that only streamed cases have (time to first byte)."""
+    return lambda x: fmt_ms(x[key]) if x["mode"] == "stream" else "-"
+
+
+def routed(cell: Callable[[Case], str]) -> Callable[[Case], str]:
+    """A cell that only cases through a router have (not `direct`)."""
+    return lambda x: cell(x) if x["target"] != "direct" else "-"
+
+
+def whole(key: str) -> Callable[[Case], str]:
+    return lambda x: f"{x[key]:.0f}"
+
+
+def errors_cell(x: Case) -> str:
+    return str(int(x["errors"]))
+
+
+def publish(section: str, text: str, no_results: bool, *, plot: str = "", wrote: str = "") -> None:
+    """End of a benchmark run: `text` (and the `plot` link) into RESULTS.md's `section` unless
+    `--no-results`, `text` on stdout, then `wrote` (what files, in how long) when given."""
+    if not no_results:
+        update_results_section(section, text + plot)
+    print(text)
+    if wrote:
+        print(f"\nwrote {wrote}")
 
 
 def update_results_section(name: str, body: str, path: Path = RESULTS_MD) -> None:

@@ -282,7 +282,5 @@ def main(args: argparse.Namespace, loop_factory: Any) -> int:
     text = render(results, args)
     if args.json:
         c.write_json(Path(args.json), {"scale": results})
-    if not args.no_results:
-        c.update_results_section(SECTION, text)
-    print(text)
+    c.publish(SECTION, text, args.no_results)
     return 0

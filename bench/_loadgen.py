@@ -31,6 +31,7 @@ from typing import Any
 import aiohttp
 
 from bench import _common as c
+from bench._closed_loop import closed_loop
 
 PREFILL_PARAMS = {
     "do_remote_decode": True,
@@ -87,17 +88,23 @@ def build_headers(job: dict[str, Any], n: int, tag: str) -> list[dict[str, str]]
     return [{**base, "X-Conversation-Id": f"conv-{tag}-{i}"} for i in range(n)]
 
 
+async def _read_answer(resp: aiohttp.ClientResponse, what: str) -> float:
+    """Reads the whole answer; the clock time of its first byte (0.0 when it had none)."""
+    first = 0.0
+    async for _chunk in resp.content.iter_any():
+        if not first:
+            first = time.perf_counter()
+    if resp.status != 200:
+        raise RuntimeError(f"{what}HTTP {resp.status}")
+    return first
+
+
 async def one_single(
     session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str]
 ) -> tuple[float, float]:
     start = time.perf_counter()
-    first = 0.0
     async with session.post(url, data=body, headers=headers) as resp:
-        async for _chunk in resp.content.iter_any():
-            if not first:
-                first = time.perf_counter()
-        if resp.status != 200:
-            raise RuntimeError(f"HTTP {resp.status}")
+        first = await _read_answer(resp, "")
     end = time.perf_counter()
     return end - start, (first or end) - start
 
@@ -117,13 +124,8 @@ async def one_pd(
         raise RuntimeError("P returned no kv_transfer_params")
     d_body = dict(body)
     d_body["kv_transfer_params"] = {**params, "do_remote_prefill": True, "do_remote_decode": False}
-    first = 0.0
     async with session.post(d_url, json=d_body) as resp:
-        async for _chunk in resp.content.iter_any():
-            if not first:
-                first = time.perf_counter()
-        if resp.status != 200:
-            raise RuntimeError(f"D HTTP {resp.status}")
+        first = await _read_answer(resp, "D ")
     end = time.perf_counter()
     return end - start, (first or end) - start
 
@@ -151,30 +153,20 @@ async def run(job: dict[str, Any]) -> dict[str, Any]:
     connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=None)
     timeout = aiohttp.ClientTimeout(total=float(job.get("timeout_s", 120)))
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
-        # Warm-up opens the keep-alive connections (and the routers' upstream pools).
-        next_i = 0
 
-        async def worker(limit: int, record: bool) -> None:
-            nonlocal next_i
-            while next_i < limit:
-                i = next_i
-                next_i += 1
-                try:
-                    lat, first = await send(session, i)
-                except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
-                    if record:
-                        errors.append(f"{type(e).__name__}: {e}"[:200])
-                    continue
+        async def attempt(i: int, record: bool) -> None:
+            try:
+                lat, first = await send(session, i)
+            except (TimeoutError, aiohttp.ClientError, RuntimeError, ValueError) as e:
                 if record:
-                    latencies.append(lat)
-                    ttfbs.append(first)
+                    errors.append(f"{type(e).__name__}: {e}"[:200])
+                return
+            if record:
+                latencies.append(lat)
+                ttfbs.append(first)
 
-        await asyncio.gather(*(worker(warmup, False) for _ in range(concurrency)))
-        started = time.perf_counter()
-        cpu_started = time.process_time()
-        await asyncio.gather(*(worker(warmup + total, True) for _ in range(concurrency)))
-        wall = time.perf_counter() - started
-        cpu = time.process_time() - cpu_started
+        # Warm-up opens the keep-alive connections (and the routers' upstream pools).
+        wall, cpu = await closed_loop(attempt, concurrency, warmup, total)
     return {
         "latencies": latencies,
         "ttfbs": ttfbs,

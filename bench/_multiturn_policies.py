@@ -459,8 +459,7 @@ def main(argv: list[str]) -> int:
     text = render(data, args, default)
     plot(data, args.plot)
     text += f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-    if not args.no_results:
-        c.update_results_section(SECTION, text)
-    print(text)
-    print(f"\nwrote {c.relpath(args.json)} in {data['elapsed_s']:.0f}s")
+    c.publish(
+        SECTION, text, args.no_results, wrote=f"{c.relpath(args.json)} in {data['elapsed_s']:.0f}s"
+    )
     return 0

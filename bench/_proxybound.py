@@ -49,6 +49,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -545,22 +546,17 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
                   "cases never reached are missing from the tables."]  # fmt: skip
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
-    lines.append(
-        "| mode | conc | target | req/s | p50 ms | p99 ms | TTFB p50 ms | TTFB p99 ms "
-        "| router CPU us/req | fakes CPU us/req | load gen CPU us/req | errors |"
+    lines += c.case_table(
+        cases,
+        [
+            ("TTFB p50 ms", c.streamed_ms("ttfb_p50")),
+            ("TTFB p99 ms", c.streamed_ms("ttfb_p99")),
+            ("router CPU us/req", c.routed(c.whole("router_cpu_us"))),
+            ("fakes CPU us/req", c.whole("engine_cpu_us")),
+            ("load gen CPU us/req", c.whole("loadgen_cpu_us")),
+            ("errors", c.errors_cell),
+        ],
     )
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for x in cases:
-        stream = x["mode"] == "stream"
-        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
-        lines.append(
-            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
-            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} "
-            f"| {c.fmt_ms(x['ttfb_p50']) if stream else '-'} "
-            f"| {c.fmt_ms(x['ttfb_p99']) if stream else '-'} "
-            f"| {router_cpu} | {x['engine_cpu_us']:.0f} "
-            f"| {x['loadgen_cpu_us']:.0f} | {int(x['errors'])} |"
-        )
     for name, counts in sorted(data.get("work", {}).items()):
         # Workers' metrics are aggregated by kvrelay (prometheus multiprocess mode).
         counted = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
@@ -608,61 +604,57 @@ def _verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def _both(
+    cases: list[dict[str, Any]], concs: list[int], target: str, other: str
+) -> Iterator[tuple[str, int, dict[str, Any], dict[str, Any]]]:
+    """(mode, concurrency, target's case, other's case) for each aim case both of them ran."""
+    for mode in AIM_MODES:
+        for conc in concs:
+            a, b = find(cases, mode, conc, target), find(cases, mode, conc, other)
+            if a is not None and b is not None:
+                yield mode, conc, a, b
+
+
 def aim_lines(cases: list[dict[str, Any]]) -> list[str]:
     """Each aim of the issue's "Done when", met or missed, with its ratio."""
     out = ["Aims (kvrelay `--workers 1` unless said):", ""]
     concs = sorted({int(x["concurrency"]) for x in cases})
-    for mode in AIM_MODES:
-        for conc in concs:
-            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
-            if k is None or r is None:
-                continue
-            ratio = _ratio(k["rps"], r["rps"])
-            out.append(
-                f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
-            )
-    for mode in AIM_MODES:
-        k, d = find(cases, mode, 1, "kvrelay-w1"), find(cases, mode, 1, "direct")
-        if k is not None and d is not None:
-            added = k["p50"] - d["p50"]
-            out.append(
-                f"- added p50 at c=1 <= {AIM_ADDED_P50_C1_S * 1000:.1f} ms over direct, {mode}: "
-                f"{c.fmt_ms(added)} ms ({c.fmt_ratio(added / AIM_ADDED_P50_C1_S)}x the aim), "
-                f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
-            )
+    for mode, conc, k, r in _both(cases, concs, "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["rps"], r["rps"])
+        out.append(
+            f"- req/s >= {AIM_RPS_RATIO:.1f}x vllm-router, {mode} c={conc}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_RPS_RATIO)}"
+        )
+    for mode, _, k, d in _both(cases, [1], "kvrelay-w1", "direct"):
+        added = k["p50"] - d["p50"]
+        out.append(
+            f"- added p50 at c=1 <= {AIM_ADDED_P50_C1_S * 1000:.1f} ms over direct, {mode}: "
+            f"{c.fmt_ms(added)} ms ({c.fmt_ratio(added / AIM_ADDED_P50_C1_S)}x the aim), "
+            f"{_verdict(added <= AIM_ADDED_P50_C1_S)}"
+        )
     top = max(concs, default=0)
-    for mode in AIM_MODES:
-        k, r = find(cases, mode, top, "kvrelay-w1"), find(cases, mode, top, "vllm-router")
-        if k is not None and r is not None:
-            ratio = _ratio(k["p99"], r["p99"])
-            out.append(
-                f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
-            )
-    for mode in AIM_MODES:
-        for conc in concs:
-            if conc == 1:
-                continue  # one client in a closed loop cannot use a second worker
-            w1, w2 = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "kvrelay-w2")
-            if w1 is None or w2 is None:
-                continue
-            ratio = _ratio(w2["rps"], w1["rps"])
-            out.append(
-                f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
-                f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
-            )
-    for mode in AIM_MODES:
-        for conc in concs:
-            k, r = find(cases, mode, conc, "kvrelay-w1"), find(cases, mode, conc, "vllm-router")
-            if k is None or r is None:
-                continue
-            ratio = _ratio(k["router_cpu_us"], r["router_cpu_us"])
-            out.append(
-                f"- proxy CPU/request <= vllm-router's, {mode} c={conc}: "
-                f"{k['router_cpu_us']:.0f} vs {r['router_cpu_us']:.0f} us "
-                f"({c.fmt_ratio(ratio)}x), {_verdict(ratio <= 1.0)}"
-            )
+    for mode, _, k, r in _both(cases, [top], "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["p99"], r["p99"])
+        out.append(
+            f"- p99 at c={top} <= {AIM_P99_RATIO_C256}x vllm-router's, {mode}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio <= AIM_P99_RATIO_C256)}"
+        )
+    # One client in a closed loop cannot use a second worker: c=1 is left out.
+    for mode, conc, w1, w2 in _both(
+        cases, [n for n in concs if n != 1], "kvrelay-w1", "kvrelay-w2"
+    ):
+        ratio = _ratio(w2["rps"], w1["rps"])
+        out.append(
+            f"- `--workers 2` >= {AIM_W2_SCALING}x `--workers 1` req/s, {mode} c={conc}: "
+            f"{c.fmt_ratio(ratio)}x, {_verdict(ratio >= AIM_W2_SCALING)}"
+        )
+    for mode, conc, k, r in _both(cases, concs, "kvrelay-w1", "vllm-router"):
+        ratio = _ratio(k["router_cpu_us"], r["router_cpu_us"])
+        out.append(
+            f"- proxy CPU/request <= vllm-router's, {mode} c={conc}: "
+            f"{k['router_cpu_us']:.0f} vs {r['router_cpu_us']:.0f} us "
+            f"({c.fmt_ratio(ratio)}x), {_verdict(ratio <= 1.0)}"
+        )
     return out
 
 
@@ -745,15 +737,10 @@ def render_tracing(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{data.get('elapsed_s', 0) / 60:.1f} min."
     )
     lines += ["", *tracing_lines(data), "", "All targets (medians over rounds):", ""]
-    lines.append("| mode | conc | target | req/s | p50 ms | p99 ms | router CPU us/req | errors |")
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|")
-    for x in data["cases"]:
-        router_cpu = f"{x['router_cpu_us']:.0f}" if x["target"] != "direct" else "-"
-        lines.append(
-            f"| {x['mode']} | {x['concurrency']} | {x['target']} | {x['rps']:.0f} "
-            f"| {c.fmt_ms(x['p50'])} | {c.fmt_ms(x['p99'])} | {router_cpu} "
-            f"| {int(x['errors'])} |"
-        )
+    lines += c.case_table(
+        data["cases"],
+        [("router CPU us/req", c.routed(c.whole("router_cpu_us"))), ("errors", c.errors_cell)],
+    )
     return "\n".join(lines)
 
 
@@ -783,8 +770,10 @@ def main(args: argparse.Namespace) -> int:
             data["baseline"] = c.relpath(args.baseline_src)
     c.write_json(json_path, data)
     text = render_tracing(data, args) if tracing else render(data, args)
-    if not args.no_results:
-        c.update_results_section(TRACING_SECTION if tracing else SECTION, text)
-    print(text)
-    print(f"\nwrote {c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s")
+    c.publish(
+        TRACING_SECTION if tracing else SECTION,
+        text,
+        args.no_results,
+        wrote=f"{c.relpath(json_path)} in {data.get('elapsed_s', 0):.0f}s",
+    )
     return 0

@@ -65,6 +65,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from kvrelay.connector.block_hash import matching_prefix_blocks
+
 TRACE_BLOCK_TOKENS = 512  # the block size the Mooncake format's hash_ids stand for
 # A branch point at a turn's last full block needs this many continuations (module docstring).
 END_FANOUT = 8
@@ -329,15 +331,6 @@ def _scale(tokens: int, block_tokens: int) -> int:
     return max(1, round(tokens * block_tokens / TRACE_BLOCK_TOKENS))
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def reconstruct(
     requests: Sequence[TraceRequest],
     block_tokens: int = TRACE_BLOCK_TOKENS,
@@ -355,7 +348,7 @@ def reconstruct(
         for depth in range(len(nodes) - 1, -1, -1):
             for qi in trie.ending.get(nodes[depth], ()):
                 q = turns[qi].request
-                lcp = _lcp(q.hash_ids, r.hash_ids)
+                lcp = matching_prefix_blocks(q.hash_ids, r.hash_ids)
                 floor = max(turns[qi].branch_depth, turns[qi].shared_blocks)
                 if lcp > floor and r.input_length > q.input_length:
                     cand = (lcp, q.timestamp_ms, qi)

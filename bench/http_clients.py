@@ -23,7 +23,6 @@ All clients run on uvloop. Rewrites the `## http clients` section of bench/RESUL
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import math
 import statistics
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
+from bench._closed_loop import closed_loop
 
 SECTION = "http clients"
 CLIENTS = ("aiohttp-default", "aiohttp-tuned", "pyreqwest", "h1")
@@ -136,26 +136,18 @@ async def run_client(job: dict[str, Any]) -> dict[str, Any]:
     ]
     latencies: list[float] = []
     errors: list[str] = []
-    next_i = 0
 
-    async def worker(limit: int, record: bool) -> None:
-        nonlocal next_i
-        while next_i < limit:
-            i = next_i
-            next_i += 1
-            start = time.perf_counter()
-            try:
-                n = await send(bodies[i], headers[i])
-            except Exception as exc:  # any client's failure is a counted error, not a crash
-                errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                continue
-            if record and n:
-                latencies.append(time.perf_counter() - start)
+    async def attempt(i: int, record: bool) -> None:
+        start = time.perf_counter()
+        try:
+            n = await send(bodies[i], headers[i])
+        except Exception as exc:  # any client's failure is a counted error, not a crash
+            errors.append(f"{type(exc).__name__}: {exc}"[:200])
+            return
+        if record and n:
+            latencies.append(time.perf_counter() - start)
 
-    await asyncio.gather(*(worker(warmup, False) for _ in range(conc)))
-    started, cpu0 = time.perf_counter(), time.process_time()
-    await asyncio.gather(*(worker(warmup + total, True) for _ in range(conc)))
-    wall, cpu = time.perf_counter() - started, time.process_time() - cpu0
+    wall, cpu = await closed_loop(attempt, conc, warmup, total)
     await close()
     return {"latencies": latencies, "errors": len(errors), "error_samples": errors[:3],
             "wall_s": wall, "cpu_s": cpu}  # fmt: skip
@@ -314,10 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = measure(args)
     c.write_json(Path(args.json), {"cases": cases, "header": header})
     text = render(cases, args, header)
-    if not args.no_results:
-        c.update_results_section(SECTION, text)
-    print(text)
-    print(f"\nwrote {args.json} in {time.monotonic() - started:.0f}s")
+    c.publish(
+        SECTION, text, args.no_results, wrote=f"{args.json} in {time.monotonic() - started:.0f}s"
+    )
     return 0
 
 

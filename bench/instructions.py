@@ -237,9 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = measure(args)
     c.write_json(args.json, {"rows": rows, "header": header})
     text = render(rows, args, header)
-    if not args.no_results:
-        c.update_results_section(SECTION, text)
-    print(text)
+    c.publish(SECTION, text, args.no_results)
     return 0
 
 

@@ -554,10 +554,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.engine == "enginesim":  # .venv-vllm has no matplotlib
         plot(data, args.plot)
         link = f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-    if not args.no_results:
-        c.update_results_section(ENGINES[args.engine].section, text + link)
-    print(text)
-    print(f"\nwrote {c.relpath(args.json)} in {data['elapsed_s']:.0f}s")
+    c.publish(
+        ENGINES[args.engine].section,
+        text,
+        args.no_results,
+        plot=link,
+        wrote=f"{c.relpath(args.json)} in {data['elapsed_s']:.0f}s",
+    )
     return 0
 
 

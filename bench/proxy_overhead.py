@@ -311,23 +311,18 @@ def render_markdown(data: dict[str, Any], args: argparse.Namespace) -> str:
         "the difference is within this run's noise."
     )
     lines.append("")
-    lines.append(
-        "| mode | conc | target | req/s | p50 ms | p99 ms | added p50 ms | added p99 ms "
-        "| TTFB p50 ms | router CPU us/req | engines CPU us/req | D pulled tok | errors |"
+    lines += c.case_table(
+        cases,
+        [
+            ("added p50 ms", c.routed(lambda x: c.fmt_ms(x["added_p50"]))),
+            ("added p99 ms", c.routed(lambda x: c.fmt_ms(x["added_p99"]))),
+            ("TTFB p50 ms", c.streamed_ms("ttfb_p50")),
+            ("router CPU us/req", c.whole("router_cpu_us")),
+            ("engines CPU us/req", c.whole("engine_cpu_us")),
+            ("D pulled tok", c.whole("d_loaded_tokens")),
+            ("errors", c.errors_cell),
+        ],
     )
-    lines.append("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for case in cases:
-        stream = case["mode"] == "stream"
-        added = case["target"] != "direct"
-        lines.append(
-            f"| {case['mode']} | {case['concurrency']} | {case['target']} | {case['rps']:.0f} "
-            f"| {c.fmt_ms(case['p50'])} | {c.fmt_ms(case['p99'])} "
-            f"| {c.fmt_ms(case['added_p50']) if added else '-'} "
-            f"| {c.fmt_ms(case['added_p99']) if added else '-'} "
-            f"| {c.fmt_ms(case['ttfb_p50']) if stream else '-'} "
-            f"| {case['router_cpu_us']:.0f} | {case['engine_cpu_us']:.0f} "
-            f"| {case['d_loaded_tokens']:.0f} | {int(case['errors'])} |"
-        )
     lines.append("")
     lines.append(
         "Ratios kvrelay / vllm-router (same mode and concurrency; throughput > 1 is "
@@ -481,11 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     c.write_json(args.json, data)
     plot(data, args.plot)
     text = render_markdown(data, args)
-    if not args.no_results:
-        body = text + f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-        c.update_results_section(SECTION, body)
-    print(text)
-    print(f"\nwrote {c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s")
+    c.publish(
+        SECTION,
+        text,
+        args.no_results,
+        plot=f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n",
+        wrote=f"{c.relpath(args.json)}, {c.relpath(args.plot)} in {data['elapsed_s']:.0f}s",
+    )
     return 0
 
 

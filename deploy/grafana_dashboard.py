@@ -29,8 +29,13 @@ class Layout:
     def __init__(self) -> None:
         self.panels: list[dict[str, Any]] = []
         self.y = 0
+        self.x = 0
 
     def row(self, title: str) -> None:
+        """Start a row below the previous one; panels then fill it left to right."""
+        if self.x:
+            self.y += 8
+            self.x = 0
         self.panels.append(
             {
                 "type": "row",
@@ -49,7 +54,6 @@ class Layout:
         description: str,
         targets: list[tuple[str, str]],
         *,
-        x: int,
         w: int,
         unit: str = "short",
         kind: str = "timeseries",
@@ -84,7 +88,7 @@ class Layout:
                 "description": description,
                 "id": len(self.panels) + 1,
                 "datasource": DATASOURCE,
-                "gridPos": {"h": 8, "w": w, "x": x, "y": self.y},
+                "gridPos": {"h": 8, "w": w, "x": self.x, "y": self.y},
                 "fieldConfig": {"defaults": defaults, "overrides": []},
                 "targets": [
                     {
@@ -98,9 +102,34 @@ class Layout:
                 "options": options,
             }
         )
+        self.x += w
 
-    def next_row(self) -> None:
-        self.y += 8
+    def breakdown(
+        self, title: str, description: str, metric: str, labels: str, *, w: int, unit: str
+    ) -> None:
+        """A stacked panel of `metric`'s rate split by `labels`."""
+        self.panel(title, description, [by_labels(labels, metric)], w=w, unit=unit, stack=True)
+
+    def ratio_stat(
+        self, title: str, description: str, legend: str, metric: str, matchers: str, *, w: int
+    ) -> None:
+        """A 0..1 stat: the share of `metric`'s rate whose labels match `matchers` (5m)."""
+        share = ratio(f"sum({rate(metric, matchers)})", f"sum({rate(metric)})")
+        self.panel(
+            title,
+            description,
+            [(share, legend)],
+            w=w,
+            unit="percentunit",
+            kind="stat",
+            bounds=(0, 1),
+        )
+
+
+def by_labels(labels: str, metric: str, matchers: str = "") -> tuple[str, str]:
+    """The rate of `metric` summed per `labels` ("a, b"), with the legend naming them."""
+    legend = " ".join("{{" + label.strip() + "}}" for label in labels.split(","))
+    return f"sum by ({labels}) ({rate(metric, matchers)})", legend
 
 
 def sel(metric: str, matchers: str = "") -> str:
@@ -123,15 +152,13 @@ def build() -> dict[str, Any]:
     g.row("Reuse")
     reuse = "kvrelay_reuse_total"
     hit = 'result="hit"'
-    g.panel(
+    g.ratio_stat(
         "Reuse rate",
         "Share of reuse lookups that hit D's held KV (5m).",
-        [(ratio(f"sum({rate(reuse, hit)})", f"sum({rate(reuse)})"), "hit rate")],
-        x=0,
+        "hit rate",
+        reuse,
+        hit,
         w=6,
-        unit="percentunit",
-        kind="stat",
-        bounds=(0, 1),
     )
     g.panel(
         "Tokens saved / s",
@@ -140,39 +167,32 @@ def build() -> dict[str, Any]:
             (f"sum({rate('kvrelay_tokens_reused_total')})", "offered (reused)"),
             (f"sum({rate('kvrelay_tokens_pulled_total')})", "loaded by P"),
         ],
-        x=6,
         w=9,
     )
-    g.panel(
+    g.breakdown(
         "Reuse lookups by result",
         "hit, miss, refused (history check), expired, unverifiable, map_unavailable.",
-        [(f"sum by (result) ({rate(reuse)})", "{{result}}")],
-        x=15,
+        reuse,
+        "result",
         w=5,
         unit="reqps",
-        stack=True,
     )
     requests = "kvrelay_requests_total"
     not_ok = 'outcome!="ok"'
-    g.panel(
+    g.ratio_stat(
         "Error ratio",
         "Share of client requests that did not end ok (5m).",
-        [(ratio(f"sum({rate(requests, not_ok)})", f"sum({rate(requests)})"), "errors")],
-        x=20,
+        "errors",
+        requests,
+        not_ok,
         w=4,
-        unit="percentunit",
-        kind="stat",
-        bounds=(0, 1),
     )
-    g.next_row()
-
     g.row("Latency")
     ttft = f"sum by (le) ({rate('kvrelay_ttft_seconds_bucket')})"
     g.panel(
         "TTFT",
         "Client request to the first byte of D's answer.",
         [(f"histogram_quantile({q}, {ttft})", f"p{round(q * 100)}") for q in (0.5, 0.95, 0.99)],
-        x=0,
         w=8,
         unit="s",
     )
@@ -184,7 +204,6 @@ def build() -> dict[str, Any]:
             (f"histogram_quantile(0.95, {legs})", "{{leg}} p95"),
             (f"histogram_quantile(0.5, {legs})", "{{leg}} p50"),
         ],
-        x=8,
         w=8,
         unit="s",
     )
@@ -201,33 +220,28 @@ def build() -> dict[str, Any]:
                 "{{leg}} {{outcome}}",
             )
         ],
-        x=16,
         w=8,
         unit="s",
     )
-    g.next_row()
-
     g.row("Traffic and errors")
-    g.panel(
+    g.breakdown(
         "Requests by outcome",
         "Client requests per route and outcome.",
-        [(f"sum by (route, outcome) ({rate(requests)})", "{{route}} {{outcome}}")],
-        x=0,
+        requests,
+        "route, outcome",
         w=8,
         unit="reqps",
-        stack=True,
     )
     g.panel(
         "Errors by kind",
         "Failed client requests by outcome (client_error, upstream_error, client_disconnected, "
         "error), retries on another engine, fallbacks (decode_only), conversation-map failures.",
         [
-            (f"sum by (outcome) ({rate(requests, not_ok)})", "{{outcome}}"),
+            by_labels("outcome", requests, not_ok),
             (f"sum by (leg) ({rate('kvrelay_retries_total')})", "retry {{leg}}"),
             (f"sum by (kind) ({rate('kvrelay_fallbacks_total')})", "fallback {{kind}}"),
             (f"sum by (op) ({rate('kvrelay_map_unavailable_total')})", "map unavailable {{op}}"),
         ],
-        x=8,
         w=8,
         unit="ops",
     )
@@ -235,40 +249,32 @@ def build() -> dict[str, Any]:
         "In-flight requests",
         "Client requests being served, per route.",
         [(f"sum by (route) ({sel('kvrelay_inflight_requests')})", "{{route}}")],
-        x=16,
         w=8,
     )
-    g.next_row()
-
     g.row("Backends and held KV")
     g.panel(
         "Backend health",
         "1 = engine in its pool, 0 = ejected by health checks.",
         [(f"max by (role, backend) ({sel('kvrelay_backend_healthy')})", "{{role}} {{backend}}")],
-        x=0,
         w=8,
         bounds=(0, 1),
     )
-    g.panel(
+    g.breakdown(
         "Held-block releases",
         "Releases the proxy sent to holders, by holder role and result.",
-        [(f"sum by (holder, result) ({rate('kvrelay_releases_total')})", "{{holder}} {{result}}")],
-        x=8,
+        "kvrelay_releases_total",
+        "holder, result",
         w=8,
         unit="ops",
-        stack=True,
     )
-    g.panel(
+    g.breakdown(
         "Where D's params came from",
         "response, stream, side_channel, or missing (no reuse on the next turn).",
-        [(f"sum by (source) ({rate('kvrelay_finished_params_total')})", "{{source}}")],
-        x=16,
+        "kvrelay_finished_params_total",
+        "source",
         w=8,
         unit="ops",
-        stack=True,
     )
-    g.next_row()
-
     job_query = "label_values(kvrelay_requests_total, job)"
     return {
         "title": "kvrelay",

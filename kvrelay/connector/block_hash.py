@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 HASH_HEX_CHARS = 16
 
@@ -57,7 +57,7 @@ def tail_hash(
     return hashlib.sha256(digest + b"tail" + packed).hexdigest()[:HASH_HEX_CHARS]
 
 
-def matching_prefix_blocks(local: Sequence[str], remote: Sequence[str]) -> int:
+def matching_prefix_blocks(local: Sequence[Hashable], remote: Sequence[Hashable]) -> int:
     """How many leading blocks agree; the chain makes block i match only if all before did."""
     n = 0
     for a, b in zip(local, remote, strict=False):

@@ -6,10 +6,7 @@ and chaos suites use the same engines.
 
 from __future__ import annotations
 
-import json
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -20,9 +17,10 @@ from kvrelay.devtools.process import (
     ServerProcess,
     free_port,
     http_ready,
+    json_request,
     wait_until,
 )
-from kvrelay.devtools.prometheus import parse_samples
+from kvrelay.devtools.prometheus import scrape
 from kvrelay.devtools.ucx import LOOPBACK_UCX
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
@@ -70,20 +68,10 @@ class EngineSim(ManagedServer):
         timeout: float = 30.0,
     ) -> tuple[int, Any]:  # fmt: skip
         """POST JSON (GET when `body` is None); returns (status, parsed JSON body)."""
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(
-            self.url + path, data=data, headers={"Content-Type": "application/json",
-                                                 **(headers or {})},
-        )  # fmt: skip
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"null")
+        return json_request(self.url + path, body, headers, timeout)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=5) as resp:
-            return parse_samples(resp.read().decode())
+        return scrape(self.url, timeout=5)
 
     def metric(self, name: str) -> float:
         return self.metrics().get(name, 0.0)

@@ -8,6 +8,7 @@ session, so `stop()` and `kill()` reach its children too (vLLM's engine core, pr
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -20,6 +21,7 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # Free ports are looked for from here up to the kernel's ephemeral range (Linux's default start
 # when the range cannot be read).
@@ -95,6 +97,22 @@ def http_ready(url: str) -> Callable[[], bool]:
             return False
 
     return probe
+
+
+def json_request(
+    url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 30.0
+) -> tuple[int, Any]:
+    """POST `body` as JSON to a started server (GET when it is None); (status, parsed JSON
+    body, None when empty), error statuses included."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null")
 
 
 def live_children(name: str) -> list[int]:

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import json
 import sys
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
-from kvrelay.devtools.prometheus import parse_samples, series_sum
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready, json_request
+from kvrelay.devtools.prometheus import scrape, series_sum
 from kvrelay.devtools.ucx import LOOPBACK_UCX
 
 CONNECTOR_SECRET = "kvrelay-vllm-test-secret"
@@ -129,20 +127,10 @@ class VLLMServer:
     def post(
         self, path: str, body: Any, headers: dict[str, str] | None = None, timeout: float = 120
     ) -> tuple[int, Any]:
-        req = urllib.request.Request(
-            self.url + path,
-            data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json", **(headers or {})},
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as err:
-            return err.code, json.loads(err.read() or b"null")
+        return json_request(self.url + path, body, headers, timeout)
 
     def metrics(self) -> dict[str, float]:
-        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
-            return parse_samples(resp.read().decode())
+        return scrape(self.url, timeout=10)
 
     def metric(self, prefix: str) -> float:
         """Sum of every series of metric `prefix` (labels differ per engine)."""

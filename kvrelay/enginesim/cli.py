@@ -8,6 +8,7 @@ import logging
 import os
 import signal
 import sys
+from typing import Any
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.enginesim.config import DEFAULT_MODEL, EngineConfig
@@ -106,38 +107,51 @@ def pool_from_args(args: argparse.Namespace) -> tuple[int, int, int]:
     return num_blocks, block_size, max_model_len
 
 
+# Options passed to the config under their own names; the others are derived below.
+_CONNECTOR_OPTIONS = (
+    "side_channel_port",
+    "side_channel_host",
+    "kv_recompute_threshold",
+    "kv_load_failure_policy",
+    "lease_seconds",
+    "publish_finished_params",
+)
+_ENGINE_OPTIONS = (
+    "model",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "prefill_us_per_token",
+    "decode_us_per_step",
+    "cost_profile",
+    "kv_link",
+    "prefix_cache_blocks",
+    "eos_period",
+    "params_in_stream",
+    "enable_prompt_tokens_details",
+)
+
+
+def _options(args: argparse.Namespace, names: tuple[str, ...]) -> dict[str, Any]:
+    return {name: getattr(args, name) for name in names}
+
+
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     connector = None
     if args.side_channel_port is not None:
         connector = ConnectorConfig(
             engine_id=args.engine_id or f"sim-{args.port}",
-            side_channel_port=args.side_channel_port,
-            side_channel_host=args.side_channel_host,
-            kv_recompute_threshold=args.kv_recompute_threshold,
-            kv_load_failure_policy=args.kv_load_failure_policy,
-            lease_seconds=args.lease_seconds,
-            publish_finished_params=args.publish_finished_params,
             handshake_timeout_s=args.handshake_timeout,
+            **_options(args, _CONNECTOR_OPTIONS),
         )
     num_blocks, block_size, max_model_len = pool_from_args(args)
     return EngineConfig(
-        model=args.model,
         max_model_len=max_model_len,
         num_blocks=num_blocks,
         block_size=block_size,
         geometry=ModelGeometry(args.num_layers, args.num_kv_heads, args.head_size, args.dtype),
         kv_layout=KVLayout(args.kv_layout),
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        prefill_us_per_token=args.prefill_us_per_token,
-        decode_us_per_step=args.decode_us_per_step,
-        cost_profile=args.cost_profile,
-        kv_link=args.kv_link,
-        prefix_cache_blocks=args.prefix_cache_blocks,
-        eos_period=args.eos_period,
-        params_in_stream=args.params_in_stream,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         connector=connector,
+        **_options(args, _ENGINE_OPTIONS),
     )
 
 

@@ -43,6 +43,17 @@ def _split_list(value: Any) -> Any:
     return value
 
 
+def _check_host_port(addr: str, what: str) -> None:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{what} is not host:port")
+
+
+def _check_no_repeats(keys: list[str], what: str) -> None:
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the same {what} is listed twice")
+
+
 def _split_mapping(value: Any) -> Any:
     """`url=host:port,url=host:port` or a JSON object."""
     if isinstance(value, str):
@@ -464,8 +475,7 @@ class Settings(BaseSettings):
     @classmethod
     def _urls(cls, value: list[str]) -> list[str]:
         urls = [normalize_backend_url(u) for u in value]
-        if len(set(urls)) != len(urls):
-            raise ValueError("the same URL is listed twice")
+        _check_no_repeats(urls, "URL")
         return urls
 
     @field_validator("side_channels")
@@ -473,9 +483,7 @@ class Settings(BaseSettings):
     def _side_channels(cls, value: dict[str, str]) -> dict[str, str]:
         out: dict[str, str] = {}
         for url, addr in value.items():
-            host, sep, port = addr.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"{addr!r} for {url!r} is not host:port")
+            _check_host_port(addr, f"{addr!r} for {url!r}")
             out[normalize_backend_url(url)] = addr
         return out
 
@@ -500,8 +508,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{route!r} is not a plain path such as /v1/embeddings")
             if route in OWN_ROUTES or route.startswith(("/admin", "/v1/conversations")):
                 raise ValueError(f"{route!r} is a route the proxy answers itself")
-        if len(set(value)) != len(value):
-            raise ValueError("the same route is listed twice")
+        _check_no_repeats(value, "route")
         return value
 
     @field_validator("forward_headers")
@@ -512,8 +519,7 @@ class Settings(BaseSettings):
                 raise ValueError(f"{name!r} is not an HTTP header name")
             if name.lower() in NOT_FORWARDED_HEADERS:
                 raise ValueError(f"{name!r} is never forwarded (a credential or the proxy's own)")
-        if len({n.lower() for n in value}) != len(value):
-            raise ValueError("the same header is listed twice")
+        _check_no_repeats([n.lower() for n in value], "header")
         return value
 
     @field_validator("map_url")
@@ -542,9 +548,7 @@ class Settings(BaseSettings):
     def _dns_server(cls, value: str | None) -> str | None:
         if value is None:
             return None
-        host, sep, port = value.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{value!r} is not host:port")
+        _check_host_port(value, repr(value))
         return value
 
     @field_validator("log_level", mode="before")

@@ -14,33 +14,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.fleet.pools import Backend
+from kvrelay.proxy.fleet.refreshed import Refreshed
 from kvrelay.proxy.fleet.shared import Fleet
 
 log = logging.getLogger(__name__)
 
 
-class ModelCatalog:
+class ModelCatalog(Refreshed):
     """The merged `/v1/models` of the fleet, cached."""
 
     def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
-        self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = fleet.settings.first_byte_timeout
+        super().__init__(fleet, fleet.settings.first_byte_timeout)
         self._models: list[dict[str, Any]] = []
         self._ids: frozenset[str] = frozenset()
         self._servers: dict[str, frozenset[str]] = {}  # model id -> URLs of engines serving it
-        self._fetched_at = -float("inf")
         self._answered = False  # whether any engine answered the last refresh
-        self._refreshing: asyncio.Task[None] | None = None
-
-    @property
-    def _fresh(self) -> bool:
-        return time.monotonic() - self._fetched_at < self._refresh_s
 
     async def listing(self) -> dict[str, Any]:
         """The merged list (an OpenAI `list` object), fetched now; 503 if no engine answered."""
@@ -74,16 +66,6 @@ class ModelCatalog:
         """URLs of the engines that listed `model` at the last refresh; None when unknown."""
         return self._servers.get(model) if isinstance(model, str) else None
 
-    def _start_refresh(self) -> asyncio.Task[None]:
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
-        return self._refreshing
-
-    async def refresh(self) -> None:
-        """Fetch and merge the engines' lists (one fetch at a time; callers share it)."""
-        # Shielded: a caller that goes away does not cancel the others' fetch.
-        await asyncio.shield(self._start_refresh())
-
     async def _refresh(self) -> None:
         fleet = self._fleet
         engines = fleet.decode.usable() + fleet.prefill.usable()
@@ -103,7 +85,7 @@ class ModelCatalog:
             self._models = list(merged.values())
             self._ids = frozenset(merged)
             self._servers = {model: frozenset(urls) for model, urls in servers.items()}
-        self._fetched_at = time.monotonic()
+        self._fetched()
 
     async def _fetch(self, backend: Backend) -> list[dict[str, Any]] | None:
         body = await self._fleet.engine_json(backend, "/v1/models", self._timeout)

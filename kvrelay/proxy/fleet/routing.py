@@ -58,13 +58,8 @@ class Router:
         """P for the turn, and whether it is the conversation's previous P (affinity)."""
         preferred = entry.prefill_url if entry is not None else None
         if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
-            backend = self.prefill.get(preferred)
-            if (
-                backend is not None
-                and backend.usable
-                and backend.inflight < self.settings.prefill_overload_inflight
-                and not self.busy(backend)
-            ):
+            backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
+            if backend is not None:
                 return backend, True
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
@@ -86,15 +81,23 @@ class Router:
     def pick_decode(self, preferred: str | None, exclude: set[str]) -> Backend | None:
         """D by affinity (the holder) unless it is overloaded or busy, else the least loaded."""
         if preferred is not None and preferred not in exclude:
-            backend = self.decode.get(preferred)
-            if (
-                backend is not None
-                and backend.usable
-                and backend.inflight < self.settings.decode_overload_inflight
-                and not self.busy(backend)
-            ):
+            backend = self._affine(self.decode, preferred, self.settings.decode_overload_inflight)
+            if backend is not None:
                 return backend
         return self.least_loaded(self.decode, exclude)
+
+    def _affine(self, pool: Pool, preferred: str, overload_inflight: int) -> Backend | None:
+        """The `preferred` engine of `pool` when it can take the turn: usable, under
+        `overload_inflight` requests, not busy; else None."""
+        backend = pool.get(preferred)
+        if (
+            backend is not None
+            and backend.usable
+            and backend.inflight < overload_inflight
+            and not self.busy(backend)
+        ):
+            return backend
+        return None
 
     def least_loaded(self, pool: Pool, exclude: set[str]) -> Backend | None:
         """The usable engine of `pool` (not in `exclude`) with the least queued, busy ones

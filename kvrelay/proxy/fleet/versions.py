@@ -12,36 +12,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Any
 
 from kvrelay import __version__
 from kvrelay.proxy.fleet.pools import Backend
+from kvrelay.proxy.fleet.refreshed import Refreshed
 from kvrelay.proxy.fleet.shared import Fleet
 
 log = logging.getLogger(__name__)
 
 
-class EngineVersions:
+class EngineVersions(Refreshed):
     """The engines' `/version` answers, cached."""
 
     def __init__(self, fleet: Fleet) -> None:
-        self._fleet = fleet
-        self._refresh_s = fleet.settings.models_refresh_s
-        self._timeout = fleet.settings.probe_timeout_s
+        super().__init__(fleet, fleet.settings.probe_timeout_s)
         self._engines: list[dict[str, Any]] = []
-        self._fetched_at = -float("inf")
-        self._fetching: asyncio.Task[None] | None = None
 
     async def document(self) -> dict[str, Any]:
-        if time.monotonic() - self._fetched_at >= self._refresh_s:
-            if self._fetching is None or self._fetching.done():
-                self._fetching = asyncio.get_running_loop().create_task(self._fetch_all())
-            # Shielded: a caller that goes away does not cancel the others' fetch.
-            await asyncio.shield(self._fetching)
+        if not self._fresh:
+            await self.refresh()
         return {"version": __version__, "engines": list(self._engines)}
 
-    async def _fetch_all(self) -> None:
+    async def _refresh(self) -> None:
         fleet = self._fleet
         engines = fleet.prefill.usable() + fleet.decode.usable()
         answers = await asyncio.gather(*(self._fetch(b) for b in engines))
@@ -49,7 +42,7 @@ class EngineVersions:
             {"engine": b.name, "role": b.role, "version": v}
             for b, v in zip(engines, answers, strict=True)
         ]
-        self._fetched_at = time.monotonic()
+        self._fetched()
 
     async def _fetch(self, backend: Backend) -> str | None:
         body = await self._fleet.engine_json(backend, "/version", self._timeout)

@@ -10,7 +10,9 @@ from aiohttp import web
 
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.http.auth import authenticate
+from kvrelay.proxy.http.body import HeldBody
 from kvrelay.proxy.http.keys import LIMITS, SETTINGS, TENANTS
+from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import Slot
 
 
@@ -36,3 +38,12 @@ async def admit(request: web.Request) -> tuple[str, Slot]:
     tenant = authenticate(request, app[SETTINGS])
     check_breaker(app, tenant)
     return tenant, await app[LIMITS].admit(tenant)
+
+
+async def leave(slot: Slot | None, held: HeldBody, route: str) -> None:
+    """Give back what a client request held (its tenant slot, its body bytes, its in-flight
+    count on `route`): the `finally` of every client route."""
+    if slot is not None:
+        await slot.release()
+    held.release()
+    metrics.INFLIGHT.labels(route).dec()

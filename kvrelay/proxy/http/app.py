@@ -41,7 +41,7 @@ from kvrelay.proxy.fleet import (
     start_kube_discovery,
 )
 from kvrelay.proxy.http import admin, passthrough
-from kvrelay.proxy.http.access import admit
+from kvrelay.proxy.http.access import admit, leave
 from kvrelay.proxy.http.auth import authenticate, require_metrics_key
 from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.http.headers import forwarded_headers, header_text
@@ -156,10 +156,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
-        if slot is not None:
-            await slot.release()
-        held.release()
-        metrics.INFLIGHT.labels(route).dec()
+        await leave(slot, held, route)
         metrics.REQUESTS.labels(route, outcome).inc()
 
 

@@ -34,6 +34,36 @@ def _errors(*codes: int) -> dict[str, Any]:
     return {str(c): _json(_ERROR, text[c]) for c in codes}
 
 
+def _request_body(schema: str) -> dict[str, Any]:
+    """A required JSON body of the components' `schema`."""
+    ref = {"$ref": f"#/components/schemas/{schema}"}
+    return {"required": True, "content": {"application/json": {"schema": ref}}}
+
+
+def _engine_answer(description: str) -> dict[str, Any]:
+    """A 200 that is an engine's answer: JSON, or server-sent events."""
+    return {
+        "description": description,
+        "content": {
+            "application/json": {"schema": {"type": "object"}},
+            "text/event-stream": {"schema": {"type": "string"}},
+        },
+    }
+
+
+def _backend_op(summary: str, status: str, description: str) -> dict[str, Any]:
+    """An admin operation on one engine named by a BackendRef body."""
+    return {
+        "summary": summary,
+        "security": [{"admin": []}],
+        "requestBody": _request_body("BackendRef"),
+        "responses": {
+            status: _json({"type": "object"}, description),
+            **_errors(400, 401, 404, 408, 413),
+        },
+    }
+
+
 def _completion_op(summary: str, schema: str) -> dict[str, Any]:
     return {
         "summary": summary,
@@ -42,18 +72,11 @@ def _completion_op(summary: str, schema: str) -> dict[str, Any]:
             {"$ref": "#/components/parameters/ConversationId"},
             {"$ref": "#/components/parameters/SessionId"},
         ],
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
-        },
+        "requestBody": _request_body(schema),
         "responses": {
-            "200": {
-                "description": "The engine's answer; JSON, or server-sent events when stream=true.",
-                "content": {
-                    "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
+            "200": _engine_answer(
+                "The engine's answer; JSON, or server-sent events when stream=true."
+            ),
             **_errors(400, 401, 408, 413, 429, 502, 503),
         },
     }
@@ -63,18 +86,9 @@ def _passthrough_op(summary: str) -> dict[str, Any]:
     return {
         "summary": f"{summary} (passed through to an engine; passthrough_routes)",
         "parameters": [{"$ref": "#/components/parameters/RequestId"}],
-        "requestBody": {
-            "required": True,
-            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Body"}}},
-        },
+        "requestBody": _request_body("Body"),
         "responses": {
-            "200": {
-                "description": "The engine's answer as it sent it (streams stream).",
-                "content": {
-                    "application/json": {"schema": {"type": "object"}},
-                    "text/event-stream": {"schema": {"type": "string"}},
-                },
-            },
+            "200": _engine_answer("The engine's answer as it sent it (streams stream)."),
             **_errors(400, 401, 404, 408, 413, 429, 502, 503),
         },
     }
@@ -191,22 +205,7 @@ def openapi_document() -> dict[str, Any]:
                     "security": [{"admin": []}],
                     "responses": {"200": _json({"type": "object"}, "Pools."), **_errors(401, 404)},
                 },
-                "post": {
-                    "summary": "Add an engine",
-                    "security": [{"admin": []}],
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/BackendRef"}
-                            }
-                        },
-                    },
-                    "responses": {
-                        "201": _json({"type": "object"}, "Added."),
-                        **_errors(400, 401, 404, 408, 413),
-                    },
-                },
+                "post": _backend_op("Add an engine", "201", "Added."),
                 "delete": {
                     "summary": "Remove an engine",
                     "security": [{"admin": []}],
@@ -221,22 +220,7 @@ def openapi_document() -> dict[str, Any]:
                 },
             },
             "/admin/backends/drain": {
-                "post": {
-                    "summary": "Drain an engine (no new requests)",
-                    "security": [{"admin": []}],
-                    "requestBody": {
-                        "required": True,
-                        "content": {
-                            "application/json": {
-                                "schema": {"$ref": "#/components/schemas/BackendRef"}
-                            }
-                        },
-                    },
-                    "responses": {
-                        "200": _json({"type": "object"}, "Draining."),
-                        **_errors(400, 401, 404, 408, 413),
-                    },
-                },
+                "post": _backend_op("Drain an engine (no new requests)", "200", "Draining."),
             },
         },
         "components": {

@@ -76,10 +76,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
-        if slot is not None:
-            await slot.release()
-        held.release()
-        metrics.INFLIGHT.labels(route).dec()
+        await access.leave(slot, held, route)
         metrics.PASSTHROUGH.labels(route, outcome).inc()
 
 

@@ -247,6 +247,19 @@ def chat_store_key_id(shape: PromptShape) -> str | None:
     return FINGERPRINT_PREFIX + shape._chain[-1]
 
 
+def _single_prompt(
+    kind: str,
+    store_fingerprint: str,
+    model: str,
+    text: str | None = None,
+    tokens: tuple[int, ...] | None = None,
+) -> PromptShape:
+    """A completion's one prompt (text or token ids): no history, so no lookup by fingerprint."""
+    return PromptShape(
+        kind, store_fingerprint, None, None, _text=text, _tokens=tokens, _model=model
+    )
+
+
 def completion_shape(body: dict[str, Any]) -> PromptShape:
     model = body.get("model")
     model = model if isinstance(model, str) else ""
@@ -254,27 +267,15 @@ def completion_shape(body: dict[str, Any]) -> PromptShape:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return PromptShape(
-            kind="text",
-            store_fingerprint=f"t:{len(prompt)}:{_text_digest(prompt, model)}",
-            history_fingerprint=None,
-            lookup_key_id=None,
-            _text=prompt,
-            _model=model,
-        )
+        fingerprint = _text_digest(prompt, model)
+        return _single_prompt("text", f"t:{len(prompt)}:{fingerprint}", model, text=prompt)
     if (
         isinstance(prompt, list)
         and prompt
         and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
     ):
         tokens = tuple(prompt)
-        return PromptShape(
-            kind="tokens",
-            store_fingerprint=f"k:{len(tokens)}:{_tokens_digest(tokens, model)}",
-            history_fingerprint=None,
-            lookup_key_id=None,
-            _tokens=tokens,
-            _model=model,
-        )
+        fingerprint = _tokens_digest(tokens, model)
+        return _single_prompt("tokens", f"k:{len(tokens)}:{fingerprint}", model, tokens=tokens)
     # Batches of prompts: several outputs, no single conversation to continue.
     return PromptShape("none", None, None, None)
