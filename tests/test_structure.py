@@ -328,3 +328,17 @@ def test_every_kvrelay_import_names_a_module_that_exists(modules: dict[str, Path
         if imp.target not in modules
     ]
     assert stale == []
+
+
+def test_a_room_never_imports_through_its_own_face(modules: dict[str, Path]) -> None:
+    """`from kvrelay.proxy.<room> import x` inside that room goes through the face, which
+    imports the room's modules: a circle (face -> module -> face) however it is spelt."""
+    rooms = proxy_rooms(modules)
+    own_face = [
+        f"{path.relative_to(ROOT)}:{imp.line} imports {imp.via or imp.target}"
+        for name, path in modules.items()
+        if path.name != "__init__.py" and (room := proxy_room(name, rooms)) is not None
+        for imp in imports_of(name, path, set(modules))
+        if room in (imp.via, imp.target)
+    ]
+    assert own_face == []

@@ -40,8 +40,8 @@ from kvrelay.proxy.fleet import (
     start_discovery,
     start_kube_discovery,
 )
-from kvrelay.proxy.http import admin, passthrough
 from kvrelay.proxy.http.access import admit, leave
+from kvrelay.proxy.http.admin import admin_app
 from kvrelay.proxy.http.auth import authenticate, require_metrics_key
 from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.http.headers import forwarded_headers, header_text
@@ -57,6 +57,7 @@ from kvrelay.proxy.http.keys import (
     VERSIONS,
 )
 from kvrelay.proxy.http.openapi import openapi_document
+from kvrelay.proxy.http.passthrough import add_routes as add_passthrough_routes
 from kvrelay.proxy.http.validation import validate_chat, validate_completion
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import Slot, TenantBreaker, open_limiter
@@ -254,8 +255,8 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/version", version)
     app.router.add_delete("/v1/conversations/{conversation_id}", delete_conversation)
-    app.add_subapp("/admin", admin.admin_app())
-    passthrough.add_routes(app, settings.passthrough_routes)
+    app.add_subapp("/admin", admin_app())
+    add_passthrough_routes(app, settings.passthrough_routes)
     app.cleanup_ctx.append(_make_state(settings, kvmap))
     return app
 

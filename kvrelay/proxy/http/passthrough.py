@@ -32,8 +32,11 @@ from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.base import ProxyError, bad_request, strip_connector_fields
 from kvrelay.proxy.engines import H1Response, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, Router, engines_to_try
-from kvrelay.proxy.http import access, forms
+from kvrelay.proxy.http.access import admit, leave
 from kvrelay.proxy.http.body import HeldBody, parse_json_body, read_body
+from kvrelay.proxy.http.forms import field_text as form_field_text
+from kvrelay.proxy.http.forms import parts as form_parts
+from kvrelay.proxy.http.forms import without as form_without
 from kvrelay.proxy.http.headers import forwarded_headers
 from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, MODELS
 from kvrelay.proxy.telemetry import metrics
@@ -64,7 +67,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     outcome = "error"
     metrics.INFLIGHT.labels(route).inc()
     try:
-        _tenant, slot = await access.admit(request)
+        _tenant, slot = await admit(request)
         body = await _payload(request, fleet, held)
         upstream_id = upstream_request_id(request_id, supplied == request_id)
         response, outcome = await _forward(request, fleet, route, body, upstream_id, request_id)
@@ -76,7 +79,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         outcome = "client_disconnected"
         raise
     finally:
-        await access.leave(slot, held, route)
+        await leave(slot, held, route)
         metrics.PASSTHROUGH.labels(route, outcome).inc()
 
 
@@ -122,15 +125,15 @@ async def _payload(
 async def _form_payload(
     request: web.Request, raw: bytes | bytearray, boundary: str, held: HeldBody
 ) -> tuple[bytes, Any]:
-    found = forms.parts(raw, boundary)
+    found = form_parts(raw, boundary)
     model: str | None = None
     for part in found:
         if part.name == "model":
-            model = forms.field_text(raw, part)
+            model = form_field_text(raw, part)
             await request.app[MODELS].check(model)
     if any(part.name == KV_TRANSFER_PARAMS for part in found):
         held.grow_to(2 * len(raw))  # the rebuilt form beside the body it came from
-        return forms.without(raw, boundary, found, {KV_TRANSFER_PARAMS}), model
+        return form_without(raw, boundary, found, {KV_TRANSFER_PARAMS}), model
     return bytes(raw), model
 
 

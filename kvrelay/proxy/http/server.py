@@ -22,8 +22,8 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvrelay.proxy.config import LogFormat, Settings, SettingsError
-from kvrelay.proxy.http import protocol_errors
 from kvrelay.proxy.http.parent_watch import exit_with_parent
+from kvrelay.proxy.http.protocol_errors import install as shape_protocol_errors
 from kvrelay.proxy.http.supervisor import Supervisor
 from kvrelay.proxy.telemetry import logs, tracing
 
@@ -116,7 +116,7 @@ def run_worker(settings: Settings, reuse_port: bool, supervisor_pid: int | None 
     from kvrelay.proxy.http.app import create_app
 
     configure_logging(settings.log_level, settings.log_format)
-    protocol_errors.install()
+    shape_protocol_errors()
     if supervisor_pid is not None:
         exit_with_parent(supervisor_pid)
     tracing.configure(settings.tracing)
