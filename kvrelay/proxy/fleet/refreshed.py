@@ -6,13 +6,14 @@ does not cancel it for the others. The model list and the engines' versions are 
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import time
 
 from kvrelay.proxy.fleet.shared import Fleet
 
 
-class Refreshed:
+class Refreshed(abc.ABC):
     """Caches what `_refresh` gathers; subclasses write `_refresh` and end it with `_fetched`."""
 
     def __init__(self, fleet: Fleet, timeout: float) -> None:
@@ -39,5 +40,6 @@ class Refreshed:
         # Shielded: a caller that goes away does not cancel the others' fetch.
         await asyncio.shield(self._start_refresh())
 
+    @abc.abstractmethod
     async def _refresh(self) -> None:
-        raise NotImplementedError
+        """Gather the answer from the engines, then call `_fetched`."""
