@@ -7,6 +7,9 @@ rather than silently (a slower fallback, a wrong connection, an unshaped error p
   (`_value`, `_sum`, `_buckets`, `_upper_bounds`) and its `MutexValue` float.
 - `kvrelay.proxy.http.protocol_errors`: aiohttp's `web_server.RequestHandler` name, read by
   `Server.__call__` at each connection, and `RequestHandler.handle_error`'s signature.
+- `kvrelay.connector.protocol` and `kvrelay.kvcache_map._entry`: pydantic keeps a model's field
+  values in the instance `__dict__`, the names given in `__pydantic_fields_set__` and unknown
+  fields in `__pydantic_extra__` (read directly on every turn: cheaper than attributes).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from prometheus_client.values import MutexValue
 from redis.asyncio.connection import Connection
 from redis.commands.core import AsyncScript
 
+from kvrelay.connector.protocol import KVTransferParams
+from kvrelay.kvcache_map import KVEntry
 from kvrelay.kvcache_map._resp import RedisAddress, RespConnection
 from kvrelay.proxy.http import ShapedErrorsRequestHandler
 from kvrelay.proxy.telemetry import metrics
@@ -87,6 +92,28 @@ def test_prometheus_children_keep_their_values_in_mutex_floats() -> None:
     assert 'pin_hist_bucket{l="a",le="1.0"} 0.0' in text
     assert 'pin_hist_bucket{l="a",le="2.0"} 1.0' in text
     assert 'pin_hist_sum{l="a"} 1.5' in text
+
+
+# -- pydantic ----------------------------------------------------------------------------------
+
+
+def test_pydantic_models_keep_fields_in_the_instance_dict() -> None:
+    params = KVTransferParams.from_wire(
+        {"remote_host": "d0", "remote_port": 7, "release_token": "t", "vendor": 1}
+    )
+    assert params is not None
+    assert params.__dict__["remote_host"] == "d0" and params.__dict__["remote_request_id"] is None
+    assert set(params.__dict__) == set(KVTransferParams.model_fields)
+    assert params.__pydantic_fields_set__ == params.model_fields_set
+    assert params.__pydantic_fields_set__ == {"remote_host", "remote_port", "release_token", "vendor"}
+    assert params.__pydantic_extra__ == params.model_extra == {"vendor": 1}
+    # What the direct reads give is what the public API gives.
+    assert params.to_wire() == params.model_dump(exclude_unset=True)
+    entry = KVEntry(
+        engine_id="e", host="d0", port=7, url="http://d0:1", request_id="r", block_ids=[[1]],
+        num_tokens=3, fingerprint="f", expires_at=1.0,
+    )  # fmt: skip
+    assert entry.__dict__ == dict(entry)
 
 
 # -- aiohttp -----------------------------------------------------------------------------------

@@ -167,8 +167,9 @@ class KVEntry(BaseModel):
     def to_bytes(self) -> bytes:
         """Compact JSON with one-letter keys and no optional fields that are unset."""
         doc: dict[str, Any] = {"v": _FORMAT_VERSION}
+        values = self.__dict__  # a dict read, not a model attribute read (see `to_wire`)
         for name, short in _SHORT.items():
-            value = getattr(self, name)
+            value = values[name]
             if value is not None:
                 doc[short] = value
         return orjson.dumps(doc)  # compact; floats are finite (validated)
@@ -218,8 +219,9 @@ class KVEntry(BaseModel):
             DO_REMOTE_PREFILL: False,
             REMOTE_URL: self.url,
         }
+        values = self.__dict__  # a dict read, not a model attribute read (see `to_bytes`)
         for name, wire in _WIRE.items():
-            value = getattr(self, name)
+            value = values[name]
             if value is not None:
                 params[wire] = value
         return KVTransferParams.model_validate(params)
@@ -251,8 +253,9 @@ class KVEntry(BaseModel):
             "chars_per_token": chars_per_token,
         }
         missing = []
+        values = parsed.__dict__  # a dict read, not a model attribute read (see `to_bytes`)
         for name, wire in _WIRE.items():
-            value = getattr(parsed, wire)
+            value = values[wire]
             if value is not None:
                 fields[name] = value
             elif name in _REQUIRED:
