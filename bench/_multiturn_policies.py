@@ -82,7 +82,7 @@ def words(rng: random.Random, n: int) -> str:
 
 
 @dataclass
-class Sample:
+class StreamedAnswer:
     """One streamed answer: time to first token, the gaps between later chunks, the text."""
 
     ttft: float
@@ -95,7 +95,7 @@ async def ask(
     messages: list[ChatCompletionMessageParam],
     headers: dict[str, str],
     max_tokens: int,
-) -> Sample:
+) -> StreamedAnswer:
     start = last = time.perf_counter()
     ttft = math.nan
     gaps: list[float] = []
@@ -120,7 +120,7 @@ async def ask(
                     gaps.append(now - last)
                 last = now
                 parts.append(choice.delta.content)
-    return Sample(ttft, gaps, "".join(parts))
+    return StreamedAnswer(ttft, gaps, "".join(parts))
 
 
 @dataclass
@@ -132,7 +132,7 @@ class Chat:
     conv_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:12]}")
     messages: list[ChatCompletionMessageParam] = field(default_factory=list)
 
-    async def turn(self, client: AsyncOpenAI, t: int, args: argparse.Namespace) -> Sample:
+    async def turn(self, client: AsyncOpenAI, t: int, args: argparse.Namespace) -> StreamedAnswer:
         if not self.messages:
             self.messages.append({"role": "system", "content": self.system})
         self.messages.append(
@@ -159,8 +159,8 @@ async def run_load(
     n = args.conversations // 2 if mixed else args.conversations
     system = f"[{tag}] You are a helpful assistant. " + words(rng, args.system_words)
     chats = [Chat(system + f" (#{i})", random.Random(args.seed * 1000 + i)) for i in range(n)]
-    singles: list[Sample] = []
-    per_turn: list[list[Sample]] = []
+    singles: list[StreamedAnswer] = []
+    per_turn: list[list[StreamedAnswer]] = []
     p_before, d_before = computed(ps), computed([d])
     client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=300)
     started = time.perf_counter()

@@ -33,10 +33,10 @@ from kvrelay.devtools.fleet import DevFleet
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready, pinned, wait_until
 from kvrelay.devtools.proxy_server import (
     DEV_PROXY_SETTINGS,
+    EngineAddress,
     ProxiedPair,
     ProxyFactory,
     ProxyServer,
-    Upstream,
 )
 from kvrelay.devtools.redis import RedisServer, redis_server
 
@@ -45,6 +45,7 @@ __all__ = [
     "DEV_ENGINE_ARGS",
     "DEV_PROXY_SETTINGS",
     "DevFleet",
+    "EngineAddress",
     "EngineFactory",
     "EngineSim",
     "ProxiedPair",
@@ -52,7 +53,6 @@ __all__ = [
     "ProxyServer",
     "RedisServer",
     "ServerProcess",
-    "Upstream",
     "dev_env",
     "fleet_env",
     "free_port",

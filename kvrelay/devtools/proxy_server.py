@@ -33,7 +33,7 @@ DEV_PROXY_SETTINGS = {
 }
 
 
-class Upstream(Protocol):
+class EngineAddress(Protocol):
     """An engine a proxy is put in front of: a URL, and a side channel where it has one."""
 
     @property
@@ -47,8 +47,8 @@ class Upstream(Protocol):
 class ProxyServer(ManagedServer):
     """One running proxy process."""
 
-    prefill: Sequence[Upstream | str]
-    decode: Sequence[Upstream | str]
+    prefill: Sequence[EngineAddress | str]
+    decode: Sequence[EngineAddress | str]
     settings: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)  # other variables (OTEL_*)
     port: int = field(default_factory=free_port)
@@ -69,7 +69,7 @@ class ProxyServer(ManagedServer):
         return f"http://127.0.0.1:{self.port}"
 
     @staticmethod
-    def _urls(engines: Sequence[Upstream | str]) -> list[str]:
+    def _urls(engines: Sequence[EngineAddress | str]) -> list[str]:
         return [e if isinstance(e, str) else e.url for e in engines]
 
     def _side_channels(self) -> list[str]:
@@ -168,8 +168,8 @@ class ProxyFactory:
 
     def __call__(
         self,
-        prefill: Sequence[Upstream | str],
-        decode: Sequence[Upstream | str],
+        prefill: Sequence[EngineAddress | str],
+        decode: Sequence[EngineAddress | str],
         ready_path: str = "/health",
         env: dict[str, str] | None = None,
         **settings: str,
