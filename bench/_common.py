@@ -6,6 +6,8 @@
   `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
 - `run_header()`: the exact command, date and machine every section starts with.
 - `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
+- `words()`, `add_chat_arguments()`: the multi-turn chat workload's made-up words and options
+  (`multiturn` and its policies run).
 - `start_engine()`, `start_fake_engine()`, `start_kvrelay()`, `start_vllm_router()`: the
   servers the benchmarks run, started and stopped by `kvrelay.devtools`' dev fleet launcher
   (`EngineSim`, `ProxyServer`: bounded readiness, process groups, `fleet_env`'s environment);
@@ -14,12 +16,14 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
 import math
 import os
 import platform
+import random
 import re
 import shlex
 import shutil
@@ -73,6 +77,36 @@ def bench_env() -> dict[str, str]:
     env = fleet_env(pythonpath=REPO_ROOT)
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
     return env
+
+
+# Short made-up words: prompts that look like text to a tokenizer, reproducible from a seed.
+VOCAB = tuple(
+    a + b
+    for a in ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
+    for b in ("n", "ro", "ve", "li", "sa", "to", "m", "del")
+)
+
+
+def words(rng: random.Random, n: int) -> str:
+    """`n` made-up words drawn by `rng`."""
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def add_chat_arguments(
+    p: argparse.ArgumentParser, *, system_words: int, max_tokens: int, prefill_us_per_token: int
+) -> None:
+    """The multi-turn chat workload's options: how many chats of how many turns, how long
+    their messages and answers, and what a prompt token costs the engines to compute."""
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-words", type=int, default=system_words,
+                   help="words in the system prompt")  # fmt: skip
+    p.add_argument("--user-words", type=int, default=20, help="words in each user message")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="reply length in tokens")
+    p.add_argument(
+        "--prefill-us-per-token", type=int, default=prefill_us_per_token,
+        help="simulated prefill cost on the engines (microseconds per computed token)",
+    )  # fmt: skip
 
 
 def machine_description() -> str:
