@@ -6,34 +6,46 @@
   `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
 - `run_header()`: the exact command, date and machine every section starts with.
 - `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
+- `words()`, `add_chat_arguments()`: the multi-turn chat workload's made-up words and options
+  (`multiturn` and its policies run).
 - `start_engine()`, `start_fake_engine()`, `start_kvrelay()`, `start_vllm_router()`: the
-  servers the benchmarks run, started and stopped through `kvrelay.devtools.process` (bounded
-  readiness, process groups); `cpus=` pins a server (and every process it starts) with `taskset`.
+  servers the benchmarks run, started and stopped by `kvrelay.devtools`' dev fleet launcher
+  (`EngineSim`, `ProxyServer`: bounded readiness, process groups, `fleet_env`'s environment);
+  `cpus=` pins a server (and every process it starts) with `taskset`.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import json
 import math
 import os
 import platform
+import random
 import re
-import secrets
 import shlex
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
-from kvrelay.devtools.redis import RedisServer
-from kvrelay.devtools.ucx import with_loopback_ucx
+from kvrelay.devtools import (
+    EngineSim,
+    ProxyServer,
+    RedisServer,
+    ServerProcess,
+    fleet_env,
+    free_port,
+    http_ready,
+    redis_server,
+)
+from kvrelay.devtools import pinned as pinned  # the scripts place their own processes with it
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = REPO_ROOT / "bench"
@@ -42,8 +54,6 @@ WORK_DIR = BENCH_DIR / ".work"  # git-ignored scratch: JSON results, logs
 ROUTER_VENV = REPO_ROOT / ".venv-router"
 ROUTER_VERSION = "0.1.17"
 
-
-_RUN_SECRET = secrets.token_hex(16)
 
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
@@ -61,13 +71,42 @@ RESULTS_PREAMBLE = (
 
 
 def bench_env() -> dict[str, str]:
-    """Environment for every server a benchmark starts: NIXL over loopback on CPU."""
-    env = dict(with_loopback_ucx(dict(os.environ)))
+    """Environment for every server a benchmark starts (`kvrelay.devtools.fleet_env`): NIXL over
+    loopback on CPU, one side-channel secret fresh for each run unless one is set, this
+    checkout's `kvrelay` first on the path."""
+    env = fleet_env(pythonpath=REPO_ROOT)
     env.setdefault("PYTHONDONTWRITEBYTECODE", "1")
-    # Engines' side channels and the proxy share one HMAC secret, fresh for each run.
-    env.setdefault("KVRELAY_CONNECTOR_SECRET", _RUN_SECRET)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+# Short made-up words: prompts that look like text to a tokenizer, reproducible from a seed.
+VOCAB = tuple(
+    a + b
+    for a in ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
+    for b in ("n", "ro", "ve", "li", "sa", "to", "m", "del")
+)
+
+
+def words(rng: random.Random, n: int) -> str:
+    """`n` made-up words drawn by `rng`."""
+    return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def add_chat_arguments(
+    p: argparse.ArgumentParser, *, system_words: int, max_tokens: int, prefill_us_per_token: int
+) -> None:
+    """The multi-turn chat workload's options: how many chats of how many turns, how long
+    their messages and answers, and what a prompt token costs the engines to compute."""
+    p.add_argument("--conversations", type=int, default=32)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--system-words", type=int, default=system_words,
+                   help="words in the system prompt")  # fmt: skip
+    p.add_argument("--user-words", type=int, default=20, help="words in each user message")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help="reply length in tokens")
+    p.add_argument(
+        "--prefill-us-per-token", type=int, default=prefill_us_per_token,
+        help="simulated prefill cost on the engines (microseconds per computed token)",
+    )  # fmt: skip
 
 
 def machine_description() -> str:
@@ -237,16 +276,6 @@ def relpath(path: Path) -> str:
 # --------------------------------------------------------------------------- servers
 
 
-def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
-    """`argv` run under `taskset -c cpus` (same pid: taskset execs), or as is for None."""
-    if cpus is None:
-        return list(argv)
-    taskset = shutil.which("taskset")
-    if taskset is None:
-        raise RuntimeError("taskset not found (util-linux): needed to place benchmark processes")
-    return [taskset, "-c", cpus, *argv]
-
-
 def pin_pid(pid: int, cpus: str) -> None:
     """Pin a running process and all its threads to `cpus`."""
     subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, capture_output=True)
@@ -261,49 +290,37 @@ class Engine:
     side_channel_port: int
     process: ServerProcess
 
+    @property
+    def side_channel(self) -> str:
+        return f"127.0.0.1:{self.side_channel_port}"
+
+
+def _started(engine: EngineSim) -> Engine:
+    engine.start()
+    assert engine.process is not None
+    return Engine(engine.url, engine.name, engine.side_channel_port, engine.process)
+
 
 def start_engine(engine_id: str, extra: Sequence[str] = (), ready_timeout: float = 60.0) -> Engine:
     """Start `python -m kvrelay.enginesim` on free ports and wait for `GET /health`."""
-    port = free_port()
-    side = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [
-        sys.executable, "-m", "kvrelay.enginesim",
-        "--port", str(port),
-        "--engine-id", engine_id,
-        "--side-channel-port", str(side),
-        *extra,
-    ]  # fmt: skip
-    proc = ServerProcess(
-        argv,
-        http_ready(f"{url}/health"),
-        env=bench_env(),
-        ready_timeout=ready_timeout,
-        name=f"enginesim-{engine_id}",
-    ).start()
-    return Engine(url=url, engine_id=engine_id, side_channel_port=side, process=proc)
+    return _started(
+        EngineSim(engine_id, extra, base_args=(), env=bench_env(), ready_timeout=ready_timeout)
+    )
 
 
 def start_fake_engine(role: str, engine_id: str, cpus: str | None = None) -> Engine:
     """Start `bench/fake_engine.py` (zero-work, vLLM-shaped answers) and wait for `/health`."""
-    port = free_port()
-    side = free_port()
-    url = f"http://127.0.0.1:{port}"
-    argv = [
-        sys.executable, "-m", "bench.fake_engine",
-        "--role", role,
-        "--port", str(port),
-        "--engine-id", engine_id,
-        "--side-channel-port", str(side),
-    ]  # fmt: skip
-    proc = ServerProcess(
-        pinned(argv, cpus),
-        http_ready(f"{url}/health"),
-        env=bench_env(),
-        ready_timeout=60,
-        name=f"fake-{engine_id}",
-    ).start()
-    return Engine(url=url, engine_id=engine_id, side_channel_port=side, process=proc)
+    return _started(
+        EngineSim(
+            engine_id,
+            ("--role", role),
+            base_args=(),
+            env=bench_env(),
+            module="bench.fake_engine",
+            cpus=cpus,
+            process_name=f"fake-{engine_id}",
+        )
+    )
 
 
 @dataclass
@@ -334,37 +351,17 @@ def start_kvrelay(
     The engines' side channels are configured (`--side-channels`) as an operator would: that
     is how the proxy fetches D's params after a stream, so streamed turns can be reused too.
     """
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "kvrelay.proxy.cli",
-        "serve",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-    ]
-    argv += ["--prefill", *(e.url for e in prefill)]
-    argv += ["--decode", *(e.url for e in decode)]
-    argv += [
-        "--side-channels",
-        *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (*prefill, *decode)),
-    ]
-    argv += ["--workers", str(workers)]
-    if map_url is not None:
-        argv += ["--map-url", map_url]
-    argv += list(extra)
+    args = ["--workers", str(workers), *(["--map-url", map_url] if map_url is not None else [])]
     full_env = bench_env()
     full_env.setdefault("KVRELAY_LOG_LEVEL", "warning")
     if env:
         full_env.update(env)
-    url = f"http://127.0.0.1:{port}"
-    proc = ServerProcess(
-        pinned(argv, cpus), http_ready(f"{url}/ready"), env=full_env, ready_timeout=60, name=name,
-        cwd=cwd,
-    ).start()  # fmt: skip
-    return RunningRouter(name=name, url=url, process=proc)
+    proxy = ProxyServer(
+        prefill, decode, flags=True, args=[*args, *extra], env_base=full_env, cpus=cpus,
+        cwd=cwd, name=name, ready_timeout=60,
+    ).start("/ready")  # fmt: skip
+    assert proxy.process is not None
+    return RunningRouter(name=name, url=proxy.url, process=proxy.process)
 
 
 def kvrelay_source(env: dict[str, str], cwd: Path) -> Path:
@@ -433,23 +430,15 @@ def start_vllm_router(
         argv += ["--decode", engine.url]
     url = f"http://127.0.0.1:{port}"
     proc = ServerProcess(
-        pinned(argv, cpus),
-        http_ready(f"{url}/health"),
-        env=bench_env(),
-        ready_timeout=90,
-        name="vllm-router",
-    ).start()
+        argv, http_ready(f"{url}/health"), env=bench_env(), ready_timeout=90, name="vllm-router",
+        cpus=cpus,
+    ).start()  # fmt: skip
     return RunningRouter(name="vllm-router", url=url, process=proc)
 
 
-@contextlib.contextmanager
-def redis_for_bench() -> Iterator[RedisServer]:
+def redis_for_bench() -> contextlib.AbstractContextManager[RedisServer]:
     """A real redis-server on a free loopback port for the multi-worker proxy."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    return redis_server()
 
 
 def process_group_cpu_s(pgid: int) -> float:

@@ -47,21 +47,11 @@ POLICIES = ("always_p", "affinity", "conditional")
 MODEL = "kvrelay-sim"
 SECTION = "multiturn policies"
 ITL_AIM = 1.10  # D's inter-token p99 under the default, over always_p's
-VOCAB = tuple(
-    a + b
-    for a in ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
-    for b in ("n", "ro", "ve", "li", "sa", "to", "m", "del")
-)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.multiturn --policies", description=__doc__)
-    p.add_argument("--conversations", type=int, default=32)
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--system-words", type=int, default=150)
-    p.add_argument("--user-words", type=int, default=20)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prefill-us-per-token", type=int, default=60)
+    c.add_chat_arguments(p, system_words=150, max_tokens=32, prefill_us_per_token=60)
     p.add_argument("--decode-us-per-step", type=int, default=4000)
     p.add_argument("--conditional-max-uncached-tokens", type=int, default=256)
     p.add_argument("--conditional-max-inflight-tokens", type=int, default=4096)
@@ -77,12 +67,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(VOCAB) for _ in range(n))
-
-
 @dataclass
-class Sample:
+class StreamedAnswer:
     """One streamed answer: time to first token, the gaps between later chunks, the text."""
 
     ttft: float
@@ -95,7 +81,7 @@ async def ask(
     messages: list[ChatCompletionMessageParam],
     headers: dict[str, str],
     max_tokens: int,
-) -> Sample:
+) -> StreamedAnswer:
     start = last = time.perf_counter()
     ttft = math.nan
     gaps: list[float] = []
@@ -120,7 +106,7 @@ async def ask(
                     gaps.append(now - last)
                 last = now
                 parts.append(choice.delta.content)
-    return Sample(ttft, gaps, "".join(parts))
+    return StreamedAnswer(ttft, gaps, "".join(parts))
 
 
 @dataclass
@@ -132,11 +118,11 @@ class Chat:
     conv_id: str = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:12]}")
     messages: list[ChatCompletionMessageParam] = field(default_factory=list)
 
-    async def turn(self, client: AsyncOpenAI, t: int, args: argparse.Namespace) -> Sample:
+    async def turn(self, client: AsyncOpenAI, t: int, args: argparse.Namespace) -> StreamedAnswer:
         if not self.messages:
             self.messages.append({"role": "system", "content": self.system})
         self.messages.append(
-            {"role": "user", "content": f"turn {t}: " + words(self.rng, args.user_words)}
+            {"role": "user", "content": f"turn {t}: " + c.words(self.rng, args.user_words)}
         )
         sample = await ask(
             client, list(self.messages), {"X-Conversation-Id": self.conv_id}, args.max_tokens
@@ -157,10 +143,10 @@ async def run_load(
     """One load against `url`; `tag` makes every prompt of this run unique."""
     rng = random.Random(args.seed)
     n = args.conversations // 2 if mixed else args.conversations
-    system = f"[{tag}] You are a helpful assistant. " + words(rng, args.system_words)
+    system = f"[{tag}] You are a helpful assistant. " + c.words(rng, args.system_words)
     chats = [Chat(system + f" (#{i})", random.Random(args.seed * 1000 + i)) for i in range(n)]
-    singles: list[Sample] = []
-    per_turn: list[list[Sample]] = []
+    singles: list[StreamedAnswer] = []
+    per_turn: list[list[StreamedAnswer]] = []
     p_before, d_before = computed(ps), computed([d])
     client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=300)
     started = time.perf_counter()
@@ -175,9 +161,9 @@ async def run_load(
                             {
                                 "role": "system",
                                 "content": f"[{tag}] single {t}.{i} "
-                                + words(rng, args.system_words),
+                                + c.words(rng, args.system_words),
                             },
-                            {"role": "user", "content": words(rng, args.user_words)},
+                            {"role": "user", "content": c.words(rng, args.user_words)},
                         ],
                         {},
                         args.max_tokens,

@@ -82,13 +82,6 @@ ENGINES = {
     ),
 }
 
-# Short made-up words: prompts that look like text to a tokenizer, reproducible from a seed.
-VOCAB = tuple(
-    a + b
-    for a in ("ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "de", "gu")
-    for b in ("n", "ro", "ve", "li", "sa", "to", "m", "del")
-)
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -96,17 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         epilog="Examples: .venv/bin/python -m bench.multiturn --conversations 32 --turns 10; "
         ".venv-vllm/bin/python -m bench.multiturn --engine vllm --conversations 4 --turns 4",
     )
-    p.add_argument("--conversations", type=int, default=32)
-    p.add_argument("--turns", type=int, default=10)
-    p.add_argument("--system-words", type=int, default=120, help="words in the system prompt")
-    p.add_argument("--user-words", type=int, default=20, help="words in each user message")
-    p.add_argument("--max-tokens", type=int, default=24, help="reply length in tokens")
-    p.add_argument(
-        "--prefill-us-per-token",
-        type=int,
-        default=50,
-        help="simulated prefill cost on the engines (microseconds per computed token)",
-    )
+    c.add_chat_arguments(p, system_words=120, max_tokens=24, prefill_us_per_token=50)
     p.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     p.add_argument(
         "--engine",
@@ -144,10 +127,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join(rng.choice(VOCAB) for _ in range(n))
-
-
 class Conversation:
     """One chat: its history and the id it sends (per turn or per conversation)."""
 
@@ -169,7 +148,7 @@ class Conversation:
     async def turn(
         self, client: AsyncOpenAI, model: str, turn: int, args: argparse.Namespace
     ) -> dict[str, float]:
-        user = f"turn {turn} of conversation {self.index}: {words(self.rng, args.user_words)}"
+        user = f"turn {turn} of conversation {self.index}: {c.words(self.rng, args.user_words)}"
         self.messages.append({"role": "user", "content": user})
         extra_headers = {}
         conv_id = self.conversation_id(turn)
@@ -222,7 +201,7 @@ async def run_variant(
     variant: str, router_url: str, p_url: str, args: argparse.Namespace
 ) -> dict[str, Any]:
     rng = random.Random(args.seed)
-    system = "You are a helpful assistant. " + words(rng, args.system_words)
+    system = "You are a helpful assistant. " + c.words(rng, args.system_words)
     convs = [
         Conversation(i, variant, system, random.Random(args.seed * 1000 + i))
         for i in range(args.conversations)
@@ -338,7 +317,7 @@ async def warm_up(router_url: str, args: argparse.Namespace) -> None:
     """One two-turn conversation, not measured: D reads from P, then P from D, so both have
     met over NIXL before conversations run concurrently (first reads from a holder not met
     yet, started together, can fail: each does its own handshake)."""
-    conv = Conversation(0, "warmup", "Warm-up. " + words(random.Random(0), 20), random.Random(1))
+    conv = Conversation(0, "warmup", "Warm-up. " + c.words(random.Random(0), 20), random.Random(1))
     client = AsyncOpenAI(base_url=router_url + "/v1", api_key="bench", max_retries=0,
                          timeout=300)  # fmt: skip
     async with client:

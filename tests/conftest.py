@@ -14,9 +14,8 @@ from types import FrameType
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools import EngineFactory, EngineSim, ProxiedPair, ProxyFactory
 from kvrelay.devtools.process import live_children
-from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
 from tests.harness import RedisServer, redis_server
 
 

@@ -1,16 +1,20 @@
 """The dev tools: one Prometheus parser and one SSE reader for demo, tests and bench; every
-module light to import; a threaded app that stops."""
+module light to import; a threaded app that stops; one environment and one launcher for a dev
+fleet, which stops every process it started."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 import urllib.request
+from pathlib import Path
 
+import pytest
 from aiohttp import web
 
-from kvrelay.devtools import prometheus, sse
+from kvrelay.devtools import DevFleet, fleet_env, prometheus, sse
 from kvrelay.devtools.process import free_port, tcp_ready
 from kvrelay.devtools.threaded_app import ThreadedApp
 from kvrelay.devtools.ucx import LOOPBACK_UCX, with_loopback_ucx
@@ -120,3 +124,58 @@ def test_makefile_exports_the_devtools_ucx_defaults() -> None:
 def test_loopback_ucx_fills_only_what_is_unset() -> None:
     env = {"UCX_TLS": "rc"}
     assert with_loopback_ucx(env) == {"UCX_TLS": "rc", "UCX_NET_DEVICES": "lo"}
+
+
+def test_fleet_env_keeps_a_set_secret_fills_ucx_and_puts_the_tree_first() -> None:
+    base = {"UCX_TLS": "rc", "PYTHONPATH": "/elsewhere", "KVRELAY_CONNECTOR_SECRET": "mine"}
+    env = fleet_env(pythonpath=Path("/tree"), base=base)
+    assert env["KVRELAY_CONNECTOR_SECRET"] == "mine"
+    assert (env["UCX_TLS"], env["UCX_NET_DEVICES"]) == ("rc", "lo")
+    assert env["PYTHONPATH"] == os.pathsep.join(["/tree", "/elsewhere"])
+    assert fleet_env("given", base=base)["KVRELAY_CONNECTOR_SECRET"] == "given"
+    # None set (or empty): one secret for the whole run, the same for every process of it.
+    first, second = fleet_env(base={}), fleet_env(base={"KVRELAY_CONNECTOR_SECRET": ""})
+    assert first["KVRELAY_CONNECTOR_SECRET"] == second["KVRELAY_CONNECTOR_SECRET"] != ""
+    assert "PYTHONPATH" not in first
+
+
+def _live_children() -> list[int]:
+    """Pids of this process's children that have not exited."""
+    me, found = os.getpid(), []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+        if int(ppid) == me and state != "Z":
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_dev_fleet_serves_a_turn_through_its_proxy_and_stops_every_process() -> None:
+    before = _live_children()
+    with DevFleet(prefill=1, decode=1, redis=True, name="t-") as fleet:
+        assert fleet.proxy is not None and fleet.redis_server is not None
+        assert [e.name for e in fleet.prefill_engines] == ["t-P0"]
+        assert [e.name for e in fleet.decode_engines] == ["t-D0"]
+        assert fleet.proxy.env()["KVRELAY_MAP_URL"] == fleet.redis_server.url
+        status, body, _ = fleet.proxy.call(
+            "POST", "/v1/chat/completions",
+            {"model": "kvrelay-sim", "messages": [{"role": "user", "content": "hi"}],
+             "max_tokens": 4},
+        )  # fmt: skip
+        assert status == 200, body
+        assert fleet.decode_engines[0].metric("enginesim_requests_total") >= 1
+        assert fleet.alive
+        assert len(_live_children()) == len(before) + 4  # redis, P, D, proxy
+    assert _live_children() == before
+
+
+def test_dev_fleet_that_fails_to_start_stops_what_it_had_started() -> None:
+    before = _live_children()
+    fleet = DevFleet(prefill=1, decode=1, redis=True, engine_args=("--no-such-flag",))
+    with pytest.raises(RuntimeError, match="exited"):
+        fleet.start()
+    assert not fleet.alive
+    assert _live_children() == before

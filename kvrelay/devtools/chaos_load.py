@@ -516,6 +516,8 @@ class Chaos:
 
 @dataclass
 class Sample:
+    """One reading of the `Sampler`, `t` seconds into the run."""
+
     t: float
     rss_bytes: int
     held_blocks: float

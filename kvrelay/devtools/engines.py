@@ -1,7 +1,8 @@
-"""Start enginesim processes for tests: free ports, real NIXL on loopback, bounded readiness.
+"""Start enginesim processes: free ports, real NIXL on loopback, bounded readiness.
 
-Used through the fixtures in `tests/conftest.py` (`engine_factory`, `pd_engines`); the proxy
-and chaos suites use the same engines.
+`EngineSim` is every dev fleet's engine: the tests' (through the fixtures in `tests/conftest.py`,
+`engine_factory`, `pd_engines`), the chaos fleet's, the demo's and the benchmarks' (`bench/
+_common.py`, which also starts its zero-work fake engine as one with another `module`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.devtools.env import fleet_env
 from kvrelay.devtools.process import (
     ManagedServer,
     ServerProcess,
@@ -21,19 +23,26 @@ from kvrelay.devtools.process import (
     wait_until,
 )
 from kvrelay.devtools.prometheus import scrape
-from kvrelay.devtools.ucx import LOOPBACK_UCX
 
 CONNECTOR_SECRET = "kvrelay-test-connector-secret"
-ENGINE_ENV = {
-    "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
-    **LOOPBACK_UCX,
-    "PYTHONUNBUFFERED": "1",
-}
+# Flags every dev engine gets unless its starter says otherwise (`base_args`): quiet, gone with
+# the process that started it, and reporting `usage.prompt_tokens_details` (off by default, as
+# in vLLM) as the proxy's deployments are told to run them.
+DEV_ENGINE_ARGS = (
+    "--log-level", "WARNING", "--exit-with-parent", "--enable-prompt-tokens-details",
+)  # fmt: skip
+
+
+def dev_env() -> dict[str, str]:
+    """The tests' fleet environment: the shared test secret (`CONNECTOR_SECRET`), and output
+    unbuffered so that a server that dies leaves all it wrote in its log."""
+    return {**fleet_env(CONNECTOR_SECRET), "PYTHONUNBUFFERED": "1"}
 
 
 @dataclass
 class EngineSim(ManagedServer):
-    """One running `python -m kvrelay.enginesim` process."""
+    """One running `python -m kvrelay.enginesim` process (or another `module` taking its
+    `--port`, `--engine-id` and `--side-channel-port`)."""
 
     name: str
     args: Sequence[str] = ()
@@ -41,26 +50,43 @@ class EngineSim(ManagedServer):
     port: int = field(default_factory=free_port)
     side_channel_port: int = field(default_factory=free_port)
     process: ServerProcess | None = None
-    # /metrics right after start: the state every test must return the pool to.
-    baseline: dict[str, float] = field(default_factory=dict)
+    base_args: Sequence[str] = DEV_ENGINE_ARGS  # before `args` (last wins)
+    env: dict[str, str] | None = None  # the whole environment; None: `dev_env()`
+    module: str = "kvrelay.enginesim"
+    cpus: str | None = None  # `taskset` CPU list, None: not pinned
+    ready_timeout: float = 60.0
+    process_name: str = ""  # its log's name, default `enginesim-<name>`
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> EngineSim:
-        argv = [sys.executable, "-m", "kvrelay.enginesim", "--port", str(self.port), "--engine-id",
-                self.name, "--log-level", "WARNING", "--exit-with-parent"]  # fmt: skip
+    @property
+    def side_channel(self) -> str | None:
+        """`host:port` of its side channel, None without the connector."""
+        return f"127.0.0.1:{self.side_channel_port}" if self.connector else None
+
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", self.module, "--port", str(self.port), "--engine-id",
+                self.name]  # fmt: skip
         if self.connector:
             argv += ["--side-channel-port", str(self.side_channel_port)]
-        # Test engines report `usage.prompt_tokens_details` (off by default, as in vLLM), as
-        # the proxy's deployments are told to run them; `args` may say otherwise (last wins).
-        argv += ["--enable-prompt-tokens-details", *self.args]
+        return [*argv, *self.base_args, *self.args]
+
+    def spawn(self) -> EngineSim:
+        """Start the process without waiting for it (engines then start side by side)."""
         self.process = ServerProcess(
-            argv, http_ready(f"{self.url}/health"), env=ENGINE_ENV, ready_timeout=60,
-            name=f"enginesim-{self.name}",
-        ).start()  # fmt: skip
-        self.baseline = self.metrics()
+            self.argv(), http_ready(f"{self.url}/health"),
+            env=dev_env() if self.env is None else self.env, ready_timeout=self.ready_timeout,
+            name=self.process_name or f"enginesim-{self.name}", cpus=self.cpus,
+        ).spawn()  # fmt: skip
+        return self
+
+    def start(self) -> EngineSim:
+        """Start the process and wait until it answers `/health` (bounded)."""
+        self.spawn()
+        assert self.process is not None
+        self.process.wait_ready()
         return self
 
     def request(
@@ -92,7 +118,7 @@ class EngineSim(ManagedServer):
 
 
 class EngineFactory:
-    """Starts engines for one test and stops them all afterwards."""
+    """Starts engines for one test (or one fleet) and stops them all afterwards."""
 
     def __init__(self) -> None:
         self.engines: list[EngineSim] = []
@@ -104,11 +130,14 @@ class EngineFactory:
 
     def many(self, *specs: tuple[str, Sequence[str]], connector: bool = True) -> list[EngineSim]:
         """Start several engines at once (start-up is mostly imports: overlap them)."""
-        engines = [EngineSim(name, args, connector=connector) for name, args in specs]
+        return self.start_all([EngineSim(name, args, connector=connector) for name, args in specs])
+
+    def start_all(self, engines: Sequence[EngineSim]) -> list[EngineSim]:
+        """Start `engines` side by side; each is stopped with the others, even when one fails."""
         self.engines.extend(engines)
-        with ThreadPoolExecutor(max_workers=len(engines)) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, len(engines))) as pool:
             list(pool.map(EngineSim.start, engines))
-        return engines
+        return list(engines)
 
     def close(self) -> None:
         for engine in self.engines:

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -129,13 +130,23 @@ def live_children(name: str) -> list[int]:
     return sorted(found)
 
 
+def pinned(argv: Sequence[str], cpus: str | None) -> list[str]:
+    """`argv` run under `taskset -c cpus` (same pid: taskset execs), or as is for None."""
+    if cpus is None:
+        return list(argv)
+    taskset = shutil.which("taskset")
+    if taskset is None:
+        raise RuntimeError("taskset not found (util-linux): needed to place benchmark processes")
+    return [taskset, "-c", cpus, *argv]
+
+
 @dataclass
 class ServerProcess:
     """A server subprocess started on a known port and stopped by `stop()`.
 
     `ready` is polled until true (bounded by `ready_timeout`); if the process exits first, the
     error shows its output. `env` is added to this process's environment; `cwd` defaults to the
-    current directory.
+    current directory; `cpus` pins it, and every process it starts, to those CPUs (`taskset`).
     """
 
     argv: Sequence[str]
@@ -144,6 +155,7 @@ class ServerProcess:
     ready_timeout: float = 30.0
     name: str = "server"
     cwd: Path | None = None
+    cpus: str | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     log_path: Path | None = field(default=None, init=False)
 
@@ -162,7 +174,7 @@ class ServerProcess:
             env.update(self.env)
         with os.fdopen(fd, "wb") as out:
             self.proc = subprocess.Popen(
-                list(self.argv),
+                pinned(self.argv, self.cpus),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 env=env,

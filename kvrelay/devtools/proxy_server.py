@@ -1,7 +1,10 @@
-"""Start the proxy (`python -m kvrelay.proxy.cli serve`) for tests, in front of enginesim engines.
+"""Start the proxy (`python -m kvrelay.proxy.cli serve`) in front of enginesim engines.
 
-Used through the fixtures in `tests/conftest.py` (`proxy_factory`, `pd_fleet`). The proxy is a
-real subprocess on a free loopback port; settings go in as `KVRELAY_*` env vars.
+`ProxyServer` is every dev fleet's proxy: the tests' (through the fixtures in
+`tests/conftest.py`, `proxy_factory`, `pd_fleet`), the chaos fleet's, the demo's and the
+benchmarks'. It is a real subprocess on a free loopback port. The tests hand it its fleet and
+settings as `KVRELAY_*` variables; the demo and the benchmarks as an operator types them
+(`flags`: `--prefill`, `--decode`, `--side-channels`).
 """
 
 from __future__ import annotations
@@ -10,67 +13,112 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from kvrelay.devtools.engines import CONNECTOR_SECRET, ENGINE_ENV, EngineSim
+from kvrelay.devtools.engines import EngineSim, dev_env
 from kvrelay.devtools.process import ManagedServer, ServerProcess, free_port, http_ready
 from kvrelay.devtools.prometheus import parse_samples
+
+# Settings every test proxy gets unless overridden: the suites check the P->D reuse path turn by
+# turn (P's loaded tokens, reuse hits), so they pin the policy that always takes it
+# (tests/proxy/test_routing.py and test_engine_load.py cover the others); probes often, so a
+# fleet change shows soon; quiet.
+DEV_PROXY_SETTINGS = {
+    "probe_interval_s": "0.2",
+    "routing_policy": "always_p",
+    "log_level": "WARNING",
+}
+
+
+class EngineAddress(Protocol):
+    """An engine a proxy is put in front of: a URL, and a side channel where it has one."""
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def side_channel(self) -> str | None: ...
 
 
 @dataclass
 class ProxyServer(ManagedServer):
     """One running proxy process."""
 
-    prefill: Sequence[EngineSim | str]
-    decode: Sequence[EngineSim | str]
+    prefill: Sequence[EngineAddress | str]
+    decode: Sequence[EngineAddress | str]
     settings: dict[str, str] = field(default_factory=dict)
     extra_env: dict[str, str] = field(default_factory=dict)  # other variables (OTEL_*)
     port: int = field(default_factory=free_port)
     process: ServerProcess | None = None
+    # The fleet as flags (`--host`, `--port`, `--prefill`, `--decode`, `--side-channels`)
+    # instead of variables; `args` follow them.
+    flags: bool = False
+    args: Sequence[str] = ()
+    # The whole environment before the settings; None: `dev_env()` and `DEV_PROXY_SETTINGS`.
+    env_base: Mapping[str, str] | None = None
+    cpus: str | None = None  # `taskset` CPU list, None: not pinned
+    cwd: Path | None = None  # where it runs: `python -m` imports `kvrelay` from there first
+    name: str = ""  # its log's name, default `proxy-<port>`
+    ready_timeout: float = 30.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     @staticmethod
-    def _urls(engines: Sequence[EngineSim | str]) -> str:
-        return ",".join(e if isinstance(e, str) else e.url for e in engines)
+    def _urls(engines: Sequence[EngineAddress | str]) -> list[str]:
+        return [e if isinstance(e, str) else e.url for e in engines]
+
+    def _side_channels(self) -> list[str]:
+        engines = [e for e in [*self.prefill, *self.decode] if not isinstance(e, str)]
+        return [f"{e.url}={e.side_channel}" for e in engines if e.side_channel is not None]
 
     def env(self) -> dict[str, str]:
-        side = ",".join(
-            f"{e.url}=127.0.0.1:{e.side_channel_port}"
-            for e in [*self.prefill, *self.decode]
-            if isinstance(e, EngineSim) and e.connector
-        )
-        env = {
-            **ENGINE_ENV,
-            "KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
-            "KVRELAY_HOST": "127.0.0.1",
-            "KVRELAY_PORT": str(self.port),
-            "KVRELAY_PREFILL": self._urls(self.prefill),
-            "KVRELAY_DECODE": self._urls(self.decode),
-            "KVRELAY_SIDE_CHANNELS": side,
-            "KVRELAY_PROBE_INTERVAL_S": "0.2",
-            # The suites check the P->D reuse path turn by turn (P's loaded tokens, reuse hits),
-            # so they pin the policy that always takes it; tests/proxy/test_routing.py and
-            # test_engine_load.py cover the other policies.
-            "KVRELAY_ROUTING_POLICY": "always_p",
-            "KVRELAY_LOG_LEVEL": "WARNING",
-        }
+        if self.env_base is None:
+            env = dev_env()
+            env.update({f"KVRELAY_{k.upper()}": v for k, v in DEV_PROXY_SETTINGS.items()})
+        else:
+            env = dict(self.env_base)
+        if not self.flags:
+            env.update({
+                "KVRELAY_HOST": "127.0.0.1",
+                "KVRELAY_PORT": str(self.port),
+                "KVRELAY_PREFILL": ",".join(self._urls(self.prefill)),
+                "KVRELAY_DECODE": ",".join(self._urls(self.decode)),
+                "KVRELAY_SIDE_CHANNELS": ",".join(self._side_channels()),
+            })  # fmt: skip
         env.update({f"KVRELAY_{k.upper()}": v for k, v in self.settings.items()})
         env.update(self.extra_env)
         return env
 
-    def start(self, ready_path: str = "/health") -> ProxyServer:
+    def argv(self) -> list[str]:
+        argv = [sys.executable, "-m", "kvrelay.proxy.cli", "serve"]
+        if self.flags:
+            argv += ["--host", "127.0.0.1", "--port", str(self.port)]
+            argv += ["--prefill", *self._urls(self.prefill)]
+            argv += ["--decode", *self._urls(self.decode)]
+            argv += ["--side-channels", *self._side_channels()]
+        else:
+            argv += ["--env-file", ""]
+        return [*argv, *self.args]
+
+    def spawn(self, ready_path: str = "/health") -> ProxyServer:
+        """Start the process without waiting for it (to start it beside its engines)."""
         self.process = ServerProcess(
-            [sys.executable, "-m", "kvrelay.proxy.cli", "serve", "--env-file", ""],
-            http_ready(self.url + ready_path),
-            env=self.env(),
-            ready_timeout=30,
-            name=f"proxy-{self.port}",
-        ).start()
+            self.argv(), http_ready(self.url + ready_path), env=self.env(),
+            ready_timeout=self.ready_timeout, name=self.name or f"proxy-{self.port}",
+            cwd=self.cwd, cpus=self.cpus,
+        ).spawn()  # fmt: skip
+        return self
+
+    def start(self, ready_path: str = "/health") -> ProxyServer:
+        """Start the process and wait until `ready_path` answers 2xx (bounded)."""
+        self.spawn(ready_path)
+        assert self.process is not None
+        self.process.wait_ready()
         return self
 
     def call(
@@ -120,8 +168,8 @@ class ProxyFactory:
 
     def __call__(
         self,
-        prefill: Sequence[EngineSim | str],
-        decode: Sequence[EngineSim | str],
+        prefill: Sequence[EngineAddress | str],
+        decode: Sequence[EngineAddress | str],
         ready_path: str = "/health",
         env: dict[str, str] | None = None,
         **settings: str,

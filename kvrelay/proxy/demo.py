@@ -9,8 +9,6 @@ serving and prints how to talk to the proxy until Ctrl-C, which stops every proc
 from __future__ import annotations
 
 import argparse
-import os
-import secrets
 import signal
 import sys
 import threading
@@ -19,10 +17,9 @@ from typing import Any
 
 import httpx
 
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.devtools import DevFleet, fleet_env, free_port
 from kvrelay.devtools.prometheus import scrape as prometheus_scrape
 from kvrelay.devtools.prometheus import totals
-from kvrelay.devtools.ucx import with_loopback_ucx
 
 QUESTIONS = (
     "Hello! I am planning a trip to the mountains. What should I pack?",
@@ -118,44 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-serve", action="store_true", help="exit after the chat")
     args = parser.parse_args(argv)
 
-    env = dict(with_loopback_ucx(dict(os.environ)))
-    env["KVRELAY_CONNECTOR_SECRET"] = env.get("KVRELAY_CONNECTOR_SECRET") or secrets.token_hex(16)
+    env = fleet_env()
     # The demo shows D->P reuse turn by turn: every turn through P (README "Routing policy").
     env.setdefault("KVRELAY_ROUTING_POLICY", "always_p")
-    py = sys.executable
-    p_port, p_sc, d_port, d_sc = (free_port() for _ in range(4))
-    proxy_port = free_port(preferred=args.port)
-    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
-    proxy_url = f"http://127.0.0.1:{proxy_port}"
-
-    def engine(name: str, role: str, port: int, sc: int) -> ServerProcess:
-        argv = [py, "-m", "kvrelay.enginesim", "--port", str(port), "--engine-id", name,
-                "--side-channel-port", str(sc), "--role", role, "--log-level", "WARNING",
-                "--prefill-us-per-token", "200"]  # fmt: skip
-        ready = http_ready(f"http://127.0.0.1:{port}/health")
-        return ServerProcess(argv, ready, env=env, ready_timeout=120, name=name)
-
-    children = [
-        engine("demo-P0", "prefill", p_port, p_sc),
-        engine("demo-D0", "decode", d_port, d_sc),
-    ]
-    proxy_argv = [py, "-m", "kvrelay.proxy.cli", "serve", "--host", "127.0.0.1",
-                  "--port", str(proxy_port), "--prefill", p_url, "--decode", d_url,
-                  "--map-url", "memory://", "--side-channels", f"{d_url}=127.0.0.1:{d_sc}",
-                  f"{p_url}=127.0.0.1:{p_sc}", "--log-level", "WARNING"]  # fmt: skip
-    proxy = ServerProcess(
-        proxy_argv, http_ready(proxy_url + "/ready"), env=env, ready_timeout=120, name="proxy"
-    )
-    children.append(proxy)
+    fleet = DevFleet(
+        engine_args=("--log-level", "WARNING", "--prefill-us-per-token", "200"),
+        engine_base_args=(), proxy_args=("--map-url", "memory://", "--log-level", "WARNING"),
+        proxy_port=free_port(preferred=args.port), proxy_name="proxy", flags=True, env=env,
+        name="demo-", ready_timeout=120,
+    )  # fmt: skip
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
         print("starting prefill engine, decode engine and proxy on 127.0.0.1 ...", flush=True)
-        for child in children:
-            child.spawn()
-        for child in children:
-            child.wait_ready()
+        fleet.start()
+        assert fleet.proxy is not None
+        p_url, d_url = fleet.prefill_engines[0].url, fleet.decode_engines[0].url
+        proxy_url = fleet.proxy.url
         print(f"  P {p_url}   D {d_url}   proxy {proxy_url}")
         rows = run_chat(proxy_url, p_url, args.max_tokens)
         for r in rows:
@@ -165,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_serve:
             return 0
         print(usage_text(proxy_url), flush=True)
-        while not stop.is_set() and all(child.alive for child in children):
+        while not stop.is_set() and fleet.alive:
             stop.wait(0.5)
         return 0
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
@@ -173,6 +150,5 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         print("\nstopping ...", flush=True)
-        for child in reversed(children):
-            child.stop()
+        fleet.stop()
         print("stopped.")
