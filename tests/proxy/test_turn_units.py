@@ -283,7 +283,7 @@ async def test_a_miss_then_a_hit_pulls_the_first_turns_blocks(rig: Rig) -> None:
     engines.script.update({P1: [prefill_ok("r2")], D1: [decode_ok("r2")]})
     turn2 = rig.turn(first + " Otters swim. And beavers?", "r2", engines, FakeClient())
     await turn2.run()
-    assert turn2.report.reuse == "hit" and turn2.report.tokens_reused == 40
+    assert turn2.report.reuse == "hit" and turn2.report.tokens_offered == 40
     p_sent = engines.bodies(P1)[1]["kv_transfer_params"]
     assert p_sent["remote_engine_id"] == "d-engine" and p_sent["release_token"] == "d-token-r1"
     stored = await _stored(rig)
