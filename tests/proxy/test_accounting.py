@@ -12,19 +12,18 @@ decode-only turn from nothing; both show 0 here, and the D loses its decode-only
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from openai import AsyncOpenAI, OpenAI
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import wait_until
+from tests.proxy.accounting_turns import Asker, returned_account
 from tests.proxy.client import MODEL
 from tests.proxy.sdk_turns import MODES
 
@@ -98,95 +97,6 @@ class Counted:
         return now.get(name, 0.0) - self.before.get(name, 0.0)
 
 
-@dataclass
-class Result:
-    answer: str
-    headers: dict[str, str] | None  # a JSON answer's
-    usage: dict[str, Any] | None  # the answer's usage (a stream's only with include_usage)
-
-
-def _kwargs(messages: list[dict[str, Any]], conversation: str, stream: bool,
-            include_usage: bool) -> dict[str, Any]:  # fmt: skip
-    kwargs: dict[str, Any] = {
-        "model": MODEL, "messages": list(messages), "max_tokens": MAX_TOKENS, "temperature": 0,
-        "extra_headers": {"X-Conversation-Id": conversation},
-    }  # fmt: skip
-    if stream:
-        kwargs["stream"] = True
-        if include_usage:
-            kwargs["stream_options"] = {"include_usage": True}
-    return kwargs
-
-
-def sdk_turn(proxy: ProxyServer, messages: list[dict[str, Any]], conversation: str,
-             stream: bool, include_usage: bool, use_async: bool) -> Result:  # fmt: skip
-    """One turn through the `openai` SDK (`OpenAI` or `AsyncOpenAI`)."""
-    kwargs = _kwargs(messages, conversation, stream, include_usage)
-    if use_async:
-        return asyncio.run(_async_turn(proxy, kwargs))
-    client = OpenAI(base_url=proxy.url + "/v1", api_key="sdk", max_retries=0, timeout=60)
-    try:
-        if not stream:
-            raw = client.chat.completions.with_raw_response.create(**kwargs)
-            full = raw.parse()
-            return Result(full.choices[0].message.content or "", dict(raw.headers),
-                          full.usage.model_dump() if full.usage else None)  # fmt: skip
-        text, usage = "", None
-        for chunk in client.chat.completions.create(**kwargs):
-            text += "".join(c.delta.content or "" for c in chunk.choices)
-            usage = chunk.usage.model_dump() if chunk.usage else usage
-        return Result(text, None, usage)
-    finally:
-        client.close()
-
-
-async def _async_turn(proxy: ProxyServer, kwargs: dict[str, Any]) -> Result:
-    client = AsyncOpenAI(base_url=proxy.url + "/v1", api_key="sdk", max_retries=0, timeout=60)
-    try:
-        if not kwargs.get("stream"):
-            raw = await client.chat.completions.with_raw_response.create(**kwargs)
-            full = raw.parse()
-            return Result(full.choices[0].message.content or "", dict(raw.headers),
-                          full.usage.model_dump() if full.usage else None)  # fmt: skip
-        text, usage = "", None
-        async for chunk in await client.chat.completions.create(**kwargs):
-            text += "".join(c.delta.content or "" for c in chunk.choices)
-            usage = chunk.usage.model_dump() if chunk.usage else usage
-        return Result(text, None, usage)
-    finally:
-        await client.close()
-
-
-def forget(proxy: ProxyServer, conversation: str) -> None:
-    """Delete the conversation (the SDK's key is its tenant): D holds nothing afterwards."""
-    status, _, _ = proxy.call("DELETE", f"/v1/conversations/{conversation}",
-                              headers={"Authorization": "Bearer sdk"})  # fmt: skip
-    assert status == 200
-
-
-def returned_account(result: Result) -> dict[str, Any] | None:
-    """The account the proxy returned with the answer, in the usage extension's names."""
-    if result.headers is not None:
-        h = {k.lower(): v for k, v in result.headers.items()}
-        out: dict[str, Any] = {
-            name: int(h[f"x-kvrelay-{name.replace('_', '-')}"])
-            for name in ("prompt_tokens", "reused_tokens", "local_hit_tokens",
-                         "loaded_tokens", "computed_tokens")
-        }  # fmt: skip
-        refused = h.get("x-kvrelay-refused-blocks", "")
-        out["refused_blocks"] = {k: int(v) for k, v in (p.split("=") for p in refused.split(",")
-                                                        if p)}  # fmt: skip
-        out["prefilled_by"] = h["x-kvrelay-prefilled-by"]
-        return out
-    if result.usage is not None:
-        ext = dict(result.usage["kvrelay"])
-        # The standard field says the same as the extension.
-        assert result.usage["prompt_tokens_details"]["cached_tokens"] == ext["reused_tokens"]
-        assert result.usage["prompt_tokens"] == ext["prompt_tokens"]
-        return ext
-    return None
-
-
 def assert_equals_engine(account: dict[str, Any], split: dict[str, float], leg: str) -> None:
     assert account["prefilled_by"] == leg
     assert account["prompt_tokens"] == split["prompt_tokens"]
@@ -216,6 +126,7 @@ def run_through_p(proxy: ProxyServer, p: EngineSim, d: EngineSim, conversation: 
                   use_async: bool) -> None:  # fmt: skip
     """QUESTIONS through P then D, cycling streamed with usage, JSON, streamed without; every
     returned account and the proxy's counts equal P's (and D's) counters."""
+    ask = Asker(proxy, MODEL, MAX_TOKENS, use_async)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     p_total: dict[str, float] = {}
     d_total: dict[str, float] = {}
@@ -223,7 +134,7 @@ def run_through_p(proxy: ProxyServer, p: EngineSim, d: EngineSim, conversation: 
         stream, include_usage = MODES[turn % len(MODES)]
         messages.append({"role": "user", "content": question})
         p_counted, d_counted = Counted(p), Counted(d)
-        result = sdk_turn(proxy, messages, conversation, stream, include_usage, use_async)
+        result = ask.turn(messages, conversation, stream, include_usage)
         assert result.answer == reference_chat(messages, MAX_TOKENS), f"turn {turn}"
         messages.append({"role": "assistant", "content": result.answer})
         p_split, d_split = p_counted.split(), d_counted.split()
@@ -242,7 +153,7 @@ def run_through_p(proxy: ProxyServer, p: EngineSim, d: EngineSim, conversation: 
     # D's leg: its local hit and what it loaded from P, as D counted them; not reuse.
     assert {k: decode[k] for k in SOURCES} == {k: d_total[k] for k in SOURCES}
     assert decode["reused"] == 0
-    forget(proxy, conversation)
+    ask.forget(conversation)
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["OpenAI", "AsyncOpenAI"])
@@ -264,13 +175,14 @@ def test_decode_only_turns_return_and_count_what_d_reported(
     proxy = proxy_factory([p], [d], ready_path="/ready", routing_policy="conditional",
                           conditional_max_uncached_tokens="4096")  # fmt: skip
     conversation = f"cond-{use_async}"
+    ask = Asker(proxy, MODEL, MAX_TOKENS, use_async)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     d_total: dict[str, float] = {}
     for turn, question in enumerate(QUESTIONS):
         stream, include_usage = MODES[turn % len(MODES)]
         messages.append({"role": "user", "content": question})
         counted = Counted(d)
-        result = sdk_turn(proxy, messages, conversation, stream, include_usage, use_async)
+        result = ask.turn(messages, conversation, stream, include_usage)
         assert result.answer == reference_chat(messages, MAX_TOKENS), f"turn {turn}"
         messages.append({"role": "assistant", "content": result.answer})
         split = counted.split()
@@ -286,7 +198,7 @@ def test_decode_only_turns_return_and_count_what_d_reported(
     decode = proxy_counts(proxy, "decode")
     assert decode["reused"] == d_total["reused"] > 0
     assert m.get(WITHDRAWN, 0) == 0
-    forget(proxy, conversation)
+    ask.forget(conversation)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
@@ -297,12 +209,13 @@ def test_a_d_without_prefix_cache_loses_its_decode_only_turns(
     proxy = proxy_factory([p], [d], ready_path="/ready", routing_policy="conditional",
                           conditional_max_uncached_tokens="4096")  # fmt: skip
     conversation = f"no-cache-{stream}"
+    ask = Asker(proxy, MODEL, MAX_TOKENS)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     decisions = 'kvrelay_routing_decisions_total{decision="decode_only"}'
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         counted = Counted(d)
-        result = sdk_turn(proxy, messages, conversation, stream, True, use_async=False)
+        result = ask.turn(messages, conversation, stream, True)
         assert result.answer == reference_chat(messages, MAX_TOKENS), f"turn {turn}"
         messages.append({"role": "assistant", "content": result.answer})
         split = counted.split()
@@ -319,7 +232,7 @@ def test_a_d_without_prefix_cache_loses_its_decode_only_turns(
             assert m[decisions] == 1, "a D without cached tokens got another decode-only turn"
             assert account["prefilled_by"] == "prefill"
     assert proxy.metrics()[WITHDRAWN] == 1  # logged and counted once
-    forget(proxy, conversation)
+    ask.forget(conversation)
 
 
 FIRST_LINE = "Conversation of {messages} messages."
@@ -336,13 +249,14 @@ def test_a_rerendered_history_reuses_nothing_and_counts_its_blocks_refused_by_ha
     proxy = proxy_factory([p], [d], ready_path="/ready", routing_policy="always_p")
     hits = 'kvrelay_reuse_total{result="hit"}'
     conversation = "rerendered"
+    ask = Asker(proxy, MODEL, MAX_TOKENS)
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     refused = 0.0
     for turn, question in enumerate(QUESTIONS):
         messages.append({"role": "user", "content": question})
         counted = Counted(p)
         offered = d.metric(HELD_BLOCKS)  # D holds the previous turn, nothing else
-        result = sdk_turn(proxy, messages, conversation, turn % 2 == 1, True, use_async=False)
+        result = ask.turn(messages, conversation, turn % 2 == 1, True)
         prompt = render_chat(messages, first_line=FIRST_LINE)
         assert result.answer == reference_completion(prompt, MAX_TOKENS), f"turn {turn}"
         messages.append({"role": "assistant", "content": result.answer})
@@ -361,4 +275,4 @@ def test_a_rerendered_history_reuses_nothing_and_counts_its_blocks_refused_by_ha
     assert m[hits] == len(QUESTIONS) - 1  # the map offered every time ...
     assert m['kvrelay_tokens_reused_total{leg="prefill"}'] == 0  # ... and nothing was reused
     assert m['kvrelay_refused_blocks_total{leg="prefill",reason="hash"}'] == refused > 0
-    forget(proxy, conversation)
+    ask.forget(conversation)
