@@ -26,6 +26,7 @@ from kvrelay.devtools.vllm_servers import (
     VLLMServer,
     side_channels_setting,
 )
+from kvrelay.prometheus_text import series_sum
 from tests.harness import wait_until
 from tests.proxy.accounting_turns import Asker, Result, returned_account
 from tests.vllm.conftest import PDFleet
@@ -34,7 +35,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PROMPTS = f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL_NAME}"}}'
 SOURCE = f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL_NAME}",source="%s"}}'
-MISMATCH = "vllm:kvrelay_prefix_mismatch_blocks_total"
+MISMATCH = "vllm:kvrelay_prefix_mismatch_blocks_total"  # the connector's, summed over labels
+TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
 SOURCES = {"local_hit": "local_cache_hit", "loaded": "external_kv_transfer",
            "computed": "local_compute"}  # fmt: skip
 WITHDRAWN = (
@@ -88,7 +90,8 @@ class Counted:
                    what=f"{self.server.name} to count the prompt tokens")  # fmt: skip
         now = self.server.metrics()
         out = {ours: self._delta(now, SOURCE % theirs) for ours, theirs in SOURCES.items()}
-        out["mismatch"] = self._delta(now, MISMATCH)
+        for key, name in (("mismatch", MISMATCH), ("tokens_loaded", TOKENS_LOADED)):
+            out[key] = series_sum(now, name) - series_sum(self.before, name)
         return out
 
     def _delta(self, now: dict[str, float], name: str) -> float:
@@ -128,6 +131,7 @@ def test_turns_through_p_return_and_count_what_vllm_counted(
     messages = [{"role": "system", "content": _system()}]
     p_total = dict.fromkeys(SOURCES, 0.0)
     d_total = dict.fromkeys(SOURCES, 0.0)
+    connector_loaded = 0.0
     for turn, (question, (stream, usage)) in enumerate(zip(QUESTIONS, MODES, strict=True)):
         messages.append({"role": "user", "content": question})
         p_counted, d_counted = Counted(p), Counted(d)
@@ -139,12 +143,14 @@ def test_turns_through_p_return_and_count_what_vllm_counted(
         _equals(account, p_split, "prefill")
         if turn > 0:
             assert account["loaded_tokens"] > 0  # P has no prefix cache: the history is D's
+        connector_loaded += p_split["tokens_loaded"]
         for key in SOURCES:
             p_total[key] += p_split[key]
             d_total[key] += d_split[key]
     prefill, decode = _counted(ask.proxy, "prefill"), _counted(ask.proxy, "decode")
     assert {k: prefill[k] for k in SOURCES} == p_total
     assert prefill["reused"] == p_total["local_hit"] + p_total["loaded"] > 0
+    assert prefill["loaded"] == connector_loaded  # what P's connector read from D
     # D's leg: its own local hit and the transfer from P, as vLLM counted them on D.
     assert {k: decode[k] for k in SOURCES} == d_total
     ask.forget(conversation)
