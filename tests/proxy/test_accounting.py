@@ -43,6 +43,9 @@ SOURCES = {"local_hit": "local_cache_hit", "loaded": "external_kv_transfer",
 WITHDRAWN = (
     'kvrelay_reuse_standing_changes_total{change="withdrawn",role="decode",turn="decode_only"}'
 )
+P_WITHDRAWN = (
+    'kvrelay_reuse_standing_changes_total{change="withdrawn",role="prefill",turn="affinity"}'
+)
 
 
 @dataclass
@@ -165,6 +168,17 @@ def test_turns_through_p_return_and_count_what_p_reported(
     p = idle.p_cached if p_cache else idle.p_plain
     proxy = proxy_factory([p], [idle.d_cached], ready_path="/ready", routing_policy=policy)
     run_through_p(proxy, p, idle.d_cached, f"{policy}-{p_cache}-{use_async}", use_async)
+    m = proxy.metrics()
+    affine = m.get('kvrelay_routing_decisions_total{decision="prefill_affinity"}', 0)
+    withdrawn = m.get(P_WITHDRAWN, 0)
+    if policy == "always_p":
+        assert affine == withdrawn == 0
+    elif p_cache:
+        # Its prefix cache has the previous prompt: every later turn goes back to it.
+        assert affine == len(QUESTIONS) - 1 and withdrawn == 0
+    else:
+        # Its first affinity turn hit nothing locally: no other turn is sent by affinity.
+        assert affine == 1 and withdrawn == 1
 
 
 @pytest.mark.parametrize("use_async", [False, True], ids=["OpenAI", "AsyncOpenAI"])
