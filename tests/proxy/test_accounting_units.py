@@ -22,6 +22,9 @@ def test_the_connector_report_is_the_account() -> None:
     assert account is not None
     assert (account.prompt_tokens, account.reused, account.computed) == (100, 80, 20)
     headers = account.headers("prefill")
+    odd = KVTransferParams.from_wire({**params.to_wire(), "kvr_refused_blocks": {"x" * 9: 2}})
+    odd_account = PromptAccount.from_connector(odd)
+    assert odd_account is not None and odd_account.refused == (("other", 2),)  # no new labels
     assert headers["X-Kvrelay-Local-Hit-Tokens"] == "32"
     assert headers["X-Kvrelay-Loaded-Tokens"] == "48"
     assert headers["X-Kvrelay-Refused-Blocks"] == "hash=1,local=2"

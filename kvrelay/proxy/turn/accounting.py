@@ -15,7 +15,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvrelay.connector.protocol import KVTransferParams
+from kvrelay.connector.protocol import (
+    REFUSED_FAILED,
+    REFUSED_HASH,
+    REFUSED_LOCAL,
+    REFUSED_PARTIAL,
+    REFUSED_THRESHOLD,
+    REFUSED_UNVERIFIED,
+    KVTransferParams,
+)
 
 # Headers of a JSON answer that carry the turn's account (the proxy README, "Accounting").
 HEADER_PROMPT = "X-Kvrelay-Prompt-Tokens"
@@ -26,6 +34,10 @@ HEADER_COMPUTED = "X-Kvrelay-Computed-Tokens"
 HEADER_REFUSED = "X-Kvrelay-Refused-Blocks"
 HEADER_PREFILLED_BY = "X-Kvrelay-Prefilled-By"
 UNKNOWN = "unknown"
+# The connector's reasons; any other name an engine sends is counted as "other" (it becomes a
+# metric label: an engine must not be able to grow the label set).
+REASONS = frozenset({REFUSED_HASH, REFUSED_PARTIAL, REFUSED_UNVERIFIED, REFUSED_LOCAL,
+                     REFUSED_THRESHOLD, REFUSED_FAILED})  # fmt: skip
 
 
 def _int(value: object) -> int | None:
@@ -66,11 +78,12 @@ class PromptAccount:
         local, loaded = _int(params.kvr_local_hit_tokens), _int(params.kvr_loaded_tokens)
         if prompt is None or local is None or loaded is None:
             return None
-        refused = params.kvr_refused_blocks or {}
-        return cls(
-            prompt, local + loaded, local, loaded,
-            tuple(sorted((k, v) for k, v in refused.items() if _int(v))),
-        )  # fmt: skip
+        refused: dict[str, int] = {}
+        for reason, blocks in (params.kvr_refused_blocks or {}).items():
+            if _int(blocks):
+                key = reason if reason in REASONS else "other"
+                refused[key] = refused.get(key, 0) + blocks
+        return cls(prompt, local + loaded, local, loaded, tuple(sorted(refused.items())))
 
     @classmethod
     def from_cached(cls, prompt_tokens: int | None, cached: object) -> PromptAccount:
