@@ -150,31 +150,45 @@ def build() -> dict[str, Any]:
     """The whole dashboard as a JSON-ready dict."""
     g = Layout()
     g.row("Reuse")
-    reuse = "kvrelay_reuse_total"
-    hit = 'result="hit"'
-    g.ratio_stat(
-        "Reuse rate",
-        "Share of reuse lookups that hit D's held KV (5m).",
-        "hit rate",
-        reuse,
-        hit,
-        w=6,
-    )
+    # Realized reuse, as the engines reported it: a map lookup hit is only an offer.
+    reused = f"sum({rate('kvrelay_tokens_reused_total')})"
     g.panel(
-        "Tokens saved / s",
-        "Prompt tokens P did not recompute: offered from D's held KV, and reported loaded by P.",
-        [
-            (f"sum({rate('kvrelay_tokens_reused_total')})", "offered (reused)"),
-            (f"sum({rate('kvrelay_tokens_pulled_total')})", "loaded by P"),
-        ],
-        w=9,
+        "Realized reuse",
+        "Share of prompt tokens that the engine prefilling the turn did not compute (its local "
+        "prefix hit + what it loaded from D's hold), as the engines reported it (5m). Turns "
+        "whose engine gave no figure are left out (see kvrelay_leg_accounts_total).",
+        [(ratio(reused, f"sum({rate('kvrelay_turn_prompt_tokens_total')})"), "reused")],
+        w=4,
+        unit="percentunit",
+        kind="stat",
+        bounds=(0, 1),
     )
     g.breakdown(
-        "Reuse lookups by result",
-        "hit, miss, refused (history check), expired, unverifiable, map_unavailable.",
-        reuse,
+        "Prompt tokens by leg and source / s",
+        "Each leg's prompt tokens as its engine reported them: local_hit, loaded (P: from D's "
+        "hold; D on a turn through P: from P), cached (a stock engine's total), computed, "
+        "unknown (no figure).",
+        "kvrelay_prompt_tokens_total",
+        "leg, source",
+        w=8,
+        unit="short",
+    )
+    g.breakdown(
+        "Refused blocks / s",
+        "Offered blocks an engine did not load, by reason: hash (the history re-rendered or "
+        "diverged), local (already cached), partial, unverified, threshold, failed.",
+        "kvrelay_refused_blocks_total",
+        "leg, reason",
+        w=4,
+        unit="short",
+    )
+    g.breakdown(
+        "Map lookups by result",
+        "What the conversation map offered (a lookup, not a reuse): hit, miss, refused "
+        "(history check), expired, unverifiable, holder_unavailable, map_unavailable.",
+        "kvrelay_reuse_total",
         "result",
-        w=5,
+        w=4,
         unit="reqps",
     )
     requests = "kvrelay_requests_total"

@@ -36,11 +36,16 @@ def message_text(content: Any) -> str:
     raise ChatTemplateError("message content must be a string, a list of parts or null")
 
 
-def render_chat(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-    """Render `messages` to the prompt text (special tokens as their strings)."""
+def render_chat(
+    messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True, first_line: str = ""
+) -> str:
+    """Render `messages` to the prompt text (special tokens as their strings); `first_line`
+    ("{messages}": their number) comes first, as a template that prints the date puts it."""
     if not messages:
         raise ChatTemplateError("messages must be a non-empty list")
-    out: list[str] = []
+    out: list[str] = (
+        [first_line.replace("{messages}", str(len(messages))) + "\n"] if first_line else []
+    )
     for message in messages:
         if not isinstance(message, Mapping):
             raise ChatTemplateError("each message must be an object")

@@ -75,6 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
         help="usage.prompt_tokens_details in answers (vLLM's flag of the same name)",
     )  # fmt: skip
+    p.add_argument(
+        "--chat-template-first-line", default="",
+        help="a line the chat template renders before the messages; {messages} is replaced by "
+        "their number, so it changes every turn (as a template that prints the date does)",
+    )  # fmt: skip
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--lease-seconds", type=float, default=120.0)
@@ -128,6 +133,7 @@ _ENGINE_OPTIONS = (
     "eos_period",
     "params_in_stream",
     "enable_prompt_tokens_details",
+    "chat_template_first_line",
 )
 
 

@@ -45,6 +45,9 @@ class EngineConfig:
     params_in_stream: bool = False
     # vLLM's `--enable-prompt-tokens-details`: `usage.prompt_tokens_details` in answers.
     enable_prompt_tokens_details: bool = False
+    # A first line the chat template renders ("{messages}": their number): a template that
+    # re-renders its first line every turn, so no block of a previous turn matches.
+    chat_template_first_line: str = ""
     # A request waiting longer for remote KV means the connector never ended its load
     # (every connector timeout is far shorter): the engine stops with an error.
     remote_kv_wait_limit_s: float = 300.0

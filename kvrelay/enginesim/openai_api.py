@@ -222,7 +222,7 @@ def parse_completion(
 
 
 def parse_chat(
-    body: Any, tokenizer: Tokenizer, served_model: str, max_model_len: int
+    body: Any, tokenizer: Tokenizer, served_model: str, max_model_len: int, first_line: str = ""
 ) -> ParsedRequest:
     """Validate a /v1/chat/completions body (the chat template renders, then tokenizes)."""
     model, stream, include_usage = _check_common(body, served_model)
@@ -230,7 +230,7 @@ def parse_chat(
     if not isinstance(messages, list):
         raise ApiError(400, "messages must be a list", param="messages")
     try:
-        text = render_chat(messages, add_generation_prompt=True)
+        text = render_chat(messages, add_generation_prompt=True, first_line=first_line)
     except ChatTemplateError as exc:
         raise ApiError(400, str(exc), param="messages") from None
     ids = encode_text(tokenizer, text, "messages")

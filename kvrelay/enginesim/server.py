@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -148,7 +149,9 @@ class EngineServer:
         return await self._generate(request, parse_completion, chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, parse_chat, chat=True)
+        first_line = self.config.chat_template_first_line
+        return await self._generate(request, functools.partial(parse_chat, first_line=first_line),
+                                    chat=True)  # fmt: skip
 
     async def _json(self, request: web.Request) -> Any:
         try:

@@ -75,8 +75,10 @@ def test_every_queried_metric_and_label_exists() -> None:
 def test_dashboard_covers_the_operator_questions() -> None:
     queried = " ".join(t["expr"] for t in _targets(_dashboard()["panels"]))
     for needed in (
-        "kvrelay_reuse_total",  # reuse rate
-        "kvrelay_tokens_reused_total",  # tokens saved
+        "kvrelay_reuse_total",  # map lookups
+        "kvrelay_tokens_reused_total",  # realized reuse
+        "kvrelay_prompt_tokens_total",  # where prompt tokens came from
+        "kvrelay_refused_blocks_total",  # offered, not loaded
         "kvrelay_leg_latency_seconds_bucket",  # per-leg latency
         "kvrelay_requests_total",  # errors by kind
         "kvrelay_backend_healthy",  # backend health

@@ -29,7 +29,7 @@ SYSTEM = "You are a careful assistant. Answer briefly. " * 6  # several full blo
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Then what?", "Thanks!"]
 MAX_TOKENS = 12
 HITS = 'kvrelay_reuse_total{result="hit"}'
-PULLED = "kvrelay_tokens_pulled_total"
+PULLED = 'kvrelay_prompt_tokens_total{leg="prefill",source="loaded"}'
 LOADED = "enginesim_prompt_tokens_loaded_total"
 BLOCK_SIZE = 16  # enginesim's default
 SIDE_CHANNEL = 'kvrelay_finished_params_total{source="side_channel"}'
@@ -73,7 +73,7 @@ def run_conversation(fleet: ProxiedPair, conversation: SDKConversation) -> list[
     conversation.run(QUESTIONS, after_turn)
     # The hit of turn k was counted when turn k was sent, right after turn k-1 returned.
     assert hits == list(range(len(QUESTIONS))), f"reuse hits after each turn: {hits}"
-    # P reported loaded tokens (its `cached_tokens`) on every turn after the first.
+    # P reported loaded tokens (its connector's report) on every turn after the first.
     grew = [b - a for a, b in zip([before.get(PULLED, 0), *pulled], pulled, strict=False)]
     assert grew[0] == 0 and all(g >= BLOCK_SIZE for g in grew[1:]), f"P loaded per turn: {grew}"
     messages = list(conversation.messages[:1])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
 from kvrelay.devtools.proxy_server import ProxyFactory
@@ -23,7 +24,7 @@ def fake_stock_pd() -> Iterator[tuple[FakeStockEngine, FakeStockEngine]]:
         d.stop()
 
 
-def _two_turns(url: str) -> None:
+def _two_turns(url: str) -> httpx.Response:
     headers = {"X-Conversation-Id": "stock-1"}
     first = post(url, "/v1/completions", {"model": "fake", "prompt": "one two three four"},
                  headers)  # fmt: skip
@@ -35,6 +36,7 @@ def _two_turns(url: str) -> None:
         headers,
     )
     assert second.status_code == 200, second.text
+    return second
 
 
 def test_stock_params_are_not_reused_by_default(
@@ -64,3 +66,22 @@ def test_stock_reuse_opt_in_caps_tokens_at_previous_prompt(
     assert proxy.metrics()['kvrelay_reuse_total{result="hit"}'] == 1
     # D (stock) got P's params and a hold flag it will ignore.
     assert d.requests[1]["kv_transfer_params"]["do_remote_prefill"] is True
+
+
+def test_engines_without_a_reuse_report_are_counted_unknown_never_from_the_map(
+    fake_stock_pd: tuple[FakeStockEngine, FakeStockEngine], proxy_factory: ProxyFactory
+) -> None:
+    # Stock engines with prompt-token details off say nothing of what they reused: the map
+    # offered P D's blocks, yet the proxy reports no reuse it was not told of.
+    p, d = fake_stock_pd
+    proxy = proxy_factory([p.url], [d.url], stock_vllm_reuse="true")
+    second = _two_turns(proxy.url)
+    assert second.headers["X-Kvrelay-Reused-Tokens"] == "unknown"
+    assert second.headers["X-Kvrelay-Computed-Tokens"] == "unknown"
+    assert second.headers["X-Kvrelay-Prompt-Tokens"] == "9"  # P's usage
+    assert second.headers["X-Kvrelay-Prefilled-By"] == "prefill"
+    m = proxy.metrics()
+    assert m['kvrelay_reuse_total{result="hit"}'] == 1
+    assert m.get('kvrelay_tokens_reused_total{leg="prefill"}', 0) == 0
+    assert m['kvrelay_leg_accounts_total{leg="prefill",result="unknown"}'] == 2
+    assert m['kvrelay_prompt_tokens_total{leg="prefill",source="unknown"}'] == 4 + 9

@@ -122,6 +122,7 @@ class FakeClient:
     stream_out: FakeStream = field(default_factory=FakeStream)
     json_status: int | None = None
     json_body: dict[str, Any] | None = None
+    json_headers: Mapping[str, str] | None = None
 
     @property
     def headers(self) -> Mapping[str, str]:
@@ -129,6 +130,7 @@ class FakeClient:
 
     def send_json(self, status: int, body: bytes, headers: Mapping[str, str]) -> None:
         self.json_status, self.json_body = status, json.loads(body)
+        self.json_headers = headers
 
     async def open_stream(self, status: int, headers: Mapping[str, str]) -> ClientStream:
         return self.stream_out
@@ -283,7 +285,7 @@ async def test_a_miss_then_a_hit_pulls_the_first_turns_blocks(rig: Rig) -> None:
     engines.script.update({P1: [prefill_ok("r2")], D1: [decode_ok("r2")]})
     turn2 = rig.turn(first + " Otters swim. And beavers?", "r2", engines, FakeClient())
     await turn2.run()
-    assert turn2.report.reuse == "hit" and turn2.report.tokens_reused == 40
+    assert turn2.report.reuse == "hit" and turn2.report.tokens_offered == 40
     p_sent = engines.bodies(P1)[1]["kv_transfer_params"]
     assert p_sent["remote_engine_id"] == "d-engine" and p_sent["release_token"] == "d-token-r1"
     stored = await _stored(rig)
@@ -319,6 +321,45 @@ async def test_p_failing_falls_back_to_decode_only(rig: Rig) -> None:
     assert stored is not None and stored.url == d_url and stored.prefill_url is None
     await rig.releaser.drain()
     assert rig.released() == []
+
+
+def _with_usage(answer: FakeAnswer, cached: int, **params: Any) -> FakeAnswer:
+    body = json.loads(answer.body)
+    body["usage"] = {"prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": cached}}
+    body["kv_transfer_params"].update(params)
+    return FakeAnswer(answer.status, json.dumps(body).encode())
+
+
+async def test_ds_cached_tokens_are_read_only_when_d_got_no_p_params(rig: Rig) -> None:
+    # vLLM's D reports P's cached tokens as its own (ACCOUNTING §1): on a turn through P the
+    # account is P's report, and D's usage is not taken for D's own figure.
+    report = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 16, "kvr_loaded_tokens": 16,
+              "kvr_offered_blocks": 3, "kvr_refused_blocks": {"hash": 1}}  # fmt: skip
+    engines = FakeEngines({P1: [_with_usage(prefill_ok("r1"), 32, **report)],
+                           D1: [_with_usage(decode_ok("r1"), 32)]})  # fmt: skip
+    client = FakeClient()
+    turn = rig.turn("Hello there", "r1", engines, client)
+    await turn.run()
+    assert client.json_headers is not None
+    headers = dict(client.json_headers)
+    assert headers["X-Kvrelay-Reused-Tokens"] == "32"
+    assert headers["X-Kvrelay-Local-Hit-Tokens"] == headers["X-Kvrelay-Loaded-Tokens"] == "16"
+    assert headers["X-Kvrelay-Refused-Blocks"] == "hash=1"
+    assert headers["X-Kvrelay-Prefilled-By"] == "prefill"
+    d_account = turn.report.decode_leg.account
+    assert d_account is not None and d_account.reused is None  # P's figure, not D's
+    # Without P (both failed), D got no P params: its usage is its own figure.
+    engines = FakeEngines({P1: [UpstreamConnectError("refused")],
+                           P2: [UpstreamConnectError("refused")],
+                           D1: [_with_usage(decode_ok("r2"), 24)],
+                           D2: [_with_usage(decode_ok("r2"), 24)]})  # fmt: skip
+    client = FakeClient()
+    turn = rig.turn("Good morning", "r2", engines, client)
+    await turn.run()
+    assert client.json_headers is not None
+    assert client.json_headers["X-Kvrelay-Reused-Tokens"] == "24"
+    assert client.json_headers["X-Kvrelay-Local-Hit-Tokens"] == "unknown"
+    assert client.json_headers["X-Kvrelay-Prefilled-By"] == "decode"
 
 
 async def test_d_failing_before_the_first_byte_is_retried_on_another_d(rig: Rig) -> None:

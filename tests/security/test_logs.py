@@ -130,10 +130,14 @@ def test_no_prompt_answer_or_secret_in_json_debug_logs(
     assert first["request_id"].startswith("req-")
     assert first["conversation"] == second["conversation"] and len(first["conversation"]) == 16
     assert first["stored_as"] == first["conversation"]
-    assert (first["reuse"], second["reuse"]) == ("miss", "hit")
-    assert second["tokens_reused"] > 0 and second["stream"] is True
+    assert (first["lookup"], second["lookup"]) == ("miss", "hit")
+    assert second["tokens_offered"] > 0 and second["stream"] is True
+    # What P reported it reused (its connector loaded the held history), not the offer.
+    assert second["tokens_reused"] == second["prefill"]["prompt"]["reused_tokens"] > 0
+    assert first["tokens_reused"] == 0 and second["prefilled_by"] == "prefill"
     for turn in (first, second):
-        assert turn["decode"] == {"engine": fleet.decode.url, "status": 200, "attempts": 1}
+        decode = {k: v for k, v in turn["decode"].items() if k != "prompt"}
+        assert decode == {"engine": fleet.decode.url, "status": 200, "attempts": 1}
         assert turn["retries"] == 0 and turn["error"] is None
         assert 0 < turn["duration_ms"]["decode_ttfb"] <= turn["duration_ms"]["total"]
     assert failed["tenant"] != first["tenant"]

@@ -150,9 +150,12 @@ def kvrelay_fleet(
 
     def start() -> Iterator[PDFleet]:
         pair = kvrelay_pair(tiny_model)
-        pair[0].extra_args = ["--no-enable-prefix-caching"]
+        # Both take a chat template in the request (a template that re-renders every turn:
+        # test_kvrelay_reuse_accounting); no other test sends one.
+        trust = "--trust-request-chat-template"
+        pair[0].extra_args = ["--no-enable-prefix-caching", trust]
         # A small D, so that its holds for next turns can fill it (block-pressure test).
-        pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
+        pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS), trust]
         return _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
 
     try:

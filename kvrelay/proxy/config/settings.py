@@ -353,6 +353,15 @@ class Settings(BaseSettings):
             "follow-ups does not stall D's decoding."
         ),
     )
+    reuse_probe_interval_s: float = Field(
+        default=60.0,
+        gt=0,
+        description=(
+            "A D whose decode-only turns (or a P whose affinity turns) showed no cached "
+            "tokens gets no such turns, except one probe turn this often, until it shows "
+            "cached tokens again."
+        ),
+    )
     decode_max_waiting: int = Field(
         default=4,
         ge=0,

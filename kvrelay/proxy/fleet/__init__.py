@@ -33,6 +33,7 @@ from kvrelay.proxy.fleet.pools import (
     engines_to_try,
     probe_health,
 )
+from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 from kvrelay.proxy.fleet.routing import Router, uncached_tokens
 from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
@@ -54,6 +55,7 @@ __all__ = [
     "Pool",
     "RedisFleetSync",
     "ResolveError",
+    "ReuseStanding",
     "Router",
     "engine_name",
     "engines_to_try",

@@ -15,16 +15,21 @@ Policies (`routing_policy`, README "Routing policy"):
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
 are chosen last and lose affinity. Without a fresh reading only the in-flight counts decide.
+
+The router learns from what the engines report a turn reused (`ReuseStanding`): a D whose
+decode-only turns show no cached tokens gets none until it shows some again, and a P whose
+affinity turns show no local hit loses affinity until it shows one.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.pools import Backend, Pool
+from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,13 @@ class Router:
     settings: Settings
     prefill: Pool
     decode: Pool
+    decode_only: ReuseStanding = field(init=False)  # Ds whose decode-only turns reuse nothing
+    affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
+
+    def __post_init__(self) -> None:
+        interval = self.settings.reuse_probe_interval_s
+        object.__setattr__(self, "decode_only", ReuseStanding("decode", "decode_only", interval))
+        object.__setattr__(self, "affinity", ReuseStanding("prefill", "affinity", interval))
 
     # -- load --------------------------------------------------------------------------------
 
@@ -59,7 +71,7 @@ class Router:
         preferred = entry.prefill_url if entry is not None else None
         if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
-            if backend is not None:
+            if backend is not None and self.affinity.admits(backend.url):
                 return backend, True
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
@@ -138,7 +150,32 @@ class Router:
         in_flight = holder.outstanding_work - holder.inflight
         if in_flight + uncached > s.conditional_max_inflight_tokens:
             return None
+        if not self.decode_only.admits(holder.url):
+            return None  # its decode-only turns showed no cached tokens: through P
         return uncached
+
+    # -- learning from what the engines reused -------------------------------------------------
+
+    def decode_only_served(self, url: str, cached_tokens: int) -> None:
+        """D served a decode-only turn from `cached_tokens` of its own (its report)."""
+        if cached_tokens > 0:
+            self.decode_only.paid(url)
+        else:
+            self.decode_only.unpaid(url)
+
+    def decode_served(self, url: str, local_hit_tokens: int) -> None:
+        """D served a turn through P with this local prefix hit: a hit shows its prefix
+        cache works, so its decode-only turns come back."""
+        if local_hit_tokens > 0:
+            self.decode_only.paid(url)
+
+    def prefill_served(self, url: str, local_hit_tokens: int, *, affinity_turn: bool) -> None:
+        """P served a turn with this local prefix hit; `affinity_turn`: it was chosen as the
+        conversation's previous P, with the same history (nothing refused by hash)."""
+        if local_hit_tokens > 0:
+            self.affinity.paid(url)
+        elif affinity_turn:
+            self.affinity.unpaid(url)
 
 
 def uncached_tokens(entry: KVEntry, prompt_chars: int) -> int:

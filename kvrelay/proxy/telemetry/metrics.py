@@ -179,19 +179,67 @@ TTFT = Labelled(
 REUSE = Labelled(
     Counter(
         "kvrelay_reuse_total",
-        "Reuse lookups: hit, miss, refused (history check failed), expired (too close to "
-        "expiry), unverifiable (engine without block hashes), holder_unavailable (the D that "
-        "holds the blocks is ejected or gone), map_unavailable.",
+        "Map lookups (a lookup is not a reuse: see kvrelay_tokens_reused_total): hit (an "
+        "entry offered to the turn), miss, refused (history check failed), expired (too close "
+        "to expiry), unverifiable (engine without block hashes), holder_unavailable (the D "
+        "that holds the blocks is ejected or gone), map_unavailable.",
         ["result"],
     )
 )
-TOKENS_REUSED = Counter(
-    "kvrelay_tokens_reused_total",
-    "Tokens of D's held KV offered to P on hits (P pulls the prefix its hashes confirm).",
+TOKENS_OFFERED = Counter(
+    "kvrelay_tokens_offered_total",
+    "Tokens of D's held KV offered to P on lookup hits (an offer, not a reuse).",
 )
-TOKENS_PULLED = Counter(
-    "kvrelay_tokens_pulled_total",
-    "Tokens P reported as loaded from a holder (when the engine reports cached tokens).",
+TOKENS_REUSED = Labelled(
+    Counter(
+        "kvrelay_tokens_reused_total",
+        "Prompt tokens a turn did not compute, as the engine that prefilled it reported (its "
+        "local prefix hit + tokens loaded from D's hold): leg prefill (turns through P) or "
+        "decode (decode-only turns). Legs whose engine gave no figure count nothing here.",
+        ["leg"],
+    )
+)
+TURN_PROMPT_TOKENS = Labelled(
+    Counter(
+        "kvrelay_turn_prompt_tokens_total",
+        "Prompt tokens of turns whose prefilling engine reported what it reused, by that leg "
+        "(kvrelay_tokens_reused_total over this: the realized reuse rate).",
+        ["leg"],
+    )
+)
+PROMPT_TOKENS = Labelled(
+    Counter(
+        "kvrelay_prompt_tokens_total",
+        "Each leg's prompt tokens by where their KV came from, as its engine reported: "
+        "local_hit (its prefix cache), loaded (read from the holder: D's hold for P and "
+        "decode-only D, P's blocks for D on a turn through P), cached (a stock engine's "
+        "total of the two), computed, unknown (the engine gave no figure).",
+        ["leg", "source"],
+    )
+)
+REFUSED_BLOCKS = Labelled(
+    Counter(
+        "kvrelay_refused_blocks_total",
+        "Offered blocks an engine's connector did not load, by reason: hash, partial, "
+        "unverified, local, threshold, failed (docs/ACCOUNTING.md).",
+        ["leg", "reason"],
+    )
+)
+LEG_ACCOUNTS = Labelled(
+    Counter(
+        "kvrelay_leg_accounts_total",
+        "Legs by whether their engine reported what it reused: engine, or unknown.",
+        ["leg", "result"],
+    )
+)
+REUSE_STANDING = Labelled(
+    Counter(
+        "kvrelay_reuse_standing_changes_total",
+        "Engines withdrawn from (or restored to) decode-only turns (role decode) or affinity "
+        "turns (role prefill) because those turns showed no cached tokens (or show some "
+        "again).",
+        ["role", "turn", "change"],
+    )
 )
 RELEASES = Labelled(
     Counter(

@@ -1,10 +1,12 @@
 """One turn of a conversation: identify it, take its entry, the P and D legs, relay the answer,
-store what D holds, free what the turn owes (`Turn`), and report it (`TurnReport`).
+store what D holds, free what the turn owes (`Turn`), and report it (`TurnReport`), with what
+the engines reported it reused (`PromptAccount`).
 
 A turn talks to its client through `Client` (`AiohttpClient` for the proxy's server) and to
 engines through `Engines` (the worker's engine client unless a test gives it another).
 """
 
+from kvrelay.proxy.turn.accounting import PromptAccount
 from kvrelay.proxy.turn.attempts import EngineAnswer, Engines, LegFailure
 from kvrelay.proxy.turn.client import AiohttpClient, Client, ClientStream
 from kvrelay.proxy.turn.conversation import (
@@ -37,6 +39,7 @@ __all__ = [
     "Engines",
     "LegFailure",
     "Owed",
+    "PromptAccount",
     "SSEFilter",
     "Turn",
     "TurnReport",

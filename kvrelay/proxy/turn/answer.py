@@ -7,6 +7,11 @@ or the decision not to store them is made: the answer, or `[DONE]`, goes out aft
 waited for at most `side_channel_timeout` (past it the store finishes in the background).
 Params a stream did not carry come from D's side channel. A stream cut short (D broke, or the
 client left before the answer was complete) frees D's hold and P's blocks.
+
+What the engines reported the turn reused (`kvrelay.proxy.turn.accounting`) goes back with the
+answer: as headers on a JSON answer; in a stream, whose headers leave before anything is
+known, in its final usage event (`prompt_tokens_details.cached_tokens` and `usage.kvrelay`),
+which is kept back with `[DONE]` until the turn is settled.
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, HoldRef
 from kvrelay.proxy.base import ProxyError, jsoncodec
 from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet import Backend, Fleet
+from kvrelay.proxy.turn.accounting import PromptAccount
 from kvrelay.proxy.turn.attempts import EngineAnswer
 from kvrelay.proxy.turn.client import Client
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.store import Store
-from kvrelay.proxy.turn.streaming import SSEFilter, error_event
+from kvrelay.proxy.turn.streaming import SSEFilter, data_event, error_event
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,8 @@ class Answer:
                 502, "the decode engine answered with invalid JSON", code="decode_failed"
             ) from exc
         params = None
+        if isinstance(data, dict):
+            report.decode_usage(data.get("usage"))
         if isinstance(data, dict) and KV_TRANSFER_PARAMS in data:
             params = data.pop(KV_TRANSFER_PARAMS)
             raw = jsoncodec.dumps(data)  # the params stay between the proxy and the engines
@@ -97,8 +105,10 @@ class Answer:
                 await self._settle(self._put(params, backend, hold))
         elif hold:
             self._no_params()
+        account = report.settle_accounts()
         report.first_byte()
-        self._client.send_json(resp.status, raw, self._headers)
+        headers = {**self._headers, **account.headers(report.prefilled_by)}
+        self._client.send_json(resp.status, raw, headers)
 
     async def _relay_stream(
         self, resp: EngineAnswer, backend: Backend, hold: bool, start: float
@@ -117,7 +127,8 @@ class Answer:
         )
         # `[DONE]` is held back: clients (the openai SDK) hang up and send the next turn the
         # moment they see it, so it goes out only once this turn's entry is settled.
-        sse = SSEFilter(hold_done=True)
+        # So is the final usage event: it gets the turn's account once the turn is settled.
+        sse = SSEFilter(hold_done=True, hold_usage=True)
         first = True
         try:
             async for chunk in resp.iter_chunks():
@@ -153,9 +164,27 @@ class Answer:
             raise
         report.leg_latency("decode", "2xx", start)
         await self._settle(self._after_stream(sse.params, backend, hold))
+        usage = b""
+        if sse.usage_event is not None:
+            report.decode_usage(sse.usage_event["usage"])
+            usage = self._usage_event(sse.usage_event, report.settle_accounts())
+        else:
+            report.settle_accounts()
         with contextlib.suppress(ConnectionResetError):
-            # [DONE] and the end of the chunked body leave in one write.
-            await out.write_eof(sse.done_event or b"")
+            # The usage event, [DONE] and the end of the chunked body leave in one write.
+            await out.write_eof(usage + (sse.done_event or b""))
+
+    def _usage_event(self, event: dict[str, Any], account: PromptAccount) -> bytes:
+        """D's final usage event with the turn's account: `cached_tokens` is the tokens the
+        prefilling engine reported it did not compute, and `usage.kvrelay` the whole account."""
+        usage = dict(event["usage"])
+        if account.reused is not None:
+            details = usage.get("prompt_tokens_details")
+            details = dict(details) if isinstance(details, dict) else {}
+            details["cached_tokens"] = account.reused
+            usage["prompt_tokens_details"] = details
+        usage["kvrelay"] = {**account.summary(), "prefilled_by": self._report.prefilled_by}
+        return data_event({**event, "usage": usage})
 
     async def _after_stream(
         self, params: dict[str, Any] | None, backend: Backend, hold: bool

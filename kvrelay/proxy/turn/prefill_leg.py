@@ -20,6 +20,7 @@ from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet import Backend
+from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
 from kvrelay.proxy.turn.legs import prefill_body
 
@@ -91,19 +92,29 @@ class PrefillLeg:
             resp.release()
 
     def _answer(self, backend: Backend, raw: bytes) -> PrefillAnswer:
+        report = self._attempts.report
         try:
             data = jsoncodec.loads(raw)
         except (ValueError, RecursionError):
-            return PrefillAnswer(backend, None, None)
+            data = None
         if not isinstance(data, dict):
+            report.prefill_answered(UNKNOWN_ACCOUNT, for_decode=False)
             return PrefillAnswer(backend, None, None)
         params = KVTransferParams.from_wire_or_none(data.get(KV_TRANSFER_PARAMS))
-        prompt_tokens = None
         usage = data.get("usage")
-        if isinstance(usage, dict):
-            if isinstance(usage.get("prompt_tokens"), int):
-                prompt_tokens = usage["prompt_tokens"]
-            details = usage.get("prompt_tokens_details")
-            if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-                self._attempts.report.tokens_pulled(details["cached_tokens"])
+        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        if not isinstance(prompt_tokens, int):
+            prompt_tokens = None
+        report.prefill_answered(_account(params, usage), for_decode=params is not None)
         return PrefillAnswer(backend, params, prompt_tokens)
+
+
+def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:
+    """What P reported it did with the prompt: its connector's report, else vLLM's own total
+    (`remote_prefill_cached_tokens`, or the usage details: P's answer is P's own figure)."""
+    from_usage = PromptAccount.from_usage(usage)
+    if params is None:
+        return from_usage
+    vllm = PromptAccount.from_cached(from_usage.prompt_tokens, params.remote_prefill_cached_tokens)
+    fallback = vllm.or_else(from_usage)
+    return (PromptAccount.from_connector(params) or fallback).or_else(fallback)

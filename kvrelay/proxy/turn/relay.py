@@ -142,14 +142,34 @@ class Turn:
             if self.decode_only_tokens is None:
                 self.owed.release(Debt.PREVIOUS_HOLD)
         if self.decode_only_tokens is None:
-            return await self._decode_leg()
+            await self._decode_leg()
+            return self._learn()
         # Straight to the holder: D serves the history from the held blocks (its prefix-cache
         # hit), so the old hold is given back only once D is done with this turn.
         self.report.routed("decode_only")
         try:
-            return await self._decode_leg()
+            await self._decode_leg()
         finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
+        self._learn()
+
+    def _learn(self) -> None:
+        """Tell the router what the engines reported this turn reused (routing that learns:
+        `kvrelay.proxy.fleet.ReuseStanding`)."""
+        router, report = self.fleet.router, self.report
+        p, d = report.prefill_leg.account, report.decode_leg.account
+        d_url = report.decode_leg.engine
+        if self.decode_only_tokens is not None:
+            if d is not None and d.reused is not None and d_url is not None:
+                router.decode_only_served(d_url, d.reused)
+            return
+        if self.prefill is not None and p is not None and p.local_hit is not None:
+            # A re-rendered history (blocks refused by hash) is the prompt's doing, not P's.
+            changed = any(reason == "hash" for reason, _ in p.refused)
+            affinity = report.routing == "prefill_affinity" and not changed
+            router.prefill_served(self.prefill.backend.url, p.local_hit, affinity_turn=affinity)
+        if d is not None and d.local_hit and d_url is not None:
+            router.decode_served(d_url, d.local_hit)
 
     async def _take_entry(self) -> None:
         report, fleet = self.report, self.fleet

@@ -1,7 +1,8 @@
 """What a turn did, counted and reported by one `TurnReport`: metrics, trace spans, log line.
 
-`kvrelay.proxy.turn.relay.Turn` tells the report what happens as it happens (the
-reuse result, each attempt, a retry, a fallback, the first byte, where D's params came from);
+`kvrelay.proxy.turn.relay.Turn` tells the report what happens as it happens (the map
+lookup's result, each attempt, a retry, a fallback, the first byte, where D's params came from,
+what each engine reported it reused: `PromptAccount`, counted once the answer is settled);
 the report counts it in `/metrics` (`telemetry.metrics`), wraps the turn, the map take, the legs
 and the map put in spans (`telemetry.tracing`) and, when the turn ends, writes its summary line
 (`telemetry.logs`). Span attributes and log fields are ids, engine URLs, hashes and numbers:
@@ -20,6 +21,7 @@ from typing import Any
 
 from kvrelay.kvcache_map import ConversationKey
 from kvrelay.proxy.telemetry import logs, metrics, tracing
+from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount
 
 # Span names, one per step of a turn (docs/DESIGN.md §1).
 TURN_SPAN = "kvrelay.turn"
@@ -42,6 +44,7 @@ class LegRecord:
     started: float | None = None  # first attempt
     ended: float | None = None  # P: answer read; D: answer relayed
     first_byte: float | None = None  # D: first byte of the answer relayed to the client
+    account: PromptAccount | None = None  # what the engine reported it did with the prompt
 
     def attempt(self, url: str) -> None:
         """A try of this leg on the engine at `url` begins."""
@@ -71,7 +74,14 @@ class LegRecord:
 
     def summary(self) -> dict[str, Any]:
         """The leg in the turn's log line."""
-        return {"engine": self.engine, "status": self.status, "attempts": self.attempts}
+        out: dict[str, Any] = {
+            "engine": self.engine,
+            "status": self.status,
+            "attempts": self.attempts,
+        }
+        if self.account is not None:
+            out["prompt"] = self.account.summary()
+        return out
 
 
 @dataclass(slots=True)
@@ -88,8 +98,12 @@ class TurnReport:
     store_key: ConversationKey | None  # ... and stores under
     started: float = field(default_factory=time.monotonic)
     hold: bool = False  # D is asked to hold its blocks for a next turn
-    reuse: str = "none"  # the REUSE metric's result; "none" when there was nothing to look up
-    tokens_reused: int = 0
+    reuse: str = "none"  # the map lookup's result (REUSE); "none": nothing to look up
+    tokens_offered: int = 0  # on a lookup hit: the entry's tokens (an offer, not a reuse)
+    routing: str | None = None  # the ROUTING decision
+    # Which leg prefilled the prompt: "prefill" once P answered with params for D, else D.
+    prefilled_by: str = "decode"
+    account: PromptAccount | None = None  # the turn's realized reuse, once settled
     prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
     decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
 
@@ -100,8 +114,8 @@ class TurnReport:
         self.reuse = result
         metrics.REUSE.labels(result).inc()
         if tokens:
-            self.tokens_reused = tokens
-            metrics.TOKENS_REUSED.inc(tokens)
+            self.tokens_offered = tokens
+            metrics.TOKENS_OFFERED.inc(tokens)
 
     def leg(self, role: str) -> LegRecord:
         return self.prefill_leg if role == "prefill" else self.decode_leg
@@ -115,14 +129,52 @@ class TurnReport:
 
     def routed(self, decision: str) -> None:
         """decode_only | prefill_affinity | prefill_chosen (`kvrelay_routing_decisions_total`)."""
+        self.routing = decision
         metrics.ROUTING.labels(decision).inc()
 
     def fell_back(self, kind: str) -> None:
         metrics.FALLBACKS.labels(kind).inc()
 
-    def tokens_pulled(self, tokens: int) -> None:
-        """P's `cached_tokens`: what it pulled (or had) instead of computing."""
-        metrics.TOKENS_PULLED.inc(tokens)
+    # -- realized reuse (docs/ACCOUNTING.md §3) ------------------------------------------------
+
+    def prefill_answered(self, account: PromptAccount, for_decode: bool) -> None:
+        """P answered with this account; `for_decode`: with params D prefills from (else D
+        prefills the prompt alone)."""
+        self.prefill_leg.account = account
+        if for_decode:
+            self.prefilled_by = "prefill"
+
+    def decode_reported(self, account: PromptAccount | None) -> None:
+        """D's connector reported its account (in D's params: its answer, its stream or its
+        side channel)."""
+        if account is not None:
+            self.decode_leg.account = account.or_else(self.decode_leg.account)
+
+    def decode_usage(self, usage: object) -> None:
+        """D's `usage`. Its cached tokens are D's own only when D got no P params: on a turn
+        through P they are P's figure (vLLM reports `remote_prefill_cached_tokens`)."""
+        account = PromptAccount.from_usage(usage)
+        if self.prefilled_by == "prefill":
+            account = PromptAccount(account.prompt_tokens)
+        self.decode_leg.account = (self.decode_leg.account or UNKNOWN_ACCOUNT).or_else(account)
+
+    def settle_accounts(self) -> PromptAccount:
+        """Count the legs' accounts (once) and return the turn's: the account of the leg that
+        prefilled the prompt, `unknown` where its engine gave no figure."""
+        if self.account is not None:
+            return self.account
+        p, d = self.prefill_leg.account, self.decode_leg.account or UNKNOWN_ACCOUNT
+        if p is not None:
+            _count("prefill", p)
+        _count("decode", d)
+        turn = (p if self.prefilled_by == "prefill" else None) or d
+        if turn.reused is not None:
+            leg = "prefill" if self.prefilled_by == "prefill" else "decode"
+            metrics.TOKENS_REUSED.labels(leg).inc(turn.reused)
+            if turn.prompt_tokens is not None:
+                metrics.TURN_PROMPT_TOKENS.labels(leg).inc(turn.prompt_tokens)
+        self.account = turn
+        return turn
 
     def first_byte(self) -> None:
         """The first byte of D's answer goes to the client."""
@@ -172,7 +224,7 @@ class TurnReport:
         return tracing.span(TAKE_SPAN, finish=self._take_attributes)
 
     def _take_attributes(self) -> dict[str, Any]:
-        return {"kvrelay.reuse": self.reuse, "kvrelay.tokens_reused": self.tokens_reused}
+        return {"kvrelay.reuse": self.reuse, "kvrelay.tokens_offered": self.tokens_offered}
 
     @staticmethod
     def put_scope(tokens: int, ttl_s: float) -> contextlib.AbstractContextManager[Any]:
@@ -205,7 +257,7 @@ class TurnReport:
         out: dict[str, Any] = {
             "kvrelay.tenant": self.tenant,
             "kvrelay.reuse": self.reuse,
-            "kvrelay.tokens_reused": self.tokens_reused,
+            "kvrelay.tokens_offered": self.tokens_offered,
             "kvrelay.retries": p.retries + d.retries,
             "kvrelay.stream": self.stream,
             "http.response.status_code": self._status(error),
@@ -213,6 +265,8 @@ class TurnReport:
         conversation = conversation_hash(self.lookup_key)
         if conversation is not None:
             out["kvrelay.conversation"] = conversation
+        if self.account is not None and self.account.reused is not None:
+            out["kvrelay.tokens_reused"] = self.account.reused
         if p.engine is not None:
             out["kvrelay.prefill.url"] = p.engine
         if d.engine is not None:
@@ -228,8 +282,10 @@ class TurnReport:
             "tenant": self.tenant,
             "conversation": conversation_hash(self.lookup_key),
             "stored_as": conversation_hash(self.store_key) if self.hold else None,
-            "reuse": self.reuse,
-            "tokens_reused": self.tokens_reused,
+            "lookup": self.reuse,
+            "tokens_offered": self.tokens_offered,
+            "tokens_reused": self.account.reused if self.account is not None else None,
+            "prefilled_by": self.prefilled_by,
             "stream": self.stream,
             "status": self._status(error),
             "error": type(error).__name__ if error is not None else None,
@@ -243,6 +299,27 @@ class TurnReport:
                 "decode": _ms(d.started, d.ended),
             },
         }
+
+
+def _count(leg: str, account: PromptAccount) -> None:
+    """One leg's account in `/metrics`: its prompt tokens by source, its refused blocks."""
+    if account.reused is None:
+        metrics.LEG_ACCOUNTS.labels(leg, "unknown").inc()
+        if account.prompt_tokens:
+            metrics.PROMPT_TOKENS.labels(leg, "unknown").inc(account.prompt_tokens)
+        return
+    metrics.LEG_ACCOUNTS.labels(leg, "engine").inc()
+    tokens = metrics.PROMPT_TOKENS
+    if account.local_hit is not None and account.loaded is not None:
+        tokens.labels(leg, "local_hit").inc(account.local_hit)
+        tokens.labels(leg, "loaded").inc(account.loaded)
+    else:
+        tokens.labels(leg, "cached").inc(account.reused)
+    computed = account.computed
+    if computed is not None:
+        tokens.labels(leg, "computed").inc(computed)
+    for reason, blocks in account.refused:
+        metrics.REFUSED_BLOCKS.labels(leg, reason).inc(blocks)
 
 
 def _seconds(start: float | None, end: float | None) -> float | None:

@@ -22,6 +22,7 @@ from kvrelay.kvcache_map import (
     UnconfirmedPutError,
 )
 from kvrelay.proxy.fleet import Backend, Fleet
+from kvrelay.proxy.turn.accounting import PromptAccount
 from kvrelay.proxy.turn.legs import capped_num_tokens
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
 from kvrelay.proxy.turn.report import TurnReport
@@ -54,6 +55,7 @@ class Store:
                 log.warning("decode engine %s returned unusable params", backend.url)
                 fleet.releaser.release_soon_params("decode", raw)  # reads only the hold's fields
             return
+        report.decode_reported(PromptAccount.from_connector(params))
         host, port = params.remote_host, params.remote_port
         if host is not None and port is not None:
             backend.side_channel = (host, port)  # learnt for later streams

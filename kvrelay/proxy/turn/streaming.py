@@ -1,8 +1,10 @@
 """Server-sent events relay: pass D's events through byte for byte, except the one that
 carries `kv_transfer_params`, which is parsed, stripped and re-encoded (the only event the
 proxy re-encodes), and, when asked, the terminal `data: [DONE]` event, which is kept back so
-the relay sends it once the turn is settled. Events are split on the blank line that ends each
-SSE event.
+the relay sends it once the turn is settled, and, when asked, the final usage event (`"choices":
+[]` with `usage`, sent when the client asked `stream_options.include_usage`), which is kept back
+parsed so the relay can send it, with the turn's account, just before `[DONE]`. Events are
+split on the blank line that ends each SSE event.
 """
 
 from __future__ import annotations
@@ -18,16 +20,21 @@ DONE_EVENT = b"data: [DONE]\n\n"
 _AFTER_EVENT = b"\n\n"
 # A choice with a non-null finish reason: the engine finished the request (compact or spaced JSON).
 FINISH_MARKERS = (b'"finish_reason":"', b'"finish_reason": "')
+# An event with no choices: the final usage event is one (compact or spaced JSON).
+USAGE_MARKERS = (b'"choices":[]', b'"choices": []')
 
 
 @dataclass
 class SSEFilter:
     """Feed upstream bytes, get bytes to send on; collects the params events carried.
 
-    With `hold_done`, the `[DONE]` event is not passed on: `done_event` keeps it for the caller.
+    With `hold_done`, the `[DONE]` event is not passed on: `done_event` keeps it for the caller;
+    with `hold_usage`, neither is the final usage event: `usage_event` keeps it, parsed.
     """
 
     hold_done: bool = False
+    hold_usage: bool = False
+    usage_event: dict[str, Any] | None = None
     params: dict[str, Any] | None = None
     saw_done: bool = False
     saw_finish: bool = False  # some choice ended: the engine has finished the request
@@ -68,7 +75,8 @@ class SSEFilter:
         if b'"error"' in data and data.lstrip().startswith(b'data: {"error"'):
             self.saw_error = True
         held = self.hold_done and done
-        if KV_MARKER not in data:
+        usage = self.hold_usage and (USAGE_MARKERS[0] in data or USAGE_MARKERS[1] in data)
+        if KV_MARKER not in data and not usage:
             if not held:
                 return data  # the fast path: no parsing, no re-encoding
             if data == DONE_EVENT or data.endswith(_AFTER_EVENT + DONE_EVENT):
@@ -83,8 +91,25 @@ class SSEFilter:
             if held and _is_done(event):
                 self.done_event = event + b"\n\n"
                 continue
+            if usage and self._held_usage(event):
+                continue
             out += self._strip_event(event) + b"\n\n"
         return bytes(out)
+
+    def _held_usage(self, event: bytes) -> bool:
+        """Keep `event` back when it is the final usage event (its params taken as usual)."""
+        if not (USAGE_MARKERS[0] in event or USAGE_MARKERS[1] in event):
+            return False
+        obj = _event_json(event)
+        if not isinstance(obj, dict) or obj.get("choices") != []:
+            return False
+        if not isinstance(obj.get("usage"), dict):
+            return False
+        params = obj.pop("kv_transfer_params", None)
+        if isinstance(params, dict):
+            self.params = params
+        self.usage_event = obj
+        return True
 
     def _strip_event(self, event: bytes) -> bytes:
         if KV_MARKER not in event:
@@ -103,6 +128,21 @@ class SSEFilter:
             self.params = params
         others = [line for line in lines if not line.startswith(b"data:")]
         return b"\n".join([*others, b"data: " + jsoncodec.dumps(obj)])
+
+
+def _event_json(event: bytes) -> Any:
+    """The JSON an event's `data:` lines carry (joined with LF), None when they are not JSON."""
+    lines = event.split(b"\n")
+    data = b"\n".join(_field_value(line) for line in lines if line.startswith(b"data:"))
+    try:
+        return jsoncodec.loads(data)
+    except (ValueError, RecursionError):
+        return None
+
+
+def data_event(obj: Any) -> bytes:
+    """One SSE event carrying `obj` as JSON."""
+    return b"data: " + jsoncodec.dumps(obj) + b"\n\n"
 
 
 def _is_done(event: bytes) -> bool:
