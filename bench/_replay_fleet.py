@@ -30,6 +30,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -191,10 +192,24 @@ def fleet(
     front: c.RunningRouter | None = None
     try:
         by_role: dict[str, list[c.Engine]] = {"prefill": [], "decode": [], "both": []}
-        for i, (role, args) in enumerate(roles(system, hw, time_scale)):
-            engine = c.start_engine(f"{tag}-{role[0]}{i}", args)
-            started.append(engine)
-            by_role[role].append(engine)
+        wanted = roles(system, hw, time_scale)
+        # Engines start side by side: each start mostly waits for an import and a port.
+        with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+            futures = [
+                pool.submit(c.start_engine, f"{tag}-{role[0]}{i}", args)
+                for i, (role, args) in enumerate(wanted)
+            ]
+            errors = []
+            for (role, _), future in zip(wanted, futures, strict=True):
+                try:
+                    engine = future.result()
+                except Exception as exc:  # stop the ones that did start, then report
+                    errors.append(exc)
+                    continue
+                started.append(engine)
+                by_role[role].append(engine)
+            if errors:
+                raise errors[0]
         if system.front == "kvrelay":
             front = c.start_kvrelay(
                 f"kvrelay-{tag}", by_role["prefill"], by_role["decode"],

@@ -29,6 +29,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -66,10 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample", type=float, default=0.05, help="share of conversations kept")
     p.add_argument("--seed", type=int, default=0, help="conversation sample seed")
     p.add_argument(
-        "--time-scales", default="10,20,40", help="comma-separated speed-ups (request rates)"
+        "--time-scales", default="8,16,32", help="comma-separated speed-ups (request rates)"
     )
     p.add_argument("--systems", default=",".join(s.label for s in rf.SYSTEMS))
-    p.add_argument("--engines", type=int, default=4, help="simulated GPUs per system")
+    p.add_argument("--engines", type=int, default=8, help="simulated GPUs per system")
     p.add_argument(
         "--prefill-engines", type=int, help="P engines of the P/D systems (default: half)"
     )
@@ -83,12 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "no longer fit)",
     )
     p.add_argument("--lease-s", type=float, help="unscaled hold lease (default: connector's)")
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
+    # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
+    p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_compare.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "trace_replay.png")
     p.add_argument("--no-results", action="store_true")
+    p.add_argument(
+        "--merge",
+        type=Path,
+        action="append",
+        default=[],
+        help="with --render-only: add the rows of another run's JSON (e.g. a lease trial)",
+    )
     p.add_argument(
         "--render-only",
         action="store_true",
@@ -377,15 +386,18 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
             "can still serve them.",
             "",
         ]
-    load = data["load"]
+    load = {"before": [math.nan] * 3, "after": [math.nan] * 3, **data["load"]}
     lines.append(
         f"CPU headroom: this 2-core machine was shared with other engineers' test runs during "
         f"the measurement; load average (1 min) {load['before'][0]:.2f} before, "
         f"{load['after'][0]:.2f} after ({load['before'][2]:.2f} / {load['after'][2]:.2f} over "
-        f"15 min); the whole comparison took {data['elapsed_s'] / 60:.1f} min. Engines wait "
+        f"15 min); the whole comparison took {data.get('elapsed_s', math.nan) / 60:.1f} min. "
+        "Engines wait "
         "out their modelled step times, so a CPU-starved run shows up as longer TTFT for every "
         "system alike; compare systems within this run."
     )
+    if data.get("merged"):
+        lines += ["", "Rows added from other runs: " + "; ".join(f"`{m}`" for m in data["merged"])]
     if data.get("skipped"):
         lines += ["", "Not run: " + data["skipped"]]
     return "\n".join(lines)
@@ -456,7 +468,9 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     mid = args.scales[len(args.scales) // 2]
     print(f"{len(sample)} requests sampled; LRU bound {lru}", flush=True)
     for system in args.system_list:
-        data["rows"][system.label] = {}
+        # A lease other than the default is a hold-policy trial: its rows say so.
+        label = system.label + (f" (lease {args.lease_s:g} s)" if args.lease_s is not None else "")
+        data["rows"][label] = {}
         for scale in args.scales:
             settings = replay_mod.scaled_settings(scale, hw.unscaled_lease_s)
             tag = f"{system.label.split()[0][:4]}{int(scale)}"
@@ -464,20 +478,21 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 with rf.fleet(system, hw, scale, settings, tag) as f:
                     run = asyncio.run(run_once(f, plan, args, scale))
             except Exception as exc:  # a system that cannot start is reported, not fatal
-                data["skipped"] += f"{system.label} at {scale:g}x: {type(exc).__name__}: {exc}. "
-                print(f"{system.label} {scale:g}x failed: {exc}", flush=True)
+                data["skipped"] += f"{label} at {scale:g}x: {type(exc).__name__}: {exc}. "
+                print(f"{label} {scale:g}x failed: {exc}", flush=True)
                 continue
             row = derive(run, lru, offered[str(scale)])
-            data["rows"][system.label][str(scale)] = row
-            data["runs"][f"{system.label} {scale:g}"] = {
+            data["rows"][label][str(scale)] = row
+            data["runs"][f"{label} {scale:g}"] = {
                 "summary": run["summary"],
                 "fleet_prompt_tokens": run["fleet_prompt_tokens"],
                 "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in run["records"]],
             }
             if scale == mid:
-                data["held_series"][system.label] = run["held_series"]
+                data["held_series"][label] = run["held_series"]
+            c.write_json(args.json, data)  # a run cut short keeps what it measured
             print(
-                f"{system.label:28s} {row['offered_rps']:5.2f} req/s SLO "
+                f"{label:28s} {row['offered_rps']:5.2f} req/s SLO "
                 f"{_pct(row['attainment'])} TTFT later p50 {c.fmt_ms(row['ttft_later_p50'], 0)} "
                 f"ms TPOT p90 {c.fmt_ms(row['tpot_p90'], 1)} ms reuse/LRU "
                 f"{c.fmt_ratio(row['reuse_vs_lru'])} errors {row['errors']}",
@@ -489,9 +504,16 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else [sys.argv[0], *argv])
+    # SIGTERM unwinds like an exception, so every fleet's processes are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = parse_args(argv[1:])
     if args.render_only:
         data = json.loads(args.json.read_text())
+        for extra in args.merge:
+            more = json.loads(extra.read_text())
+            for key in ("rows", "held_series", "runs"):
+                data[key].update(more[key])
+            data.setdefault("merged", []).append(c.command_line(more["argv"]))
         no_results, plot_path = args.no_results, args.plot
         args = parse_args(data["argv"][1:])
         args.no_results, args.plot = no_results, plot_path

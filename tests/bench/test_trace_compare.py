@@ -176,3 +176,17 @@ def test_aggregated_fleet_starts_and_its_engines_count_computed_prompt_tokens() 
 
         assert asyncio.run(computed_after_warm_up()) >= 2 * 64
     assert not f.front.process.alive and not any(e.process.alive for e in f.engines)
+
+
+def test_lease_race_counts_later_turns_arriving_after_the_hold_expired() -> None:
+    # Three conversations of two turns; second turns 60 s, 118 s and 300 s after the first.
+    reqs = [
+        req(0, 0, 700, 50, [1, 2]), req(1, 1_000, 700, 50, [3, 4]),
+        req(2, 2_000, 700, 50, [5, 6]), req(3, 60_000, 1300, 50, [1, 7, 8]),
+        req(4, 119_000, 1300, 50, [3, 9, 10]), req(5, 302_000, 1300, 50, [5, 11, 12]),
+    ]  # fmt: skip
+    plan = tr.reconstruct(reqs)
+    assert plan.conversations == 3
+    race = tc.lease_race(plan, 120.0, 5.0)  # expired past 115 s
+    assert (race["later_turns"], race["past_lease"]) == (3, 2)
+    assert tc.lease_race(plan, 600.0, 5.0)["past_lease"] == 0
