@@ -99,6 +99,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --render-only: add the rows of another run's JSON (e.g. a lease trial)",
     )
     p.add_argument(
+        "--notes",
+        type=Path,
+        help="with --render-only: Markdown appended to the section (causes, trials)",
+    )
+    p.add_argument(
         "--render-only",
         action="store_true",
         help="rewrite the section and plot from --json's earlier run (its own flags)",
@@ -300,11 +305,18 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0%}"
 
 
+def ordered(labels: Any) -> list[str]:
+    """Systems in the comparison's order (JSON sorts them), trials after their system."""
+    rank = {s.label: i for i, s in enumerate(rf.SYSTEMS)}
+    return sorted(labels, key=lambda x: (rank.get(x.split(" (")[0], len(rank)), x))
+
+
 def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     hw = data["hardware"]
     lru = data["lru_bound"]
     rows: dict[str, dict[float, dict[str, Any]]] = {
-        label: {float(k): v for k, v in by.items()} for label, by in data["rows"].items()
+        label: {float(k): v for k, v in data["rows"][label].items()}
+        for label in ordered(data["rows"])
     }
     scales = data["scales"]
     mid = float(scales[len(scales) // 2])
@@ -396,6 +408,8 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "out their modelled step times, so a CPU-starved run shows up as longer TTFT for every "
         "system alike; compare systems within this run."
     )
+    if data.get("notes"):
+        lines += ["", data["notes"].strip()]
     if data.get("merged"):
         lines += ["", "Rows added from other runs: " + "; ".join(f"`{m}`" for m in data["merged"])]
     if data.get("skipped"):
@@ -410,8 +424,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, by in data["rows"].items():
-        pts = sorted(by.values(), key=lambda r: r["offered_rps"])
+    for label in ordered(data["rows"]):
+        pts = sorted(data["rows"][label].values(), key=lambda r: r["offered_rps"])
         xs = [r["offered_rps"] for r in pts]
         line = ax1.plot(xs, [r["ttft_later_p50"] * 1000 for r in pts], "o-", label=f"{label}")
         ax1.plot(
@@ -424,7 +438,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax1.set_yscale("log")
     ax1.grid(True, alpha=0.3)
     ax1.legend(fontsize=8)
-    for label, series in data["held_series"].items():
+    for label in ordered(data["held_series"]):
+        series = data["held_series"][label]
         ax2.plot(
             [x["t_s"] for x in series], [x["held"] / x["total"] * 100 if x["total"] else 0
                                          for x in series], label=label,
@@ -513,10 +528,15 @@ def main(argv: list[str] | None = None) -> int:
             more = json.loads(extra.read_text())
             for key in ("rows", "held_series", "runs"):
                 data[key].update(more[key])
-            data.setdefault("merged", []).append(c.command_line(more["argv"]))
-        no_results, plot_path = args.no_results, args.plot
+            merged = data.setdefault("merged", [])
+            if c.command_line(more["argv"]) not in merged:
+                merged.append(c.command_line(more["argv"]))
+        if args.notes is not None:
+            data["notes"] = args.notes.read_text()
+        kept = {k: getattr(args, k) for k in ("no_results", "plot", "json")}
         args = parse_args(data["argv"][1:])
-        args.no_results, args.plot = no_results, plot_path
+        for k, v in kept.items():
+            setattr(args, k, v)
     else:
         started = time.monotonic()
         data = measure(args, argv)
