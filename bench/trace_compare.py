@@ -454,6 +454,17 @@ def plot(data: dict[str, Any], path: Path) -> None:
     )
 
 
+def trial_suffix(args: argparse.Namespace, system: rf.System) -> str:
+    """What a trial changed from the comparison's settings (a lease, a P:D split), so its
+    rows never pass for the system's own."""
+    parts = []
+    if args.lease_s is not None:
+        parts.append(f"lease {args.lease_s:g} s")
+    if system.front != "vllm-router" and args.prefill_engines != args.engines // 2:
+        parts.append(f"{args.prefill_engines} P + {args.engines - args.prefill_engines} D")
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     hw = hardware(args)
     requests = tr.select(tr.load_trace(args.trace), args.start_s, args.duration_s)
@@ -483,8 +494,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     mid = args.scales[len(args.scales) // 2]
     print(f"{len(sample)} requests sampled; LRU bound {lru}", flush=True)
     for system in args.system_list:
-        # A lease other than the default is a hold-policy trial: its rows say so.
-        label = system.label + (f" (lease {args.lease_s:g} s)" if args.lease_s is not None else "")
+        label = system.label + trial_suffix(args, system)
         data["rows"][label] = {}
         for scale in args.scales:
             settings = replay_mod.scaled_settings(scale, hw.unscaled_lease_s)

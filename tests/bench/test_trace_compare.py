@@ -190,3 +190,13 @@ def test_lease_race_counts_later_turns_arriving_after_the_hold_expired() -> None
     race = tc.lease_race(plan, 120.0, 5.0)  # expired past 115 s
     assert (race["later_turns"], race["past_lease"]) == (3, 2)
     assert tc.lease_race(plan, 600.0, 5.0)["past_lease"] == 0
+
+
+def test_trial_rows_are_labelled_with_what_they_changed() -> None:
+    kv, agg = rf.system_by_label("kvrelay default"), rf.system_by_label("aggregated cache_aware")
+    assert tc.trial_suffix(tc.parse_args([]), kv) == ""
+    args = tc.parse_args(["--lease-s", "600", "--prefill-engines", "6"])
+    assert tc.trial_suffix(args, kv) == " (lease 600 s, 6 P + 2 D)"
+    assert tc.trial_suffix(args, agg) == " (lease 600 s)"  # no split when aggregated
+    labels = ["kvrelay holds off", "kvrelay default (lease 600 s)", "kvrelay default"]
+    assert tc.ordered(labels) == [labels[2], labels[1], labels[0]]
