@@ -200,12 +200,17 @@ def fleet(
                 for i, (role, args) in enumerate(wanted)
             ]
             errors = []
-            for (role, _), future in zip(wanted, futures, strict=True):
+            for i, ((role, args), future) in enumerate(zip(wanted, futures, strict=True)):
                 try:
                     engine = future.result()
-                except Exception as exc:  # stop the ones that did start, then report
-                    errors.append(exc)
-                    continue
+                except Exception:
+                    # `free_port` closes the port it found; a NIXL listener of an engine
+                    # starting beside it may take it first. Once more, alone, on new ports.
+                    try:
+                        engine = c.start_engine(f"{tag}-{role[0]}{i}", args)
+                    except Exception as exc:  # stop the ones that did start, then report
+                        errors.append(exc)
+                        continue
                 started.append(engine)
                 by_role[role].append(engine)
             if errors:
