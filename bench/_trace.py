@@ -417,6 +417,32 @@ def keep_conversations(plan: Plan, count: int, min_turns: int = 1) -> Plan:
     return out
 
 
+def sample_conversations(plan: Plan, fraction: float, seed: int = 0) -> Plan:
+    """Whole conversations, each kept with probability `fraction` by a draw seeded with
+    (`seed`, the first turn's trace index): the sample keeps the slice's arrival pattern over
+    its whole length (first-N would keep only conversations that start early), and each
+    kept conversation keeps every turn."""
+    if not 0 < fraction <= 1:
+        raise ValueError("fraction must be in (0, 1]")
+    firsts = {t.conversation: t.request.index for t in plan.turns if t.predecessor is None}
+    chosen = sorted(
+        conv
+        for conv, index in firsts.items()
+        if random.Random(f"kvrelay-trace-sample-{seed}-{index}").random() < fraction
+    )
+    renumber = {conv: i + 1 for i, conv in enumerate(chosen)}
+    moved: dict[int, int] = {}
+    kept: list[PlannedTurn] = []
+    for i, t in enumerate(plan.turns):
+        if t.conversation in renumber:
+            moved[i] = len(kept)
+            pred = None if t.predecessor is None else moved[t.predecessor]
+            kept.append(replace(t, conversation=renumber[t.conversation], predecessor=pred))
+    out = Plan(kept, plan.block_tokens, len(chosen))
+    out.stats = plan_stats(out)
+    return out
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (NaN for no values)."""
     if not values:

@@ -1,0 +1,301 @@
+"""The simulated fleets the trace comparison (`bench/trace_compare.py`) replays against.
+
+Every system runs on the same simulated hardware: `engines` enginesim engines with one cost
+profile, the same KV pool and the same local prefix cache each (vLLM caches prefixes by
+default). Disaggregated systems split them into `prefill_engines` P and the rest D; the aggregated
+system serves from all of them.
+
+- `kvrelay`: the proxy's default policy; `kvrelay always_p`; `kvrelay holds off` (the default
+  policy, D's hold lease cut to `HOLDS_OFF_LEASE_S`, so nothing D keeps for a conversation
+  outlives its turn: what holding buys is the difference to `kvrelay`);
+- `vllm-router cache_aware P/D` and `vllm-router round_robin P/D` (its NIXL P/D mode);
+- `aggregated cache_aware`: every engine serves whole requests, vllm-router `cache_aware` in
+  front (what many operators run today).
+
+Leases. D's hold lease is the one a think time races against, so it is scaled with time
+(`trace_replay.scaled_settings`); P's lease only covers P -> D pulls of the same turn, so P
+keeps the connector's unscaled default (a scaled P lease of a few seconds would expire under
+queueing and turn pulls into recomputation, which production would not see).
+
+`EngineSampler` reads every engine's `/metrics` while a replay runs: D's blocks held for
+remote readers over time (`enginesim_blocks_held_for_remote`), and at the start and end the
+engines' own prompt token counters (`vllm:prompt_tokens_by_source`), so reuse is counted by the
+engines, not by the proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from bench import _common as c
+from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.prometheus_text import parse_samples
+
+# enginesim's KV tensors: one layer, one KV head of 8 values. The cost profile models the
+# real model's time and block count; these only size the bytes NIXL really moves, and keep
+# the per-token KV synthesis (most of enginesim's CPU per prompt token) small.
+TINY_GEOMETRY = ("--num-layers", "1", "--num-kv-heads", "1", "--head-size", "8")
+HOLDS_OFF_LEASE_S = 0.05  # shorter than any turn's decode: D's holds end with the turn
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+
+
+@dataclass(frozen=True)
+class System:
+    """One system of the comparison: how its front is started and its engines split."""
+
+    label: str
+    front: str  # "kvrelay", "vllm-router-pd" or "vllm-router"
+    policy: str  # kvrelay routing_policy or vllm-router policy
+    holds: bool = True  # D's holds on (kvrelay only)
+
+
+SYSTEMS: tuple[System, ...] = (
+    System("kvrelay default", "kvrelay", "default"),
+    System("kvrelay always_p", "kvrelay", "always_p"),
+    System("kvrelay holds off", "kvrelay", "default", holds=False),
+    System("vllm-router cache_aware P/D", "vllm-router-pd", "cache_aware"),
+    System("vllm-router round_robin P/D", "vllm-router-pd", "round_robin"),
+    System("aggregated cache_aware", "vllm-router", "cache_aware"),
+)
+
+
+def system_by_label(label: str) -> System:
+    for s in SYSTEMS:
+        if s.label == label:
+            return s
+    raise ValueError(f"unknown system {label!r} (known: {', '.join(s.label for s in SYSTEMS)})")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The simulated GPUs every system gets: count, cost profile, link and KV share."""
+
+    engines: int
+    prefill_engines: int  # of `engines`, for the P/D systems
+    profile: str
+    kv_link: str
+    kv_scale: float
+    unscaled_lease_s: float  # the connector's hold lease in trace (production) time
+
+    def pool_blocks(self) -> int:
+        """KV blocks of one engine (enginesim's rule for `--cost-profile` with `--kv-scale`)."""
+        from kvrelay.enginesim.costs import get_profile
+
+        return max(1, round(get_profile(self.profile).num_blocks() * self.kv_scale))
+
+    def block_size(self) -> int:
+        from kvrelay.enginesim.costs import get_profile
+
+        return get_profile(self.profile).block_size
+
+    def fleet_trace_blocks(self, trace_block_tokens: int = 512) -> int:
+        """The fleet's KV memory in the trace's blocks: the LRU bound's capacity."""
+        return self.engines * self.pool_blocks() * self.block_size() // trace_block_tokens
+
+
+def engine_args(hw: Hardware, lease_s: float) -> list[str]:
+    """enginesim flags of one engine of `hw` whose hold lease is `lease_s` (replay seconds)."""
+    return [
+        "--cost-profile", hw.profile,
+        "--kv-link", hw.kv_link,
+        "--kv-scale", f"{hw.kv_scale:g}",
+        "--prefix-cache-blocks", str(hw.pool_blocks()),
+        "--lease-seconds", f"{lease_s:g}",
+        "--enable-prompt-tokens-details",
+        "--log-level", "WARNING",
+        *TINY_GEOMETRY,
+    ]  # fmt: skip
+
+
+def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, list[str]]]:
+    """(role, enginesim flags) per engine: P then D, or all `both` when aggregated."""
+    scaled = hw.unscaled_lease_s / time_scale
+    if system.front == "vllm-router":
+        return [("both", engine_args(hw, scaled)) for _ in range(hw.engines)]
+    n_p = hw.prefill_engines
+    d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
+    return [("prefill", engine_args(hw, hw.unscaled_lease_s))] * n_p + [
+        ("decode", engine_args(hw, d_lease))
+    ] * (hw.engines - n_p)
+
+
+def proxy_env(system: System, settings: dict[str, Any]) -> dict[str, str]:
+    """kvrelay's environment: the scaled TTL and safety margin, and the policy."""
+    env = dict(settings["proxy_env"])
+    if system.policy != "default":
+        env["KVRELAY_ROUTING_POLICY"] = system.policy
+    return env
+
+
+def start_vllm_router_aggregated(engines: Sequence[c.Engine], policy: str) -> c.RunningRouter:
+    """vllm-router in its regular (not P/D) mode in front of whole-request engines."""
+    launcher = c.ensure_router_venv()
+    port, metrics_port = free_port(), free_port()
+    argv = [
+        str(launcher),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--prometheus-host", "127.0.0.1",
+        "--prometheus-port", str(metrics_port),
+        "--policy", policy,
+        "--log-level", "warning",
+        "--max-concurrent-requests", "4096",
+        "--queue-size", "4096",
+        "--worker-startup-check-interval", "1",
+        "--disable-retries",
+        "--worker-urls", *(e.url for e in engines),
+    ]  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    proc = ServerProcess(
+        argv, http_ready(f"{url}/health"), env=c.bench_env(), ready_timeout=90,
+        name="vllm-router-aggregated",
+    ).start()  # fmt: skip
+    return c.RunningRouter(name="vllm-router-aggregated", url=url, process=proc)
+
+
+@dataclass
+class Fleet:
+    """A started system: its URL, engines by role, and the processes to stop."""
+
+    system: System
+    url: str
+    prefill: list[c.Engine]
+    decode: list[c.Engine]
+    both: list[c.Engine]
+    front: c.RunningRouter
+
+    @property
+    def engines(self) -> list[c.Engine]:
+        return [*self.prefill, *self.decode, *self.both]
+
+    @property
+    def holders(self) -> list[c.Engine]:
+        """The engines whose holds pin memory for later turns (D, or every engine)."""
+        return self.decode or self.both
+
+
+@contextlib.contextmanager
+def fleet(
+    system: System, hw: Hardware, time_scale: float, settings: dict[str, Any], tag: str
+) -> Iterator[Fleet]:
+    """Start the system's engines and front; stop every process on exit."""
+    started: list[c.Engine] = []
+    front: c.RunningRouter | None = None
+    try:
+        by_role: dict[str, list[c.Engine]] = {"prefill": [], "decode": [], "both": []}
+        wanted = roles(system, hw, time_scale)
+        # Engines start side by side: each start mostly waits for an import and a port.
+        with ThreadPoolExecutor(max_workers=len(wanted)) as pool:
+            futures = [
+                pool.submit(c.start_engine, f"{tag}-{role[0]}{i}", args)
+                for i, (role, args) in enumerate(wanted)
+            ]
+            errors = []
+            for i, ((role, args), future) in enumerate(zip(wanted, futures, strict=True)):
+                try:
+                    engine = future.result()
+                except Exception:
+                    # `free_port` closes the port it found; a NIXL listener of an engine
+                    # starting beside it may take it first. Once more, alone, on new ports.
+                    try:
+                        engine = c.start_engine(f"{tag}-{role[0]}{i}", args)
+                    except Exception as exc:  # stop the ones that did start, then report
+                        errors.append(exc)
+                        continue
+                started.append(engine)
+                by_role[role].append(engine)
+            if errors:
+                raise errors[0]
+        if system.front == "kvrelay":
+            front = c.start_kvrelay(
+                f"kvrelay-{tag}", by_role["prefill"], by_role["decode"],
+                env=proxy_env(system, settings),
+            )  # fmt: skip
+        elif system.front == "vllm-router-pd":
+            front = c.start_vllm_router(by_role["prefill"], by_role["decode"], policy=system.policy)
+        else:
+            front = start_vllm_router_aggregated(by_role["both"], system.policy)
+        yield Fleet(
+            system, front.url, by_role["prefill"], by_role["decode"], by_role["both"], front
+        )
+    finally:
+        c.stop_all(front.process if front else None, *(e.process for e in started))
+
+
+# --------------------------------------------------------------------------- engine metrics
+
+
+def prompt_counters(samples: dict[str, float]) -> dict[str, float]:
+    """`vllm:prompt_tokens_by_source` of one engine's page, by source."""
+    out = dict.fromkeys(PROMPT_SOURCES, 0.0)
+    for key, value in samples.items():
+        if key.startswith("vllm:prompt_tokens_by_source_total{") or key.startswith(
+            "vllm:prompt_tokens_by_source{"
+        ):
+            for source in PROMPT_SOURCES:
+                if f'source="{source}"' in key:
+                    out[source] += value
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in PROMPT_SOURCES}
+
+
+def pinned_share(held: Sequence[tuple[float, float]]) -> dict[str, float]:
+    """Mean and peak of (held blocks / pool blocks) samples; NaN when none."""
+    shares = [h / total for h, total in held if total > 0]
+    if not shares:
+        return {"mean": math.nan, "max": math.nan}
+    return {"mean": sum(shares) / len(shares), "max": max(shares)}
+
+
+@dataclass
+class EngineSampler:
+    """Samples the holders' held blocks every `interval_s` while a replay runs."""
+
+    fleet: Fleet
+    interval_s: float = 1.0
+    series: list[dict[str, Any]] = field(default_factory=list)
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def scrape(self, http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+        async with http.get(f"{url}/metrics") as resp:
+            return parse_samples(await resp.text())
+
+    async def counters(self) -> dict[str, float]:
+        """The fleet's prompt tokens by source, summed over every engine."""
+        total = dict.fromkeys(PROMPT_SOURCES, 0.0)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for e in self.fleet.engines:
+                for k, v in prompt_counters(await self.scrape(http, e.url)).items():
+                    total[k] += v
+        return total
+
+    async def run(self) -> None:
+        t0 = time.perf_counter()
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+            while not self._stop.is_set():
+                held = total = 0.0
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    for e in self.fleet.holders:
+                        page = await self.scrape(http, e.url)
+                        held += page.get("enginesim_blocks_held_for_remote", 0.0)
+                        total += page.get("enginesim_blocks_total", 0.0)
+                    self.series.append(
+                        {"t_s": time.perf_counter() - t0, "held": held, "total": total}
+                    )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
