@@ -59,6 +59,7 @@ ROUTER_VERSION = "0.1.17"
 SECTION_ORDER = (
     "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
     "instructions per request", "http clients", "multiturn", "multiturn policies",
+    "multiturn (vLLM)", "trace replay",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (
