@@ -404,17 +404,7 @@ def keep_conversations(plan: Plan, count: int, min_turns: int = 1) -> Plan:
     for t in plan.turns:
         sizes[t.conversation] = sizes.get(t.conversation, 0) + 1
     chosen = [c for c in sorted(sizes) if sizes[c] >= min_turns][:count]
-    renumber = {c: i + 1 for i, c in enumerate(chosen)}
-    moved: dict[int, int] = {}
-    kept: list[PlannedTurn] = []
-    for i, t in enumerate(plan.turns):
-        if t.conversation in renumber:
-            moved[i] = len(kept)
-            pred = None if t.predecessor is None else moved[t.predecessor]
-            kept.append(replace(t, conversation=renumber[t.conversation], predecessor=pred))
-    out = Plan(kept, plan.block_tokens, len(chosen))
-    out.stats = plan_stats(out)
-    return out
+    return _only(plan, chosen)
 
 
 def sample_conversations(plan: Plan, fraction: float, seed: int = 0) -> Plan:
@@ -430,6 +420,12 @@ def sample_conversations(plan: Plan, fraction: float, seed: int = 0) -> Plan:
         for conv, index in firsts.items()
         if random.Random(f"kvrelay-trace-sample-{seed}-{index}").random() < fraction
     )
+    return _only(plan, chosen)
+
+
+def _only(plan: Plan, chosen: list[int]) -> Plan:
+    """The plan with only the `chosen` conversations, renumbered 1.. in that order, each turn
+    still pointing at its predecessor."""
     renumber = {conv: i + 1 for i, conv in enumerate(chosen)}
     moved: dict[int, int] = {}
     kept: list[PlannedTurn] = []
