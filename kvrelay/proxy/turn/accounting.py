@@ -12,7 +12,7 @@ it is never guessed from the map.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.connector.protocol import (
@@ -41,10 +41,13 @@ REASONS = frozenset({REFUSED_HASH, REFUSED_PARTIAL, REFUSED_UNVERIFIED, REFUSED_
 
 
 def _int(value: object) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+    # `type(...) is int`: one check that also refuses bools (a subclass of int).
+    return value if type(value) is int and value >= 0 else None
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass sets each field through `object.__setattr__`, and several
+# accounts are built per turn. Treat it as a value all the same: it is never changed.
+@dataclass(slots=True)
 class PromptAccount:
     """One leg's prompt tokens split by where their KV came from; None: the engine did not say.
 
@@ -108,7 +111,8 @@ class PromptAccount:
             return self
         best, rest = (self, other) if self.known or not other.known else (other, self)
         if best.prompt_tokens is None and rest.prompt_tokens is not None:
-            return replace(best, prompt_tokens=rest.prompt_tokens)
+            return PromptAccount(rest.prompt_tokens, best.reused, best.local_hit, best.loaded,
+                                 best.refused)  # fmt: skip
         return best
 
     def summary(self) -> dict[str, Any]:

@@ -112,9 +112,12 @@ class PrefillLeg:
 def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:
     """What P reported it did with the prompt: its connector's report, else vLLM's own total
     (`remote_prefill_cached_tokens`, or the usage details: P's answer is P's own figure)."""
+    connector = PromptAccount.from_connector(params)
+    if connector is not None:  # kvrelay's connector: the split, prompt tokens included
+        return connector
     from_usage = PromptAccount.from_usage(usage)
     if params is None:
         return from_usage
     vllm = PromptAccount.from_cached(from_usage.prompt_tokens, params.remote_prefill_cached_tokens)
     fallback = vllm.or_else(from_usage)
-    return (PromptAccount.from_connector(params) or fallback).or_else(fallback)
+    return fallback

@@ -153,6 +153,9 @@ class TurnReport:
     def decode_usage(self, usage: object) -> None:
         """D's `usage`. Its cached tokens are D's own only when D got no P params: on a turn
         through P they are P's figure (vLLM reports `remote_prefill_cached_tokens`)."""
+        known = self.decode_leg.account
+        if known is not None and known.known and known.prompt_tokens is not None:
+            return  # D's connector gave the whole split: its usage adds nothing
         account = PromptAccount.from_usage(usage)
         if self.prefilled_by == "prefill":
             account = PromptAccount(account.prompt_tokens)
