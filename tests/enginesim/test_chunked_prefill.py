@@ -20,9 +20,9 @@ from kvrelay.enginesim.cli import build_parser, config_from_args
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import get_profile
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
-from kvrelay.enginesim.kvhost import ConnectorOutput, NoConnector
 from kvrelay.enginesim.reference import reference_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
+from tests.enginesim.fakes import FakeLoadingHost
 from tests.enginesim.test_pd import PROMPT, Delta, decode, prefill, text_of
 
 PROFILE = "llama3-8b-h100"
@@ -207,40 +207,6 @@ def test_an_abort_in_the_middle_of_a_prefill_frees_its_blocks_once() -> None:
     assert core.pool.num_free == 512 and not core.has_work
     core.step()
     assert core.pool.num_free == 512
-
-
-class FakeLoadingHost(NoConnector):
-    """A fake connector: each request loads `n_ext` tokens, reported finished at the next step
-    (no bytes move: only timing and block counts are checked with it)."""
-
-    def __init__(self, n_ext: int) -> None:
-        self.n_ext = n_ext
-        self.started: set[str] = set()
-        self.done: set[str] = set()
-        self.alloc_blocks: list[int] = []
-
-    @property
-    def enabled(self) -> bool:
-        return True
-
-    def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> tuple[int, bool]:
-        if req.request_id in self.done:
-            return 0, False
-        return self.n_ext, True
-
-    def update_state_after_alloc(self, req: SimRequest, block_ids: list[int], n_ext: int) -> None:
-        self.alloc_blocks.append(len(block_ids))
-        if n_ext:
-            self.started.add(req.request_id)
-
-    def finish_step(self) -> ConnectorOutput:
-        out = ConnectorOutput(finished_recving=set(self.started))
-        self.done |= self.started
-        self.started = set()
-        return out
-
-    def loaded_tokens(self, req: SimRequest) -> int:
-        return self.n_ext
 
 
 def test_loaded_kv_is_not_recomputed_and_the_remainder_is_chunked() -> None:

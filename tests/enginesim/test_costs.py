@@ -19,9 +19,9 @@ from kvrelay.enginesim.cli import build_parser, config_from_args
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import LINKS, PROFILES, get_profile
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
-from kvrelay.enginesim.kvhost import ConnectorOutput, NoConnector
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
 from kvrelay.enginesim.runner import EngineRunner
+from tests.enginesim.fakes import FakeLoadingHost
 
 # name: (params, layers, hidden, heads, kv heads, head dim,
 #        peak BF16 FLOP/s, HBM bytes, HBM bytes/s, TP)
@@ -211,38 +211,6 @@ def test_a_local_prefix_hit_is_context_not_computed_work() -> None:
     run_to_completion(core, lambda: bool(second) and second[-1].finished)
     # 200 tokens are 12 full blocks (192 tokens) of the prefix cache; 48 are computed.
     assert waits == pytest.approx([get_profile(name).prefill_time(48, 192)])
-
-
-class FakeLoadingHost(NoConnector):
-    """A fake connector: every request loads `n_ext` tokens from a remote engine, and the load
-    is reported finished at the next step (no bytes move)."""
-
-    def __init__(self, n_ext: int) -> None:
-        self.n_ext = n_ext
-        self.started: set[str] = set()
-        self.done: set[str] = set()
-
-    @property
-    def enabled(self) -> bool:
-        return True
-
-    def get_num_new_matched_tokens(self, req: SimRequest, num_computed: int) -> tuple[int, bool]:
-        if req.request_id in self.done:
-            return 0, False
-        return self.n_ext, True
-
-    def update_state_after_alloc(self, req: SimRequest, block_ids: list[int], n_ext: int) -> None:
-        if n_ext:
-            self.started.add(req.request_id)
-
-    def finish_step(self) -> ConnectorOutput:
-        out = ConnectorOutput(finished_recving=set(self.started))
-        self.done |= self.started
-        self.started = set()
-        return out
-
-    def loaded_tokens(self, req: SimRequest) -> int:
-        return self.n_ext
 
 
 def test_loaded_kv_waits_its_modelled_transfer_time_on_top_of_the_read() -> None:
