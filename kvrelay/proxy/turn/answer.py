@@ -164,12 +164,10 @@ class Answer:
             raise
         report.leg_latency("decode", "2xx", start)
         await self._settle(self._after_stream(sse.params, backend, hold))
-        usage = b""
         if sse.usage_event is not None:
             report.decode_usage(sse.usage_event["usage"])
-            usage = self._usage_event(sse.usage_event, report.settle_accounts())
-        else:
-            report.settle_accounts()
+        account = report.settle_accounts()
+        usage = b"" if sse.usage_event is None else self._usage_event(sse.usage_event, account)
         with contextlib.suppress(ConnectionResetError):
             # The usage event, [DONE] and the end of the chunked body leave in one write.
             await out.write_eof(usage + (sse.done_event or b""))

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrelay.connector.protocol import REFUSED_HASH
 from kvrelay.kvcache_map import ConversationKey, InvalidKeyError, KVEntry, MapUnavailableError
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.fleet import Backend, Fleet
@@ -165,7 +166,7 @@ class Turn:
             return
         if self.prefill is not None and p is not None and p.local_hit is not None:
             # A re-rendered history (blocks refused by hash) is the prompt's doing, not P's.
-            changed = any(reason == "hash" for reason, _ in p.refused)
+            changed = any(reason == REFUSED_HASH for reason, _ in p.refused)
             affinity = report.routing == "prefill_affinity" and not changed
             router.prefill_served(self.prefill.backend.url, p.local_hit, affinity_turn=affinity)
         if d is not None and d.local_hit and d_url is not None:
