@@ -8,9 +8,18 @@ Side-channel endpoints, headers and message models are CONTRACTS §2.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
 CONNECTOR_VERSION = "kvrelay-connector-1"
 
@@ -72,6 +81,37 @@ PATH_FINISHED_BATCH = "/v1/finished"
 MAX_FINISHED_BATCH = 32
 
 
+_INT_ONLY = {int}
+_STR_ONLY = {str}
+_SEQUENCES = (list, tuple)  # what pydantic's list took (JSON gives lists; Python callers tuples)
+
+
+def _ints(values: object) -> list[int]:
+    """A list of integers (no bools, no floats), copied; checked in C (`map`, `set`) rather
+    than by pydantic item by item: a long prompt's params list hundreds of block ids."""
+    if type(values) not in _SEQUENCES or (values and set(map(type, values)) != _INT_ONLY):
+        raise ValueError("must be a list of integers")
+    return list(values)
+
+
+def _block_id_groups(value: object) -> list[list[int]] | None:
+    """`remote_block_ids`: one list of block ids per KV-cache group (lists copied)."""
+    if value is None:
+        return None
+    if type(value) not in _SEQUENCES:
+        raise ValueError("remote_block_ids must be a list of lists of integers")
+    return [_ints(group) for group in value]
+
+
+def _strs(value: object) -> list[str] | None:
+    """A list of strings (`remote_block_hashes`), copied; checked as `_ints` is."""
+    if value is None:
+        return None
+    if type(value) not in _SEQUENCES or (value and set(map(type, value)) != _STR_ONLY):
+        raise ValueError("must be a list of strings")
+    return list(value)
+
+
 class KVTransferParams(BaseModel):
     """`kv_transfer_params` as engines exchange them: the one type for them in kvrelay.
 
@@ -91,11 +131,11 @@ class KVTransferParams(BaseModel):
     remote_request_id: StrictStr | None = None
     remote_host: StrictStr | None = None
     remote_port: StrictInt | None = None
-    remote_block_ids: list[list[StrictInt]] | None = None
+    remote_block_ids: Annotated[list[list[int]] | None, PlainValidator(_block_id_groups)] = None
     remote_num_tokens: StrictInt | None = None
     tp_size: StrictInt | None = None  # None: 1
     remote_blocks_expiry_time: StrictFloat | None = None
-    remote_block_hashes: list[StrictStr] | None = None
+    remote_block_hashes: Annotated[list[str] | None, PlainValidator(_strs)] = None
     remote_tail_hash: StrictStr | None = None
     release_token: StrictStr | None = None
     hold_blocks: StrictBool = False

@@ -127,7 +127,7 @@ VALUE_BYTES = 100
 PARSE_OVERHEAD_BYTES = 4096
 
 
-def parsed_size_bound(raw: bytes | bytearray) -> int:
+def parsed_size_bound(raw: bytes | bytearray, openings: int | None = None) -> int:
     """An upper bound on the memory the objects parsed from `raw` take, from counts in C.
 
     Every value or key but the first in a container follows a `,` or a `:`, so values and keys
@@ -135,10 +135,19 @@ def parsed_size_bound(raw: bytes | bytearray) -> int:
     an over-count, never an under-count). Text costs at most a byte per raw byte when the body
     is ASCII, and at most four otherwise (one astral character makes its string four bytes a
     character). A few KiB on top cover what a parse costs whatever the body (keys orjson
-    caches, the outermost object)."""
-    tokens = raw.count(b",") + raw.count(b":") + raw.count(b"{") + raw.count(b"[") + 1
+    caches, the outermost object). `openings`: the `{` and `[` bytes, when already counted
+    (`opening_brackets`)."""
+    if openings is None:
+        openings = opening_brackets(raw)
+    tokens = raw.count(b",") + raw.count(b":") + openings + 1
     text = len(raw) if raw.isascii() else 4 * len(raw)
     return PARSE_OVERHEAD_BYTES + text + VALUE_BYTES * tokens
+
+
+def opening_brackets(raw: bytes | bytearray) -> int:
+    """The `{` and `[` bytes of `raw`: at least its count of objects and arrays, so at least
+    its nesting depth (strings may hold more)."""
+    return raw.count(b"{") + raw.count(b"[")
 
 
 def too_complex(bound: int, limit: int) -> ProxyError:
@@ -155,15 +164,20 @@ def too_complex(bound: int, limit: int) -> ProxyError:
 def parse_json_body(raw: bytes | bytearray, settings: Settings, held: HeldBody) -> dict[str, Any]:
     """`parse_json_object`, with the body's share of the budget grown to its raw bytes plus
     the bound on its parsed objects first (both are alive while it is parsed)."""
-    need = len(raw) + parsed_size_bound(raw)
+    openings = opening_brackets(raw)
+    need = len(raw) + parsed_size_bound(raw, openings)
     if need > settings.inflight_body_bytes:
         raise too_complex(need, settings.inflight_body_bytes)
     held.grow_to(need)
-    return parse_json_object(raw, settings.json_max_depth)
+    return parse_json_object(raw, settings.json_max_depth, openings)
 
 
-def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
-    """A JSON object from `raw`, refusing invalid JSON and nesting deeper than `max_depth`."""
+def parse_json_object(
+    raw: bytes | bytearray, max_depth: int, openings: int | None = None
+) -> dict[str, Any]:
+    """A JSON object from `raw`, refusing invalid JSON and nesting deeper than `max_depth`.
+    `openings`: `opening_brackets(raw)` when counted already; at most `max_depth` spares the
+    walk over the parsed value (it cannot nest deeper than that)."""
     try:
         body = jsoncodec.loads(raw)
     except RecursionError:
@@ -179,9 +193,7 @@ def parse_json_object(raw: bytes | bytearray, max_depth: int) -> dict[str, Any]:
         ) from None
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object", code="invalid_json")
-    # Depth cannot pass the count of arrays and objects, which cannot pass the count of their
-    # opening brackets (strings may hold more): counted in C, it spares most bodies the walk.
-    if raw.count(b"{") + raw.count(b"[") > max_depth and nesting_exceeds(body, max_depth):
+    if (openings is None or openings > max_depth) and nesting_exceeds(body, max_depth):
         raise too_deep(max_depth)
     return body
 

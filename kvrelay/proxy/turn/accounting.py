@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.connector.protocol import (
+    KVR_LOADED_TOKENS,
+    KVR_LOCAL_HIT_TOKENS,
+    KVR_PROMPT_TOKENS,
+    KVR_REFUSED_BLOCKS,
     REFUSED_FAILED,
     REFUSED_HASH,
     REFUSED_LOCAL,
@@ -79,13 +83,13 @@ class PromptAccount:
         # Fields read from the instance's dict, and `_int` written out: this runs for both legs
         # of every turn (dict reads pinned in tests/test_private_apis.py).
         values = params.__dict__
-        prompt, local = values["kvr_prompt_tokens"], values["kvr_local_hit_tokens"]
-        loaded = values["kvr_loaded_tokens"]
+        prompt, local = values[KVR_PROMPT_TOKENS], values[KVR_LOCAL_HIT_TOKENS]
+        loaded = values[KVR_LOADED_TOKENS]
         if type(prompt) is not int or type(local) is not int or type(loaded) is not int:
             return None
         if prompt < 0 or local < 0 or loaded < 0:
             return None
-        offered = values["kvr_refused_blocks"]
+        offered = values[KVR_REFUSED_BLOCKS]
         refused = _refused(offered) if offered else ()
         return cls(prompt, local + loaded, local, loaded, refused)
 

@@ -15,7 +15,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, KVTransferParams
+from kvrelay.connector.protocol import (
+    KV_TRANSFER_PARAMS,
+    REMOTE_PREFILL_CACHED_TOKENS,
+    KVTransferParams,
+)
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
@@ -115,5 +119,5 @@ def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:
     connector = PromptAccount.from_connector(params)
     if connector is not None:  # kvrelay's connector: the split, prompt tokens included
         return connector
-    cached = params.__dict__["remote_prefill_cached_tokens"] if params is not None else None
+    cached = params.__dict__[REMOTE_PREFILL_CACHED_TOKENS] if params is not None else None
     return PromptAccount.from_usage(usage, cached)
