@@ -89,7 +89,7 @@ _SEQUENCES = (list, tuple)  # what pydantic's list took (JSON gives lists; Pytho
 def _ints(values: object) -> list[int]:
     """A list of integers (no bools, no floats), copied; checked in C (`map`, `set`) rather
     than by pydantic item by item: a long prompt's params list hundreds of block ids."""
-    if type(values) not in _SEQUENCES or (values and set(map(type, values)) != _INT_ONLY):
+    if not isinstance(values, _SEQUENCES) or (values and set(map(type, values)) != _INT_ONLY):
         raise ValueError("must be a list of integers")
     return list(values)
 
@@ -98,7 +98,7 @@ def _block_id_groups(value: object) -> list[list[int]] | None:
     """`remote_block_ids`: one list of block ids per KV-cache group (lists copied)."""
     if value is None:
         return None
-    if type(value) not in _SEQUENCES:
+    if not isinstance(value, _SEQUENCES):
         raise ValueError("remote_block_ids must be a list of lists of integers")
     return [_ints(group) for group in value]
 
@@ -107,7 +107,7 @@ def _strs(value: object) -> list[str] | None:
     """A list of strings (`remote_block_hashes`), copied; checked as `_ints` is."""
     if value is None:
         return None
-    if type(value) not in _SEQUENCES or (value and set(map(type, value)) != _STR_ONLY):
+    if not isinstance(value, _SEQUENCES) or (value and set(map(type, value)) != _STR_ONLY):
         raise ValueError("must be a list of strings")
     return list(value)
 
