@@ -104,7 +104,8 @@ The proxy keeps serving at {proxy} (Ctrl-C stops everything).
   print(r.choices[0].message.content)
   EOF
 
-  metrics: curl -s {proxy}/metrics | grep kvrelay_reuse
+  realized reuse (prompt tokens not recomputed, by leg; kvrelay_reuse_total counts only
+  map lookups): curl -s {proxy}/metrics | grep kvrelay_tokens_reused_total
 """
 
 
