@@ -17,9 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvrelay.devtools import DevFleet, fleet_env, free_port
-from kvrelay.devtools.prometheus import scrape as prometheus_scrape
-from kvrelay.devtools.prometheus import totals
+from kvrelay.devtools import DevFleet, fleet_env, free_port, prometheus
 
 QUESTIONS = (
     "Hello! I am planning a trip to the mountains. What should I pack?",
@@ -32,7 +30,7 @@ QUESTIONS = (
 
 def scrape(url: str) -> dict[str, float]:
     """Each metric of an engine's /metrics page, summed over its labels."""
-    return totals(prometheus_scrape(url))
+    return prometheus.totals(prometheus.scrape(url))
 
 
 def run_chat(proxy: str, p_url: str, max_tokens: int) -> list[dict[str, Any]]:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
 from kvrelay.proxy.fleet import Discovered, KubeRoleWatch, LocalFleetSync, Pool, ready_engines
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load
