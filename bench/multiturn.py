@@ -97,23 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="enginesim",
         help="P and D: enginesim, or real vLLM (CPU) with the test suite's tiny model",
     )
-    p.add_argument(
-        "--stream",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="stream the answers (default) or ask for plain JSON answers",
-    )
+    c.add_switch(p, "--stream", "stream the answers (default) or ask for plain JSON answers")
     p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
         help="extra argument for both engine processes (repeatable)",
     )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="one unmeasured two-turn conversation first, so P and D have met over NIXL",
+    c.add_switch(
+        p, "--warmup", "one unmeasured two-turn conversation first, so P and D have met over NIXL"
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn.json")

@@ -50,6 +50,7 @@ from typing import Any
 import aiohttp
 from openai import AsyncOpenAI
 
+from bench import _common as c
 from bench import _trace as tr
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -346,11 +347,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send X-Conversation-Id per reconstructed conversation",
     )
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send ignore_eos and min_tokens so answers have the trace's length",
+    c.add_switch(
+        p, "--ignore-eos", "send ignore_eos and min_tokens so answers have the trace's length"
     )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
