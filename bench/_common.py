@@ -6,6 +6,7 @@
   `bench/RESULTS.md` (under a file lock), leaving the other scripts' sections alone.
 - `run_header()`: the exact command, date and machine every section starts with.
 - `percentile()`, `fmt_ms()`: small statistics and formatting helpers.
+- `add_switch()`: an option on by default that `--no-<option>` turns off.
 - `words()`, `add_chat_arguments()`: the multi-turn chat workload's made-up words and options
   (`multiturn` and its policies run).
 - `start_engine()`, `start_fake_engine()`, `start_kvrelay()`, `start_vllm_router()`: the
@@ -91,6 +92,11 @@ VOCAB = tuple(
 def words(rng: random.Random, n: int) -> str:
     """`n` made-up words drawn by `rng`."""
     return " ".join(rng.choice(VOCAB) for _ in range(n))
+
+
+def add_switch(p: argparse.ArgumentParser, flag: str, help: str | None = None) -> None:
+    """A benchmark switch: on unless `--no-<flag>` turns it off (its help says the default)."""
+    p.add_argument(flag, action=argparse.BooleanOptionalAction, default=True, help=help)
 
 
 def add_chat_arguments(

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
-from kvrelay.devtools.redis import RedisServer
+from kvrelay.devtools import RedisServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, KVMap, MemoryMap, RedisMap
 from kvrelay.kvcache_map._redis import make_client
 

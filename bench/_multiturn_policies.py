@@ -55,7 +55,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--decode-us-per-step", type=int, default=4000)
     p.add_argument("--conditional-max-uncached-tokens", type=int, default=256)
     p.add_argument("--conditional-max-inflight-tokens", type=int, default=4096)
-    p.add_argument("--vllm-router", action=argparse.BooleanOptionalAction, default=True)
+    c.add_switch(p, "--vllm-router")
     p.add_argument("--seed", type=int, default=11)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn_policies.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "multiturn_policies.png")

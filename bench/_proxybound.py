@@ -55,9 +55,7 @@ from typing import Any
 
 from bench import _common as c
 from bench import _loadgen
-from kvrelay.devtools import prometheus
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
-from kvrelay.devtools.redis import RedisServer
+from kvrelay.devtools import RedisServer, ServerProcess, free_port, http_ready, prometheus
 
 SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"

@@ -36,7 +36,7 @@ from bench import _common as c
 from bench import _loadgen
 from bench._features_off import FEATURES
 from bench._proxybound import MODES
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.devtools import ServerProcess, free_port, http_ready
 
 SECTION = "instructions per request"
 WARMUP = 200

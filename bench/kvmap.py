@@ -36,7 +36,7 @@ from redis.exceptions import RedisError
 
 from bench import _common as c
 from bench import _kvmap_scale
-from kvrelay.devtools.redis import RedisServer
+from kvrelay.devtools import RedisServer
 from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,

@@ -97,23 +97,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="enginesim",
         help="P and D: enginesim, or real vLLM (CPU) with the test suite's tiny model",
     )
-    p.add_argument(
-        "--stream",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="stream the answers (default) or ask for plain JSON answers",
-    )
+    c.add_switch(p, "--stream", "stream the answers (default) or ask for plain JSON answers")
     p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
         help="extra argument for both engine processes (repeatable)",
     )
-    p.add_argument(
-        "--warmup",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="one unmeasured two-turn conversation first, so P and D have met over NIXL",
+    c.add_switch(
+        p, "--warmup", "one unmeasured two-turn conversation first, so P and D have met over NIXL"
     )
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "multiturn.json")
@@ -363,21 +355,20 @@ def start_enginesim(args: argparse.Namespace) -> Iterator[tuple[str, str, list[s
 def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]:
     """vLLM P (core 0, no local prefix cache: its history can only come from D) and D (core 1)
     with kvrelay's connector, as the real-vLLM suite starts them, and the proxy."""
-    from kvrelay.devtools.tiny_model import create_tiny_model
-    from kvrelay.devtools.vllm_servers import CONNECTOR_SECRET, kvrelay_pair, start_all, stop_all
+    from kvrelay.devtools import tiny_model, vllm_servers
 
     model_dir = c.WORK_DIR / "tiny-llama"
     if not (model_dir / "config.json").exists():
-        create_tiny_model(model_dir)
-    prefill, decode = kvrelay_pair(model_dir)
+        tiny_model.create_tiny_model(model_dir)
+    prefill, decode = vllm_servers.kvrelay_pair(model_dir)
     prefill.extra_args = ["--no-enable-prefix-caching", *args.engine_arg]
     decode.extra_args = list(args.engine_arg)
     router = None
     try:
-        start_all(prefill, decode)
+        vllm_servers.start_all(prefill, decode)
         router = c.start_kvrelay(
             "kvrelay", [prefill], [decode], workers=1,  # type: ignore[list-item]
-            env={"KVRELAY_CONNECTOR_SECRET": CONNECTOR_SECRET,
+            env={"KVRELAY_CONNECTOR_SECRET": vllm_servers.CONNECTOR_SECRET,
                  "KVRELAY_ROUTING_POLICY": "always_p"},
         )  # fmt: skip
         described = [
@@ -392,7 +383,7 @@ def start_vllm(args: argparse.Namespace) -> Iterator[tuple[str, str, list[str]]]
         raise
     finally:
         c.stop_all(router.process if router else None)
-        stop_all(prefill, decode)
+        vllm_servers.stop_all(prefill, decode)
 
 
 def vllm_version() -> str:

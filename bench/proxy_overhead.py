@@ -32,8 +32,7 @@ from typing import Any
 from bench import _common as c
 from bench import _loadgen, _proxybound
 from bench._plots import save_figure
-from kvrelay.devtools import prometheus
-from kvrelay.devtools.process import ServerProcess
+from kvrelay.devtools import ServerProcess, prometheus
 
 SECTION = "proxy overhead"
 TARGETS = ("direct", "kvrelay-w1", "kvrelay-w2", "vllm-router")

@@ -21,16 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvrelay.devtools.chaos_load import (
-    Chaos,
-    ChaosFleet,
-    LoadRunner,
-    Sampler,
-    iter_mismatches,
-    proxy_reuse,
-    summarize,
-)
-from kvrelay.devtools.ucx import with_loopback_ucx
+from kvrelay.devtools import chaos_load, with_loopback_ucx
 
 BENCH = Path(__file__).resolve().parent
 # NIXL over loopback on CPU, for the engines this process starts.
@@ -89,12 +80,14 @@ def plot(report: dict[str, Any], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     seconds = args.minutes * 60
-    with ChaosFleet(lease_seconds=args.lease_seconds) as fleet:
+    with chaos_load.ChaosFleet(lease_seconds=args.lease_seconds) as fleet:
         assert fleet.proxy is not None
         fleet.wait_ready()
-        load = LoadRunner(fleet.proxy.url, seed=args.seed, clients=args.clients, turns=args.turns)
-        sampler = Sampler(fleet, load, period_s=args.sample_every)
-        chaos = Chaos(fleet, seed=args.seed, period_s=args.fault_period)
+        load = chaos_load.LoadRunner(
+            fleet.proxy.url, seed=args.seed, clients=args.clients, turns=args.turns
+        )
+        sampler = chaos_load.Sampler(fleet, load, period_s=args.sample_every)
+        chaos = chaos_load.Chaos(fleet, seed=args.seed, period_s=args.fault_period)
         load.start()
         sampler.start()
         if not args.no_faults:
@@ -108,11 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             sampler.stop()
         fleet.heal()
         fleet.wait_ready()
-        reuse = proxy_reuse(fleet.proxy)
+        reuse = chaos_load.proxy_reuse(fleet.proxy)
         stranded = fleet.stranded_blocks(args.lease_seconds * 3 + 30)
         records = load.snapshot()
-    summary = summarize(records)
-    mismatches = [] if args.no_check else list(iter_mismatches(records))
+    summary = chaos_load.summarize(records)
+    mismatches = [] if args.no_check else list(chaos_load.iter_mismatches(records))
     looked_up = sum(reuse.values())
     report: dict[str, Any] = {
         "minutes": args.minutes,

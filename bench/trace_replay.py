@@ -50,13 +50,12 @@ from typing import Any
 import aiohttp
 from openai import AsyncOpenAI
 
+from bench import _common as c
 from bench import _trace as tr
 
-BENCH_DIR = Path(__file__).resolve().parent
 DEFAULT_TRACE = (
-    BENCH_DIR.parent.parent / "shared" / "workloads" / "mooncake" / ("conversation_trace.jsonl")
+    c.REPO_ROOT.parent / "shared" / "workloads" / "mooncake" / ("conversation_trace.jsonl")
 )
-WORK_DIR = BENCH_DIR / ".work"
 RECORDED_HEADERS = ("x-request-id", "x-kvrelay-")
 
 
@@ -346,11 +345,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="send X-Conversation-Id per reconstructed conversation",
     )
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="send ignore_eos and min_tokens so answers have the trace's length",
+    c.add_switch(
+        p, "--ignore-eos", "send ignore_eos and min_tokens so answers have the trace's length"
     )
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -375,7 +371,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="keep every request's messages and reply in the JSON",
     )
-    p.add_argument("--json", type=Path, default=WORK_DIR / "trace_replay.json")
+    p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_replay.json")
     args = p.parse_args(argv)
     if args.time_scale <= 0:
         p.error("--time-scale must be > 0")

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from bench import _common as c
-from kvrelay.devtools.ucx import with_loopback_ucx
+from kvrelay.devtools import with_loopback_ucx
 
 with_loopback_ucx()
 
@@ -153,10 +153,10 @@ def bandwidth(
 
 
 def rejection_to_free(samples: int) -> list[float]:
-    from kvrelay.devtools.nixl_peer import Peer, PeerSpec
+    from kvrelay.devtools import nixl_peer
 
-    holder = Peer.start(PeerSpec("bench-holder", num_blocks=256))
-    reader = Peer.start(PeerSpec("bench-reader", num_blocks=256))
+    holder = nixl_peer.Peer.start(nixl_peer.PeerSpec("bench-holder", num_blocks=256))
+    reader = nixl_peer.Peer.start(nixl_peer.PeerSpec("bench-reader", num_blocks=256))
     out: list[float] = []
     try:
         prompt = list(range(1000, 1000 + 16 * 8 + 3))

@@ -22,13 +22,7 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from kvrelay.devtools.image_lock import (  # noqa: E402
-    LOCK_FILE,
-    PROJECT,
-    image_requirements,
-    inputs_digest,
-    render_lock,
-)
+from kvrelay.devtools import image_lock  # noqa: E402
 
 # pip options that would let releases in from outside the package index.
 _LOCAL_SOURCES = ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_CONSTRAINT", "PIP_NO_INDEX")
@@ -57,11 +51,11 @@ def main() -> int:
     if sys.version_info[:2] != (3, 11):
         print("run with Python 3.11, the image's Python", file=sys.stderr)
         return 2
-    build, _ = image_requirements()
+    build, _ = image_lock.image_requirements()
     pins = resolve([f"{REPO_ROOT}[kubernetes,otel]", *build])
-    pins.pop(PROJECT, None)
-    LOCK_FILE.write_text(render_lock(pins, inputs_digest()))
-    print(f"wrote {LOCK_FILE.relative_to(REPO_ROOT)}: {len(pins)} pins")
+    pins.pop(image_lock.PROJECT, None)
+    image_lock.LOCK_FILE.write_text(image_lock.render_lock(pins, image_lock.inputs_digest()))
+    print(f"wrote {image_lock.LOCK_FILE.relative_to(REPO_ROOT)}: {len(pins)} pins")
     return 0
 
 

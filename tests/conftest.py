@@ -14,8 +14,7 @@ from types import FrameType
 
 import pytest
 
-from kvrelay.devtools import EngineFactory, EngineSim, ProxiedPair, ProxyFactory
-from kvrelay.devtools.process import live_children
+from kvrelay.devtools import EngineFactory, EngineSim, ProxiedPair, ProxyFactory, live_children
 from tests.harness import RedisServer, redis_server
 
 

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvrelay.devtools.process import (
+from kvrelay.devtools import (
     ManagedServer,
+    RedisServer,
     ServerProcess,
     free_port,
     http_ready,
+    redis_server,
     tcp_ready,
     wait_until,
 )
-from kvrelay.devtools.redis import RedisServer, redis_server
 
 __all__ = [
     "REPO_ROOT",

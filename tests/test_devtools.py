@@ -14,10 +14,17 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvrelay.devtools import DevFleet, fleet_env, prometheus, sse
-from kvrelay.devtools.process import free_port, tcp_ready
-from kvrelay.devtools.threaded_app import ThreadedApp
-from kvrelay.devtools.ucx import LOOPBACK_UCX, with_loopback_ucx
+from kvrelay.devtools import (
+    LOOPBACK_UCX,
+    DevFleet,
+    ThreadedApp,
+    fleet_env,
+    free_port,
+    prometheus,
+    sse,
+    tcp_ready,
+    with_loopback_ucx,
+)
 from tests.harness import REPO_ROOT
 
 PAGE = """# HELP x_total things

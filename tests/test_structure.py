@@ -1,5 +1,5 @@
 """The shape of the code: no import circle in `kvrelay/`, arrows only downwards between rooms,
-and a room of the proxy entered only through its face.
+and a room of the proxy, like the dev tools, entered only through its face.
 
 Imports are read with `ast`, not run. Every import counts wherever it stands: at the top of a
 module, inside a function, under `if TYPE_CHECKING:`. An import inside a function still ties the
@@ -10,6 +10,8 @@ The rooms, from the bottom up, are `LAYERS`; an import from one room to another 
 lower one. A room of the proxy (`kvrelay/proxy/<room>/`) shows the rest of the code its face,
 `kvrelay/proxy/<room>/__init__.py`, and what that face's `__all__` names; its modules are its
 own. Inside a room, modules import each other directly (never through their own face).
+`kvrelay/devtools/` has a face too: code outside it takes its names, or its modules as
+namespaces, from `kvrelay/devtools/__init__.py`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ LAYERS = (
     "kvrelay.proxy",  # the entry points: cli, demo
 )
 PROXY = "kvrelay.proxy"
+DEVTOOLS = "kvrelay.devtools"
 # Code outside kvrelay/ that must use the proxy's rooms through their faces too.
 CLIENTS = ("tests", "bench", "scripts", "deploy")
 
@@ -209,6 +212,22 @@ def private_reaches(modules: dict[str, Path], clients: dict[str, Path], root: Pa
     return bad
 
 
+def devtools_reaches(modules: dict[str, Path], clients: dict[str, Path], root: Path) -> list[str]:
+    """Imports of a dev-tools module from outside `kvrelay/devtools`, not through its face."""
+    exported = face_exports(modules[DEVTOOLS])
+    bad = []
+    for name, path in {**modules, **clients}.items():
+        if room_of(name, [DEVTOOLS]):
+            continue
+        for imp in imports_of(name, path, set(modules)):
+            if not imp.target.startswith(DEVTOOLS + "."):
+                continue
+            if imp.via == DEVTOOLS and imp.target.rpartition(".")[2] in exported:
+                continue  # a module the face exports as a namespace
+            bad.append(f"{path.relative_to(root)}:{imp.line} imports {imp.target}; use {DEVTOOLS}")
+    return list(dict.fromkeys(bad))  # one line per import, not per name it takes
+
+
 def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
     rank = {room: i for i, room in enumerate(LAYERS)}
     bad = []
@@ -246,6 +265,11 @@ def test_imports_only_point_down(modules: dict[str, Path]) -> None:
 def test_proxy_rooms_are_entered_through_their_faces(modules: dict[str, Path]) -> None:
     clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
     assert private_reaches(modules, clients, ROOT) == []
+
+
+def test_devtools_are_entered_through_their_face(modules: dict[str, Path]) -> None:
+    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+    assert devtools_reaches(modules, clients, ROOT) == []
 
 
 def test_each_proxy_room_has_a_face_that_exports_what_it_names(modules: dict[str, Path]) -> None:
@@ -301,6 +325,31 @@ def test_a_room_reached_past_its_face_is_found(tmp_path: Path) -> None:
     })  # fmt: skip
     assert private_reaches(modules, {}, tmp_path) == [
         "kvrelay/proxy/other/bad.py:1 imports kvrelay.proxy.room.inner; use kvrelay.proxy.room"
+    ]
+
+
+def test_devtools_reached_past_their_face_are_found(tmp_path: Path) -> None:
+    modules = _tree(tmp_path, {
+        "kvrelay/__init__.py": "",
+        "kvrelay/devtools/__init__.py": (
+            "from kvrelay.devtools import spaced\nfrom kvrelay.devtools.inner import Thing\n"
+            "__all__ = ['Thing', 'spaced']\n"
+        ),
+        "kvrelay/devtools/inner.py": "Thing = 1\n",
+        "kvrelay/devtools/spaced.py": "",
+        "kvrelay/devtools/unnamed.py": "from kvrelay.devtools.inner import Thing\n",
+        "kvrelay/proxy/__init__.py": "",
+        "kvrelay/proxy/ok.py": "from kvrelay.devtools import Thing, spaced\n",
+        "kvrelay/proxy/bad.py": "from kvrelay.devtools.inner import Thing\n",
+        "kvrelay/proxy/unnamed.py": "from kvrelay.devtools import unnamed\n",
+    })  # fmt: skip
+    clients = {"tests.bad": tmp_path / "tests" / "bad.py"}
+    clients["tests.bad"].parent.mkdir()
+    clients["tests.bad"].write_text("def f():\n    import kvrelay.devtools.spaced\n")
+    assert devtools_reaches(modules, clients, tmp_path) == [
+        "kvrelay/proxy/bad.py:1 imports kvrelay.devtools.inner; use kvrelay.devtools",
+        "kvrelay/proxy/unnamed.py:1 imports kvrelay.devtools.unnamed; use kvrelay.devtools",
+        "tests/bad.py:2 imports kvrelay.devtools.spaced; use kvrelay.devtools",
     ]
 
 

@@ -17,10 +17,22 @@ The proxy's serving path never imports this package (only `kvrelay demo` does). 
 module here loads no torch, nixl or vLLM: those are imported inside the functions that need
 them. `README.md` beside this file lists the modules.
 
-This face names what starts a dev fleet (the demo, the tests' fixtures and the benchmarks start
-theirs through it); the other modules are imported by name.
+Code outside this package imports it through this face only. It names the general tools (what
+starts a dev fleet, bounded waits, the fault relay, the threaded app, UCX's loopback settings)
+and, as namespaces, the modules whose names only make sense qualified: `prometheus`, `sse`,
+`chaos_load`, `nixl_peer`, `tiny_model`, `vllm_servers`, `image_lock` (e.g.
+`vllm_servers.CONNECTOR_SECRET`, not the enginesim fleet's `CONNECTOR_SECRET`).
 """
 
+from kvrelay.devtools import (
+    chaos_load,
+    image_lock,
+    nixl_peer,
+    prometheus,
+    sse,
+    tiny_model,
+    vllm_servers,
+)
 from kvrelay.devtools.engines import (
     CONNECTOR_SECRET,
     DEV_ENGINE_ARGS,
@@ -29,8 +41,18 @@ from kvrelay.devtools.engines import (
     dev_env,
 )
 from kvrelay.devtools.env import fleet_env
+from kvrelay.devtools.faultproxy import FaultCounters, FaultProxy
 from kvrelay.devtools.fleet import DevFleet
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready, pinned, wait_until
+from kvrelay.devtools.process import (
+    ManagedServer,
+    ServerProcess,
+    free_port,
+    http_ready,
+    live_children,
+    pinned,
+    tcp_ready,
+    wait_until,
+)
 from kvrelay.devtools.proxy_server import (
     DEV_PROXY_SETTINGS,
     EngineAddress,
@@ -39,25 +61,42 @@ from kvrelay.devtools.proxy_server import (
     ProxyServer,
 )
 from kvrelay.devtools.redis import RedisServer, redis_server
+from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools.ucx import LOOPBACK_UCX, with_loopback_ucx
 
 __all__ = [
     "CONNECTOR_SECRET",
     "DEV_ENGINE_ARGS",
     "DEV_PROXY_SETTINGS",
+    "LOOPBACK_UCX",
     "DevFleet",
     "EngineAddress",
     "EngineFactory",
     "EngineSim",
+    "FaultCounters",
+    "FaultProxy",
+    "ManagedServer",
     "ProxiedPair",
     "ProxyFactory",
     "ProxyServer",
     "RedisServer",
     "ServerProcess",
+    "ThreadedApp",
+    "chaos_load",
     "dev_env",
     "fleet_env",
     "free_port",
     "http_ready",
+    "image_lock",
+    "live_children",
+    "nixl_peer",
     "pinned",
+    "prometheus",
     "redis_server",
+    "sse",
+    "tcp_ready",
+    "tiny_model",
+    "vllm_servers",
     "wait_until",
+    "with_loopback_ucx",
 ]

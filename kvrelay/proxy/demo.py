@@ -17,9 +17,7 @@ from typing import Any
 
 import httpx
 
-from kvrelay.devtools import DevFleet, fleet_env, free_port
-from kvrelay.devtools.prometheus import scrape as prometheus_scrape
-from kvrelay.devtools.prometheus import totals
+from kvrelay.devtools import DevFleet, fleet_env, free_port, prometheus
 
 QUESTIONS = (
     "Hello! I am planning a trip to the mountains. What should I pack?",
@@ -32,7 +30,7 @@ QUESTIONS = (
 
 def scrape(url: str) -> dict[str, float]:
     """Each metric of an engine's /metrics page, summed over its labels."""
-    return totals(prometheus_scrape(url))
+    return prometheus.totals(prometheus.scrape(url))
 
 
 def run_chat(proxy: str, p_url: str, max_tokens: int) -> list[dict[str, Any]]:
@@ -104,7 +102,8 @@ The proxy keeps serving at {proxy} (Ctrl-C stops everything).
   print(r.choices[0].message.content)
   EOF
 
-  metrics: curl -s {proxy}/metrics | grep kvrelay_reuse
+  realized reuse (prompt tokens not recomputed, by leg; kvrelay_reuse_total counts only
+  map lookups): curl -s {proxy}/metrics | grep kvrelay_tokens_reused_total
 """
 
 

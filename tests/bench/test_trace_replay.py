@@ -11,8 +11,7 @@ import pytest
 
 from bench import _trace as tr
 from bench import trace_replay
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import EngineFactory, ProxyFactory
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.tokenizer import get_tokenizer
 

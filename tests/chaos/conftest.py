@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrelay.devtools.chaos_load import SUMMARIES
+from kvrelay.devtools import chaos_load
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
-    for title, text in SUMMARIES:
+    for title, text in chaos_load.SUMMARIES:
         terminalreporter.write_sep("=", title)
         terminalreporter.write_line(text)

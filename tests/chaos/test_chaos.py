@@ -23,17 +23,7 @@ import os
 
 import pytest
 
-from kvrelay.devtools.chaos_load import (
-    SUMMARIES,
-    Chaos,
-    ChaosFleet,
-    LoadRunner,
-    Sampler,
-    iter_mismatches,
-    proxy_reuse,
-    routing_decisions,
-    summarize,
-)
+from kvrelay.devtools import chaos_load
 
 pytestmark = pytest.mark.chaos
 
@@ -50,12 +40,14 @@ POLICIES = {
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("policy", sorted(POLICIES))
 def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks(policy: str) -> None:
-    with ChaosFleet(lease_seconds=LEASE_SECONDS, proxy_settings=POLICIES[policy]) as fleet:
+    with chaos_load.ChaosFleet(
+        lease_seconds=LEASE_SECONDS, proxy_settings=POLICIES[policy]
+    ) as fleet:
         assert fleet.proxy is not None
         fleet.wait_ready()
-        load = LoadRunner(fleet.proxy.url, seed=SEED, clients=4, turns=5).start()
-        sampler = Sampler(fleet, load).start()
-        chaos = Chaos(fleet, seed=SEED, period_s=2.5)
+        load = chaos_load.LoadRunner(fleet.proxy.url, seed=SEED, clients=4, turns=5).start()
+        sampler = chaos_load.Sampler(fleet, load).start()
+        chaos = chaos_load.Chaos(fleet, seed=SEED, period_s=2.5)
         stopped = False
         try:
             # Let the load warm up (first turns, connection pools) before faults start.
@@ -73,16 +65,16 @@ def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks(policy
 
         fleet.heal()
         fleet.wait_ready()
-        reuse = proxy_reuse(fleet.proxy)
-        decisions = routing_decisions(fleet.proxy)
+        reuse = chaos_load.proxy_reuse(fleet.proxy)
+        decisions = chaos_load.routing_decisions(fleet.proxy)
 
         # 3. Nothing stranded: leases (and the proxy's releases) return every block.
         stranded = fleet.stranded_blocks(LEASE_SECONDS * 3 + 20)
         assert not stranded, f"blocks still held after the leases: {stranded}"
 
         records = load.snapshot()
-        summary = summarize(records)
-        mismatches = list(iter_mismatches(records))
+        summary = chaos_load.summarize(records)
+        mismatches = list(chaos_load.iter_mismatches(records))
         samples = sampler.samples
         warm = [s.rss_bytes for s in samples if s.t >= LOAD_SECONDS * 0.25]
         rss_warm, rss_end = (warm[0], warm[-1]) if warm else (0, 0)
@@ -108,7 +100,7 @@ def test_fleet_survives_chaos_with_correct_answers_and_no_stranded_blocks(policy
         }  # fmt: skip
         text = json.dumps(report, indent=1, sort_keys=True)
         print("\nCHAOS SUMMARY " + text)
-        SUMMARIES.append((f"chaos summary ({policy})", text))
+        chaos_load.SUMMARIES.append((f"chaos summary ({policy})", text))
 
         # The run exercised what it claims to.
         assert summary["outcomes"].get("ok", 0) >= 20, report

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools import FaultProxy
 from tests.harness import wait_until
 
 

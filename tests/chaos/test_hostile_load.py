@@ -21,9 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import tree_rss_bytes
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, chaos_load
 
 pytestmark = pytest.mark.chaos
 
@@ -134,14 +132,14 @@ def test_thirty_large_bodies_hold_a_bounded_multiple_of_the_budget(
                         first_byte_timeout="60")  # fmt: skip
         assert proxy.process is not None and proxy.process.proc is not None
         pid = proxy.process.proc.pid
-        rss_before = tree_rss_bytes(pid)
+        rss_before = chaos_load.tree_rss_bytes(pid)
         peak = rss_before
         stop = threading.Event()
 
         def sample() -> None:
             nonlocal peak
             while not stop.is_set():
-                peak = max(peak, tree_rss_bytes(pid))
+                peak = max(peak, chaos_load.tree_rss_bytes(pid))
                 stop.wait(0.02)
 
         sampler = threading.Thread(target=sample)

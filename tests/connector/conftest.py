@@ -8,7 +8,7 @@ import pytest
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.scheduler import ConnectorScheduler
-from kvrelay.devtools.nixl_peer import SECRET, Peer, PeerSpec
+from kvrelay.devtools import nixl_peer
 
 
 @pytest.fixture
@@ -17,7 +17,7 @@ def make_scheduler() -> Iterator[Callable[..., ConnectorScheduler]]:
     started: list[ConnectorScheduler] = []
 
     def make(**overrides: object) -> ConnectorScheduler:
-        cfg = {"engine_id": "holder", "secret": SECRET, "block_size": 4, "model": "m"}
+        cfg = {"engine_id": "holder", "secret": nixl_peer.SECRET, "block_size": 4, "model": "m"}
         cfg.update(overrides)
         sched = ConnectorScheduler(ConnectorConfig(**cfg))  # type: ignore[arg-type]
         sched.start()
@@ -32,12 +32,12 @@ def make_scheduler() -> Iterator[Callable[..., ConnectorScheduler]]:
 
 
 @pytest.fixture
-def peers() -> Iterator[Callable[[PeerSpec], Peer]]:
+def peers() -> Iterator[Callable[[nixl_peer.PeerSpec], nixl_peer.Peer]]:
     """Start peer engine processes; every one is stopped (or killed) after the test."""
-    started: list[Peer] = []
+    started: list[nixl_peer.Peer] = []
 
-    def start(spec: PeerSpec) -> Peer:
-        peer = Peer.start(spec)
+    def start(spec: nixl_peer.PeerSpec) -> nixl_peer.Peer:
+        peer = nixl_peer.Peer.start(spec)
         started.append(peer)
         return peer
 

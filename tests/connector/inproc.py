@@ -21,7 +21,7 @@ from kvrelay.connector.layout import CacheLayout
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.worker import ConnectorWorker
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 
 BS = 16
 NUM_BLOCKS = 32
@@ -32,7 +32,7 @@ class InProcEngine:
 
     def __init__(self, engine_id: str, seed: int, **config: Any) -> None:
         cfg: dict[str, Any] = {
-            "engine_id": engine_id, "secret": SECRET, "block_size": BS, "num_layers": 2,
+            "engine_id": engine_id, "secret": nixl_peer.SECRET, "block_size": BS, "num_layers": 2,
             "dtype": "float32", "model": "m", "kv_layout": "split",
         }  # fmt: skip
         cfg.update(config)

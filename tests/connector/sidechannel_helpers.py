@@ -13,7 +13,7 @@ from kvrelay.connector.auth import destination, response_signature, sign_headers
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE
 from kvrelay.connector.scheduler import ConnectorScheduler
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 
 
 def hold_params(
@@ -39,7 +39,7 @@ def signed(port: int, method: str, path: str, body: bytes = b"") -> dict[str, st
     dest = destination("127.0.0.1", port)
     return {
         "Content-Type": "application/json",
-        **sign_headers(SECRET.encode(), method, path, body, dest=dest),
+        **sign_headers(nixl_peer.SECRET.encode(), method, path, body, dest=dest),
     }
 
 

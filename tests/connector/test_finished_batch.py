@@ -20,7 +20,7 @@ import kvrelay.connector.scheduler
 from kvrelay.connector.protocol import MAX_FINISHED_BATCH, PATH_FINISHED_BATCH
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, _Exchange
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 from kvrelay.proxy.engines import FinishedLookups
 from tests.connector.sidechannel_helpers import hold_params
 
@@ -38,7 +38,7 @@ def test_batch_answers_published_ids_at_once_and_omits_the_others(
     second = hold_params(sched, "r-2", n_tokens=20, client="c-2")
 
     async def ask() -> dict[str, dict[str, object]]:
-        client = AsyncSideChannelClient(SECRET.encode(), timeout_s=10)
+        client = AsyncSideChannelClient(nixl_peer.SECRET.encode(), timeout_s=10)
         try:
             return await client.finished_batch(
                 HOST, sched.side_channel_port, ["c-1", "unknown", "c-2", "c-1"]
@@ -60,7 +60,7 @@ def test_batch_refuses_an_empty_or_oversized_list(
     async def status_of_raw_batch() -> int:
         # The client's typed helper refuses both lists itself; send the bytes another client
         # could send, signed, and read the (signed) answer's status.
-        client = AsyncSideChannelClient(SECRET.encode(), timeout_s=10)
+        client = AsyncSideChannelClient(nixl_peer.SECRET.encode(), timeout_s=10)
         try:
             body = json.dumps({"request_ids": ids}).encode()
             raw = _Exchange("POST", PATH_FINISHED_BATCH, body, lambda status, _: status)
@@ -93,7 +93,7 @@ def test_lookups_that_arrive_together_share_one_call(make_scheduler: MakeSchedul
         return value or 0.0
 
     async def look_up() -> list[dict[str, object] | None]:
-        client = AsyncSideChannelClient(SECRET.encode(), timeout_s=10)
+        client = AsyncSideChannelClient(nixl_peer.SECRET.encode(), timeout_s=10)
         try:
             lookups = FinishedLookups(client)
             return await asyncio.gather(

@@ -17,7 +17,7 @@ import kvrelay.connector.scheduler
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.sidechannel_server import FINISHED_WAIT_S
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 from tests.connector.sidechannel_helpers import hold_params
 from tests.harness import wait_until
 
@@ -35,7 +35,7 @@ def test_params_published_while_the_question_waits_are_answered(
     # A long bound: an answer that comes back quickly came from the publication, not the bound.
     monkeypatch.setattr(kvrelay.connector.scheduler, "FINISHED_WAIT_S", 30.0)
     sched = make_scheduler()
-    client = SideChannelClient(SECRET.encode(), timeout_s=60)
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=60)
     with ThreadPoolExecutor(1) as pool:
         asked = pool.submit(client.finished, "127.0.0.1", sched.side_channel_port, "late-1")
         wait_until(lambda: _waiting(sched, "late-1"), 10, what="the question to wait")
@@ -49,7 +49,7 @@ def test_params_published_while_the_question_waits_are_answered(
 
 def test_unknown_ids_are_answered_after_the_bound(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler()
-    client = SideChannelClient(SECRET.encode(), timeout_s=10)
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=10)
     start = time.monotonic()
     assert client.finished("127.0.0.1", sched.side_channel_port, "never") is None
     elapsed = time.monotonic() - start
@@ -65,7 +65,7 @@ def test_an_engine_that_never_publishes_answers_unknown_at_once(
 ) -> None:
     monkeypatch.setattr(kvrelay.connector.scheduler, "FINISHED_WAIT_S", 30.0)
     sched = make_scheduler(publish_finished_params=False)
-    client = SideChannelClient(SECRET.encode(), timeout_s=10)
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=10)
     start = time.monotonic()
     assert client.finished("127.0.0.1", sched.side_channel_port, "never") is None
     assert time.monotonic() - start < 5

@@ -14,7 +14,7 @@ from collections import Counter
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.metadata import ConnectorMetadata
 from kvrelay.connector.worker import ConnectorWorker, notif_message
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 
 
 class FakeNotifTransport:
@@ -32,7 +32,7 @@ class FakeNotifTransport:
 
 
 def _holder_ranks(tp_size: int) -> list[tuple[ConnectorWorker, FakeNotifTransport]]:
-    config = ConnectorConfig(engine_id="holder", secret=SECRET, block_size=4, model="m")
+    config = ConnectorConfig(engine_id="holder", secret=nixl_peer.SECRET, block_size=4, model="m")
     ranks = []
     for rank in range(tp_size):
         worker = ConnectorWorker(config, rank, tp_size)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.devtools.nixl_peer import PeerSpec
+from kvrelay.devtools import nixl_peer
 from tests.connector.test_transfer import (
     BS,
     StartPeer,
@@ -25,8 +25,8 @@ pytestmark = pytest.mark.nixl
 
 
 def test_concurrent_first_loads_from_one_holder_both_succeed(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("h-first", seed=21))
-    reader = peers(PeerSpec("r-first", seed=22))
+    holder = peers(nixl_peer.PeerSpec("h-first", seed=21))
+    reader = peers(nixl_peer.PeerSpec("r-first", seed=22))
     prompt = toks(3 * BS + 1)
     p1, p2 = hold(holder, "h1", prompt), hold(holder, "h2", prompt)
     # Both loads are planned in the same engine step: both prepare a first contact at once.
@@ -42,8 +42,8 @@ def test_concurrent_first_loads_from_one_holder_both_succeed(peers: StartPeer) -
 
 
 def test_one_failed_read_leaves_other_reads_from_the_holder_alone(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("h-iso", seed=23))
-    reader = peers(PeerSpec("r-iso", seed=24, config={"kv_load_failure_policy": "fail"}))
+    holder = peers(nixl_peer.PeerSpec("h-iso", seed=23))
+    reader = peers(nixl_peer.PeerSpec("r-iso", seed=24, config={"kv_load_failure_policy": "fail"}))
     prompt = toks(3 * BS + 1)
     warm = reader.call(
         "load", rid="r0", prompt=[*prompt, 1], params=for_p(hold(holder, "h0", prompt))
@@ -75,8 +75,8 @@ def test_timed_out_read_keeps_its_blocks_until_the_transfer_is_over(
 ) -> None:
     holder_cfg = {"claim_timeout_s": 2.0} if deadline == "claim_pin" else {}
     reader_cfg = {"transfer_timeout_s": 2.0} if deadline == "transfer_timeout" else {}
-    holder = peers(PeerSpec(f"h-late-{deadline}", seed=25, config=holder_cfg))
-    reader = peers(PeerSpec(f"r-late-{deadline}", seed=26, config=reader_cfg))
+    holder = peers(nixl_peer.PeerSpec(f"h-late-{deadline}", seed=25, config=holder_cfg))
+    reader = peers(nixl_peer.PeerSpec(f"r-late-{deadline}", seed=26, config=reader_cfg))
     prompt = toks(3 * BS + 1)
     params = hold(holder, "h1", prompt)
     holder.call("polling", on=False)  # the holder stops serving the READ: it cannot finish...
@@ -98,9 +98,11 @@ def test_timed_out_read_keeps_its_blocks_until_the_transfer_is_over(
 def test_read_stuck_past_the_grace_stays_quarantined_until_the_holder_dies(
     peers: StartPeer,
 ) -> None:
-    holder = peers(PeerSpec("h-stuck", seed=27))
+    holder = peers(nixl_peer.PeerSpec("h-stuck", seed=27))
     reader = peers(
-        PeerSpec("r-stuck", seed=28, config={"transfer_timeout_s": 1.0, "cancel_grace_s": 1.0})
+        nixl_peer.PeerSpec(
+            "r-stuck", seed=28, config={"transfer_timeout_s": 1.0, "cancel_grace_s": 1.0}
+        )
     )
     prompt = toks(2 * BS + 1)
     params = hold(holder, "h1", prompt)
@@ -119,8 +121,8 @@ def test_same_compat_hash_but_other_cache_layout_is_refused(peers: StartPeer) ->
     # Both say kv_layout "vllm-cpu" (same compatibility hash) but one is NHD, one HND: the
     # bytes of a block mean different things, so copying them verbatim would be wrong KV.
     same = {"kv_layout": "vllm-cpu"}
-    holder = peers(PeerSpec("h-nhd", seed=29, layout="split", config=same))
-    reader = peers(PeerSpec("r-hnd", seed=30, layout="split_hnd", config=same))
+    holder = peers(nixl_peer.PeerSpec("h-nhd", seed=29, layout="split", config=same))
+    reader = peers(nixl_peer.PeerSpec("r-hnd", seed=30, layout="split_hnd", config=same))
     assert holder.info["compat_hash"] == reader.info["compat_hash"]
     prompt = toks(2 * BS + 1)
     params = hold(holder, "h1", prompt)
@@ -133,8 +135,10 @@ def test_same_compat_hash_but_other_cache_layout_is_refused(peers: StartPeer) ->
 
 
 def test_reader_never_contacts_a_holder_outside_its_allowlist(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("h-far", seed=31))
-    reader = peers(PeerSpec("r-fenced", seed=32, config={"allowed_holders": ["10.9.0.0/16"]}))
+    holder = peers(nixl_peer.PeerSpec("h-far", seed=31))
+    reader = peers(
+        nixl_peer.PeerSpec("r-fenced", seed=32, config={"allowed_holders": ["10.9.0.0/16"]})
+    )
     prompt = toks(2 * BS + 1)
     params = hold(holder, "h1", prompt)
     out = reader.call("load", rid="r1", prompt=[*prompt, 1], params=for_p(params))

@@ -20,7 +20,7 @@ from kvrelay.connector.sidechannel_client import (
     SideChannelError,
 )
 from kvrelay.connector.stats import Counters
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 from tests.connector.sidechannel_helpers import drain, hold_params, raw_request, signed
 from tests.harness import wait_until
 
@@ -29,7 +29,7 @@ MakeScheduler = Callable[..., ConnectorScheduler]
 
 @pytest.fixture
 def client() -> SideChannelClient:
-    return SideChannelClient(SECRET.encode(), timeout_s=5)
+    return SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)
 
 
 def test_release_frees_once_and_counts(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
@@ -172,7 +172,7 @@ def test_reclaim_frees_oldest_unclaimed_holds(make_scheduler: MakeScheduler, cli
 async def test_finished_params_by_client_request_id(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler()
     params = hold_params(sched, "r1", client="client/req 1")
-    aclient = AsyncSideChannelClient(SECRET.encode())
+    aclient = AsyncSideChannelClient(nixl_peer.SECRET.encode())
     try:
         got = await aclient.finished("127.0.0.1", sched.side_channel_port, "client/req 1")
         assert got == params

@@ -13,7 +13,7 @@ from kvrelay.connector.allowlist import HolderAllowlist
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient, SideChannelError
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 from tests.connector.sidechannel_helpers import FakeHolder, drain, hold_params
 from tests.harness import wait_until
 
@@ -56,9 +56,11 @@ def blackhole() -> Iterator[_Blackhole]:
 
 @pytest.mark.parametrize("forgery", ["unsigned", "other-key", "other-request"])
 def test_answers_not_signed_by_the_holder_for_this_request_are_refused(forgery: str) -> None:
-    key = {"unsigned": None, "other-key": b"attacker", "other-request": SECRET.encode()}[forgery]
+    key = {"unsigned": None, "other-key": b"attacker", "other-request": nixl_peer.SECRET.encode()}[
+        forgery
+    ]
     fake = FakeHolder(key, nonce="an-older-request" if forgery == "other-request" else None)
-    client = SideChannelClient(SECRET.encode(), timeout_s=5)
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)
     try:
         with pytest.raises(SideChannelError, match="unauthenticated"):
             client.claim("127.0.0.1", fake.port, "h1", "reader", "r1")
@@ -66,8 +68,8 @@ def test_answers_not_signed_by_the_holder_for_this_request_are_refused(forgery: 
         client.close()
         fake.close()
     # The same fake holder with the right signature is believed (the check is not blanket).
-    genuine = FakeHolder(SECRET.encode())
-    client = SideChannelClient(SECRET.encode(), timeout_s=5)
+    genuine = FakeHolder(nixl_peer.SECRET.encode())
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)
     try:
         assert client.claim("127.0.0.1", genuine.port, "h1", "reader", "r1").status == "held"
     finally:
@@ -80,7 +82,7 @@ def test_holders_outside_the_allowlist_are_never_contacted(make_scheduler: MakeS
     params = hold_params(sched, "r1")
     port = sched.side_channel_port
     client = SideChannelClient(
-        SECRET.encode(), timeout_s=5, allowlist=HolderAllowlist(["10.0.0.0/8"])
+        nixl_peer.SECRET.encode(), timeout_s=5, allowlist=HolderAllowlist(["10.0.0.0/8"])
     )
     try:
         with pytest.raises(SideChannelError, match="allowed_holders"):
@@ -120,7 +122,7 @@ def test_side_channel_client_is_created_once_under_concurrent_first_use() -> Non
     from kvrelay.connector.config import ConnectorConfig
     from kvrelay.connector.worker import ConnectorWorker
 
-    worker = ConnectorWorker(ConnectorConfig(engine_id="w", secret=SECRET), 0, 1)
+    worker = ConnectorWorker(ConnectorConfig(engine_id="w", secret=nixl_peer.SECRET), 0, 1)
     barrier = threading.Barrier(8)
     seen: list[int] = []
 

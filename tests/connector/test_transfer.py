@@ -12,13 +12,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvrelay.devtools.nixl_peer import Peer, PeerSpec
+from kvrelay.devtools import nixl_peer
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.nixl
 
 BS = 16
-StartPeer = Callable[[PeerSpec], Peer]
+StartPeer = Callable[[nixl_peer.PeerSpec], nixl_peer.Peer]
 
 
 def toks(n: int, base: int = 1000) -> list[int]:
@@ -26,7 +26,7 @@ def toks(n: int, base: int = 1000) -> list[int]:
 
 
 def hold(
-    peer: Peer, rid: str, prompt: list[int], blocks: list[int] | None = None
+    peer: nixl_peer.Peer, rid: str, prompt: list[int], blocks: list[int] | None = None
 ) -> dict[str, Any]:
     """Finish a P-leg request on `peer` so that it holds its prompt blocks; return its params."""
     res = peer.call(
@@ -42,19 +42,21 @@ def for_p(params: dict[str, Any]) -> dict[str, Any]:
     return {**params, "do_remote_decode": True, "do_remote_prefill": False}
 
 
-def assert_idle(*peers: Peer) -> None:
+def assert_idle(*peers: nixl_peer.Peer) -> None:
     """Nothing held, nothing in flight, every block back in the pool."""
     for peer in peers:
         peer.call("free_all")
 
-        def idle(peer: Peer = peer) -> bool:
+        def idle(peer: nixl_peer.Peer = peer) -> bool:
             s = peer.stats()
             return s["sched"]["held"] == 0 and s["free_blocks"] == s["total_blocks"]
 
         wait_until(idle, 20, what=f"{peer.spec.engine_id} to hold nothing")
 
 
-def same_tp_equal(holder: Peer, hblocks: list[int], reader: Peer, rblocks: list[int]) -> bool:
+def same_tp_equal(
+    holder: nixl_peer.Peer, hblocks: list[int], reader: nixl_peer.Peer, rblocks: list[int]
+) -> bool:
     hd = holder.call("block_data", blocks=hblocks)
     rd = reader.call("block_data", blocks=rblocks)
     return all(
@@ -65,11 +67,11 @@ def same_tp_equal(holder: Peer, hblocks: list[int], reader: Peer, rblocks: list[
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[Peer, Peer]]:
+def pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
     """A holder and a reader (K/V split planes) shared by this module's simple tests."""
-    holder = Peer.start(PeerSpec("holder", seed=1, num_blocks=96))
+    holder = nixl_peer.Peer.start(nixl_peer.PeerSpec("holder", seed=1, num_blocks=96))
     try:
-        reader = Peer.start(PeerSpec("reader", seed=2, num_blocks=96))
+        reader = nixl_peer.Peer.start(nixl_peer.PeerSpec("reader", seed=2, num_blocks=96))
     except BaseException:
         holder.stop()
         raise
@@ -81,13 +83,17 @@ def pair() -> Iterator[tuple[Peer, Peer]]:
 
 
 @pytest.fixture
-def idle_pair(pair: tuple[Peer, Peer]) -> Iterator[tuple[Peer, Peer]]:
+def idle_pair(
+    pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
+) -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
     yield pair
     assert_idle(*pair)
 
 
 @pytest.mark.parametrize("coalesce", [True, False])
-def test_byte_exact_read_of_scattered_blocks(idle_pair: tuple[Peer, Peer], coalesce: bool) -> None:
+def test_byte_exact_read_of_scattered_blocks(
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], coalesce: bool
+) -> None:
     holder, reader = idle_pair
     reader.call("coalesce", on=coalesce)
     prompt = toks(7 * BS + 5)
@@ -108,8 +114,8 @@ def test_byte_exact_read_of_scattered_blocks(idle_pair: tuple[Peer, Peer], coale
 
 
 def test_byte_exact_joint_kv_layout(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("holder-joint", layout="joint", seed=3))
-    reader = peers(PeerSpec("reader-joint", layout="joint", seed=4))
+    holder = peers(nixl_peer.PeerSpec("holder-joint", layout="joint", seed=3))
+    reader = peers(nixl_peer.PeerSpec("reader-joint", layout="joint", seed=4))
     prompt = toks(3 * BS + 1)
     params = hold(holder, "h", prompt)
     out = reader.call("load", rid="r", prompt=prompt, params=for_p(params))
@@ -124,7 +130,7 @@ def test_byte_exact_joint_kv_layout(peers: StartPeer) -> None:
     ids=["mid-block", "block-boundary", "first-token", "no-divergence"],
 )
 def test_prefix_verification_pulls_exactly_the_matching_blocks(
-    idle_pair: tuple[Peer, Peer], diverge_at: int | None, expected_blocks: int
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], diverge_at: int | None, expected_blocks: int
 ) -> None:
     holder, reader = idle_pair
     history = toks(4 * BS + 6)  # D holds 4 full blocks + a partial one
@@ -146,7 +152,9 @@ def test_prefix_verification_pulls_exactly_the_matching_blocks(
     wait_until(lambda: holder.stats()["sched"][key] == before + 1, 20, what=key)
 
 
-def test_rejection_before_admission_frees_the_holder(idle_pair: tuple[Peer, Peer]) -> None:
+def test_rejection_before_admission_frees_the_holder(
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
+) -> None:
     holder, reader = idle_pair
     prompt = toks(2 * BS + 3)
     params = hold(holder, "h-rej", prompt)
@@ -159,11 +167,11 @@ def test_rejection_before_admission_frees_the_holder(idle_pair: tuple[Peer, Peer
 
 
 def test_compat_hash_mismatch_is_a_clear_failure(
-    idle_pair: tuple[Peer, Peer], peers: StartPeer
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], peers: StartPeer
 ) -> None:
     holder, _ = idle_pair
     other = peers(
-        PeerSpec(
+        nixl_peer.PeerSpec(
             "reader-other-model", config={"model": "another-model", "require_block_hashes": False}
         )
     )
@@ -193,9 +201,9 @@ def _heads(data: list[list[np.ndarray]], rank: int) -> list[np.ndarray]:
 
 
 def test_heterogeneous_tp_both_directions(peers: StartPeer) -> None:
-    tp2_holder = peers(PeerSpec("tp2-holder", tp_size=2, layout="split_hnd", seed=5))
-    tp1 = peers(PeerSpec("tp1", tp_size=1, layout="split_hnd", seed=6))
-    tp2_reader = peers(PeerSpec("tp2-reader", tp_size=2, layout="split_hnd", seed=7))
+    tp2_holder = peers(nixl_peer.PeerSpec("tp2-holder", tp_size=2, layout="split_hnd", seed=5))
+    tp1 = peers(nixl_peer.PeerSpec("tp1", tp_size=1, layout="split_hnd", seed=6))
+    tp2_reader = peers(nixl_peer.PeerSpec("tp2-reader", tp_size=2, layout="split_hnd", seed=7))
     prompt = toks(3 * BS + 2)
     # Holder TP 2 -> reader TP 1: the reader's block = both holder ranks' heads side by side.
     params = hold(tp2_holder, "h21", prompt)
@@ -230,8 +238,8 @@ def test_heterogeneous_tp_both_directions(peers: StartPeer) -> None:
 
 
 def test_mla_reads_one_holder_rank_and_notifies_the_others(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("mla-holder", tp_size=2, layout="mla", seed=8))
-    reader = peers(PeerSpec("mla-reader", tp_size=1, layout="mla", seed=9))
+    holder = peers(nixl_peer.PeerSpec("mla-holder", tp_size=2, layout="mla", seed=8))
+    reader = peers(nixl_peer.PeerSpec("mla-reader", tp_size=1, layout="mla", seed=9))
     prompt = toks(2 * BS + 9)
     params = hold(holder, "h-mla", prompt)
     out = reader.call("load", rid="r-mla", prompt=prompt, params=for_p(params))
@@ -251,10 +259,12 @@ def test_mla_reads_one_holder_rank_and_notifies_the_others(peers: StartPeer) -> 
 
 
 def test_holder_killed_mid_read_applies_each_policy(peers: StartPeer) -> None:
-    holder = peers(PeerSpec("doomed", seed=10))
+    holder = peers(nixl_peer.PeerSpec("doomed", seed=10))
     fast_fail = {"transfer_timeout_s": 3.0, "handshake_retries": 1}
-    recompute = peers(PeerSpec("r-recompute", config=fast_fail))
-    fail = peers(PeerSpec("r-fail", config={**fast_fail, "kv_load_failure_policy": "fail"}))
+    recompute = peers(nixl_peer.PeerSpec("r-recompute", config=fast_fail))
+    fail = peers(
+        nixl_peer.PeerSpec("r-fail", config={**fast_fail, "kv_load_failure_policy": "fail"})
+    )
     prompt = toks(4 * BS)
     p1, p2 = hold(holder, "h1", prompt), hold(holder, "h2", prompt)
     # The holder stops driving NIXL, so the reads cannot finish: they stay in flight...
@@ -279,10 +289,10 @@ def test_holder_killed_mid_read_applies_each_policy(peers: StartPeer) -> None:
 
 
 def test_restarted_holder_is_handshaken_again(
-    idle_pair: tuple[Peer, Peer], peers: StartPeer
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], peers: StartPeer
 ) -> None:
     _, reader = idle_pair
-    spec = PeerSpec("restartable", seed=11)
+    spec = nixl_peer.PeerSpec("restartable", seed=11)
     first = peers(spec)
     prompt = toks(2 * BS + 1)
     out = reader.call("load", rid="rs1", prompt=prompt, params=for_p(hold(first, "h", prompt)))
@@ -304,7 +314,7 @@ def test_restarted_holder_is_handshaken_again(
     assert_idle(second)
 
 
-def test_bidirectional_multi_turn(idle_pair: tuple[Peer, Peer]) -> None:
+def test_bidirectional_multi_turn(idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer]) -> None:
     """P holds turn 1's prompt, D reads it and keeps its own blocks (hold_blocks), P pulls them
     for turn 2 after verifying the prefix: both directions over the same connector."""
     p_engine, d_engine = idle_pair

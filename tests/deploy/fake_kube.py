@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools import ThreadedApp
 from tests.harness import free_port
 
 # group/version -> [(plural, Kind, namespaced)] for every kind the chart may render.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from packaging.requirements import Requirement
 
-from kvrelay.devtools.image_lock import LOCK_FILE, image_requirements, inputs_digest, read_lock
+from kvrelay.devtools import image_lock
 
 
 def _name(req: Requirement) -> str:
@@ -14,20 +14,20 @@ def _name(req: Requirement) -> str:
 
 
 def test_lock_was_made_from_the_current_pyproject() -> None:
-    digest, _ = read_lock()
-    assert digest == inputs_digest(), (
-        f"{LOCK_FILE.name} is stale: pyproject's image requirements changed; "
+    digest, _ = image_lock.read_lock()
+    assert digest == image_lock.inputs_digest(), (
+        f"{image_lock.LOCK_FILE.name} is stale: pyproject's image requirements changed; "
         "run .venv/bin/python scripts/lock_image.py"
     )
 
 
 def test_every_requirement_is_pinned_to_a_release_it_allows() -> None:
-    _, pins = read_lock()
-    build, runtime = image_requirements()
+    _, pins = image_lock.read_lock()
+    build, runtime = image_lock.image_requirements()
     for text in build + runtime:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"sys_platform": "linux"}):
             continue
-        assert _name(req) in pins, f"{req.name} is not pinned in {LOCK_FILE.name}"
+        assert _name(req) in pins, f"{req.name} is not pinned in {image_lock.LOCK_FILE.name}"
         assert req.specifier.contains(pins[_name(req)], prereleases=True), (req, pins[_name(req)])
     assert all(version and version[0].isdigit() for version in pins.values())

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools.engines import EngineSim
-from kvrelay.devtools.proxy_server import ProxyServer
+from kvrelay.devtools import EngineSim, ProxyServer
 from tests.harness import REPO_ROOT, ServerProcess, http_ready, wait_until
 
 # What the Dockerfile's build stage copies.

@@ -16,8 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.sse import events
+from kvrelay.devtools import EngineFactory, EngineSim, sse
 
 pytestmark = pytest.mark.nixl
 
@@ -75,7 +74,7 @@ def stream(engine: EngineSim, path: str, body: dict[str, Any]) -> list[Any]:
         headers={"Content-Type": "application/json"},
     )  # fmt: skip
     with urllib.request.urlopen(req, timeout=30) as resp:
-        return events(resp.read())
+        return sse.events(resp.read())
 
 
 def check_sources(delta: Delta, prompt: int, local: int, external: int) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory
+from kvrelay.devtools import EngineFactory
 from kvrelay.enginesim.cli import build_parser, config_from_args
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import get_profile

@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools import sse
-from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools import EngineFactory, EngineSim, sse
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import wait_until
 

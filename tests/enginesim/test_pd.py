@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvrelay.connector.sidechannel_client import SideChannelClient
-from kvrelay.devtools.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
+from kvrelay.devtools import CONNECTOR_SECRET, EngineFactory, EngineSim
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import get_link, get_profile
 from kvrelay.enginesim.reference import reference_chat, reference_completion

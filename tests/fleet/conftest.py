@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
+from kvrelay.devtools import EngineFactory, EngineSim
 
 
 @pytest.fixture

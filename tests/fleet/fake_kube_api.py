@@ -21,7 +21,7 @@ from typing import Any
 
 from aiohttp import web
 
-from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools import ThreadedApp
 from tests.deploy.fake_kube import FakeKube
 from tests.harness import free_port
 

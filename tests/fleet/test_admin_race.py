@@ -16,8 +16,7 @@ from typing import Any
 import httpx
 from redis import Redis
 
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer
 from kvrelay.proxy.fleet import engine_name
 from tests.harness import RedisServer, wait_until
 

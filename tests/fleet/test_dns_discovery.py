@@ -8,8 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer
 from kvrelay.proxy.fleet import Discovered, DnsSource, ResolveError, make_resolver
 from tests.fleet.dns_server import DnsServer
 from tests.fleet.workers import Load

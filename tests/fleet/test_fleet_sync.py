@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer
 from tests.harness import RedisServer, wait_until
 
 ADMIN_KEY = "fleet-admin-key"

@@ -11,9 +11,15 @@ from pathlib import Path
 import pytest
 from kubernetes_asyncio import client, config
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.proxy.fleet import Discovered, KubeRoleWatch, LocalFleetSync, Pool, ready_engines
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
+from kvrelay.proxy.fleet import (
+    Discovered,
+    KubeRoleWatch,
+    KubeScope,
+    LocalFleetSync,
+    Pool,
+    ready_engines,
+)
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until
@@ -68,8 +74,8 @@ async def test_watch_follows_slices_through_drops_bookmarks_and_gone(
     api_client = client.ApiClient(configuration)
     pool = Pool("decode", 3, 2)
     sync = LocalFleetSync({"prefill": Pool("prefill", 3, 2), "decode": pool})
-    watch = KubeRoleWatch(client.DiscoveryV1Api(api_client), "llm", "decode", "app=vllm-d",
-                          sync, "http", "side-channel")  # fmt: skip
+    scope = KubeScope(client.DiscoveryV1Api(api_client), "llm", sync, "http", "side-channel")
+    watch = KubeRoleWatch(scope, "decode", "app=vllm-d")
     task = asyncio.create_task(watch.run())
 
     def urls() -> set[str]:

@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools.engines import EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineSim, ProxyFactory, ProxyServer
 from tests.fleet.workers import Load, worker_inflight, worker_pids
 from tests.harness import RedisServer, wait_until
 

@@ -21,9 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer, chaos_load
 from kvrelay.proxy.http import openapi_document
 from tests.security.rawhttp import send
 
@@ -57,7 +55,7 @@ def openai_shaped_4xx(ctx: Any, response: Any, case: Any) -> None:
             payload = response.json()
         except ValueError as exc:
             raise AssertionError(f"{response.status_code} with a non-JSON body") from exc
-        if not is_openai_error(payload):
+        if not chaos_load.is_openai_error(payload):
             raise AssertionError(f"{response.status_code} body is not OpenAI-shaped: {payload}")
 
 
@@ -126,6 +124,6 @@ def test_raw_bodies_and_header_bytes_never_5xx(
                 payload = json.loads(resp.body)
             except ValueError:
                 raise AssertionError((resp.status, resp.headers, resp.body[:300])) from None
-            assert is_openai_error(payload), (resp.status, resp.body[:300])
+            assert chaos_load.is_openai_error(payload), (resp.status, resp.body[:300])
 
     run()

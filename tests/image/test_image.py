@@ -19,10 +19,15 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools import sse
-from kvrelay.devtools.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
-from kvrelay.devtools.process import free_port, wait_until
-from kvrelay.devtools.prometheus import parse_samples
+from kvrelay.devtools import (
+    CONNECTOR_SECRET,
+    EngineFactory,
+    EngineSim,
+    free_port,
+    prometheus,
+    sse,
+    wait_until,
+)
 from kvrelay.enginesim.reference import reference_chat
 from tests.image.container import Engine
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
@@ -169,7 +174,7 @@ def test_a_json_then_a_streamed_turn_reuse_decode_kv(proxy: Proxy) -> None:
     assert raw.rstrip().endswith(b"data: [DONE]") and b"kv_transfer_params" not in raw
     assert streamed_text(events, chat=True) == reference_chat(messages, 12)
     assert proxy.prefill.metric(loaded) > loaded_before, "turn 2 pulled no KV from D"
-    metrics = parse_samples(proxy.get("/metrics")[1].decode())
+    metrics = prometheus.parse_samples(proxy.get("/metrics")[1].decode())
     assert metrics['kvrelay_reuse_total{result="hit"}'] == 1
     # Stored under the X-Session-ID: ending that conversation frees what D holds for it.
     conversation = f"/v1/conversations/{session['X-Session-ID']}"

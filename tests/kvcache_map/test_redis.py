@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from kvrelay.devtools.faultproxy import FaultProxy
+from kvrelay.devtools import FaultProxy
 from kvrelay.kvcache_map import (
     ConversationKey,
     EvictionReason,

@@ -11,7 +11,7 @@ from typing import Any
 
 from openai import AsyncOpenAI, OpenAI
 
-from kvrelay.devtools.proxy_server import ProxyServer
+from kvrelay.devtools import ProxyServer
 
 SDK_KEY = "sdk"
 TOKEN_HEADERS = ("prompt_tokens", "reused_tokens", "local_hit_tokens", "loaded_tokens",

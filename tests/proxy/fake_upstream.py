@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools import ThreadedApp
 from tests.harness import free_port
 
 

@@ -18,8 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import wait_until

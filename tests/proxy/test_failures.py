@@ -9,9 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import redis as redis_py
 
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.faultproxy import FaultProxy
-from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
+from kvrelay.devtools import EngineFactory, FaultProxy, ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import RedisServer, wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from kvrelay.devtools.process import free_port
-from kvrelay.devtools.threaded_app import ThreadedApp
+from kvrelay.devtools import ThreadedApp, free_port
 from kvrelay.proxy.cli import cmd_healthcheck as run
 from kvrelay.proxy.config import load_settings
 from kvrelay.proxy.healthcheck import health_url, serve_args_of

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import ProxyFactory, ProxyServer
 from tests.harness import free_port, wait_until
 from tests.proxy.client import MODEL
 

@@ -18,8 +18,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
+from kvrelay.devtools import EngineFactory, EngineSim, ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 from tests.proxy.client import MODEL, chat_body, post, reply_of, streamed_text

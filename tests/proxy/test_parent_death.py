@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import ProxyFactory
 from tests.harness import RedisServer, wait_until
 
 DEAD_ENGINE = "http://127.0.0.1:9"  # nothing listens: the workers need no engine to serve /health

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
-from kvrelay.devtools.sse import data_fields
+from kvrelay.devtools import ProxiedPair, ProxyFactory, sse
 from tests.harness import free_port, wait_until
 from tests.proxy.fake_upstream import FakeUpstream
 
@@ -67,7 +66,7 @@ def test_tokenize_detokenize_embeddings_and_responses_pass_through(pd_fleet: Pro
             "/v1/responses", json={"model": MODEL, "input": "hi", "stream": True}
         )
         assert streamed.headers["content-type"].startswith("text/event-stream")
-        events = [json.loads(d) for d in data_fields(streamed.content)]
+        events = [json.loads(d) for d in sse.data_fields(streamed.content)]
         assert events[0]["type"] == "response.created"
         assert events[-1]["type"] == "response.completed"
         deltas = [e["delta"] for e in events if e["type"] == "response.output_text.delta"]
@@ -132,7 +131,7 @@ def test_stream_is_relayed_as_it_arrives(fake: FakeUpstream, proxy_factory: Prox
         assert b'"n":1' in received and not fake.gate.is_set()
         fake.gate.set()
         received += b"".join(chunks)
-    assert [json.loads(d)["n"] for d in data_fields(received)] == [1, 2]
+    assert [json.loads(d)["n"] for d in sse.data_fields(received)] == [1, 2]
 
 
 def test_forwarded_body_has_no_kv_transfer_params_and_no_client_key(

@@ -14,8 +14,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import ProxyFactory, ProxyServer, chaos_load
 from tests.proxy.fake_upstream import FakeUpstream
 
 MODEL = "kvrelay-sim"
@@ -44,7 +43,7 @@ def _post(proxy: ProxyServer, path: str, content: bytes, content_type: str) -> h
 
 def _error(resp: httpx.Response, status: int, code: str) -> str:
     assert resp.status_code == status, resp.text
-    assert is_openai_error(resp.json()), resp.text
+    assert chaos_load.is_openai_error(resp.json()), resp.text
     assert resp.json()["error"]["code"] == code, resp.text
     return str(resp.json()["error"]["message"])
 

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 
 from kvrelay import __version__
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxiedPair, ProxyFactory
+from kvrelay.devtools import EngineFactory, EngineSim, ProxiedPair, ProxyFactory
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
 

@@ -8,15 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 from kvrelay.connector.protocol import HoldRef
-from kvrelay.devtools.faultproxy import FaultProxy
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import FaultProxy, nixl_peer
 from kvrelay.proxy.engines import RELEASE_ATTEMPTS, Releaser, Upstream
 from tests.connector.sidechannel_helpers import FakeHolder
 
 
 @pytest.fixture
 def relay() -> Iterator[tuple[FakeHolder, FaultProxy]]:
-    holder = FakeHolder(SECRET.encode(), answer={"released": True})
+    holder = FakeHolder(nixl_peer.SECRET.encode(), answer={"released": True})
     relay = FaultProxy("127.0.0.1", holder.port).start()
     try:
         yield holder, relay
@@ -28,7 +27,7 @@ def relay() -> Iterator[tuple[FakeHolder, FaultProxy]]:
 async def _release(port: int) -> bool:
     upstream = Upstream(connect_timeout=2.0)
     try:
-        releaser = Releaser(SECRET, upstream, timeout_s=2.0)
+        releaser = Releaser(nixl_peer.SECRET, upstream, timeout_s=2.0)
         return await releaser.release(
             "decode",
             HoldRef(

@@ -12,9 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.process import wait_until
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
 

@@ -18,10 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.faultproxy import FaultProxy
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, FaultProxy, ProxyFactory, ProxyServer, chaos_load
 from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 
@@ -88,7 +85,7 @@ def test_a_long_non_streamed_answer_times_out_without_ejecting_engines(
 
     for resp in longs:
         body = resp.json()
-        assert resp.status_code == 504 and is_openai_error(body), resp.text
+        assert resp.status_code == 504 and chaos_load.is_openai_error(body), resp.text
         assert body["error"]["code"] == "decode_timeout", body
         assert "first_byte_timeout" in body["error"]["message"], body
         assert "127.0.0.1" not in body["error"]["message"], body

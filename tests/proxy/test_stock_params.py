@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import ProxyFactory
 from tests.proxy.client import post
 from tests.proxy.fake_stock_engine import FakeStockEngine
 

@@ -18,9 +18,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.faultproxy import FaultProxy
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, FaultProxy, ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import open_redis_client
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import Settings, SettingsError, load_settings, parse_limit

@@ -30,8 +30,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from kvrelay.devtools.engines import CONNECTOR_SECRET, EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import CONNECTOR_SECRET, EngineFactory, EngineSim, ProxyFactory
 from kvrelay.proxy.config import TracingMode, load_settings
 from kvrelay.proxy.http import create_app
 from kvrelay.proxy.telemetry import tracing

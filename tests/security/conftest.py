@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
 from kvrelay.kvcache_map import ConversationKey, KVEntry, open_map
 from kvrelay.proxy.turn import tenant_of
 from tests.harness import RedisServer

@@ -15,8 +15,7 @@ import pytest
 
 from kvrelay.connector.auth import destination, sign_headers, verify_response
 from kvrelay.connector.protocol import HEADER_NONCE, HEADER_SIGNATURE, HEADER_TIMESTAMP
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import CONNECTOR_SECRET
+from kvrelay.devtools import CONNECTOR_SECRET, chaos_load
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
 
@@ -26,7 +25,7 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max
 
 def _refused(resp: httpx.Response, code: str) -> None:
     assert resp.status_code == 401, resp.text
-    assert is_openai_error(resp.json()), resp.text
+    assert chaos_load.is_openai_error(resp.json()), resp.text
     assert resp.json()["error"]["code"] == code
     assert resp.json()["error"]["type"] == "authentication_error"
 

@@ -17,9 +17,7 @@ import httpx
 import orjson
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import EngineFactory
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import EngineFactory, ProxyFactory, chaos_load
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import load_settings
 from kvrelay.proxy.http import BodyBudget, HeldBody, parse_json_body, parsed_size_bound
@@ -170,7 +168,7 @@ def test_dense_bodies_keep_a_worker_within_its_idle_rss_plus_the_budget(
     replies = [a for a in answers if isinstance(a, httpx.Response)]
     assert len(cut) + len(replies) == len(answers), answers
     codes = {(a.status_code, a.json()["error"]["code"]) for a in replies}
-    assert all(is_openai_error(a.json()) for a in replies)
+    assert all(chaos_load.is_openai_error(a.json()) for a in replies)
     assert codes <= {(413, "body_too_complex"), (503, "body_budget_exhausted"),
                      (404, "model_not_found")}, codes  # fmt: skip
     assert (413, "body_too_complex") in codes and (404, "model_not_found") in codes, codes

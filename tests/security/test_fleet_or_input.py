@@ -21,9 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, chaos_load
 from tests.harness import wait_until
 
 MODEL = "kvrelay-sim"
@@ -114,7 +112,7 @@ def _statuses(responses: list[httpx.Response]) -> list[tuple[int, str]]:
     out = []
     for resp in responses:
         body = resp.json()
-        assert resp.status_code == 200 or is_openai_error(body), body
+        assert resp.status_code == 200 or chaos_load.is_openai_error(body), body
         out.append((resp.status_code, "" if resp.status_code == 200 else body["error"]["code"]))
     return out
 

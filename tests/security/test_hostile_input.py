@@ -17,8 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import ProxyFactory, ProxyServer, chaos_load
 from tests.harness import wait_until
 from tests.security.conftest import BODY_READ_TIMEOUT_S, SecureFleet
 from tests.security.rawhttp import (
@@ -38,7 +37,7 @@ def _shaped(resp: RawResponse | httpx.Response, status: int, code: str | None = 
     status_code = resp.status if isinstance(resp, RawResponse) else resp.status_code
     body = resp.json()
     assert status_code == status, (status_code, body)
-    assert is_openai_error(body), body
+    assert chaos_load.is_openai_error(body), body
     if code is not None:
         assert body["error"]["code"] == code, body
     return body

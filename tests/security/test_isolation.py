@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools import chaos_load
 from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 from tests.security.conftest import SecureFleet
@@ -75,7 +75,7 @@ def test_tenant_cannot_reuse_consume_or_delete_anothers_conversation(
         assert theirs.status_code == 200
         theirs = httpx.delete(f"{fleet.proxy.url}/v1/conversations/{conv}", headers=fleet.b)
         assert theirs.status_code == mine.status_code == 404
-        assert is_openai_error(theirs.json())
+        assert chaos_load.is_openai_error(theirs.json())
         assert theirs.json()["error"]["code"] == mine.json()["error"]["code"]
 
     # A's entry survived B's attempts: A's next turn still reuses D's KV.
@@ -92,7 +92,7 @@ def test_fingerprint_namespace_is_not_addressable(secure_fleet: SecureFleet) -> 
     fleet = secure_fleet
     resp = _chat(fleet, {**fleet.b, "X-Conversation-Id": "fp:0123456789abcdef"},
                  [{"role": "user", "content": "hi"}])  # fmt: skip
-    assert resp.status_code == 400 and is_openai_error(resp.json())
+    assert resp.status_code == 400 and chaos_load.is_openai_error(resp.json())
     assert resp.json()["error"]["param"] == "conversation_id"
 
 
@@ -165,7 +165,7 @@ def test_client_fields_never_make_anyone_contact_a_chosen_address(
                                   "kv_transfer_params": evil}),
     ):  # fmt: skip
         resp = httpx.post(base + path, json=body, headers=fleet.a, timeout=30)
-        assert resp.status_code == 400 and is_openai_error(resp.json()), resp.text
+        assert resp.status_code == 400 and chaos_load.is_openai_error(resp.json()), resp.text
         assert resp.json()["error"]["param"] == "kv_transfer_params"
 
     # 2. Address-looking values everywhere else a client controls: served normally.

@@ -15,8 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from kvrelay.devtools.engines import CONNECTOR_SECRET
-from kvrelay.devtools.proxy_server import ProxyFactory
+from kvrelay.devtools import CONNECTOR_SECRET, ProxyFactory
 from tests.security.conftest import SecureFleet
 
 MODEL = "kvrelay-sim"

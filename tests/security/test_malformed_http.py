@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
+from kvrelay.devtools import chaos_load
 from tests.security.conftest import SecureFleet
 from tests.security.rawhttp import connect, read_response
 
@@ -44,5 +44,5 @@ def test_malformed_http_is_an_openai_shaped_400(secure_fleet: SecureFleet, case:
     assert resp.status == 400, (resp.status, resp.body)
     assert resp.headers["content-type"].startswith("application/json"), resp.headers
     body = resp.json()
-    assert is_openai_error(body), body
+    assert chaos_load.is_openai_error(body), body
     assert body["error"]["type"] == "invalid_request_error"

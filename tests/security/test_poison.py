@@ -23,9 +23,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.chaos_load import is_openai_error
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, chaos_load
 from kvrelay.enginesim.reference import reference_chat
 from tests.harness import wait_until
 
@@ -168,7 +166,7 @@ def test_poisoning_tenant_leaves_the_other_tenant_the_whole_fleet(
     statuses = {status for status, _, _ in tally.b_results}
     assert statuses <= {400, 429, 502}, statuses
     for status, body, headers in tally.b_results:
-        assert is_openai_error(body), body
+        assert chaos_load.is_openai_error(body), body
         assert "127.0.0.1" not in body["error"]["message"], body
         if status == 502:
             assert "decode-" in body["error"]["message"], body
@@ -179,7 +177,7 @@ def test_poisoning_tenant_leaves_the_other_tenant_the_whole_fleet(
     clean = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     paused = httpx.post(fleet.proxy.url + "/v1/chat/completions", json=clean,
                         headers=fleet.headers(fleet.key_b), timeout=30)  # fmt: skip
-    assert paused.status_code == 429 and is_openai_error(paused.json())
+    assert paused.status_code == 429 and chaos_load.is_openai_error(paused.json())
     served = httpx.post(fleet.proxy.url + "/v1/chat/completions", json=clean,
                         headers=fleet.headers(fleet.key_a), timeout=30)  # fmt: skip
     assert served.status_code == 200, served.text

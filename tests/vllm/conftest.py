@@ -16,26 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.devtools.tiny_model import create_tiny_model
-from kvrelay.devtools.vllm_servers import (
-    CONNECTOR_SECRET,
-    DECODE_BLOCKS,
-    START_TIMEOUT_S,
-    VLLMServer,
-    kvrelay_pair,
-    side_channels_setting,
-    start_all,
-    stock_pair,
-    stop_all,
-)
+from kvrelay.devtools import ProxyFactory, ProxyServer, vllm_servers
+from kvrelay.devtools import tiny_model as tiny_llama
 from tests.vllm.faulty_pair import faulty_pair
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A 2-layer random-weight Llama and a locally trained tokenizer (fixed seed)."""
-    return create_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+    return tiny_llama.create_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
 
 
 class Reference:
@@ -43,17 +32,17 @@ class Reference:
     so its start overlaps the first pair's; `server()` waits for it (bounded)."""
 
     def __init__(self, model_dir: Path) -> None:
-        self._server = VLLMServer("reference", model_dir, cpu=0)
+        self._server = vllm_servers.VLLMServer("reference", model_dir, cpu=0)
         self._pool = ThreadPoolExecutor(max_workers=1)
-        self._future: Future[VLLMServer] = self._pool.submit(self._server.start)
+        self._future: Future[vllm_servers.VLLMServer] = self._pool.submit(self._server.start)
 
-    def server(self) -> VLLMServer:
-        return self._future.result(timeout=START_TIMEOUT_S + 60)
+    def server(self) -> vllm_servers.VLLMServer:
+        return self._future.result(timeout=vllm_servers.START_TIMEOUT_S + 60)
 
     def close(self) -> None:
         try:
             # A start still in progress finishes (or fails) before we stop the process.
-            self._future.exception(timeout=START_TIMEOUT_S + 60)
+            self._future.exception(timeout=vllm_servers.START_TIMEOUT_S + 60)
         finally:
             self._server.stop()
             self._pool.shutdown()
@@ -72,7 +61,11 @@ class PDFleet:
     """A vLLM P and D, a kvrelay proxy in front of them, and the reference server."""
 
     def __init__(
-        self, prefill: VLLMServer, decode: VLLMServer, proxy: ProxyServer, reference: VLLMServer
+        self,
+        prefill: vllm_servers.VLLMServer,
+        decode: vllm_servers.VLLMServer,
+        proxy: ProxyServer,
+        reference: vllm_servers.VLLMServer,
     ) -> None:
         self.prefill = prefill
         self.decode = decode
@@ -81,24 +74,26 @@ class PDFleet:
 
 
 def _fleet(
-    pair: tuple[VLLMServer, VLLMServer], reference: Reference, **settings: str
+    pair: tuple[vllm_servers.VLLMServer, vllm_servers.VLLMServer],
+    reference: Reference,
+    **settings: str,
 ) -> Iterator[PDFleet]:
     prefill, decode = pair
     proxies = ProxyFactory()
     try:
-        start_all(prefill, decode)
+        vllm_servers.start_all(prefill, decode)
         ref = reference.server()
         proxy = proxies(
             [prefill.url],
             [decode.url],
             ready_path="/ready",
-            connector_secret=CONNECTOR_SECRET,
+            connector_secret=vllm_servers.CONNECTOR_SECRET,
             **settings,
         )
         yield PDFleet(prefill, decode, proxy, ref)
     finally:
         proxies.close()
-        stop_all(prefill, decode)
+        vllm_servers.stop_all(prefill, decode)
 
 
 def _used_by_a_later_module(request: pytest.FixtureRequest, fixture: str) -> bool:
@@ -149,14 +144,16 @@ def kvrelay_fleet(
     Started once for consecutive modules that use it; stopped after the last of them."""
 
     def start() -> Iterator[PDFleet]:
-        pair = kvrelay_pair(tiny_model)
+        pair = vllm_servers.kvrelay_pair(tiny_model)
         # Both take a chat template in the request (a template that re-renders every turn:
         # test_kvrelay_reuse_accounting); no other test sends one.
         trust = "--trust-request-chat-template"
         pair[0].extra_args = ["--no-enable-prefix-caching", trust]
         # A small D, so that its holds for next turns can fill it (block-pressure test).
-        pair[1].extra_args = ["--num-gpu-blocks-override", str(DECODE_BLOCKS), trust]
-        return _fleet(pair, reference_launch, side_channels=side_channels_setting(*pair))
+        pair[1].extra_args = ["--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS), trust]
+        return _fleet(
+            pair, reference_launch, side_channels=vllm_servers.side_channels_setting(*pair)
+        )
 
     try:
         yield kept_kvrelay_fleet.get(start)
@@ -168,19 +165,23 @@ def kvrelay_fleet(
 @pytest.fixture(scope="module")
 def stock_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
     """vLLM P/D with stock NixlConnector, and the proxy in compatibility mode."""
-    yield from _fleet(stock_pair(tiny_model), reference_launch)
+    yield from _fleet(vllm_servers.stock_pair(tiny_model), reference_launch)
 
 
 class FaultPair:
     """The fault pair, each engine's fault directory, and the reference server."""
 
     def __init__(
-        self, prefill: VLLMServer, decode: VLLMServer, dirs: tuple[Path, Path], ref: VLLMServer
+        self,
+        prefill: vllm_servers.VLLMServer,
+        decode: vllm_servers.VLLMServer,
+        dirs: tuple[Path, Path],
+        ref: vllm_servers.VLLMServer,
     ) -> None:
         self.prefill, self.decode, self.reference = prefill, decode, ref
         self.faults = {prefill.name: dirs[0], decode.name: dirs[1]}
 
-    def arm(self, server: VLLMServer, stall: str) -> Path:
+    def arm(self, server: vllm_servers.VLLMServer, stall: str) -> Path:
         """Arm a one-shot stall (`recv` or `send`) on `server`; returns its fault directory."""
         faults = self.faults[server.name]
         for leftover in (f"{stall}-stalled", f"resume-{stall}"):
@@ -197,7 +198,7 @@ def fault_pair(
     dirs = (tmp_path_factory.mktemp("faults-p"), tmp_path_factory.mktemp("faults-d"))
     prefill, decode = faulty_pair(tiny_model, dirs)
     try:
-        start_all(prefill, decode)
+        vllm_servers.start_all(prefill, decode)
         yield FaultPair(prefill, decode, dirs, reference_launch.server())
     finally:
-        stop_all(prefill, decode)
+        vllm_servers.stop_all(prefill, decode)

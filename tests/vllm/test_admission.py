@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.vllm_servers import BLOCK_SIZE, CONNECTOR_SECRET
+from kvrelay.devtools import vllm_servers
 from tests.vllm.test_scheduler_retry import InProcessScheduler
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
@@ -58,7 +58,7 @@ class EchoingScheduler(InProcessScheduler):
 
 @pytest.fixture
 def scheduler(tiny_model: Path) -> Iterator[EchoingScheduler]:
-    os.environ.setdefault("KVRELAY_CONNECTOR_SECRET", CONNECTOR_SECRET)
+    os.environ.setdefault("KVRELAY_CONNECTOR_SECRET", vllm_servers.CONNECTOR_SECRET)
     sched = EchoingScheduler(tiny_model)
     try:
         yield sched
@@ -82,7 +82,7 @@ def test_a_turn_whose_history_is_cached_but_free_is_admitted_at_the_next_step(
     scheduler.run("held")
     assert _held_blocks(scheduler) == 6
     # This conversation's earlier turn, finished and not held: 3 cached blocks, free.
-    history = _tokens(3 * BLOCK_SIZE, 7000)
+    history = _tokens(3 * vllm_servers.BLOCK_SIZE, 7000)
     scheduler.add("earlier", [*history, 1], 1)
     scheduler.run("earlier")
     pool = scheduler.sched.kv_cache_manager.block_pool
@@ -99,7 +99,7 @@ def test_a_turn_whose_history_is_cached_but_free_is_admitted_at_the_next_step(
 def test_a_hold_shared_with_a_running_turn_is_not_reclaimed_for_nothing(
     scheduler: EchoingScheduler,
 ) -> None:
-    history = _tokens(4 * BLOCK_SIZE, 100)
+    history = _tokens(4 * vllm_servers.BLOCK_SIZE, 100)
     scheduler.add("held", history, 1, {"hold_blocks": True})
     scheduler.run("held")
     assert _held_blocks(scheduler) == 4

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.sidechannel_client import SideChannelClient
-from kvrelay.devtools.vllm_servers import CONNECTOR_SECRET, MODEL_NAME, VLLMServer
+from kvrelay.devtools import vllm_servers
 from tests.harness import wait_until
 from tests.vllm.conftest import FaultPair
 
@@ -38,12 +38,12 @@ TEXT = (
 
 def body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
     return {
-        "model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, **extra,
+        "model": vllm_servers.MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": 0, "ignore_eos": True, **extra,
     }  # fmt: skip
 
 
-def text(server: VLLMServer, payload: dict[str, Any], rid: str | None = None) -> str:
+def text(server: vllm_servers.VLLMServer, payload: dict[str, Any], rid: str | None = None) -> str:
     headers = {"X-Request-Id": rid} if rid else None
     status, out = server.post("/v1/completions", payload, headers)
     assert status == 200, f"{server.name}: {status} {out}"
@@ -64,7 +64,7 @@ def hold_on_prefill(pair: FaultPair, prompt: str) -> dict[str, Any]:
     return params
 
 
-def assert_serves_correctly(pair: FaultPair, server: VLLMServer, prompt: str) -> None:
+def assert_serves_correctly(pair: FaultPair, server: vllm_servers.VLLMServer, prompt: str) -> None:
     """The engine core is alive and still computes the reference answer."""
     payload = body(prompt, 12)
     assert text(server, payload) == text(pair.reference, payload)
@@ -108,7 +108,7 @@ def test_release_during_the_holders_step_frees_the_hold_once(fault_pair: FaultPa
     leg = body(prompt, 4, kv_transfer_params=params)
     reader = threading.Thread(target=lambda: answers.update(d=text(pair.decode, leg)))
     reader.start()
-    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
     try:
         wait_until((faults / "send-stalled").exists, 60, what="P's step to stall mid-report")
         assert params["remote_request_id"] in (faults / "send-stalled").read_text().split()
@@ -139,7 +139,7 @@ def test_preempted_request_recomputes_instead_of_loading_again(fault_pair: Fault
     long_body = body("A long answer that fills the pool. ", 900)
     results: dict[str, str] = {}
 
-    def run(name: str, server: VLLMServer, payload: dict[str, Any]) -> None:
+    def run(name: str, server: vllm_servers.VLLMServer, payload: dict[str, Any]) -> None:
         results[name] = text(server, payload)
 
     filler = threading.Thread(target=run, args=("filler", decode, long_body))

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.vllm_servers import MODEL_NAME
+from kvrelay.devtools import vllm_servers
 from tests.vllm.conftest import Reference
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -30,11 +30,11 @@ def test_vllm_refuses_a_lone_surrogate_with_400(
     reference_launch: Reference, path: str, body: dict[str, Any]
 ) -> None:
     reference = reference_launch.server()
-    status, out = reference.post(path, {"model": MODEL_NAME, "temperature": 0, **body})
+    status, out = reference.post(path, {"model": vllm_servers.MODEL_NAME, "temperature": 0, **body})
     assert status == 400, out
     assert out["error"]["type"] == "BadRequestError", out
     # The server is unharmed: the next request is served.
     clean = {**body, "prompt": "hello"} if "prompt" in body else \
         {**body, "messages": [{"role": "user", "content": "hello"}]}  # fmt: skip
-    ok, answer = reference.post(path, {"model": MODEL_NAME, "temperature": 0, **clean})
+    ok, answer = reference.post(path, {"model": vllm_servers.MODEL_NAME, "temperature": 0, **clean})
     assert ok == 200, answer

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.vllm_servers import BLOCK_SIZE, MODEL_NAME
+from kvrelay.devtools import vllm_servers
 from tests.harness import wait_until
 from tests.proxy.sdk_turns import MODES, SDKConversation, TurnResult
 from tests.vllm.conftest import PDFleet
@@ -42,7 +42,12 @@ MAX_TOKENS = 24
 
 
 def reference_answer(fleet: PDFleet, messages: list[dict[str, Any]]) -> str:
-    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
+    body = {
+        "model": vllm_servers.MODEL_NAME,
+        "messages": messages,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+    }
     status, out = fleet.reference.post("/v1/chat/completions", body)
     assert status == 200, out
     return str(out["choices"][0]["message"]["content"])
@@ -56,7 +61,12 @@ def test_sdk_turns_sent_at_once_all_reuse_and_match_reference(
     fleet = kvrelay_fleet
     conversation_id = f"sdk-{use_async}" if identify == "conversation-id" else None
     conversation = SDKConversation(
-        fleet.proxy.url + "/v1", MODEL_NAME, SYSTEM, MAX_TOKENS, conversation_id, use_async
+        fleet.proxy.url + "/v1",
+        vllm_servers.MODEL_NAME,
+        SYSTEM,
+        MAX_TOKENS,
+        conversation_id,
+        use_async,
     )
     before = fleet.proxy.metrics()
     loaded_start = fleet.prefill.metric(TOKENS_LOADED)
@@ -75,7 +85,9 @@ def test_sdk_turns_sent_at_once_all_reuse_and_match_reference(
     # Turn k's hit was counted when it was sent, right after turn k-1's last chunk.
     assert hits == list(range(len(QUESTIONS))), f"reuse hits after each turn: {hits}"
     grew = [b - a for a, b in zip([loaded_start, *loaded], loaded, strict=False)]
-    assert grew[0] == 0 and all(g >= BLOCK_SIZE for g in grew[1:]), f"P loaded per turn: {grew}"
+    assert grew[0] == 0 and all(g >= vllm_servers.BLOCK_SIZE for g in grew[1:]), (
+        f"P loaded per turn: {grew}"
+    )
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     for turn, (question, result) in enumerate(zip(QUESTIONS, results, strict=True)):
         messages.append({"role": "user", "content": question})

@@ -12,15 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools import sse
-from kvrelay.devtools.vllm_servers import (
-    BLOCK_SIZE,
-    DECODE_BLOCKS,
-    LEASE_SECONDS,
-    MAX_MODEL_LEN,
-    MODEL_NAME,
-    VLLMServer,
-)
+from kvrelay.devtools import sse, vllm_servers
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 
@@ -44,14 +36,24 @@ USER_TURNS = [
 
 
 def completion_body(prompt: str, max_tokens: int = 24) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "model": vllm_servers.MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
 def chat_body(messages: list[dict[str, str]], max_tokens: int = 24) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": messages, "max_tokens": max_tokens, "temperature": 0}
+    return {
+        "model": vllm_servers.MODEL_NAME,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
 
 
-def reference_text(reference: VLLMServer, path: str, body: dict[str, Any]) -> str:
+def reference_text(reference: vllm_servers.VLLMServer, path: str, body: dict[str, Any]) -> str:
     status, out = reference.post(path, body)
     assert status == 200, out
     return text_of(out)
@@ -198,20 +200,20 @@ def test_x_session_id_conversation_reuses_and_version_names_vllm(kvrelay_fleet: 
     assert status == 200
 
 
-def _held_blocks(server: VLLMServer) -> float:
+def _held_blocks(server: vllm_servers.VLLMServer) -> float:
     return server.metric(HELD_BLOCKS)
 
 
-def _wait_nothing_held(server: VLLMServer, timeout: float) -> None:
+def _wait_nothing_held(server: vllm_servers.VLLMServer, timeout: float) -> None:
     wait_until(lambda: _held_blocks(server) == 0, timeout, what=f"{server.name} to hold nothing")
 
 
 def test_decode_rejection_frees_prefill_blocks_through_proxy(kvrelay_fleet: PDFleet) -> None:
     prefill = kvrelay_fleet.prefill
-    _wait_nothing_held(prefill, LEASE_SECONDS + 30)
+    _wait_nothing_held(prefill, vllm_servers.LEASE_SECONDS + 30)
     prompt = SYSTEM + " A request whose output cannot fit:"
     # P accepts it (the proxy sends P max_tokens=1); D refuses it before admission.
-    body = completion_body(prompt, max_tokens=MAX_MODEL_LEN * 4)
+    body = completion_body(prompt, max_tokens=vllm_servers.MAX_MODEL_LEN * 4)
 
     status, out = proxy_post(kvrelay_fleet, "/v1/completions", body)
 
@@ -223,7 +225,7 @@ def test_decode_rejection_frees_prefill_blocks_through_proxy(kvrelay_fleet: PDFl
 def test_decode_rejection_frees_prefill_blocks_by_connector(kvrelay_fleet: PDFleet) -> None:
     """Without the proxy: D's connector itself releases P's blocks (vLLM's rejection hook)."""
     prefill, decode = kvrelay_fleet.prefill, kvrelay_fleet.decode
-    _wait_nothing_held(prefill, LEASE_SECONDS + 30)
+    _wait_nothing_held(prefill, vllm_servers.LEASE_SECONDS + 30)
     early_before = decode.metric(EARLY_RELEASES)
     prompt = SYSTEM + " Another request that D will refuse:"
     request_id = f"rej-{uuid.uuid4().hex[:8]}"
@@ -237,7 +239,10 @@ def test_decode_rejection_frees_prefill_blocks_by_connector(kvrelay_fleet: PDFle
     assert params["remote_block_ids"] and params["release_token"]
     wait_until(lambda: _held_blocks(prefill) > 0, 10, what="P to report its held blocks")
 
-    d_body = {**completion_body(prompt, max_tokens=MAX_MODEL_LEN * 4), "kv_transfer_params": params}
+    d_body = {
+        **completion_body(prompt, max_tokens=vllm_servers.MAX_MODEL_LEN * 4),
+        "kv_transfer_params": params,
+    }
     status, d_out = decode.post("/v1/completions", d_body, {"X-Request-Id": request_id})
 
     assert 400 <= status < 500, d_out
@@ -253,7 +258,7 @@ def test_decode_reclaims_holds_for_a_request_that_does_not_fit(kvrelay_fleet: PD
     """Holds for a next turn are cache: a new request that does not fit frees the oldest ones
     instead of waiting for their lease (the request's timeout is well below the lease)."""
     decode = kvrelay_fleet.decode
-    usable = DECODE_BLOCKS - 1  # vLLM keeps one null block
+    usable = vllm_servers.DECODE_BLOCKS - 1  # vLLM keeps one null block
     reclaimed_before = decode.metric(FREED_BY_RECLAIM)
     for i in range(usable):
         held = _held_blocks(decode)
@@ -274,7 +279,7 @@ def test_decode_reclaims_holds_for_a_request_that_does_not_fit(kvrelay_fleet: PD
 
     assert status == 200, out
     # It needed more blocks than were free: only reclaimed holds made room for it.
-    assert out["usage"]["prompt_tokens"] > free_before * BLOCK_SIZE
+    assert out["usage"]["prompt_tokens"] > free_before * vllm_servers.BLOCK_SIZE
     wait_until(
         lambda: decode.metric(FREED_BY_RECLAIM) > reclaimed_before,
         10,

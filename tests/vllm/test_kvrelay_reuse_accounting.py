@@ -18,14 +18,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.devtools.tiny_model import CHAT_TEMPLATE
-from kvrelay.devtools.vllm_servers import (
-    CONNECTOR_SECRET,
-    MODEL_NAME,
-    VLLMServer,
-    side_channels_setting,
-)
+from kvrelay.devtools import ProxyFactory, ProxyServer, tiny_model, vllm_servers
 from kvrelay.prometheus_text import series_sum
 from tests.harness import wait_until
 from tests.proxy.accounting_turns import Asker, Result, returned_account
@@ -33,8 +26,11 @@ from tests.vllm.conftest import PDFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-PROMPTS = f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL_NAME}"}}'
-SOURCE = f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL_NAME}",source="%s"}}'
+PROMPTS = f'vllm:prompt_tokens_total{{engine="0",model_name="{vllm_servers.MODEL_NAME}"}}'
+SOURCE = (
+    f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{vllm_servers.MODEL_NAME}",'
+    'source="%s"}'
+)
 MISMATCH = "vllm:kvrelay_prefix_mismatch_blocks_total"  # the connector's, summed over labels
 TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
 SOURCES = {"local_hit": "local_cache_hit", "loaded": "external_kv_transfer",
@@ -47,7 +43,7 @@ MAX_TOKENS = 12
 QUESTIONS = ["What is reused?", "And what is refused?", "Which blocks come from D?"]
 # (stream, include_usage) per turn: every turn returns its account.
 MODES = ((False, False), (True, True), (False, False))
-RERENDERING = "Conversation of {{ messages|length }} messages.\n" + CHAT_TEMPLATE
+RERENDERING = "Conversation of {{ messages|length }} messages.\n" + tiny_model.CHAT_TEMPLATE
 
 
 def _system() -> str:
@@ -60,8 +56,8 @@ def _system() -> str:
 def proxies(kvrelay_fleet: PDFleet) -> Iterator[dict[str, ProxyServer]]:
     p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
     factory = ProxyFactory()
-    common = {"ready_path": "/ready", "connector_secret": CONNECTOR_SECRET,
-              "side_channels": side_channels_setting(p, d)}  # fmt: skip
+    common = {"ready_path": "/ready", "connector_secret": vllm_servers.CONNECTOR_SECRET,
+              "side_channels": vllm_servers.side_channels_setting(p, d)}  # fmt: skip
     short = {"conditional_max_uncached_tokens": "4096"}
     try:
         yield {
@@ -81,7 +77,7 @@ def proxies(kvrelay_fleet: PDFleet) -> Iterator[dict[str, ProxyServer]]:
 class Counted:
     """One engine's prompt-token counters around one turn."""
 
-    def __init__(self, server: VLLMServer) -> None:
+    def __init__(self, server: vllm_servers.VLLMServer) -> None:
         self.server, self.before = server, server.metrics()
 
     def split(self, prompt_tokens: int) -> dict[str, float]:
@@ -126,7 +122,7 @@ def test_turns_through_p_return_and_count_what_vllm_counted(
     kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer], policy: str
 ) -> None:
     p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
-    ask = Asker(proxies[policy], MODEL_NAME, MAX_TOKENS)
+    ask = Asker(proxies[policy], vllm_servers.MODEL_NAME, MAX_TOKENS)
     conversation = f"acc-{policy}-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "system", "content": _system()}]
     p_total = dict.fromkeys(SOURCES, 0.0)
@@ -160,7 +156,7 @@ def test_decode_only_turns_return_and_count_what_vllm_counted_on_d(
     kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer]
 ) -> None:
     d = kvrelay_fleet.decode
-    ask = Asker(proxies["conditional"], MODEL_NAME, MAX_TOKENS)
+    ask = Asker(proxies["conditional"], vllm_servers.MODEL_NAME, MAX_TOKENS)
     conversation = f"acc-cond-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "system", "content": _system()}]
     reused = 0.0
@@ -186,7 +182,7 @@ def test_a_d_without_prefix_caching_loses_its_decode_only_turns(
     kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer]
 ) -> None:
     d_without_cache = kvrelay_fleet.prefill  # serving as the D here
-    ask = Asker(proxies["swapped"], MODEL_NAME, MAX_TOKENS)
+    ask = Asker(proxies["swapped"], vllm_servers.MODEL_NAME, MAX_TOKENS)
     conversation = f"acc-nocache-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "system", "content": _system()}]
     for turn, (question, (stream, usage)) in enumerate(zip(QUESTIONS, MODES, strict=True)):
@@ -212,7 +208,7 @@ def test_a_rerendering_template_reuses_nothing_and_its_blocks_are_refused_by_has
     kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer]
 ) -> None:
     p = kvrelay_fleet.prefill
-    ask = Asker(proxies["rerendered"], MODEL_NAME, MAX_TOKENS)
+    ask = Asker(proxies["rerendered"], vllm_servers.MODEL_NAME, MAX_TOKENS)
     conversation = f"acc-rerender-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "system", "content": _system()}]
     for turn, (question, (stream, usage)) in enumerate(zip(QUESTIONS, MODES, strict=True)):

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.sidechannel_client import SideChannelClient
-from kvrelay.devtools.vllm_servers import BLOCK_SIZE, CONNECTOR_SECRET, MODEL_NAME, VLLMServer
+from kvrelay.devtools import vllm_servers
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 
@@ -35,7 +35,7 @@ SYSTEM = (
 class Counted:
     """vLLM's prompt token counters of one engine around one request."""
 
-    def __init__(self, server: VLLMServer) -> None:
+    def __init__(self, server: vllm_servers.VLLMServer) -> None:
         self.server, self.before = server, server.metrics()
 
     def split(self, prompt_tokens: int) -> dict[str, float]:
@@ -51,8 +51,10 @@ class Counted:
         }
 
 
-def chat(server: VLLMServer, rid: str, messages: list[dict[str, str]], **extra: Any) -> Any:
-    body = {"model": MODEL_NAME, "messages": messages, "temperature": 0, **extra}
+def chat(
+    server: vllm_servers.VLLMServer, rid: str, messages: list[dict[str, str]], **extra: Any
+) -> Any:
+    body = {"model": vllm_servers.MODEL_NAME, "messages": messages, "temperature": 0, **extra}
     status, out = server.post("/v1/chat/completions", body, {"X-Request-Id": rid})
     assert status == 200, out
     return out
@@ -66,7 +68,10 @@ def reuse(params: dict[str, Any]) -> tuple[int, int, int, int, dict[str, int]]:
 
 
 def leg(
-    server: VLLMServer, messages: list[dict[str, str]], params: dict[str, Any], max_tokens: int
+    server: vllm_servers.VLLMServer,
+    messages: list[dict[str, str]],
+    params: dict[str, Any],
+    max_tokens: int,
 ) -> tuple[dict[str, Any], str, dict[str, float]]:
     """One leg; returns its params, its text and vLLM's split of its prompt tokens."""
     counted = Counted(server)
@@ -98,9 +103,9 @@ def test_engines_report_reuse_as_vllm_counts_it(kvrelay_fleet: PDFleet) -> None:
                  {"role": "user", "content": "And which blocks are refused?"}]  # fmt: skip
     p2, _, _ = leg(p, messages, {**d1, **P_LEG}, 1)
     _, local, loaded, offered, refused = reuse(p2)
-    assert local == 0 and loaded >= BLOCK_SIZE  # P has no prefix cache: all from D
+    assert local == 0 and loaded >= vllm_servers.BLOCK_SIZE  # P has no prefix cache: all from D
     assert offered == len(d1["remote_block_ids"][0])
-    assert sum(refused.values()) == offered - math.ceil(loaded / BLOCK_SIZE)
+    assert sum(refused.values()) == offered - math.ceil(loaded / vllm_servers.BLOCK_SIZE)
     # vLLM's own figure for D (P's cached tokens) agrees.
     assert p2["remote_prefill_cached_tokens"] == local + loaded
     d_params = {**p2, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
@@ -119,10 +124,10 @@ def test_engines_report_reuse_as_vllm_counts_it(kvrelay_fleet: PDFleet) -> None:
     d4, _, split = leg(
         d, [*messages, {"role": "assistant", "content": reply}], {"hold_blocks": True}, 4
     )
-    assert d4["kvr_local_hit_tokens"] >= BLOCK_SIZE and d4["kvr_offered_blocks"] == 0
+    assert d4["kvr_local_hit_tokens"] >= vllm_servers.BLOCK_SIZE and d4["kvr_offered_blocks"] == 0
 
     # Leave nothing held for the next module (P refused and released D's turn-2 hold).
-    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
     try:
         for held in (p3, d4):
             assert client.release(held["remote_host"], held["remote_port"],

@@ -15,17 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.proxy_server import ProxyFactory, ProxyServer
-from kvrelay.devtools.vllm_servers import (
-    BLOCK_SIZE,
-    CONNECTOR_SECRET,
-    MODEL_NAME,
-    VLLMServer,
-    kvrelay_pair,
-    side_channels_setting,
-    start_all,
-    stop_all,
-)
+from kvrelay.devtools import ProxyFactory, ProxyServer, vllm_servers
 from tests.harness import wait_until
 from tests.vllm.conftest import Reference
 
@@ -51,8 +41,10 @@ USER_TURNS = [
 class CachedFleet:
     """vLLM P and D with prefix caching (vLLM's default) and one proxy per policy."""
 
-    def __init__(self, prefill: VLLMServer, decode: VLLMServer, reference: VLLMServer,
-                 proxies: dict[str, ProxyServer]) -> None:  # fmt: skip
+    def __init__(
+        self, prefill: vllm_servers.VLLMServer, decode: vllm_servers.VLLMServer,
+        reference: vllm_servers.VLLMServer, proxies: dict[str, ProxyServer],
+    ) -> None:  # fmt: skip
         self.prefill, self.decode, self.reference, self.proxies = (
             prefill, decode, reference, proxies
         )  # fmt: skip
@@ -60,15 +52,15 @@ class CachedFleet:
 
 @pytest.fixture(scope="module")
 def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[CachedFleet]:
-    prefill, decode = kvrelay_pair(tiny_model)
+    prefill, decode = vllm_servers.kvrelay_pair(tiny_model)
     factory = ProxyFactory()
     try:
-        start_all(prefill, decode)
+        vllm_servers.start_all(prefill, decode)
         proxies = {
             policy: factory(
                 [prefill.url], [decode.url], ready_path="/ready",
-                connector_secret=CONNECTOR_SECRET,
-                side_channels=side_channels_setting(prefill, decode),
+                connector_secret=vllm_servers.CONNECTOR_SECRET,
+                side_channels=vllm_servers.side_channels_setting(prefill, decode),
                 routing_policy=policy, conditional_max_uncached_tokens="96",
             )
             for policy in ("affinity", "conditional")
@@ -76,11 +68,16 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
         yield CachedFleet(prefill, decode, reference_launch.server(), proxies)
     finally:
         factory.close()
-        stop_all(prefill, decode)
+        vllm_servers.stop_all(prefill, decode)
 
 
 def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "messages": messages, "max_tokens": 24, "temperature": 0}
+    return {
+        "model": vllm_servers.MODEL_NAME,
+        "messages": messages,
+        "max_tokens": 24,
+        "temperature": 0,
+    }
 
 
 def _ask(proxy: ProxyServer, body: dict[str, Any], conversation: str) -> dict[str, Any]:
@@ -99,7 +96,7 @@ def _reference(fleet: CachedFleet, body: dict[str, Any]) -> str:
     return str(out["choices"][0]["message"]["content"])
 
 
-def _settled(server: VLLMServer, name: str) -> float:
+def _settled(server: vllm_servers.VLLMServer, name: str) -> float:
     """A counter once two reads agree (vLLM publishes its stats a moment after answering)."""
     seen = [server.metric(name)]
 
@@ -131,8 +128,11 @@ def test_p_with_prefix_caching_loads_only_beyond_its_local_hit(cached_fleet: Cac
             reply_tokens = previous["usage"]["completion_tokens"]
             hit = _settled(p, CACHE_HITS) - hits
             pulled = _settled(p, TOKENS_LOADED) - loaded
-            assert hit >= (prompt // BLOCK_SIZE) * BLOCK_SIZE, (hit, prompt)
-            assert pulled <= reply_tokens + BLOCK_SIZE, (pulled, reply_tokens)
+            assert hit >= (prompt // vllm_servers.BLOCK_SIZE) * vllm_servers.BLOCK_SIZE, (
+                hit,
+                prompt,
+            )
+            assert pulled <= reply_tokens + vllm_servers.BLOCK_SIZE, (pulled, reply_tokens)
             assert pulled < prompt
         previous = out
     status, _, _ = fleet.proxies["affinity"].call("DELETE", f"/v1/conversations/{conversation}")
@@ -160,7 +160,7 @@ def test_conditional_serves_a_short_follow_up_on_the_holding_decode(
             continue
         # No P leg: D found the history in its held blocks.
         assert _settled(fleet.prefill, REQUESTS) == p_requests
-        assert _settled(fleet.decode, CACHE_HITS) - d_hits >= BLOCK_SIZE
+        assert _settled(fleet.decode, CACHE_HITS) - d_hits >= vllm_servers.BLOCK_SIZE
     decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
     assert decisions == len(USER_TURNS) - 1
     assert fleet.decode.metric(HELD_BLOCKS) > 0  # the last turn, for a next one

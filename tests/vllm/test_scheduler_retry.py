@@ -19,7 +19,7 @@ import pytest
 
 from kvrelay.connector.metadata import RequestView
 from kvrelay.connector.scheduler import ConnectorScheduler
-from kvrelay.devtools.vllm_servers import BLOCK_SIZE, CONNECTOR_SECRET, MAX_MODEL_LEN
+from kvrelay.devtools import vllm_servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(300)]
 
@@ -48,17 +48,17 @@ class InProcessScheduler:
         from vllm.v1.structured_output import StructuredOutputManager
 
         model = ModelConfig(
-            model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0
+            model=str(model_dir), dtype="float32", max_model_len=vllm_servers.MAX_MODEL_LEN, seed=0
         )
-        cache = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=True)
+        cache = CacheConfig(block_size=vllm_servers.BLOCK_SIZE, enable_prefix_caching=True)
         cache.num_gpu_blocks = NUM_BLOCKS
         self.config = VllmConfig(
             model_config=model,
             cache_config=cache,
             scheduler_config=SchedulerConfig(
                 max_num_seqs=8,
-                max_num_batched_tokens=MAX_MODEL_LEN,
-                max_model_len=MAX_MODEL_LEN,
+                max_num_batched_tokens=vllm_servers.MAX_MODEL_LEN,
+                max_model_len=vllm_servers.MAX_MODEL_LEN,
                 is_encoder_decoder=False,
             ),
             kv_transfer_config=KVTransferConfig(
@@ -76,7 +76,7 @@ class InProcessScheduler:
         )
         parallel = self.config.parallel_config
         spec = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=model.get_num_kv_heads(parallel),
+            block_size=vllm_servers.BLOCK_SIZE, num_kv_heads=model.get_num_kv_heads(parallel),
             head_size=model.get_head_size(), dtype=torch.float32,
         )  # fmt: skip
         layers = [f"model.layers.{i}.self_attn.attn" for i in range(model.get_num_layers(parallel))]
@@ -86,11 +86,11 @@ class InProcessScheduler:
         )  # fmt: skip
         self.sched = Scheduler(
             self.config, self.kv_cache_config, StructuredOutputManager(self.config),
-            block_size=BLOCK_SIZE,
+            block_size=vllm_servers.BLOCK_SIZE,
         )  # fmt: skip
         hash_fn = get_hash_fn_by_name(cache.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
+        self._hasher = get_request_block_hasher(vllm_servers.BLOCK_SIZE, hash_fn)
         self.asked: list[tuple[str, int, tuple[int | None, bool]]] = []
         connector: Any = self.sched.connector
         ask = connector.get_num_new_matched_tokens
@@ -139,7 +139,7 @@ class InProcessScheduler:
 
 @pytest.fixture
 def scheduler(tiny_model: Path) -> Iterator[InProcessScheduler]:
-    os.environ.setdefault("KVRELAY_CONNECTOR_SECRET", CONNECTOR_SECRET)
+    os.environ.setdefault("KVRELAY_CONNECTOR_SECRET", vllm_servers.CONNECTOR_SECRET)
     sched = InProcessScheduler(tiny_model)
     try:
         yield sched
@@ -186,11 +186,11 @@ def test_retried_admission_reads_every_block_vllm_counts_as_loaded(
     assert len({n for n, _ in asks}) > 1, "the local hit changed between retries"
     vllm_request = scheduler.sched.requests["B"]
     loaded = vllm_request.num_computed_tokens - asks[-1][0]
-    local_hit_blocks = asks[-1][0] // BLOCK_SIZE
+    local_hit_blocks = asks[-1][0] // vllm_servers.BLOCK_SIZE
     blocks = scheduler.sched.kv_cache_manager.get_block_ids("B")[0]
     spec = meta.reqs_to_recv["B"]
     # Every block vLLM counts as loaded (past its last local hit) is read, from the holder's
     # block at the same position.
-    last = -(-(asks[-1][0] + loaded) // BLOCK_SIZE)
+    last = -(-(asks[-1][0] + loaded) // vllm_servers.BLOCK_SIZE)
     assert spec.local_block_ids == tuple(blocks[local_hit_blocks:last])
     assert spec.remote_block_ids == tuple(HOLDER_BLOCKS[local_hit_blocks:last])

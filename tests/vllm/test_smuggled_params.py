@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools.vllm_servers import MODEL_NAME
+from kvrelay.devtools import vllm_servers
 from tests.vllm.conftest import PDFleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -33,7 +33,7 @@ SMUGGLED = {"kv_transfer_params": "x"}
 def test_kv_transfer_params_inside_vllm_xargs_are_stripped(
     kvrelay_fleet: PDFleet, path: str, body: dict[str, Any]
 ) -> None:
-    full = {"model": MODEL_NAME, "temperature": 0, **body, "vllm_xargs": SMUGGLED}
+    full = {"model": vllm_servers.MODEL_NAME, "temperature": 0, **body, "vllm_xargs": SMUGGLED}
     status, out, _ = kvrelay_fleet.proxy.call("POST", path, full, timeout=120)
     assert status == 200, out
     # Both engines are unharmed: a plain turn is served after it.

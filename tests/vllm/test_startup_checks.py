@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from kvrelay.devtools.vllm_servers import VLLMServer, kvrelay_transfer_config
+from kvrelay.devtools import vllm_servers
 from tests.harness import free_port
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -23,8 +23,8 @@ def test_bad_configuration_stops_vllm_with_a_message(tiny_model: Path) -> None:
     # A misspelt knob must not be silently ignored: vLLM exits naming it. (A start that fails
     # takes as long as one that succeeds, so one case runs for real; the rest of the checks
     # run below on vLLM's own classes.)
-    config = kvrelay_transfer_config(free_port(), lease_secs=5)
-    server = VLLMServer("bad-config", tiny_model, cpu=1, transfer_config=config)
+    config = vllm_servers.kvrelay_transfer_config(free_port(), lease_secs=5)
+    server = vllm_servers.VLLMServer("bad-config", tiny_model, cpu=1, transfer_config=config)
     try:
         with pytest.raises(RuntimeError, match="exited with") as failed:
             server.start()

@@ -10,7 +10,12 @@ from kvrelay.proxy.fleet.discovery import (
     make_resolver,
     start_discovery,
 )
-from kvrelay.proxy.fleet.discovery_kube import KubeRoleWatch, ready_engines, start_kube_discovery
+from kvrelay.proxy.fleet.discovery_kube import (
+    KubeRoleWatch,
+    KubeScope,
+    ready_engines,
+    start_kube_discovery,
+)
 from kvrelay.proxy.fleet.engine_load import (
     STALE_INTERVALS,
     LoadPoller,
@@ -49,6 +54,7 @@ __all__ = [
     "FleetSync",
     "HealthChecker",
     "KubeRoleWatch",
+    "KubeScope",
     "LoadPoller",
     "LocalFleetSync",
     "ModelCatalog",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +67,26 @@ class _Gone(Exception):
     """410: the watch's resourceVersion is no longer available; list again."""
 
 
-class KubeRoleWatch:
-    """List + watch the EndpointSlices of one role; push each changed ready set."""
+@dataclass(frozen=True)
+class KubeScope:
+    """What the watches of every role share: one API, one namespace, one fleet record to push
+    to, and the EndpointSlice port names of the engines' HTTP port and side channel."""
 
-    def __init__(
-        self, api: Any, namespace: str, role: str, selector: str, sync: FleetSync,
-        port_name: str, side_name: str,
-    ) -> None:  # fmt: skip
-        self._api = api
-        self._namespace = namespace
+    api: Any  # kubernetes_asyncio's DiscoveryV1Api (untyped)
+    namespace: str
+    sync: FleetSync
+    port_name: str
+    side_name: str
+
+
+class KubeRoleWatch:
+    """List + watch the EndpointSlices of one role (`selector`) in `scope`; push each changed
+    ready set."""
+
+    def __init__(self, scope: KubeScope, role: str, selector: str) -> None:
+        self._scope = scope
         self._role = role
         self._selector = selector
-        self._sync = sync
-        self._port_name = port_name
-        self._side_name = side_name
         self._slices: dict[str, dict[str, Any]] = {}
         self._pushed: list[Discovered] | None = None
         self.version = ""  # the last resourceVersion seen (list, event or bookmark)
@@ -105,8 +112,8 @@ class KubeRoleWatch:
                 await asyncio.sleep(RETRY_S)
 
     async def _list(self) -> str:
-        result = await self._api.list_namespaced_endpoint_slice(
-            self._namespace, label_selector=self._selector, _preload_content=False
+        result = await self._scope.api.list_namespaced_endpoint_slice(
+            self._scope.namespace, label_selector=self._selector, _preload_content=False
         )
         try:
             body = await result.json()
@@ -126,7 +133,7 @@ class KubeRoleWatch:
         stream = watch.Watch()
         try:
             async with stream.stream(
-                self._api.list_namespaced_endpoint_slice, self._namespace,
+                self._scope.api.list_namespaced_endpoint_slice, self._scope.namespace,
                 label_selector=self._selector, resource_version=version,
                 allow_watch_bookmarks=True, timeout_seconds=WATCH_TIMEOUT_S,
             ) as events:  # fmt: skip
@@ -149,10 +156,10 @@ class KubeRoleWatch:
         return version
 
     async def _push(self) -> None:
-        found = ready_engines(self._slices, self._port_name, self._side_name)
+        found = ready_engines(self._slices, self._scope.port_name, self._scope.side_name)
         if found == self._pushed:
             return
-        await self._sync.apply({
+        await self._scope.sync.apply({
             "op": "sync", "role": self._role, "source": "kubernetes",
             "urls": [d.url for d in found],
             "side_channels": {d.url: d.side_channel for d in found if d.side_channel},
@@ -208,19 +215,15 @@ async def start_kube_discovery(settings: Settings, sync: FleetSync) -> KubeDisco
         config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
     namespace = settings.kube_namespace or _own_namespace()
     api_client = client.ApiClient(configuration)
-    api = client.DiscoveryV1Api(api_client)
+    scope = KubeScope(
+        client.DiscoveryV1Api(api_client),
+        namespace,
+        sync,
+        settings.kube_port_name,
+        settings.kube_side_channel_port_name,
+    )
     watches = [
-        KubeRoleWatch(
-            api,
-            namespace,
-            role,
-            selector,
-            sync,
-            settings.kube_port_name,
-            settings.kube_side_channel_port_name,
-        )
-        for role, selector in selectors.items()
-        if selector
+        KubeRoleWatch(scope, role, selector) for role, selector in selectors.items() if selector
     ]
     discovery = KubeDiscovery(api_client, watches)
     await discovery.start(first_sync_timeout=10.0)
