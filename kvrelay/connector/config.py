@@ -52,6 +52,9 @@ class ConnectorConfig(BaseModel):
 
     # Holder side.
     lease_seconds: float = Field(default=120.0, gt=0)
+    # Share of the engine's KV blocks that holds may pin; past it the least recently used holds
+    # are freed (reason `budget`). 1.0: no budget beyond the pool (reclaim alone bounds holds).
+    hold_budget_fraction: float = Field(default=1.0, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

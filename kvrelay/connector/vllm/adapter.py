@@ -139,7 +139,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         # Requests that got blocks from the engine (the rest, finished, were never admitted).
         self._allocated: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = ConnectorScheduler(self._config)
+            self._sched = ConnectorScheduler(self._config, num_blocks=self._num_blocks)
             self._sched.start()
             self._stats = StatsDelta()
             logger.info(
