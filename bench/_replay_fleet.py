@@ -85,6 +85,8 @@ class Hardware:
     kv_link: str
     kv_scale: float
     unscaled_lease_s: float  # the connector's hold lease in trace (production) time
+    # Share of each engine's KV pool its holds may pin (None: the connector's default).
+    hold_budget: float | None = None
 
     def pool_blocks(self) -> int:
         """KV blocks of one engine (enginesim's rule for `--cost-profile` with `--kv-scale`)."""
@@ -110,6 +112,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
         "--kv-scale", f"{hw.kv_scale:g}",
         "--prefix-cache-blocks", str(hw.pool_blocks()),
         "--lease-seconds", f"{lease_s:g}",
+        *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
         "--enable-prompt-tokens-details",
         "--log-level", "WARNING",
         *TINY_GEOMETRY,
