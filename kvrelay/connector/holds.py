@@ -60,6 +60,9 @@ class HoldEntry:
     claimed_by: Claimant | None = None
     release_requested: bool = False
     freeing: FreeReason | None = None
+    # Kept for a later turn (D's `hold_blocks`), not for this turn's P -> D pull: only these
+    # are cache the hold budget may free.
+    next_turn: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -206,19 +209,20 @@ class HoldTable:
         return freed
 
     def trim(self, max_blocks: int, keep: str | None = None, now: float | None = None) -> int:
-        """Free the least recently used unpinned holds until the live ones pin `max_blocks`
-        blocks at most; returns the blocks queued.
+        """Free the least recently used unpinned next-turn holds until the live ones pin
+        `max_blocks` blocks at most; returns the blocks queued.
 
         A hold is used last when its turn finishes, and a conversation's next turn is less
         likely to come the longer it has not (think times fall off with age), so the oldest
         go first. `keep` (the hold just made) is never freed: the latest turn is the likeliest
         to be continued, so the budget may be exceeded by it alone. Claimed holds stay (a
-        reader may be copying them) and count against the budget.
+        reader may be copying them) and count against the budget. Holds for a P -> D pull of
+        the same turn are transfers in progress, neither counted nor freed.
         """
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
-            live = [e for e in self._entries.values() if e.freeing is None]
+            live = [e for e in self._entries.values() if e.freeing is None and e.next_turn]
             excess = sum(e.num_blocks for e in live) - max_blocks
             for entry in sorted(live, key=lambda e: e.created_at):
                 if freed >= excess:

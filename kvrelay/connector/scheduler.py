@@ -436,6 +436,7 @@ class ConnectorScheduler:
             num_tokens=num_tokens,
             expires_at=now_mono + self.config.lease_seconds,
             release_token=secrets.token_urlsafe(24),
+            next_turn=not params.do_remote_decode,
         )
         tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
         out = KVTransferParams(
@@ -457,7 +458,7 @@ class ConnectorScheduler:
             **report.to_params(),
         ).to_wire()
         self.holds.add(entry)
-        if self._hold_budget is not None:
+        if self._hold_budget is not None and entry.next_turn:
             # Frees go out with the next step's metadata, as a reclaim's or an expiry's do.
             self.holds.trim(self._hold_budget, keep=rid)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]
