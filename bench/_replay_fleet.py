@@ -284,6 +284,19 @@ class EngineSampler:
                     total[k] += v
         return total
 
+    async def frees(self) -> dict[str, float]:
+        """Holds freed so far by reason, per role (`p_budget`, `d_expiry`, ...)."""
+        out: dict[str, float] = {}
+        prefix = "enginesim_connector_freed_by_"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for role, engines in (("p", self.fleet.prefill), ("d", self.fleet.holders)):
+                for e in engines:
+                    for key, value in (await self.scrape(http, e.url)).items():
+                        if key.startswith(prefix):
+                            name = f"{role}_{key.removeprefix(prefix)}"
+                            out[name] = out.get(name, 0.0) + value
+        return out
+
     async def run(self) -> None:
         t0 = time.perf_counter()
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:

@@ -182,6 +182,7 @@ async def run_once(
     await warm_up(fleet.url, len(fleet.engines))
     sampler = rf.EngineSampler(fleet, interval_s=max(0.25, 10.0 / scale))
     before = await sampler.counters()
+    frees_before = await sampler.frees()
     task = asyncio.create_task(sampler.run())
     rargs = replayer_args(args, fleet.url, scale)
     try:
@@ -191,9 +192,11 @@ async def run_once(
         await task
     await asyncio.sleep(0.5)  # engines publish counters from their loop's next snapshot
     fleet_tokens = rf.counter_delta(before, await sampler.counters())
+    frees = await sampler.frees()
     return {
         "summary": result["summary"],
         "fleet_prompt_tokens": fleet_tokens,
+        "frees": {k: v - frees_before.get(k, 0.0) for k, v in frees.items()},
         "held_series": sampler.series,
         "records": result["records"],
     }
@@ -532,6 +535,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             data["runs"][f"{label} {scale:g}"] = {
                 "summary": run["summary"],
                 "fleet_prompt_tokens": run["fleet_prompt_tokens"],
+                "frees": run["frees"],
                 "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in run["records"]],
             }
             if scale == mid:
