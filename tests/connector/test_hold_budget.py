@@ -62,8 +62,8 @@ def test_the_newest_hold_is_kept_even_alone_over_the_budget(
     assert drain(sched) == {"r0"} and sched.holds.is_held("r1")
 
 
-def test_no_budget_by_default_or_without_the_pool_size(make_scheduler: MakeScheduler) -> None:
-    unbounded = make_scheduler(num_blocks=12)
+def test_no_budget_at_one_or_without_the_pool_size(make_scheduler: MakeScheduler) -> None:
+    unbounded = make_scheduler(num_blocks=12, hold_budget_fraction=1.0)
     unknown_pool = make_scheduler(hold_budget_fraction=0.1)
     for sched in (unbounded, unknown_pool):
         for i in range(5):
