@@ -85,6 +85,8 @@ class Hardware:
     kv_link: str
     kv_scale: float
     unscaled_lease_s: float  # the connector's hold lease in trace (production) time
+    # Share of each engine's KV pool its holds may pin (None: the connector's default).
+    hold_budget: float | None = None
 
     def pool_blocks(self) -> int:
         """KV blocks of one engine (enginesim's rule for `--cost-profile` with `--kv-scale`)."""
@@ -110,6 +112,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
         "--kv-scale", f"{hw.kv_scale:g}",
         "--prefix-cache-blocks", str(hw.pool_blocks()),
         "--lease-seconds", f"{lease_s:g}",
+        *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
         "--enable-prompt-tokens-details",
         "--log-level", "WARNING",
         *TINY_GEOMETRY,
@@ -280,6 +283,19 @@ class EngineSampler:
                 for k, v in prompt_counters(await self.scrape(http, e.url)).items():
                     total[k] += v
         return total
+
+    async def frees(self) -> dict[str, float]:
+        """Holds freed so far by reason, per role (`p_budget`, `d_expiry`, ...)."""
+        out: dict[str, float] = {}
+        prefix = "enginesim_connector_freed_by_"
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+            for role, engines in (("p", self.fleet.prefill), ("d", self.fleet.holders)):
+                for e in engines:
+                    for key, value in (await self.scrape(http, e.url)).items():
+                        if key.startswith(prefix):
+                            name = f"{role}_{key.removeprefix(prefix)}"
+                            out[name] = out.get(name, 0.0) + value
+        return out
 
     async def run(self) -> None:
         t0 = time.perf_counter()

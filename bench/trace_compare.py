@@ -84,6 +84,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "no longer fit)",
     )
     p.add_argument("--lease-s", type=float, help="unscaled hold lease (default: connector's)")
+    p.add_argument(
+        "--hold-budget",
+        type=float,
+        help="share of each engine's KV pool holds may pin (default: connector's)",
+    )
     # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
     p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
     p.add_argument("--slo-tpot-ms", type=float, default=100.0)
@@ -128,7 +133,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def hardware(args: argparse.Namespace) -> rf.Hardware:
     lease = args.lease_s if args.lease_s is not None else replay_mod._defaults()["lease_seconds"]
     return rf.Hardware(
-        args.engines, args.prefill_engines, args.profile, args.kv_link, args.kv_scale, lease
+        args.engines,
+        args.prefill_engines,
+        args.profile,
+        args.kv_link,
+        args.kv_scale,
+        lease,
+        args.hold_budget,
     )
 
 
@@ -171,6 +182,7 @@ async def run_once(
     await warm_up(fleet.url, len(fleet.engines))
     sampler = rf.EngineSampler(fleet, interval_s=max(0.25, 10.0 / scale))
     before = await sampler.counters()
+    frees_before = await sampler.frees()
     task = asyncio.create_task(sampler.run())
     rargs = replayer_args(args, fleet.url, scale)
     try:
@@ -180,9 +192,11 @@ async def run_once(
         await task
     await asyncio.sleep(0.5)  # engines publish counters from their loop's next snapshot
     fleet_tokens = rf.counter_delta(before, await sampler.counters())
+    frees = await sampler.frees()
     return {
         "summary": result["summary"],
         "fleet_prompt_tokens": fleet_tokens,
+        "frees": {k: v - frees_before.get(k, 0.0) for k, v in frees.items()},
         "held_series": sampler.series,
         "records": result["records"],
     }
@@ -468,6 +482,8 @@ def trial_suffix(args: argparse.Namespace, system: rf.System) -> str:
     parts = []
     if args.lease_s is not None:
         parts.append(f"lease {args.lease_s:g} s")
+    if args.hold_budget is not None:
+        parts.append(f"hold budget {args.hold_budget:g}")
     if system.front != "vllm-router" and args.prefill_engines != args.engines // 2:
         parts.append(f"{args.prefill_engines} P + {args.engines - args.prefill_engines} D")
     return f" ({', '.join(parts)})" if parts else ""
@@ -519,6 +535,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             data["runs"][f"{label} {scale:g}"] = {
                 "summary": run["summary"],
                 "fleet_prompt_tokens": run["fleet_prompt_tokens"],
+                "frees": run["frees"],
                 "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in run["records"]],
             }
             if scale == mid:

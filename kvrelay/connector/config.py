@@ -51,7 +51,14 @@ class ConnectorConfig(BaseModel):
     head_dim: int | None = Field(default=None, ge=1)
 
     # Holder side.
-    lease_seconds: float = Field(default=120.0, gt=0)
+    # Measured on the Mooncake conversation trace (bench/trace_replay_notes.md, "Hold policy"):
+    # a 600 s lease outlasts 95% of its think times (120 s: half), and a budget of half the
+    # pool keeps what that pins at about a 120 s lease's level with the same reuse as without.
+    # The proxy's conversation_ttl_s (600 s) must not be shorter than the lease.
+    lease_seconds: float = Field(default=600.0, gt=0)
+    # Share of the engine's KV blocks that holds for a later turn may pin; past it the least
+    # recently used are freed (reason `budget`). 1.0: only block pressure bounds them (reclaim).
+    hold_budget_fraction: float = Field(default=0.5, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

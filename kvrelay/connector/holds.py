@@ -2,10 +2,11 @@
 
 Shared by the engine's scheduler thread and the side-channel thread, so every method takes the
 lock. An entry ends in exactly one way, counted once: read (every expected reader notified),
-release (side channel or rejection), expiry (lease over, not pinned by a claim) or reclaim (the
-engine needs blocks). Deciding to free only queues the request id; the engine frees blocks when
-a worker reports it in `finished_sending` (the scheduler routes the id through the per-step
-metadata), and `finalize` then drops the entry.
+release (side channel or rejection), expiry (lease over, not pinned by a claim), reclaim (the
+engine needs blocks) or budget (holds pin more of the engine's blocks than they may). Deciding
+to free only queues the request id; the engine frees blocks when a worker reports it in
+`finished_sending` (the scheduler routes the id through the per-step metadata), and `finalize`
+then drops the entry.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class FreeReason(StrEnum):
     RELEASE = "release"
     EXPIRY = "expiry"
     RECLAIM = "reclaim"
+    BUDGET = "budget"
 
 
 class ClaimOutcome(StrEnum):
@@ -58,6 +60,9 @@ class HoldEntry:
     claimed_by: Claimant | None = None
     release_requested: bool = False
     freeing: FreeReason | None = None
+    # Kept for a later turn (D's `hold_blocks`), not for this turn's P -> D pull: only these
+    # are cache the hold budget may free.
+    next_turn: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -201,6 +206,31 @@ class HoldTable:
                     continue
                 self._mark(entry, FreeReason.RECLAIM)
                 freed += gain
+        return freed
+
+    def trim(self, max_blocks: int, keep: str | None = None, now: float | None = None) -> int:
+        """Free the least recently used unpinned next-turn holds until the live ones pin
+        `max_blocks` blocks at most; returns the blocks queued.
+
+        A hold is used last when its turn finishes, and a conversation's next turn is less
+        likely to come the longer it has not (think times fall off with age), so the oldest
+        go first. `keep` (the hold just made) is never freed: the latest turn is the likeliest
+        to be continued, so the budget may be exceeded by it alone. Claimed holds stay (a
+        reader may be copying them) and count against the budget. Holds for a P -> D pull of
+        the same turn are transfers in progress, neither counted nor freed.
+        """
+        now = time.monotonic() if now is None else now
+        freed = 0
+        with self._lock:
+            live = [e for e in self._entries.values() if e.freeing is None and e.next_turn]
+            excess = sum(e.num_blocks for e in live) - max_blocks
+            for entry in sorted(live, key=lambda e: e.created_at):
+                if freed >= excess:
+                    break
+                if entry.request_id == keep or entry.pinned_until > now:
+                    continue
+                self._mark(entry, FreeReason.BUDGET)
+                freed += entry.num_blocks
         return freed
 
     @property

@@ -72,11 +72,13 @@ class _Loading:
 class ConnectorScheduler:
     """Scheduler-side connector (see module docstring and CONTRACTS §4)."""
 
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, num_blocks: int | None = None) -> None:
+        """`num_blocks`: the engine's KV blocks (the hold budget is a share of them; None:
+        unknown, no budget)."""
         self.config = config
         self.counters = Counters(
             "held", "held_blocks", "freed_by_read", "freed_by_release", "freed_by_expiry",
-            "freed_by_reclaim", "tokens_loaded", "loads_started", "loads_failed",
+            "freed_by_reclaim", "freed_by_budget", "tokens_loaded", "loads_started", "loads_failed",
             "loads_skipped", "releases_sent", "releases_failed", "early_releases",
             "auth_rejected", "prefix_mismatch_blocks",
         )  # fmt: skip
@@ -87,6 +89,9 @@ class ConnectorScheduler:
             finished_max=config.finished_params_max,
         )
         self._compat = config.compat_hash()
+        self._hold_budget: int | None = None
+        if num_blocks is not None and config.hold_budget_fraction < 1.0:
+            self._hold_budget = int(config.hold_budget_fraction * num_blocks)
         self._handshake_md: dict[int, dict[str, Any]] | None = None
         self._server: SideChannelServer | None = None
         self._pending: dict[str, _PendingLoad] = {}
@@ -431,6 +436,7 @@ class ConnectorScheduler:
             num_tokens=num_tokens,
             expires_at=now_mono + self.config.lease_seconds,
             release_token=secrets.token_urlsafe(24),
+            next_turn=not params.do_remote_decode,
         )
         tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
         out = KVTransferParams(
@@ -452,6 +458,9 @@ class ConnectorScheduler:
             **report.to_params(),
         ).to_wire()
         self.holds.add(entry)
+        if self._hold_budget is not None and entry.next_turn:
+            # Frees go out with the next step's metadata, as a reclaim's or an expiry's do.
+            self.holds.trim(self._hold_budget, keep=rid)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]
         if self.config.publish_finished_params and req.client_request_id:
             self.holds.publish_finished(req.client_request_id, out)

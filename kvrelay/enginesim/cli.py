@@ -82,7 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
-    p.add_argument("--lease-seconds", type=float, default=120.0)
+    p.add_argument("--lease-seconds", type=float, help="default: the connector's")
+    p.add_argument(
+        "--hold-budget-fraction", type=float,
+        help="share of the KV pool holds may pin (default: the connector's)",
+    )  # fmt: skip
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
@@ -119,6 +123,7 @@ _CONNECTOR_OPTIONS = (
     "kv_recompute_threshold",
     "kv_load_failure_policy",
     "lease_seconds",
+    "hold_budget_fraction",
     "publish_finished_params",
 )
 _ENGINE_OPTIONS = (
@@ -147,7 +152,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         connector = ConnectorConfig(
             engine_id=args.engine_id or f"sim-{args.port}",
             handshake_timeout_s=args.handshake_timeout,
-            **_options(args, _CONNECTOR_OPTIONS),
+            # An option left unset keeps the connector's own default.
+            **{k: v for k, v in _options(args, _CONNECTOR_OPTIONS).items() if v is not None},
         )
     num_blocks, block_size, max_model_len = pool_from_args(args)
     return EngineConfig(

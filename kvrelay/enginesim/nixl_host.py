@@ -46,7 +46,7 @@ class NixlHost:
             block_dim=1 if pool.layout is KVLayout.KV_FIRST else 0, name=pool.layout.value
         )
         self.worker = self._new_worker()
-        self.sched = ConnectorScheduler(self.config)
+        self.sched = ConnectorScheduler(self.config, num_blocks=pool.num_blocks)
         try:
             self.sched.start()
             self.sched.set_xfer_handshake_metadata({0: self.worker.get_handshake_metadata()})

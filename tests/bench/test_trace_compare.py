@@ -98,6 +98,14 @@ def test_d_lease_scales_with_time_p_lease_does_not_and_holds_off_cuts_d_only() -
     assert "KVRELAY_ROUTING_POLICY" not in rf.proxy_env(kv, settings)
 
 
+def test_a_hold_budget_trial_reaches_every_engine_and_none_otherwise() -> None:
+    kv = rf.system_by_label("kvrelay default")
+    flag = "--hold-budget-fraction"
+    budgeted = rf.roles(kv, hardware(hold_budget=0.3), time_scale=10)
+    assert all(a[a.index(flag) + 1] == "0.3" for _, a in budgeted)
+    assert not any(flag in a for _, a in rf.roles(kv, hardware(), time_scale=10))
+
+
 def test_lru_capacity_is_the_pool_the_engines_really_get() -> None:
     hw = hardware(kv_scale=0.34)
     args = build_parser().parse_args(rf.engine_args(hw, 5.0))
@@ -198,5 +206,7 @@ def test_trial_rows_are_labelled_with_what_they_changed() -> None:
     args = tc.parse_args(["--lease-s", "600", "--prefill-engines", "6"])
     assert tc.trial_suffix(args, kv) == " (lease 600 s, 6 P + 2 D)"
     assert tc.trial_suffix(args, agg) == " (lease 600 s)"  # no split when aggregated
+    budget = tc.parse_args(["--lease-s", "600", "--hold-budget", "0.3"])
+    assert tc.trial_suffix(budget, kv) == " (lease 600 s, hold budget 0.3)"
     labels = ["kvrelay holds off", "kvrelay default (lease 600 s)", "kvrelay default"]
     assert tc.ordered(labels) == [labels[2], labels[1], labels[0]]

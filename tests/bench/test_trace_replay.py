@@ -11,6 +11,7 @@ import pytest
 
 from bench import _trace as tr
 from bench import trace_replay
+from kvrelay.connector.config import ConnectorConfig
 from kvrelay.devtools import EngineFactory, ProxyFactory
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.tokenizer import get_tokenizer
@@ -94,9 +95,11 @@ def test_the_trace_file_is_checked_line_by_line(tmp_path: Path) -> None:
 
 def test_scaled_settings_divide_the_lease_and_ttls_by_the_scale() -> None:
     settings = trace_replay.scaled_settings(4.0)
-    assert settings["enginesim_args"] == ["--lease-seconds", "30"]
+    lease = ConnectorConfig.model_fields["lease_seconds"].default / 4
+    assert settings["enginesim_args"] == ["--lease-seconds", f"{lease:g}"]
     assert settings["proxy_env"]["KVRELAY_CONVERSATION_TTL_S"] == "150"
-    assert "--lease-seconds) must be 30 s" in trace_replay.scale_warning(4.0, settings)
+    assert f"--lease-seconds) must be {lease:g} s" in trace_replay.scale_warning(4.0, settings)
+    assert trace_replay.scaled_settings(4.0, 120.0)["enginesim_args"][1] == "30"
 
 
 def test_replay_through_kvrelay_sends_real_answers_as_history_and_reuses(

@@ -16,10 +16,10 @@ def make_scheduler() -> Iterator[Callable[..., ConnectorScheduler]]:
     """Start ConnectorSchedulers (side channel on a free port); all are shut down afterwards."""
     started: list[ConnectorScheduler] = []
 
-    def make(**overrides: object) -> ConnectorScheduler:
+    def make(num_blocks: int | None = None, **overrides: object) -> ConnectorScheduler:
         cfg = {"engine_id": "holder", "secret": nixl_peer.SECRET, "block_size": 4, "model": "m"}
         cfg.update(overrides)
-        sched = ConnectorScheduler(ConnectorConfig(**cfg))  # type: ignore[arg-type]
+        sched = ConnectorScheduler(ConnectorConfig(**cfg), num_blocks)  # type: ignore[arg-type]
         sched.start()
         started.append(sched)
         return sched

@@ -17,10 +17,16 @@ from kvrelay.devtools import nixl_peer
 
 
 def hold_params(
-    sched: ConnectorScheduler, rid: str, n_tokens: int = 10, client: str | None = None
+    sched: ConnectorScheduler,
+    rid: str,
+    n_tokens: int = 10,
+    client: str | None = None,
+    next_turn: bool = False,
 ) -> dict[str, Any]:
+    """Finish `rid` holding its blocks: a P leg's hold, or (`next_turn`) D's for a later turn."""
     tokens = list(range(n_tokens + 1))
-    view = RequestView(rid, client, tokens[:n_tokens], tokens, {"do_remote_decode": True})
+    asked = {"hold_blocks": True} if next_turn else {"do_remote_decode": True}
+    view = RequestView(rid, client, tokens[:n_tokens], tokens, asked)
     blocks = list(range(100, 100 + (n_tokens + 3) // 4 + 1))
     delay, params = sched.request_finished(view, [blocks])
     assert delay and params is not None

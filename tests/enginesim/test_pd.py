@@ -329,6 +329,50 @@ def test_holds_are_reclaimed_under_block_pressure(idle_after: EngineFactory) -> 
     assert 0 < released < len(held)  # reclaimed holds were already gone
 
 
+def test_d_under_a_hold_budget_keeps_the_latest_conversations(
+    idle_after: EngineFactory,
+) -> None:
+    # D: 256 blocks, holds may pin a tenth (25). Each conversation's first turn leaves a hold
+    # of about 10 blocks on D, so three of them already exceed the budget.
+    p = idle_after("P-budget")
+    d = idle_after("D-budget", "--num-blocks", "256", "--hold-budget-fraction", "0.1")
+    budget = 25
+    system = {"role": "system", "content": " ".join([PROMPT] * 4)}
+    convs: list[tuple[list[dict[str, str]], dict[str, Any]]] = []
+    for i in range(5):
+        msgs = [system, {"role": "user", "content": f"question number {i}"}]
+        reply, held = _turn(p, d, f"budget-{i}", msgs, None)
+        msgs.append({"role": "assistant", "content": reply})
+        convs.append((msgs, held))
+        wait_until(
+            lambda: d.metric("enginesim_blocks_held_for_remote") <= budget, 5,
+            what="D's holds within the budget",
+        )  # fmt: skip
+    assert d.metric("enginesim_connector_freed_by_budget") >= 3
+    assert convs[-1][1]["remote_num_tokens"] > 8 * 16  # one hold is more than a third of it
+
+    def next_turn(k: int) -> float:
+        msgs, held = convs[k]
+        loaded = p.metric("enginesim_prompt_tokens_loaded_total")
+        follow = [*msgs, {"role": "user", "content": "and then?"}]
+        reply, again = _turn(p, d, f"budget-{k}-2", follow, held)
+        assert reply == reference_chat(follow, 24, ignore_eos=True)
+        convs[k] = (follow, again)
+        return p.metric("enginesim_prompt_tokens_loaded_total") - loaded
+
+    # The latest conversation's next turn pulls its history from D's hold; the oldest's hold
+    # went to the budget, so its next turn recomputes.
+    assert next_turn(4) > 0
+    assert next_turn(0) == 0
+    client = SideChannelClient(CONNECTOR_SECRET.encode())
+    try:
+        for _, held in convs:
+            client.release("127.0.0.1", d.side_channel_port, held["remote_request_id"],
+                           held["release_token"])  # fmt: skip
+    finally:
+        client.close()
+
+
 def test_dropped_nixl_agent_falls_back_to_recompute(
     pd: tuple[EngineSim, EngineSim], idle_after: EngineFactory
 ) -> None:

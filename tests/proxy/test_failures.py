@@ -215,7 +215,7 @@ def test_decode_down_releases_prefill_blocks_through_the_side_channel(
     assert resp.status_code in (502, 503)
     assert "decode engine" in resp.json()["error"]["message"]
     assert pd_fleet.prefill.metric("enginesim_prompt_tokens_computed_total") > 0
-    pd_fleet.prefill.wait_idle(10)  # the lease is 120 s: this is the proxy's release
+    pd_fleet.prefill.wait_idle(10)  # the lease is 600 s: this is the proxy's release
     wait_until(
         lambda: pd_fleet.proxy.metrics().get(
             'kvrelay_releases_total{holder="prefill",result="released"}', 0) >= 1,

@@ -5,7 +5,7 @@ Load it into vLLM P and D workers with::
     --kv-transfer-config '{"kv_connector": "KVRelayConnector",
                            "kv_connector_module_path": "kvrelay.connector.vllm.adapter",
                            "kv_role": "kv_both", "kv_buffer_device": "cpu",
-                           "kv_connector_extra_config": {"lease_seconds": 120}}'
+                           "kv_connector_extra_config": {"lease_seconds": 600}}'
 
 and `KVRELAY_CONNECTOR_SECRET` in the environment. vLLM is imported here and in
 `connector/vllm/` only. The mapping of vLLM's hooks onto the core (CONTRACTS §4):
@@ -139,7 +139,7 @@ class KVRelayConnector(KVConnectorBase_V1):
         # Requests that got blocks from the engine (the rest, finished, were never admitted).
         self._allocated: set[str] = set()
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = ConnectorScheduler(self._config)
+            self._sched = ConnectorScheduler(self._config, num_blocks=self._num_blocks)
             self._sched.start()
             self._stats = StatsDelta()
             logger.info(

@@ -19,6 +19,7 @@ EXTRA_KEYS = (
     "side_channel_port",
     "advertise_host",
     "lease_seconds",
+    "hold_budget_fraction",
     "claim_timeout_s",
     "publish_finished_params",
     "finished_params_ttl_s",

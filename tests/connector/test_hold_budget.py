@@ -1,0 +1,108 @@
+"""The hold budget: holds pin at most `hold_budget_fraction` of the engine's blocks, the least
+recently used going first, through the same free path as reclaim and expiry."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from pydantic import ValidationError
+
+from kvrelay.connector.config import ConnectorConfig
+from kvrelay.connector.holds import FreeReason, HoldEntry, HoldTable
+from kvrelay.connector.scheduler import ConnectorScheduler
+from kvrelay.connector.sidechannel_client import SideChannelClient
+from kvrelay.connector.stats import Counters
+from kvrelay.devtools.nixl_peer import SECRET
+from tests.connector.sidechannel_helpers import drain, hold_params
+
+MakeScheduler = Callable[..., ConnectorScheduler]
+
+
+def turn(sched: ConnectorScheduler, rid: str) -> None:
+    """D finishes a turn holding its 3 blocks for the conversation's next one."""
+    hold_params(sched, rid, next_turn=True)
+
+
+def test_oldest_holds_go_past_the_budget(make_scheduler: MakeScheduler) -> None:
+    # 12 blocks, half for holds: two holds of 3 blocks fit, a third pushes the oldest out.
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    turn(sched, "r0")
+    turn(sched, "r1")
+    assert drain(sched) == set()
+    turn(sched, "r2")
+    assert drain(sched) == {"r0"}
+    stats = sched.stats()
+    assert stats["freed_by_budget"] == 1 and stats["held_blocks"] == 6
+    assert not sched.holds.is_held("r0") and sched.holds.is_held("r2")
+
+
+def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeScheduler) -> None:
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    client = SideChannelClient(SECRET.encode(), timeout_s=5)
+    turn(sched, "r0")
+    turn(sched, "r1")
+    # A reader is pulling r0: the next oldest goes instead, and r0 still counts.
+    assert client.claim("127.0.0.1", sched.side_channel_port, "r0", "reader", "q").status == "held"
+    turn(sched, "r2")
+    assert drain(sched) == {"r1"}
+    turn(sched, "r3")
+    assert drain(sched) == {"r2"}
+    assert sched.holds.is_held("r0") and sched.stats()["freed_by_budget"] == 2
+
+
+def test_the_newest_hold_is_kept_even_alone_over_the_budget(
+    make_scheduler: MakeScheduler,
+) -> None:
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)  # 1 block
+    turn(sched, "r0")
+    assert drain(sched) == set() and sched.holds.is_held("r0")
+    turn(sched, "r1")
+    assert drain(sched) == {"r0"} and sched.holds.is_held("r1")
+
+
+def test_no_budget_at_one_or_without_the_pool_size(make_scheduler: MakeScheduler) -> None:
+    unbounded = make_scheduler(num_blocks=12, hold_budget_fraction=1.0)
+    unknown_pool = make_scheduler(hold_budget_fraction=0.1)
+    for sched in (unbounded, unknown_pool):
+        for i in range(5):
+            turn(sched, f"r{i}")
+        assert drain(sched) == set() and sched.stats()["held_blocks"] == 15
+
+
+def test_holds_for_this_turns_pull_are_neither_counted_nor_freed(
+    make_scheduler: MakeScheduler,
+) -> None:
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    for i in range(3):
+        hold_params(sched, f"p{i}")  # a P leg's hold: D is about to pull it
+    turn(sched, "r0")
+    turn(sched, "r1")
+    assert drain(sched) == set()
+    turn(sched, "r2")
+    assert drain(sched) == {"r0"}
+    assert all(sched.holds.is_held(f"p{i}") for i in range(3))
+
+
+def test_trim_skips_holds_already_freeing_and_counts_its_reason() -> None:
+    counters = Counters("held", "held_blocks", "freed_by_expiry", "freed_by_budget")
+    table = HoldTable(counters, claim_timeout_s=30)
+    t = time.monotonic()
+    for i, lease in enumerate([1, 100, 100]):
+        entry = HoldEntry(f"h{i}", None, [[10 * i, 10 * i + 1]], 8, t + lease, "tok")
+        entry.next_turn = True
+        table.add(entry)
+    # h0 expired and is already queued: it no longer counts, so freeing h1 is enough.
+    assert table.reap(now=t + 10) == ["h0"]
+    assert table.trim(2, keep="h2", now=t + 10) == 2
+    assert table.take_frees() == ["h0", "h1"]
+    assert table.finalize("h0") is FreeReason.EXPIRY
+    assert table.finalize("h1") is FreeReason.BUDGET
+    assert counters.snapshot()["freed_by_budget"] == 1
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5])
+def test_budget_fraction_out_of_range_is_refused(fraction: float) -> None:
+    with pytest.raises(ValidationError):
+        ConnectorConfig(engine_id="e", hold_budget_fraction=fraction)
