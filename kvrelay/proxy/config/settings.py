@@ -353,6 +353,17 @@ class Settings(BaseSettings):
             "follow-ups does not stall D's decoding."
         ),
     )
+    prefill_spill_factor: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "conditional: a turn (first turns too) goes straight to a D that is not busy, "
+            "which prefills it itself, when P's queued prompt tokens plus the turn's exceed "
+            "this many times what D would prefill (its decode-only turns in flight plus this "
+            "one), and D's decode-only tokens in flight are under "
+            "conditional_max_inflight_tokens (0: never)."
+        ),
+    )
     reuse_probe_interval_s: float = Field(
         default=60.0,
         gt=0,

@@ -181,7 +181,12 @@ class Answer:
             details = dict(details) if isinstance(details, dict) else {}
             details["cached_tokens"] = account.reused
             usage["prompt_tokens_details"] = details
-        usage["kvrelay"] = {**account.summary(), "prefilled_by": self._report.prefilled_by}
+        report = self._report
+        usage["kvrelay"] = {
+            **account.summary(),
+            "prefilled_by": report.prefilled_by,
+            "routing": report.routing,
+        }
         return data_event({**event, "usage": usage})
 
     async def _after_stream(
