@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 
+import httpx
+
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.process import wait_until
 from kvrelay.devtools.proxy_server import ProxyServer
@@ -31,8 +33,10 @@ def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
     """One P and one D with local prefix caches, shared by the module (start-up is slow)."""
     factory = EngineFactory()
     try:
+        # D takes 20 ms a step: a long answer is still streaming while the next turn comes.
         p, d = factory.many(
-            ("P", ["--role", "prefill", *CACHE]), ("D", ["--role", "decode", *CACHE])
+            ("P", ["--role", "prefill", *CACHE]),
+            ("D", ["--role", "decode", "--decode-us-per-step", "20000", *CACHE]),
         )
         yield p, d
     finally:
@@ -166,3 +170,35 @@ def test_a_busy_d_takes_no_spill(idle: tuple[EngineSim, EngineSim], proxy_factor
     assert p.metric("enginesim_requests_total") == p_before + 1
     assert SPILLED % "first" not in proxy.metrics()
     assert proxy.call("DELETE", "/v1/conversations/spill-busy")[0] == 200
+
+
+def test_a_streamed_spill_stops_counting_against_ds_budget_at_its_first_token(
+    idle: tuple[EngineSim, EngineSim], proxy_factory: Any
+) -> None:
+    p, d = idle
+    # A budget below one prompt: D takes a second spill only once the first is prefilled.
+    proxy: ProxyServer = proxy_factory(
+        [p], [d], ready_path="/ready", routing_policy="conditional", admin_key=ADMIN_KEY,
+        load_poll_interval_s="0.3", prefill_spill_max_inflight_tokens="50",
+    )  # fmt: skip
+    _back_up(p, proxy, 3)
+    p_before = p.metric("enginesim_requests_total")
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Go on."}]
+    body = {**chat_body(first, max_tokens=150), "stream": True}
+    headers = {"X-Conversation-Id": "spill-long"}
+    with httpx.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=body, headers=headers, timeout=60
+    ) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        assert next(line for line in lines if line.startswith("data: {")), "no first token"
+        # The long answer streams on (150 steps of 20 ms); D has prefilled its prompt.
+        messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+        _converse(proxy, messages, "spill-next", "What is a queue?", streamed=False)
+        assert d.metric("enginesim_requests_running") >= 1, "the first answer ended too soon"
+        for _ in lines:
+            pass
+    assert p.metric("enginesim_requests_total") == p_before, "both turns skip P"
+    assert proxy.metrics()[SPILLED % "first"] == 2
+    for conversation in ("spill-long", "spill-next"):
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200

@@ -308,9 +308,10 @@ def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> No
     p.inflight, p.outstanding_work = 2, 32_000
     spill = router.spill(None, 16_000)
     assert spill is not None and (spill.backend, spill.tokens, spill.holder) == (b, 4000, False)
-    # A D whose decode-only tokens in flight reach conditional_max_inflight_tokens takes none.
-    b.inflight, b.outstanding_work = 1, 1 + 4096
-    a.inflight, a.outstanding_work = 2, 2 + 4096
+    # A D whose decode-only tokens to prefill reach prefill_spill_max_inflight_tokens
+    # takes none.
+    b.inflight, b.outstanding_work = 1, 1 + 32768
+    a.inflight, a.outstanding_work = 2, 2 + 32768
     assert router.spill(None, 16_000) is None
     # Nor does any D under a policy other than conditional, or with the factor at 0.
     b.inflight, b.outstanding_work = 0, 0
@@ -320,6 +321,19 @@ def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> No
         other_p.add("http://p").outstanding_work = 10**9
         other_d.add("http://a")
         assert other.spill(None, 16_000) is None
+
+
+def test_a_decode_only_legs_prompt_work_ends_at_its_first_token() -> None:
+    """D's prefill budgets weigh prompt tokens still to prefill: once the first token is out
+    the leg counts 1, like any decode, until it ends."""
+    _, _, decode = _router()
+    d = decode.add("http://d")
+    busy = decode.busy(d, 1 + 15_000)
+    with busy:
+        assert (d.inflight, d.outstanding_work) == (1, 15_001)
+        busy.prefilled()
+        assert (d.inflight, d.outstanding_work) == (1, 1)
+    assert (d.inflight, d.outstanding_work) == (0, 0)
 
 
 def test_client_request_ids_get_a_unique_upstream_suffix() -> None:

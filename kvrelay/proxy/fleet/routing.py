@@ -15,8 +15,9 @@ Policies (`routing_policy`, README "Routing policy"):
   up (`spill`): when the least loaded P's queued prompt tokens plus the turn's own exceed
   `prefill_spill_factor` times what D would prefill (its decode-only tokens in flight plus the
   turn's, only the uncached part on the holder), D prefills the turn itself, as on a short
-  follow-up. D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes
-  the overflow. `always_p` and `affinity` never spill.
+  follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D.
+  D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes the
+  overflow. `always_p` and `affinity` never spill.
 
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
@@ -190,9 +191,10 @@ class Router:
         decode-only tokens in flight plus what it would prefill of this turn. The D is the
         conversation's holder when it can take a decode-only turn (it then prefills only the
         part it does not hold), else the least loaded D; never a busy or overloaded one, nor
-        one whose decode-only tokens in flight already reach `conditional_max_inflight_tokens`.
-        Prompt tokens are estimated from characters (`chars_per_token` of the conversation's
-        entry, else the latest one seen); the numbers are the pools' own counts and the load
+        one whose decode-only tokens still to prefill reach `prefill_spill_max_inflight_tokens`
+        (a decode-only turn's tokens count until its first token). Prompt tokens are
+        estimated from characters (`chars_per_token` of the conversation's entry, else the
+        latest one seen); the numbers are the pools' own counts and the load
         readings already kept, so this costs a pass over the engines and nothing else."""
         s = self.settings
         if s.routing_policy != "conditional" or s.prefill_spill_factor <= 0:
@@ -244,7 +246,7 @@ class Router:
         when it can take a decode-only turn, else the least loaded D that is neither busy nor
         overloaded; either only within D's decode-only budget."""
         s = self.settings
-        budget = s.conditional_max_inflight_tokens
+        budget = s.prefill_spill_max_inflight_tokens
         if entry is not None and entry.chars_per_token:
             holder = self._affine(self.decode, entry.url, s.decode_overload_inflight)
             if (
