@@ -114,15 +114,19 @@ class KVTransferParams(BaseModel):
         as they are). Raises `ValueError` (pydantic's `ValidationError`) on a wrong type."""
         if params is None or isinstance(params, KVTransferParams):
             return params
-        if not isinstance(params, Mapping):
+        if type(params) is not dict and not isinstance(params, Mapping):  # dict: no ABC check
             raise ValueError("kv_transfer_params must be an object")
         return cls.model_validate(params)
 
     @classmethod
     def from_wire_or_none(cls, params: object) -> KVTransferParams | None:
         """`from_wire`, with params that do not parse taken as none: an engine's answer."""
+        if params is None or isinstance(params, KVTransferParams):
+            return params
+        if type(params) is not dict and not isinstance(params, Mapping):
+            return None
         try:
-            return cls.from_wire(params)
+            return cls.model_validate(params)
         except ValueError:
             return None
 
@@ -133,9 +137,11 @@ class KVTransferParams(BaseModel):
         # dict read, and this runs for both legs' params on every turn (layout pinned in
         # tests/test_private_apis.py).
         values, given, extra = self.__dict__, self.__pydantic_fields_set__, self.__pydantic_extra__
+        # zip/map over the set (iterated twice in the same order): no Python step per field.
         if not extra:
-            return {name: values[name] for name in given}
-        out = {name: values[name] for name in given if name not in extra}  # extras: given too
+            return dict(zip(given, map(values.__getitem__, given), strict=True))
+        declared = given.difference(extra)  # extras are in the fields set too
+        out = dict(zip(declared, map(values.__getitem__, declared), strict=True))
         out.update(extra)
         return out
 

@@ -300,18 +300,20 @@ class Busy:
 
 
 def engines_to_try(
-    pick: Callable[[set[str]], Backend | None], attempts: int, on_retry: Callable[[], None]
+    pick: Callable[[set[str]], Backend | None],
+    attempts: int,
+    on_try: Callable[[Backend, int], object],
 ) -> Iterator[Backend]:
     """The engines a request tries, in order: `pick` chooses among those not tried yet, at
-    most `attempts` of them; `on_retry` is called before every try after the first."""
+    most `attempts` of them; `on_try(backend, attempt)` is called before each try (attempt 0
+    is the first, any other a retry)."""
     tried: set[str] = set()
     for attempt in range(attempts):
         backend = pick(tried)
         if backend is None:
             return
         tried.add(backend.url)
-        if attempt:
-            on_retry()
+        on_try(backend, attempt)
         yield backend
 
 

@@ -157,14 +157,15 @@ async def _forward(
     headers["X-Request-Id"] = upstream_id
     reasons: list[str] = []
 
-    def on_retry() -> None:
-        metrics.RETRIES.labels("passthrough").inc()
+    def on_try(backend: Backend, attempt: int) -> None:
+        if attempt:
+            metrics.RETRIES.labels("passthrough").inc()
 
     origin_path = route
     if request.rel_url.raw_query_string:
         origin_path += "?" + request.rel_url.raw_query_string
     wire_headers = tuple(headers.items())
-    for backend in engines_to_try(pick, 1 + settings.retries, on_retry):
+    for backend in engines_to_try(pick, 1 + settings.retries, on_try):
         with pool.busy(backend, 1):
             try:
                 resp = await fleet.upstream.for_url(backend.url).request(

@@ -11,7 +11,6 @@ it is never guessed from the map.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,16 +76,18 @@ class PromptAccount:
         """The connector's report in the params an engine returned; None without one."""
         if params is None:
             return None
-        prompt = _int(params.kvr_prompt_tokens)
-        local, loaded = _int(params.kvr_local_hit_tokens), _int(params.kvr_loaded_tokens)
-        if prompt is None or local is None or loaded is None:
+        # Fields read from the instance's dict, and `_int` written out: this runs for both legs
+        # of every turn (dict reads pinned in tests/test_private_apis.py).
+        values = params.__dict__
+        prompt, local = values["kvr_prompt_tokens"], values["kvr_local_hit_tokens"]
+        loaded = values["kvr_loaded_tokens"]
+        if type(prompt) is not int or type(local) is not int or type(loaded) is not int:
             return None
-        refused: dict[str, int] = {}
-        for reason, blocks in (params.kvr_refused_blocks or {}).items():
-            if _int(blocks):
-                key = reason if reason in REASONS else "other"
-                refused[key] = refused.get(key, 0) + blocks
-        return cls(prompt, local + loaded, local, loaded, tuple(sorted(refused.items())))
+        if prompt < 0 or local < 0 or loaded < 0:
+            return None
+        offered = values["kvr_refused_blocks"]
+        refused = _refused(offered) if offered else ()
+        return cls(prompt, local + loaded, local, loaded, refused)
 
     @classmethod
     def from_cached(cls, prompt_tokens: int | None, cached: object) -> PromptAccount:
@@ -94,22 +95,23 @@ class PromptAccount:
         return cls(prompt_tokens, _int(cached))
 
     @classmethod
-    def from_usage(cls, usage: object) -> PromptAccount:
-        """An answer's `usage`: its prompt tokens and, where the engine reports them,
-        `prompt_tokens_details.cached_tokens`. Only where the answer is the engine's own
-        figure: a D given P's params reports P's cached tokens (ACCOUNTING §1)."""
-        if not isinstance(usage, Mapping):
-            return cls()
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-        return cls.from_cached(_int(usage.get("prompt_tokens")), cached)
+    def from_usage(cls, usage: object, cached: object = None) -> PromptAccount:
+        """An answer's `usage`: its prompt tokens and the tokens not computed: `cached` where
+        the engine gave that total elsewhere (P's `remote_prefill_cached_tokens`), else the
+        usage's `prompt_tokens_details.cached_tokens`. Only where the answer is the engine's
+        own figure: a D given P's params reports P's cached tokens (ACCOUNTING §1)."""
+        prompt, in_usage = usage_figures(usage)
+        if type(cached) is int and cached >= 0:
+            return cls(prompt, cached)
+        return cls(prompt, in_usage)
 
     def or_else(self, other: PromptAccount | None) -> PromptAccount:
         """This account when the engine split it, else `other` when that one knows more; the
         prompt tokens from whichever has them."""
         if other is None:
             return self
-        best, rest = (self, other) if self.known or not other.known else (other, self)
+        best, rest = (self, other) if self.reused is not None or other.reused is None else (
+            other, self)  # fmt: skip
         if best.prompt_tokens is None and rest.prompt_tokens is not None:
             return PromptAccount(rest.prompt_tokens, best.reused, best.local_hit, best.loaded,
                                  best.refused)  # fmt: skip
@@ -128,21 +130,46 @@ class PromptAccount:
 
     def headers(self, prefilled_by: str) -> dict[str, str]:
         """The account as response headers (`unknown` where the engine gave no figure)."""
-
-        def text(value: int | None) -> str:
-            return UNKNOWN if value is None else str(value)
-
+        prompt, reused, computed = self.prompt_tokens, self.reused, self.computed
+        local, loaded = self.local_hit, self.loaded
         out = {
-            HEADER_PROMPT: text(self.prompt_tokens),
-            HEADER_REUSED: text(self.reused),
-            HEADER_LOCAL_HIT: text(self.local_hit),
-            HEADER_LOADED: text(self.loaded),
-            HEADER_COMPUTED: text(self.computed),
+            HEADER_PROMPT: UNKNOWN if prompt is None else str(prompt),
+            HEADER_REUSED: UNKNOWN if reused is None else str(reused),
+            HEADER_LOCAL_HIT: UNKNOWN if local is None else str(local),
+            HEADER_LOADED: UNKNOWN if loaded is None else str(loaded),
+            HEADER_COMPUTED: UNKNOWN if computed is None else str(computed),
             HEADER_PREFILLED_BY: prefilled_by,
         }
         if self.refused:
             out[HEADER_REFUSED] = ",".join(f"{reason}={n}" for reason, n in self.refused)
         return out
+
+
+def usage_figures(usage: object) -> tuple[int | None, int | None]:
+    """An answer's `usage`: its prompt tokens and its `prompt_tokens_details.cached_tokens`
+    (None where absent or not a count)."""
+    if type(usage) is not dict:  # parsed JSON: a dict or nothing usable
+        return None, None
+    # `_int` written out: this runs on both legs of every turn.
+    prompt = usage.get("prompt_tokens")
+    if type(prompt) is not int or prompt < 0:
+        prompt = None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if type(details) is dict else None
+    if type(cached) is not int or cached < 0:
+        cached = None
+    return prompt, cached
+
+
+def _refused(offered: dict[str, int]) -> tuple[tuple[str, int], ...]:
+    """The connector's refused blocks by reason (validated counts), reasons outside its set
+    summed under "other", in a stable order."""
+    refused: dict[str, int] = {}
+    for reason, blocks in offered.items():
+        if blocks > 0:
+            key = reason if reason in REASONS else "other"
+            refused[key] = refused.get(key, 0) + blocks
+    return tuple(sorted(refused.items()))
 
 
 UNKNOWN_ACCOUNT = PromptAccount()

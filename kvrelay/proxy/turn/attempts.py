@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Protocol
 
 from kvrelay.proxy.engines import Upstream, UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -66,9 +66,9 @@ class Engines(Protocol):
     """Where the legs send their requests: `UpstreamEngines` in the proxy, a fake in unit tests.
     Raises `UpstreamConnectError`, `UpstreamTimeout` (no first byte in time) or `UpstreamError`."""
 
-    async def post(
+    def post(
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
-    ) -> EngineAnswer: ...
+    ) -> Awaitable[EngineAnswer]: ...
 
     async def probe(self, url: str) -> tuple[bool, str]:
         """One health probe of the engine at `url`: (passed, why not)."""
@@ -90,10 +90,11 @@ class UpstreamEngines:
         self._total_timeout = total_timeout
         self._probe_timeout = probe_timeout
 
-    async def post(
+    def post(
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
-    ) -> EngineAnswer:
-        return await self._upstream.for_url(url).request(
+    ) -> Awaitable[EngineAnswer]:
+        # The engine client's own coroutine, not one wrapping it: a frame less on every leg.
+        return self._upstream.for_url(url).request(
             "POST",
             path,
             payload,
@@ -140,12 +141,10 @@ class Attempts:
     def tries(self, role: str, pick: Callable[[set[str]], Backend | None]) -> Iterator[Backend]:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
-        leg = self.report.leg(role)
-        retried = self.report.retried
-        attempts = 1 + self.fleet.settings.retries
-        for backend in engines_to_try(pick, attempts, lambda: retried(role)):
-            leg.attempt(backend.url)
-            yield backend
+        # The generator itself, not a loop over it: one frame less on every leg.
+        report = self.report
+        on_try = (report.prefill_leg if role == "prefill" else report.decode_leg).attempt
+        return engines_to_try(pick, 1 + self.fleet.settings.retries, on_try)
 
     async def send(self, backend: Backend, payload: bytes) -> EngineAnswer:
         """POST a leg's payload to `backend`; `LegFailure` when there is no answer to judge."""
@@ -179,7 +178,8 @@ class Attempts:
         pool.record_served(backend, self.report.tenant)
         if status >= 400:
             return Verdict.REJECTED
-        self.judge_5xx(served=pool)
+        if self._pending_5xx:
+            self.judge_5xx(served=pool)
         return Verdict.SERVED
 
     def judge_5xx(self, *, served: Pool | None) -> None:

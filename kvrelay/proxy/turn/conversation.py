@@ -158,7 +158,9 @@ def _chat_context(body: dict[str, Any]) -> bytes:
     return json.dumps(ctx, sort_keys=True, separators=(",", ":"), default=str).encode()
 
 
-@dataclass(frozen=True)
+# Not frozen: a frozen dataclass sets each field through `object.__setattr__`, and a shape is
+# made for every request. Treat it as a value all the same: it is never changed.
+@dataclass(slots=True)
 class PromptShape:
     """What the proxy knows about a request's prompt for matching and storing.
 

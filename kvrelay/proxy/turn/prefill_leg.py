@@ -27,7 +27,7 @@ from kvrelay.proxy.turn.legs import prefill_body
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
 class PrefillAnswer:
     """What P gave the turn: where it ran, its params for D, its prompt's token count."""
 
@@ -115,9 +115,5 @@ def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:
     connector = PromptAccount.from_connector(params)
     if connector is not None:  # kvrelay's connector: the split, prompt tokens included
         return connector
-    from_usage = PromptAccount.from_usage(usage)
-    if params is None:
-        return from_usage
-    vllm = PromptAccount.from_cached(from_usage.prompt_tokens, params.remote_prefill_cached_tokens)
-    fallback = vllm.or_else(from_usage)
-    return fallback
+    cached = params.__dict__["remote_prefill_cached_tokens"] if params is not None else None
+    return PromptAccount.from_usage(usage, cached)

@@ -119,7 +119,7 @@ class Turn:
             try:
                 await self._run()
             except BaseException:
-                self._attempts.judge_5xx(served=None)
+                self._attempts.judge_5xx(served=None)  # 5xx answers no engine made up for
                 self.owed.release_all()
                 raise
             # D's answer is complete, so P's blocks need no call from here: D's connector

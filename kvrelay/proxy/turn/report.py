@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.kvcache_map import ConversationKey
+from kvrelay.proxy.fleet import Backend
 from kvrelay.proxy.telemetry import logs, metrics, tracing
-from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount
+from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 
 # Span names, one per step of a turn (docs/DESIGN.md §1).
 TURN_SPAN = "kvrelay.turn"
@@ -46,8 +48,12 @@ class LegRecord:
     first_byte: float | None = None  # D: first byte of the answer relayed to the client
     account: PromptAccount | None = None  # what the engine reported it did with the prompt
 
-    def attempt(self, url: str) -> None:
-        """A try of this leg on the engine at `url` begins."""
+    def attempt(self, backend: Backend, attempt: int) -> None:
+        """Try `attempt` (0: the first; any other a retry, counted) of this leg begins, on
+        `backend`."""
+        url = backend.url
+        if attempt:
+            metrics.RETRIES.labels(self.role).inc()
         if self.started is None:
             self.started = time.monotonic()
         self.attempts += 1
@@ -105,8 +111,9 @@ class TurnReport:
     # Which leg prefilled the prompt: "prefill" once P answered with params for D, else D.
     prefilled_by: str = "decode"
     account: PromptAccount | None = None  # the turn's realized reuse, once settled
-    prefill_leg: LegRecord = field(default_factory=lambda: LegRecord("prefill"))
-    decode_leg: LegRecord = field(default_factory=lambda: LegRecord("decode"))
+    # `partial`, not a lambda: made in C, no Python frame on every turn.
+    prefill_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "prefill"))
+    decode_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "decode"))
 
     # -- counted as it happens -----------------------------------------------------------------
 
@@ -120,9 +127,6 @@ class TurnReport:
 
     def leg(self, role: str) -> LegRecord:
         return self.prefill_leg if role == "prefill" else self.decode_leg
-
-    def retried(self, role: str) -> None:
-        metrics.RETRIES.labels(role).inc()
 
     def leg_latency(self, role: str, outcome: str, start: float) -> None:
         """One attempt of a leg ended: `outcome` is "error" or the status class ("2xx")."""
@@ -162,12 +166,11 @@ class TurnReport:
         """D's `usage`. Its cached tokens are D's own only when D got no P params: on a turn
         through P they are P's figure (vLLM reports `remote_prefill_cached_tokens`)."""
         known = self.decode_leg.account
-        if known is not None and known.known and known.prompt_tokens is not None:
+        if known is not None and known.reused is not None and known.prompt_tokens is not None:
             return  # D's connector gave the whole split: its usage adds nothing
-        account = PromptAccount.from_usage(usage)
-        if self.prefilled_by == "prefill":
-            account = PromptAccount(account.prompt_tokens)
-        self.decode_leg.account = (self.decode_leg.account or UNKNOWN_ACCOUNT).or_else(account)
+        prompt, cached = usage_figures(usage)
+        account = PromptAccount(prompt, None if self.prefilled_by == "prefill" else cached)
+        self.decode_leg.account = account if known is None else known.or_else(account)
 
     def settle_accounts(self) -> PromptAccount:
         """Count the legs' accounts (once) and return the turn's: the account of the leg that

@@ -30,7 +30,7 @@ from kvrelay.proxy.turn.report import TurnReport
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
 class Store:
     """Where and how one turn stores D's params."""
 
