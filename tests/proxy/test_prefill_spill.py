@@ -10,9 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
-
 import httpx
+import pytest
 
 from kvrelay.devtools.engines import EngineFactory, EngineSim
 from kvrelay.devtools.process import wait_until

@@ -42,7 +42,7 @@ from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 _DEFAULT_CHARS_PER_TOKEN = 4.0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Spill:
     """Where a spilled turn goes, and the prompt tokens that D prefills itself (estimated)."""
 
