@@ -55,7 +55,7 @@ HOLDS_OFF = "kvrelay holds off"
 # Per request, kept in the JSON for later analysis (the replayer's `Record` has more).
 RECORD_FIELDS = (
     "index", "conversation", "turn", "arrival_s", "ready_s", "ttft_s", "tpot_s",
-    "prompt_tokens", "cached_tokens", "headers", "error",
+    "prompt_tokens", "cached_tokens", "headers", "routing", "prefilled_by", "error",
 )  # fmt: skip
 
 
@@ -224,7 +224,53 @@ def derive(run: dict[str, Any], lru: dict[str, int], offered_rps: float) -> dict
         "reuse_vs_lru": reused / lru["reused_tokens"] if lru["reused_tokens"] else math.nan,
         "d_pinned": rf.pinned_share(held),
         "wall_s": s["wall_s"],
+        "routing": routing_counts(run["records"]),
     }
+
+
+def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """kvrelay's routing decision per answered turn (`usage.kvrelay.routing` of the stream),
+    counted for first and for later turns; empty for fronts that report none."""
+    out: dict[str, dict[str, int]] = {"first": {}, "later": {}}
+    for r in records:
+        decision = r.get("routing")
+        if decision is None or r.get("error") is not None:
+            continue
+        by = out["first" if r["turn"] == 1 else "later"]
+        by[decision] = by.get(decision, 0) + 1
+    return out
+
+
+def _routing_table(rows: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
+    """Where kvrelay's turns went (rows of runs that recorded it)."""
+    lines: list[str] = []
+    for label, by in rows.items():
+        for scale in sorted(by):
+            r = by[scale]
+            counts = r.get("routing") or {}
+            first, later = counts.get("first", {}), counts.get("later", {})
+            if not first and not later:
+                continue
+            through_p = ("prefill_affinity", "prefill_chosen")
+            lines.append(
+                f"| {label} | {r['offered_rps']:.2f} | "
+                f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
+                f"{sum(later.get(k, 0) for k in through_p)} / {later.get('decode_only', 0)} / "
+                f"{later.get('spilled', 0)} |"
+            )
+    if not lines:
+        return []
+    return [
+        "",
+        "Routing per turn (kvrelay's `usage.kvrelay.routing` in each stream's last event): "
+        "spilled = sent to a D off a backed-up P (`prefill_spill_factor`), decode-only = a "
+        "short follow-up on the D holding it.",
+        "",
+        "| system | req/s | first turns: through P / spilled | later turns: through P / "
+        "decode-only / spilled |",
+        "|---|---:|---:|---:|",
+        *lines,
+    ]
 
 
 def goodput(points: list[tuple[float, float]]) -> tuple[float, str]:
@@ -403,6 +449,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
             f"| {label} | "
             f"{goodput([(r['offered_rps'], r['attainment']) for r in by.values()])[1]} |"
         )
+    lines += _routing_table(rows)
     lines += ["", *verdicts(rows, mid), ""]
     race = data.get("lease_race")
     if race:

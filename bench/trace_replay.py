@@ -129,6 +129,9 @@ class Record:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     headers: dict[str, str] = field(default_factory=dict)
+    # kvrelay's account in the stream's usage event: how the turn was routed and who prefilled.
+    routing: str | None = None
+    prefilled_by: str | None = None
     history_substituted: bool = False  # the predecessor failed: trace text stood in for it
     error: str | None = None
     reply: str | None = None  # with --record-messages
@@ -246,6 +249,10 @@ class Replayer:
                 details = chunk.usage.prompt_tokens_details
                 if details is not None and details.cached_tokens is not None:
                     rec.cached_tokens = details.cached_tokens
+                account = (chunk.usage.model_extra or {}).get("kvrelay")
+                if isinstance(account, dict):
+                    rec.routing = account.get("routing")
+                    rec.prefilled_by = account.get("prefilled_by")
         rec.end_s = self.now()
         rec.ttft_s = rec.first_token_s - rec.sent_s
         tokens = rec.completion_tokens or len(reply)

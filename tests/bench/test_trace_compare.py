@@ -210,3 +210,18 @@ def test_trial_rows_are_labelled_with_what_they_changed() -> None:
     assert tc.trial_suffix(budget, kv) == " (lease 600 s, hold budget 0.3)"
     labels = ["kvrelay holds off", "kvrelay default (lease 600 s)", "kvrelay default"]
     assert tc.ordered(labels) == [labels[2], labels[1], labels[0]]
+
+
+def test_routing_counts_split_first_and_later_turns_and_skip_failed_ones() -> None:
+    records = [
+        {"turn": 1, "routing": "prefill_chosen", "error": None},
+        {"turn": 1, "routing": "spilled", "error": None},
+        {"turn": 2, "routing": "decode_only", "error": None},
+        {"turn": 3, "routing": "decode_only", "error": None},
+        {"turn": 2, "routing": "spilled", "error": "APIError: x"},
+        {"turn": 2, "routing": None, "error": None},  # a front that reports none
+    ]
+    assert tc.routing_counts(records) == {
+        "first": {"prefill_chosen": 1, "spilled": 1},
+        "later": {"decode_only": 2},
+    }

@@ -137,3 +137,7 @@ def test_replay_through_kvrelay_sends_real_answers_as_history_and_reuses(
         assert r["conversation_id"] == prev["conversation_id"]
     assert p.metric("enginesim_prompt_tokens_loaded_total") > 0
     assert sum(r["cached_tokens"] or 0 for r in later) > 0
+    # Each turn's routing, from kvrelay's account in the stream's last event.
+    decisions = {"decode_only", "spilled", "prefill_affinity", "prefill_chosen"}
+    assert all(r["routing"] in decisions and r["prefilled_by"] for r in records)
+    assert {r["routing"] for r in records if r["turn"] == 1} <= {"prefill_chosen", "spilled"}

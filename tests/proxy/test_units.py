@@ -293,6 +293,49 @@ def test_decode_affinity_yields_when_overloaded() -> None:
     assert router.pick_decode(None, set()) is b
 
 
+def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> None:
+    """The proxy's own counts decide without any load reading: P's queued prompt characters
+    (in tokens, 4 characters each until an entry says) against D's decode-only tokens."""
+    router, prefill, decode = _router(prefill_spill_factor=2.0)
+    p = prefill.add("http://p")
+    a, b = decode.add("http://a"), decode.add("http://b")
+    a.inflight, a.outstanding_work = 1, 1  # one decode leg: no prefill of its own
+    # P idle, or one turn of this size queued: P's time (queue + 4000) is at most 2x D's.
+    assert router.spill(None, 16_000) is None
+    p.inflight, p.outstanding_work = 1, 16_000
+    assert router.spill(None, 16_000) is None
+    # Two queued: 12000 tokens against 2 x 4000: the turn goes to the least loaded D.
+    p.inflight, p.outstanding_work = 2, 32_000
+    spill = router.spill(None, 16_000)
+    assert spill is not None and (spill.backend, spill.tokens, spill.holder) == (b, 4000, False)
+    # A D whose decode-only tokens to prefill reach prefill_spill_max_inflight_tokens
+    # takes none.
+    b.inflight, b.outstanding_work = 1, 1 + 32768
+    a.inflight, a.outstanding_work = 2, 2 + 32768
+    assert router.spill(None, 16_000) is None
+    # Nor does any D under a policy other than conditional, or with the factor at 0.
+    b.inflight, b.outstanding_work = 0, 0
+    assert router.spill(None, 16_000) is not None
+    for settings in ({"routing_policy": "always_p"}, {"prefill_spill_factor": 0}):
+        other, other_p, other_d = _router(**settings)
+        other_p.add("http://p").outstanding_work = 10**9
+        other_d.add("http://a")
+        assert other.spill(None, 16_000) is None
+
+
+def test_a_decode_only_legs_prompt_work_ends_at_its_first_token() -> None:
+    """D's prefill budgets weigh prompt tokens still to prefill: once the first token is out
+    the leg counts 1, like any decode, until it ends."""
+    _, _, decode = _router()
+    d = decode.add("http://d")
+    busy = decode.busy(d, 1 + 15_000)
+    with busy:
+        assert (d.inflight, d.outstanding_work) == (1, 15_001)
+        busy.prefilled()
+        assert (d.inflight, d.outstanding_work) == (1, 1)
+    assert (d.inflight, d.outstanding_work) == (0, 0)
+
+
 def test_client_request_ids_get_a_unique_upstream_suffix() -> None:
     from kvrelay.proxy.turn import upstream_request_id
 

@@ -66,6 +66,9 @@ def proxies(kvrelay_fleet: PDFleet) -> Iterator[dict[str, ProxyServer]]:
             "conditional": factory([p.url], [d.url], routing_policy="conditional", **short,
                                    **common),
             "rerendered": factory([p.url], [d.url], routing_policy="always_p", **common),
+            # Every turn that would go through P spills to D, however idle P is.
+            "spill": factory([p.url], [d.url], routing_policy="conditional",
+                             prefill_spill_factor="0.001", **common),
             # P (no prefix cache) as the D: decode-only turns find nothing cached there.
             "swapped": factory([d.url], [p.url], routing_policy="conditional", **short,
                                **common),
@@ -176,6 +179,36 @@ def test_decode_only_turns_return_and_count_what_vllm_counted_on_d(
     assert m[DECODE_ONLY] == len(QUESTIONS) - 1 and m.get(WITHDRAWN, 0) == 0
     assert _counted(ask.proxy, "decode")["reused"] == reused
     ask.forget(conversation)
+
+
+def test_a_spilled_first_turn_is_prefilled_on_d_and_its_follow_up_reuses_it(
+    kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer]
+) -> None:
+    d = kvrelay_fleet.decode
+    ask = Asker(proxies["spill"], MODEL_NAME, MAX_TOKENS)
+    plain = Asker(proxies["always_p"], MODEL_NAME, MAX_TOKENS)
+    conversation = f"acc-spill-{uuid.uuid4().hex[:6]}"
+    messages = [{"role": "system", "content": _system()}]
+    for turn, (question, (stream, usage)) in enumerate(zip(QUESTIONS[:2], MODES, strict=False)):
+        messages.append({"role": "user", "content": question})
+        counted = Counted(d)
+        result = ask.turn(messages, conversation, stream, usage)
+        account = _account(result)
+        split = counted.split(account["prompt_tokens"])
+        _equals(account, split, "decode")  # D computed what it did not hold, and says so
+        if turn == 0:
+            assert split["local_hit"] == 0 and split["computed"] > 0
+        else:
+            assert split["local_hit"] > 0, "the follow-up reuses the spilled turn's KV on D"
+        messages.append({"role": "assistant", "content": result.answer})
+    m = ask.proxy.metrics()
+    assert m['kvrelay_prefill_spilled_total{turn="first"}'] == 1
+    assert m[DECODE_ONLY] == 1  # the follow-up went to the holder as a short one
+    ask.forget(conversation)
+    # Only now (D's cache would have served the turns above) the plain answer, through P.
+    reference = plain.turn(messages[:2], f"{conversation}-plain", False, False)
+    assert reference.answer == messages[2]["content"]
+    plain.forget(f"{conversation}-plain")
 
 
 def test_a_d_without_prefix_caching_loses_its_decode_only_turns(

@@ -349,8 +349,28 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "conditional: the most prompt tokens a D prefills for decode-only turns at once "
-            "(their sum while in flight); beyond it turns go through P, so a burst of "
-            "follow-ups does not stall D's decoding."
+            "(their sum while in flight, a streamed turn's until its first token); beyond it "
+            "turns go through P, so a burst of follow-ups does not stall D's decoding."
+        ),
+    )
+    prefill_spill_factor: float = Field(
+        default=2.0,
+        ge=0,
+        description=(
+            "conditional: a turn (first turns too) goes straight to a D that is not busy, "
+            "which prefills it itself, when P's queued prompt tokens plus the turn's exceed "
+            "this many times what D would prefill (its decode-only tokens in flight plus this "
+            "turn's), and D's decode-only tokens still to prefill are under "
+            "prefill_spill_max_inflight_tokens (0: never)."
+        ),
+    )
+    prefill_spill_max_inflight_tokens: int = Field(
+        default=32768,
+        ge=0,
+        description=(
+            "conditional: a D takes a spilled turn only while the prompt tokens it still has "
+            "to prefill for decode-only turns are under this (a spilled first turn is a whole "
+            "prompt; this bounds how much of D's decoding waits on prefill)."
         ),
     )
     reuse_probe_interval_s: float = Field(

@@ -292,6 +292,12 @@ class Busy:
         self._backend.inflight -= 1
         self._backend.outstanding_work -= self._work
 
+    def prefilled(self) -> None:
+        """The engine is past the prompt (its first token is out): from now on the request
+        counts 1, as a decode does, so prompt work measures prefill still to do."""
+        self._backend.outstanding_work -= self._work - 1
+        self._work = 1
+
 
 def engines_to_try(
     pick: Callable[[set[str]], Backend | None],

@@ -11,6 +11,13 @@ Policies (`routing_policy`, README "Routing policy"):
   the history from its own held blocks (a prefix-cache hit) and prefills only the rest, as
   long as the decode-only turns in flight on that D stay within its prefill budget
   (`conditional_max_inflight_tokens`); past it the turn goes through P.
+  A turn that would otherwise go through P (a first turn too) *spills* to a D when P is backed
+  up (`spill`): when the least loaded P's queued prompt tokens plus the turn's own exceed
+  `prefill_spill_factor` times what D would prefill (its decode-only tokens in flight plus the
+  turn's, only the uncached part on the holder), D prefills the turn itself, as on a short
+  follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D.
+  D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes the
+  overflow. `always_p` and `affinity` never spill.
 
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
@@ -31,6 +38,25 @@ from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 
+# Characters per token until a conversation's entry says (English BPE tokenizers: about 4).
+_DEFAULT_CHARS_PER_TOKEN = 4.0
+
+
+@dataclass(slots=True)
+class Spill:
+    """Where a spilled turn goes, and the prompt tokens that D prefills itself (estimated)."""
+
+    backend: Backend
+    tokens: int
+    holder: bool  # D holds the conversation's history (its decode-only turn reuses it)
+
+
+@dataclass
+class _CharsPerToken:
+    """The latest characters per token an entry carried: sizes first turns' prompts in tokens."""
+
+    value: float = _DEFAULT_CHARS_PER_TOKEN
+
 
 @dataclass(frozen=True)
 class Router:
@@ -41,6 +67,7 @@ class Router:
     decode: Pool
     decode_only: ReuseStanding = field(init=False)  # Ds whose decode-only turns reuse nothing
     affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
+    _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
 
     def __post_init__(self) -> None:
         interval = self.settings.reuse_probe_interval_s
@@ -135,6 +162,7 @@ class Router:
         s = self.settings
         if s.routing_policy != "conditional" or entry is None or not entry.chars_per_token:
             return None
+        self._chars_per_token.value = entry.chars_per_token
         holder = self.decode.get(entry.url)
         if (
             holder is None
@@ -153,6 +181,89 @@ class Router:
         if not self.decode_only.admits(holder.url):
             return None  # its decode-only turns showed no cached tokens: through P
         return uncached
+
+    def spill(self, entry: KVEntry | None, prompt_chars: int) -> Spill | None:
+        """Send this turn, which would go through P, straight to a D that prefills it itself?
+
+        Yes (`conditional` only, `prefill_spill_factor` > 0) when P's time, the least loaded
+        P's queued prompt tokens plus what P would compute of this turn (the part D does not
+        hold when there is an entry to pull), exceeds `prefill_spill_factor` times D's, its
+        decode-only tokens in flight plus what it would prefill of this turn. The D is the
+        conversation's holder when it can take a decode-only turn (it then prefills only the
+        part it does not hold), else the least loaded D; never a busy or overloaded one, nor
+        one whose decode-only tokens still to prefill reach `prefill_spill_max_inflight_tokens`
+        (a decode-only turn's tokens count until its first token). Prompt tokens are
+        estimated from characters (`chars_per_token` of the conversation's entry, else the
+        latest one seen); the numbers are the pools' own counts and the load
+        readings already kept, so this costs a pass over the engines and nothing else."""
+        s = self.settings
+        if s.routing_policy != "conditional" or s.prefill_spill_factor <= 0:
+            return None
+        p_queued = self._prefill_queue(prompt_chars)
+        if p_queued is None:
+            return None  # no P: the P leg finds none and D prefills anyway
+        cpt = entry.chars_per_token if entry is not None else None
+        cpt = cpt or self._chars_per_token.value
+        tokens = round(prompt_chars / cpt)
+        # With an entry P pulls the held history and computes only the rest.
+        uncached = (
+            uncached_tokens(entry, prompt_chars)
+            if entry is not None and entry.chars_per_token
+            else tokens
+        )
+        p_time = p_queued / cpt + uncached
+        target, holder = self._spill_decode(entry)
+        if target is None:
+            return None
+        d_tokens = uncached if holder else tokens
+        d_time = target.outstanding_work - target.inflight + d_tokens
+        if p_time <= s.prefill_spill_factor * d_time:
+            return None
+        return Spill(target, d_tokens, holder)
+
+    def _prefill_queue(self, prompt_chars: int) -> float | None:
+        """The least prompt work (characters) queued on a usable P, or None without one. A P
+        whose fresh load reading shows more requests than this worker sent (other workers')
+        counts them at this worker's mean per request there, or at this turn's size."""
+        least: float | None = None
+        interval = self.settings.load_poll_interval_s
+        for b in self.prefill.backends.values():
+            if not b.usable:
+                continue
+            work = float(b.outstanding_work)
+            load = fresh_load(b, interval)
+            if load is not None:
+                seen = load.running + load.waiting
+                if seen > b.inflight:
+                    mean = work / b.inflight if b.inflight else float(prompt_chars)
+                    work += (seen - b.inflight) * mean
+            if least is None or work < least:
+                least = work
+        return least
+
+    def _spill_decode(self, entry: KVEntry | None) -> tuple[Backend | None, bool]:
+        """The D a spilled turn would go to and whether it holds the conversation: the holder
+        when it can take a decode-only turn, else the least loaded D that is neither busy nor
+        overloaded; either only within D's decode-only budget."""
+        s = self.settings
+        budget = s.prefill_spill_max_inflight_tokens
+        if entry is not None and entry.chars_per_token:
+            holder = self._affine(self.decode, entry.url, s.decode_overload_inflight)
+            if (
+                holder is not None
+                and holder.outstanding_work - holder.inflight < budget
+                and not self.decode_only.withdrawn(holder.url)
+            ):
+                return holder, True
+        best = self.least_loaded(self.decode, set())
+        if (
+            best is None
+            or best.inflight >= s.decode_overload_inflight
+            or self.busy(best)
+            or best.outstanding_work - best.inflight >= budget
+        ):
+            return None, False
+        return best, False
 
     # -- learning from what the engines reused -------------------------------------------------
 

@@ -258,9 +258,18 @@ FALLBACKS = Labelled(
 ROUTING = Labelled(
     Counter(
         "kvrelay_routing_decisions_total",
-        "How turns were routed: decode_only (straight to the holding D), prefill_affinity (the "
-        "conversation's previous P), prefill_chosen (P by load).",
+        "How turns were routed: decode_only (straight to the holding D), spilled (straight to "
+        "a D off a backed-up P), prefill_affinity (the conversation's previous P), "
+        "prefill_chosen (P by load).",
         ["decision"],
+    )
+)
+PREFILL_SPILLED = Labelled(
+    Counter(
+        "kvrelay_prefill_spilled_total",
+        "Turns sent straight to a D that prefilled them itself because P's queue would have "
+        "taken longer (prefill_spill_factor): turn=first (no held history) or later.",
+        ["turn"],
     )
 )
 FINISHED_PARAMS = Labelled(

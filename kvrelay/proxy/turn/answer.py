@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, HoldRef
@@ -54,13 +54,21 @@ class Answer:
         self._owed = owed
         self._store = store
 
-    async def relay(self, resp: EngineAnswer, backend: Backend, hold: bool, start: float) -> None:
-        """D (`backend`) answered 2xx: relay it; `hold`: D was asked to hold its blocks."""
+    async def relay(
+        self,
+        resp: EngineAnswer,
+        backend: Backend,
+        hold: bool,
+        start: float,
+        prefilled: Callable[[], None] | None = None,
+    ) -> None:
+        """D (`backend`) answered 2xx: relay it; `hold`: D was asked to hold its blocks;
+        `prefilled`: called at a stream's first token (D is done with the prompt)."""
         if hold:
             release = functools.partial(self._release_hold_later, backend)
             self._owed.owe(Debt.DECODE_HOLD, release)
         if self._report.stream:
-            await self._relay_stream(resp, backend, hold, start)
+            await self._relay_stream(resp, backend, hold, start, prefilled)
         else:
             await self._relay_json(resp, backend, hold, start)
 
@@ -111,7 +119,12 @@ class Answer:
         self._client.send_json(resp.status, raw, headers)
 
     async def _relay_stream(
-        self, resp: EngineAnswer, backend: Backend, hold: bool, start: float
+        self,
+        resp: EngineAnswer,
+        backend: Backend,
+        hold: bool,
+        start: float,
+        prefilled: Callable[[], None] | None,
     ) -> None:
         report = self._report
         content_type = resp.header(b"content-type")
@@ -137,6 +150,8 @@ class Answer:
                     if first:
                         report.first_byte()
                         first = False
+                        if prefilled is not None:
+                            prefilled()
                     await out.write(data)
             tail = sse.flush()
             if tail:
@@ -181,7 +196,12 @@ class Answer:
             details = dict(details) if isinstance(details, dict) else {}
             details["cached_tokens"] = account.reused
             usage["prompt_tokens_details"] = details
-        usage["kvrelay"] = {**account.summary(), "prefilled_by": self._report.prefilled_by}
+        report = self._report
+        usage["kvrelay"] = {
+            **account.summary(),
+            "prefilled_by": report.prefilled_by,
+            "routing": report.routing,
+        }
         return data_event({**event, "usage": usage})
 
     async def _after_stream(

@@ -68,8 +68,9 @@ class DecodeLeg:
             payload = jsoncodec.dumps(decode_body(body, p_params, p_url, d_hold))
             start = time.monotonic()
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
-            # turn (what the router weighs against D's prefill budget).
-            with pool.busy(backend, 1 + (decode_only_tokens or 0)):
+            # turn until its first token (what the router weighs against D's prefill budget).
+            busy = pool.busy(backend, 1 + (decode_only_tokens or 0))
+            with busy:
                 try:
                     resp = await attempts.send(backend, payload)
                     report.decode_leg.status = resp.status
@@ -88,7 +89,8 @@ class DecodeLeg:
                     if verdict is Verdict.REJECTED:
                         raise upstream_error_from_body(resp.status, await resp.read(), "decode")
                     report.hold = d_hold
-                    await answer.relay(resp, backend, d_hold, start)
+                    prefilled = busy.prefilled if decode_only_tokens else None
+                    await answer.relay(resp, backend, d_hold, start, prefilled)
                     return
                 except BaseException:
                     # Closing (not pooling) the connection is what tells D to stop.

@@ -57,6 +57,8 @@ class Turn:
     # Conditional routing sent the turn straight to the holding D, which prefills this many
     # (estimated) tokens itself; None: the turn goes through P.
     decode_only_tokens: int | None = None
+    # A decode-only turn the router spilled off a backed-up P: the D it goes to.
+    spilled_to: str | None = None
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     report: TurnReport = field(init=False)  # what happened: metrics, spans, the log line
     _attempts: Attempts = field(init=False)
@@ -130,9 +132,7 @@ class Turn:
         try:
             with self.report.take_scope():
                 await self._take_entry()
-            self.decode_only_tokens = self.fleet.router.decode_only_tokens(
-                self.entry, self._work_estimate()
-            )
+            self._route()
             if self.decode_only_tokens is None:
                 with self.report.leg_scope("prefill"):
                     await self._prefill()
@@ -147,12 +147,25 @@ class Turn:
             return self._learn()
         # Straight to the holder: D serves the history from the held blocks (its prefix-cache
         # hit), so the old hold is given back only once D is done with this turn.
-        self.report.routed("decode_only")
+        self.report.routed("spilled" if self.spilled_to is not None else "decode_only")
         try:
             await self._decode_leg()
         finally:
             self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn()
+
+    def _route(self) -> None:
+        """Through P, or straight to a D: the holder for a short follow-up, or any D that is
+        quicker than P's queue (a spill, `Router.spill`)."""
+        router, work = self.fleet.router, self._work_estimate()
+        self.decode_only_tokens = router.decode_only_tokens(self.entry, work)
+        if self.decode_only_tokens is not None:
+            return
+        spill = router.spill(self.entry, work)
+        if spill is not None:
+            self.decode_only_tokens = spill.tokens
+            self.spilled_to = spill.backend.url
+            self.report.spilled(first=self.entry is None, holder=spill.holder)
 
     def _learn(self) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
@@ -161,6 +174,8 @@ class Turn:
         p, d = report.prefill_leg.account, report.decode_leg.account
         d_url = report.decode_leg.engine
         if self.decode_only_tokens is not None:
+            if self.spilled_to is not None and not self.report.spilled_to_holder:
+                return  # a D without the history: nothing to learn about its prefix cache
             if d is not None and d.reused is not None and d_url is not None:
                 router.decode_only_served(d_url, d.reused)
             return
@@ -243,6 +258,7 @@ class Turn:
         answer = Answer(self.fleet, report, self.client, self.owed, store)
         self._decode = DecodeLeg(self._attempts, answer)
         holder = self.entry.url if self.entry is not None else None
+        holder = self.spilled_to or holder
         with report.leg_scope("decode"):
             await self._decode.run(
                 self.body, self.prefill, holder, report.hold, self.decode_only_tokens

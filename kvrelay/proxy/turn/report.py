@@ -107,6 +107,7 @@ class TurnReport:
     reuse: str = "none"  # the map lookup's result (REUSE); "none": nothing to look up
     tokens_offered: int = 0  # on a lookup hit: the entry's tokens (an offer, not a reuse)
     routing: str | None = None  # the ROUTING decision
+    spilled_to_holder: bool = False  # a spilled turn went to the D holding its history
     # Which leg prefilled the prompt: "prefill" once P answered with params for D, else D.
     prefilled_by: str = "decode"
     account: PromptAccount | None = None  # the turn's realized reuse, once settled
@@ -132,9 +133,16 @@ class TurnReport:
         metrics.LEG_LATENCY.labels(role, outcome).observe(time.monotonic() - start)
 
     def routed(self, decision: str) -> None:
-        """decode_only | prefill_affinity | prefill_chosen (`kvrelay_routing_decisions_total`)."""
+        """decode_only | spilled | prefill_affinity | prefill_chosen
+        (`kvrelay_routing_decisions_total`)."""
         self.routing = decision
         metrics.ROUTING.labels(decision).inc()
+
+    def spilled(self, *, first: bool, holder: bool) -> None:
+        """The router sent the turn to a D off a backed-up P (`kvrelay_prefill_spilled_total`);
+        `holder`: that D holds the conversation's history."""
+        self.spilled_to_holder = holder
+        metrics.PREFILL_SPILLED.labels("first" if first else "later").inc()
 
     def fell_back(self, kind: str) -> None:
         metrics.FALLBACKS.labels(kind).inc()

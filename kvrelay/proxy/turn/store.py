@@ -106,14 +106,20 @@ class Store:
 
     def _routing_hints(self) -> dict[str, Any]:
         """What the next turn's routing needs (kvrelay.proxy.fleet.routing): this turn's P and its
-        prompt's characters per token; a turn without P keeps the previous turn's."""
+        prompt's characters per token; a turn without P keeps the previous turn's, or takes
+        D's prompt tokens (from its connector's report) when there is none (a first turn that
+        D prefilled: its next turn may go straight to D)."""
         previous, prefill = self.previous, self.prefill
         prefill_url = prefill.backend.url if prefill is not None else None
-        chars_per_token = None
-        if prefill is not None and prefill.prompt_tokens:
-            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
-            chars_per_token = round(max(self.work / prefill.prompt_tokens, 1e-3), 4)
+        prompt_tokens = prefill.prompt_tokens if prefill is not None else None
         if previous is not None:
             prefill_url = prefill_url or previous.prefill_url
-            chars_per_token = chars_per_token or previous.chars_per_token
+            if not prompt_tokens and previous.chars_per_token:
+                return {"prefill_url": prefill_url, "chars_per_token": previous.chars_per_token}
+        if prefill is None and self.report.decode_leg.account is not None:
+            prompt_tokens = self.report.decode_leg.account.prompt_tokens
+        chars_per_token = None
+        if prompt_tokens:
+            # Floored so that an odd prompt (no text content) cannot make the entry invalid.
+            chars_per_token = round(max(self.work / prompt_tokens, 1e-3), 4)
         return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}
