@@ -37,7 +37,7 @@ from typing import Any
 import aiohttp
 
 from bench import _common as c
-from kvrelay.devtools.process import ServerProcess, free_port, http_ready
+from kvrelay.devtools import ServerProcess, free_port, http_ready
 from kvrelay.prometheus_text import parse_samples
 
 # enginesim's KV tensors: one layer, one KV head of 8 values. The cost profile models the

@@ -14,7 +14,7 @@ from kvrelay.connector.holds import FreeReason, HoldEntry, HoldTable
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.stats import Counters
-from kvrelay.devtools.nixl_peer import SECRET
+from kvrelay.devtools import nixl_peer
 from tests.connector.sidechannel_helpers import drain, hold_params
 
 MakeScheduler = Callable[..., ConnectorScheduler]
@@ -40,7 +40,7 @@ def test_oldest_holds_go_past_the_budget(make_scheduler: MakeScheduler) -> None:
 
 def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
-    client = SideChannelClient(SECRET.encode(), timeout_s=5)
+    client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)
     turn(sched, "r0")
     turn(sched, "r1")
     # A reader is pulling r0: the next oldest goes instead, and r0 still counts.

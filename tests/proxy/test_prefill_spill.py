@@ -13,9 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.devtools.engines import EngineFactory, EngineSim
-from kvrelay.devtools.process import wait_until
-from kvrelay.devtools.proxy_server import ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
 

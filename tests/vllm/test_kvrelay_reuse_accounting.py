@@ -185,8 +185,8 @@ def test_a_spilled_first_turn_is_prefilled_on_d_and_its_follow_up_reuses_it(
     kvrelay_fleet: PDFleet, proxies: dict[str, ProxyServer]
 ) -> None:
     d = kvrelay_fleet.decode
-    ask = Asker(proxies["spill"], MODEL_NAME, MAX_TOKENS)
-    plain = Asker(proxies["always_p"], MODEL_NAME, MAX_TOKENS)
+    ask = Asker(proxies["spill"], vllm_servers.MODEL_NAME, MAX_TOKENS)
+    plain = Asker(proxies["always_p"], vllm_servers.MODEL_NAME, MAX_TOKENS)
     conversation = f"acc-spill-{uuid.uuid4().hex[:6]}"
     messages = [{"role": "system", "content": _system()}]
     for turn, (question, (stream, usage)) in enumerate(zip(QUESTIONS[:2], MODES, strict=False)):
