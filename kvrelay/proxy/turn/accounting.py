@@ -43,11 +43,6 @@ REASONS = frozenset({REFUSED_HASH, REFUSED_PARTIAL, REFUSED_UNVERIFIED, REFUSED_
                      REFUSED_THRESHOLD, REFUSED_FAILED})  # fmt: skip
 
 
-def _int(value: object) -> int | None:
-    # `type(...) is int`: one check that also refuses bools (a subclass of int).
-    return value if type(value) is int and value >= 0 else None
-
-
 # Not frozen: a frozen dataclass sets each field through `object.__setattr__`, and several
 # accounts are built per turn. Treat it as a value all the same: it is never changed.
 @dataclass(slots=True)
@@ -66,10 +61,6 @@ class PromptAccount:
     refused: tuple[tuple[str, int], ...] = ()  # (reason, blocks) offered but not loaded
 
     @property
-    def known(self) -> bool:
-        return self.reused is not None
-
-    @property
     def computed(self) -> int | None:
         if self.prompt_tokens is None or self.reused is None:
             return None
@@ -80,7 +71,7 @@ class PromptAccount:
         """The connector's report in the params an engine returned; None without one."""
         if params is None:
             return None
-        # Fields read from the instance's dict, and `_int` written out: this runs for both legs
+        # Fields read from the instance's dict, each count checked inline: this runs for both legs
         # of every turn (dict reads pinned in tests/test_private_apis.py).
         values = params.__dict__
         prompt, local = values[KVR_PROMPT_TOKENS], values[KVR_LOCAL_HIT_TOKENS]
@@ -92,11 +83,6 @@ class PromptAccount:
         offered = values[KVR_REFUSED_BLOCKS]
         refused = _refused(offered) if offered else ()
         return cls(prompt, local + loaded, local, loaded, refused)
-
-    @classmethod
-    def from_cached(cls, prompt_tokens: int | None, cached: object) -> PromptAccount:
-        """vLLM's own per-request total of cached tokens (local + loaded, not split)."""
-        return cls(prompt_tokens, _int(cached))
 
     @classmethod
     def from_usage(cls, usage: object, cached: object = None) -> PromptAccount:
@@ -154,7 +140,7 @@ def usage_figures(usage: object) -> tuple[int | None, int | None]:
     (None where absent or not a count)."""
     if type(usage) is not dict:  # parsed JSON: a dict or nothing usable
         return None, None
-    # `_int` written out: this runs on both legs of every turn.
+    # Each count checked inline: this runs on both legs of every turn.
     prompt = usage.get("prompt_tokens")
     if type(prompt) is not int or prompt < 0:
         prompt = None
