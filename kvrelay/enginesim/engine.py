@@ -43,6 +43,7 @@ from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
 from kvrelay.enginesim.prefix_cache import PrefixCache
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
+from kvrelay.enginesim.token_gaps import TokenGaps
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
 
@@ -90,6 +91,10 @@ class EngineCore:
         # Outputs of the current step, delivered by `deliver_outputs()` after the step so that
         # a client never sees a result before the engine's published state includes it.
         self._outbox: list[tuple[SimRequest, Output]] = []
+        # vLLM's `vllm:inter_token_latency_seconds`: the gap before each output token after a
+        # request's first, as the engine's clock saw it when the step ended.
+        self.token_gaps = TokenGaps()
+        self._step_end = 0.0
         self.counters: dict[str, int] = {
             "requests_finished": 0,
             "requests_failed": 0,
@@ -367,6 +372,7 @@ class EngineCore:
                 cost_s = cost_us / 1e6
             if cost_s > 0:
                 self._wait(cost_s)
+        self._step_end = self._clock()
         for req, _ in chunks:
             if req.request_id in self.running and req.state is ReqState.RUNNING:
                 self._sample(req)
@@ -432,6 +438,9 @@ class EngineCore:
         assert req.digest is not None
         if req.num_output_tokens == 0:
             self._first_output(req)
+        else:  # after a preemption the gap includes the recomputation, as in vLLM
+            self.token_gaps.observe(self._step_end - req.last_token_at)
+        req.last_token_at = self._step_end
         token = self.model.choose(
             req.digest, req.num_output_tokens, req.sampling.min_tokens, req.sampling.ignore_eos
         )

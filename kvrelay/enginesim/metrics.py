@@ -7,7 +7,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 _GAUGES = {
     "blocks_total": "KV blocks in the pool",
@@ -124,6 +129,12 @@ def _vllm_prompt_counters(snap: dict[str, Any], model: str) -> Iterator[Metric]:
     yield counter(
         "vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"
     )
+    itl = HistogramMetricFamily(
+        "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+        labels=labels,
+    )  # fmt: skip
+    itl.add_metric(values, snap.get("itl_buckets") or [("+Inf", 0)], snap.get("itl_sum", 0.0))
+    yield itl
 
 
 def render_metrics(snapshot: Callable[[], dict[str, Any]], model: str) -> Callable[[], bytes]:

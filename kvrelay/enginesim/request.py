@@ -91,6 +91,7 @@ class SimRequest:
     emitted_chars: int = 0
     aborted: bool = False
     loading_since: float = 0.0  # monotonic; when it last started waiting for remote KV
+    last_token_at: float = 0.0  # monotonic; the end of the step that sampled its last token
     preempted: bool = False
     connector_view: Any = None
 

@@ -113,6 +113,8 @@ class EngineRunner:
             requests_loading=len(core.loading) + len(core.arriving),
             requests_running=len(core.running),
             connector=core.kv.stats(),
+            itl_buckets=core.token_gaps.cumulative(),
+            itl_sum=core.token_gaps.sum,
             at=time.time(),
         )
         self.snapshot = snap

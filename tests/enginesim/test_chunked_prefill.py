@@ -304,3 +304,26 @@ def test_p_and_d_both_chunking_answer_as_one_engine_with_reuse(
     assert dd3("enginesim_prefill_chunks_total") == math.ceil(computed3 / 32)
     p.wait_idle(timeout=10)
     d.wait_idle(timeout=10)
+
+
+def test_inter_token_gaps_count_the_prefill_steps_a_decode_shared() -> None:
+    """vLLM's `vllm:inter_token_latency_seconds`: one gap per output token after a request's
+    first, as long as the step that produced it; a prefill chunk in the step lengthens it."""
+    clock, budget = ModelledClock(), 2048
+    core = _core(clock, budget)
+    short, long = Recorder(clock), Recorder(clock)
+    core.add_request(_request("short", _prompt(40, 1), 6, short))
+    _step(core)  # first token: no gap yet
+    assert core.token_gaps.count == 0
+    _step(core)
+    decode_only = clock.waits[-1]
+    core.add_request(_request("long", _prompt(3000), 1, long))
+    _step(core)  # a decode sharing its step with a 2047-token chunk
+    shared = clock.waits[-1]
+    assert shared > 5 * decode_only
+    assert core.token_gaps.count == 2
+    assert core.token_gaps.sum == pytest.approx(decode_only + shared)
+    # Prometheus' cumulative buckets: the decode-only gap under 10 ms, the shared one not.
+    buckets = dict(core.token_gaps.cumulative())
+    assert decode_only < 0.01 < shared
+    assert buckets["0.01"] == 1 and buckets["+Inf"] == 2

@@ -204,3 +204,66 @@ def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() ->
         other, _, decode2 = _router(routing_policy=policy)
         decode2.add("http://d")
         assert other.decode_only_tokens(entry, 1800) is None
+
+
+ITL_PAGE = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 2.0
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} COUNT
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} COUNT
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} SUM
+"""
+
+
+def _itl_page(count: float, total: float) -> str:
+    return ITL_PAGE.replace("COUNT", str(count)).replace("SUM", str(total))
+
+
+def test_the_mean_inter_token_gap_comes_from_two_readings_of_the_histogram() -> None:
+    first = load_from_metrics(_itl_page(100, 2.0), at=1.0)
+    assert first is not None and first.inter_token_s is None  # nothing to compare with yet
+    assert (first.itl_count, first.itl_sum) == (100, 2.0)
+    # 50 tokens in 4 s of gaps since: 80 ms each, whatever the running mean was.
+    second = load_from_metrics(_itl_page(150, 6.0), at=2.0, previous=first)
+    assert second is not None and second.inter_token_s == pytest.approx(0.08)
+    # No token decoded in between: no pace to report.
+    idle = load_from_metrics(_itl_page(150, 6.0), at=3.0, previous=second)
+    assert idle is not None and idle.inter_token_s is None
+    # A restarted engine's counters start again: no negative or mixed-up mean.
+    restarted = load_from_metrics(_itl_page(10, 0.1), at=4.0, previous=idle)
+    assert restarted is not None and restarted.inter_token_s is None
+    # A page without the histogram (an older engine) reads as before.
+    plain = load_from_metrics(VLLM_PAGE, at=5.0, previous=restarted)
+    assert plain is not None and plain.itl_count is None and plain.inter_token_s is None
+
+
+def _paced(inter_token_s: float | None, age: float = 0.0) -> EngineLoad:
+    return EngineLoad(
+        running=4.0, waiting=0.0, kv_usage=0.2, at=time.monotonic() - age,
+        itl_sum=10.0, itl_count=100.0, inter_token_s=inter_token_s,
+    )  # fmt: skip
+
+
+def test_a_d_decoding_slower_than_the_bound_takes_no_spilled_prefill() -> None:
+    router, prefill, decode = _router(
+        routing_policy="conditional", prefill_spill_max_inter_token_ms=50.0
+    )
+    p, d = prefill.add("http://p"), decode.add("http://d")
+    with prefill.busy(p, 100_000):  # P's queue: far longer than D prefilling 1,000 chars
+        spill = router.spill(None, 1000)
+        assert spill is not None and spill.backend is d
+        d.load = _paced(0.08)  # D's tokens came 80 ms apart since its last reading
+        assert router.spill(None, 1000) is None
+        d.load = _paced(0.03)
+        assert router.spill(None, 1000) is not None
+        d.load = _paced(0.08, age=STALE_INTERVALS * 1.0 + 1)  # an old reading says nothing
+        assert router.spill(None, 1000) is not None
+        # The holder of a conversation is skipped alike, and so is every other slow D.
+        d.load = _paced(0.08)
+        assert router.spill(_entry("http://d", "http://p", cpt=4.0), 4000) is None
+    unbounded, prefill2, decode2 = _router(routing_policy="conditional")
+    p2, d2 = prefill2.add("http://p"), decode2.add("http://d")
+    d2.load = _paced(0.5)
+    with prefill2.busy(p2, 100_000):  # the default bound (0): pace is not weighed
+        assert unbounded.spill(None, 1000) is not None

@@ -373,6 +373,16 @@ class Settings(BaseSettings):
             "prompt; this bounds how much of D's decoding waits on prefill)."
         ),
     )
+    prefill_spill_max_inter_token_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "conditional: a D takes no spilled turn while its decodes ran slower than this "
+            "between its last two load readings (mean gap between output tokens, from its "
+            "vllm:inter_token_latency_seconds), so prefill moved onto D stays within a "
+            "time-per-output-token target (0: no bound; needs load_poll_interval_s)."
+        ),
+    )
     reuse_probe_interval_s: float = Field(
         default=60.0,
         gt=0,

@@ -26,24 +26,49 @@ log = logging.getLogger(__name__)
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
+ITL = "vllm:inter_token_latency_seconds"
 # Readings this many intervals old describe a queue that has long moved on.
 STALE_INTERVALS = 3
 
 
-def load_from_metrics(text: str, at: float) -> EngineLoad | None:
-    """The load gauges of a `/metrics` page (summed over label sets), or None without them."""
+def load_from_metrics(
+    text: str, at: float, previous: EngineLoad | None = None
+) -> EngineLoad | None:
+    """The load gauges of a `/metrics` page (summed over label sets), or None without them;
+    with the engine's `previous` reading, also its mean inter-token gap since then."""
     samples = parse_samples(text)
     names = {key.split("{", 1)[0] for key in samples}
     if RUNNING not in names and WAITING not in names:
         return None
     # vLLM labels each gauge per engine core and model; several cores share one server.
     cores = sum(1 for key in samples if key.split("{", 1)[0] == KV_USAGE) or 1
+    itl_sum = itl_count = None
+    if ITL + "_count" in names:
+        itl_sum = series_sum(samples, ITL + "_sum")
+        itl_count = series_sum(samples, ITL + "_count")
     return EngineLoad(
         running=series_sum(samples, RUNNING),
         waiting=series_sum(samples, WAITING),
         kv_usage=series_sum(samples, KV_USAGE) / cores,
         at=at,
+        itl_sum=itl_sum,
+        itl_count=itl_count,
+        inter_token_s=_mean_gap(previous, itl_sum, itl_count),
     )
+
+
+def _mean_gap(
+    previous: EngineLoad | None, itl_sum: float | None, itl_count: float | None
+) -> float | None:
+    """The mean of the inter-token gaps observed between two readings of one engine."""
+    if previous is None or previous.itl_sum is None or previous.itl_count is None:
+        return None
+    if itl_sum is None or itl_count is None:
+        return None
+    tokens = itl_count - previous.itl_count
+    if tokens <= 0:
+        return None  # nothing decoded, or the engine restarted and its counters went back
+    return max(0.0, itl_sum - previous.itl_sum) / tokens
 
 
 def fresh_load(backend: Backend, interval_s: float, now: float | None = None) -> EngineLoad | None:
@@ -72,6 +97,6 @@ class LoadPoller(EngineRounds):
         except (UpstreamError, TimeoutError, OSError, UnicodeDecodeError) as exc:
             log.debug("load scrape of %s failed: %s", backend.url, type(exc).__name__)
             return
-        load = load_from_metrics(text, time.monotonic())
+        load = load_from_metrics(text, time.monotonic(), backend.load)
         if load is not None:
             backend.load = load

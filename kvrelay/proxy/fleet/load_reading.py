@@ -8,9 +8,16 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """One scrape of one engine: its queue and KV usage (0..1), and when it was read."""
+    """One scrape of one engine: its queue and KV usage (0..1), when it was read, and its
+    decode pace: the mean gap between output tokens since the previous scrape."""
 
     running: float
     waiting: float
     kv_usage: float
     at: float  # time.monotonic() of the scrape
+    # `vllm:inter_token_latency_seconds`' sum and count as read (None: the page has none),
+    # and the mean gap of the tokens between the previous reading and this one (None: no
+    # tokens in between, no earlier reading, or the counters went back: a restarted engine).
+    itl_sum: float | None = None
+    itl_count: float | None = None
+    inter_token_s: float | None = None

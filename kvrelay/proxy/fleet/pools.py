@@ -127,6 +127,10 @@ class Backend:
                 "running": self.load.running,
                 "waiting": self.load.waiting,
                 "kv_usage": self.load.kv_usage,
+                # Mean gap between its output tokens since the reading before (None: none).
+                "inter_token_ms": None
+                if self.load.inter_token_s is None
+                else round(self.load.inter_token_s * 1000, 3),
                 "age_s": round(time.monotonic() - self.load.at, 3),
             },
         }

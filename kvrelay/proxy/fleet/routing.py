@@ -15,7 +15,9 @@ Policies (`routing_policy`, README "Routing policy"):
   up (`spill`): when the least loaded P's queued prompt tokens plus the turn's own exceed
   `prefill_spill_factor` times what D would prefill (its decode-only tokens in flight plus the
   turn's, only the uncached part on the holder), D prefills the turn itself, as on a short
-  follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D.
+  follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D, and
+  never onto a D whose decodes already run slower than `prefill_spill_max_inter_token_ms`
+  (its own inter-token histogram, read with the load gauges).
   D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes the
   overflow. `always_p` and `affinity` never spill.
 
@@ -253,6 +255,7 @@ class Router:
                 holder is not None
                 and holder.outstanding_work - holder.inflight < budget
                 and not self.decode_only.withdrawn(holder.url)
+                and not self._decoding_slowly(holder)
             ):
                 return holder, True
         best = self.least_loaded(self.decode, set())
@@ -261,9 +264,20 @@ class Router:
             or best.inflight >= s.decode_overload_inflight
             or self.busy(best)
             or best.outstanding_work - best.inflight >= budget
+            or self._decoding_slowly(best)
         ):
             return None, False
         return best, False
+
+    def _decoding_slowly(self, d: Backend) -> bool:
+        """D's decodes ran slower than `prefill_spill_max_inter_token_ms` between its last
+        two fresh load readings: prefill spilled onto it now would slow them further."""
+        bound_ms = self.settings.prefill_spill_max_inter_token_ms
+        if bound_ms <= 0:
+            return False
+        load = fresh_load(d, self.settings.load_poll_interval_s)
+        gap = load.inter_token_s if load is not None else None
+        return gap is not None and gap * 1000 > bound_ms
 
     # -- learning from what the engines reused -------------------------------------------------
 
