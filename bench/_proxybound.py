@@ -77,20 +77,25 @@ AIM_W2_SCALING = 1.6
 PROFILE_SVG = c.BENCH_DIR / "proxy_bound_flame.svg"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("proxy-bound mode (--proxy-bound)")
-    g.add_argument("--proxy-bound", action="store_true",
-                   help="fake zero-work engines; the router is the bottleneck")  # fmt: skip
-    g.add_argument("--requests", type=int, default=3000, help="requests per case and round")
-    g.add_argument(
+def add_long_chat_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The long-chat mode's history (here and in `bench/instructions.py`)."""
+    p.add_argument(
         "--history-turns",
         type=int,
         default=20,
         help="long-chat: earlier user/assistant exchanges sent with each request",
     )
-    g.add_argument(
+    p.add_argument(
         "--history-words", type=int, default=100, help="long-chat: words in each earlier message"
     )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("proxy-bound mode (--proxy-bound)")
+    g.add_argument("--proxy-bound", action="store_true",
+                   help="fake zero-work engines; the router is the bottleneck")  # fmt: skip
+    g.add_argument("--requests", type=int, default=3000, help="requests per case and round")
+    add_long_chat_arguments(g)
     g.add_argument("--proxy-cpus", default="0", help="CPUs of the router, fakes (taskset list)")
     g.add_argument("--w2-cpus", default="0,1", help="CPUs of kvrelay --workers 2 and its Redis")
     g.add_argument("--loadgen-cpus", default="1", help="CPUs of the load generator")

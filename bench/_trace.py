@@ -55,6 +55,7 @@ goes first on eviction (vLLM's prefix cache frees a request's blocks in that ord
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -191,6 +192,18 @@ def parse_line(text: str, line: int, index: int) -> TraceRequest:
         )
     return TraceRequest(
         index, float(stamp), length, _int_field(obj, "output_length", line, 0), tuple(ids)
+    )
+
+
+def add_slice_arguments(
+    p: argparse.ArgumentParser, trace: Path, start_s: float, duration_s: float | None
+) -> None:
+    """The trace file and the slice of it a script replays (`select`'s window), with its
+    defaults."""
+    p.add_argument("--trace", type=Path, default=trace, help="Mooncake-format JSONL")
+    p.add_argument("--start-s", type=float, default=start_s, help="slice start, trace seconds")
+    p.add_argument(
+        "--duration-s", type=float, default=duration_s, help="slice length, trace seconds"
     )
 
 

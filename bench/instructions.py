@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
-from bench import _loadgen
+from bench import _loadgen, _proxybound
 from bench._features_off import FEATURES
 from bench._proxybound import MODES
 from kvrelay.devtools import ServerProcess, free_port, http_ready
@@ -60,8 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--requests", type=int, default=500, help="measured requests per case")
-    p.add_argument("--history-turns", type=int, default=20, help="long-chat: earlier exchanges")
-    p.add_argument("--history-words", type=int, default=100, help="long-chat: words per message")
+    _proxybound.add_long_chat_arguments(p)
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "instructions.json")
     p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
     args = p.parse_args(argv)

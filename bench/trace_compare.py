@@ -61,9 +61,7 @@ RECORD_FIELDS = (
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=replay_mod.DEFAULT_TRACE)
-    p.add_argument("--start-s", type=float, default=600.0, help="slice start, trace seconds")
-    p.add_argument("--duration-s", type=float, default=1200.0, help="slice length, trace s")
+    tr.add_slice_arguments(p, replay_mod.DEFAULT_TRACE, start_s=600.0, duration_s=1200.0)
     p.add_argument("--sample", type=float, default=0.05, help="share of conversations kept")
     p.add_argument("--seed", type=int, default=0, help="conversation sample seed")
     p.add_argument(
@@ -90,8 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="share of each engine's KV pool holds may pin (default: connector's)",
     )
     # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
-    p.add_argument("--slo-ttft-ms", type=float, default=5000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    replay_mod.add_slo_arguments(p, ttft_ms=5000.0)
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_compare.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "trace_replay.png")

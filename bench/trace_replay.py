@@ -306,9 +306,15 @@ def summarize(records: list[Record], wall_s: float, args: argparse.Namespace) ->
     }
 
 
+def add_slo_arguments(p: argparse.ArgumentParser, ttft_ms: float) -> None:
+    """The latency objective `summarize` counts goodput against (here and in trace_compare)."""
+    p.add_argument("--slo-ttft-ms", type=float, default=ttft_ms)
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format JSONL")
+    tr.add_slice_arguments(p, DEFAULT_TRACE, start_s=0.0, duration_s=None)
     p.add_argument(
         "--base-url",
         help="endpoint to replay against (e.g. the proxy's URL); "
@@ -322,8 +328,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=1.0,
         help="replay S times faster than the trace (arrivals at timestamp / S)",
     )
-    p.add_argument("--start-s", type=float, default=0.0, help="slice start, trace seconds")
-    p.add_argument("--duration-s", type=float, help="slice length, trace seconds")
     p.add_argument("--first", type=int, help="first request index (trace line from 0)")
     p.add_argument("--last", type=int, help="request index the slice stops before")
     p.add_argument(
@@ -355,8 +359,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     c.add_switch(
         p, "--ignore-eos", "send ignore_eos and min_tokens so answers have the trace's length"
     )
-    p.add_argument("--slo-ttft-ms", type=float, default=2000.0)
-    p.add_argument("--slo-tpot-ms", type=float, default=100.0)
+    add_slo_arguments(p, ttft_ms=2000.0)
     p.add_argument(
         "--lease-s",
         type=float,

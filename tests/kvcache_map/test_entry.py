@@ -68,6 +68,24 @@ def d_params(**overrides: Any) -> dict[str, Any]:
         ("block_hashes", ["0123456789abcde\u00e9"]),  # 16 characters, one not hex
         ("block_ids", [[0, 1], [2, -1]]),
         ("block_ids", [[0, 1 << 63]]),  # beyond 64 bits: no engine has that many blocks
+        # Strict like the rest of the entry: only lists of lists of ints, nothing converted.
+        # Each value has two blocks at least (the sample entry has two hashes), so that it is
+        # refused for what it shows and not for having fewer blocks than hashes.
+        ("block_ids", None),
+        ("block_ids", "12"),
+        ("block_ids", ["12", [1, 2]]),
+        ("block_ids", {"a": [1, 2]}),
+        ("block_ids", [[1, True]]),
+        ("block_ids", [[True, 1]]),
+        ("block_ids", [[1.0, 2]]),
+        ("block_ids", [[1, 2.5]]),
+        ("block_ids", [["1", 2]]),
+        ("block_ids", [[None, 1]]),
+        ("block_ids", [{1, 2}]),
+        ("block_ids", ((1, 2),)),  # tuples: KVTransferParams takes them, the entry never has
+        ("block_ids", [(1, 2)]),
+        ("block_ids", [[1, 2], (2, 3)]),
+        ("block_ids", [[0, 1]] * (MAX_GROUPS + 1)),
         ("expires_at", math.nan),
         ("expires_at", math.inf),
         ("expires_at", 0.0),
@@ -83,6 +101,27 @@ def d_params(**overrides: Any) -> dict[str, Any]:
 def test_invalid_fields_rejected(field: str, value: Any) -> None:
     with pytest.raises(ValidationError):
         make_entry(**{field: value})
+
+
+def test_block_ids_are_copied_not_shared() -> None:
+    groups = [[1, 2, 3], [4]]
+    entry = make_entry(block_ids=groups)
+    groups[0].append(9)
+    groups.append([5])
+    assert entry.block_ids == [[1, 2, 3], [4]]
+    assert type(entry.block_ids) is list and all(type(g) is list for g in entry.block_ids)
+
+
+def test_block_ids_in_list_subclasses_are_taken_as_plain_lists() -> None:
+    class Ids(list[int]):
+        pass
+
+    class Groups(list[list[int]]):
+        pass
+
+    entry = make_entry(block_ids=Groups([Ids([1, 2]), [3]]))
+    assert entry.block_ids == [[1, 2], [3]]
+    assert type(entry.block_ids) is list and all(type(g) is list for g in entry.block_ids)
 
 
 def test_unknown_field_rejected() -> None:

@@ -47,6 +47,7 @@ from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.http.headers import forwarded_headers, header_text
 from kvrelay.proxy.http.keys import (
     BODY_BUDGET,
+    ENGINES,
     FLEET,
     FLEET_SYNC,
     HEALTH,
@@ -69,6 +70,7 @@ from kvrelay.proxy.turn import (
     chat_shape,
     completion_shape,
     conversation_id_from,
+    fleet_engines,
     request_id_from,
     upstream_request_id,
 )
@@ -139,6 +141,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
             tenant=tenant,
             conversation_id=conversation_id,
             shape=shape,
+            engines=app[ENGINES],
         )
         await turn.run()
         outcome = "ok"
@@ -291,6 +294,7 @@ def _make_state(
             decode.add(url)
         fleet = Fleet(settings, prefill, decode, kvmap, upstream, releaser)
         app[FLEET] = fleet
+        app[ENGINES] = fleet_engines(fleet)
         app[MODELS] = ModelCatalog(fleet)
         app[VERSIONS] = EngineVersions(fleet)
         limiter = open_limiter(settings)

@@ -8,8 +8,10 @@ from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import EngineVersions, Fleet, FleetSync, HealthChecker, ModelCatalog
 from kvrelay.proxy.http.body import BodyBudget
 from kvrelay.proxy.tenants import Limiter, TenantBreaker
+from kvrelay.proxy.turn import Engines
 
 BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
+ENGINES: web.AppKey[Engines] = web.AppKey("engines", Engines)
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)
 HEALTH: web.AppKey[HealthChecker] = web.AppKey("health", HealthChecker)
 SETTINGS: web.AppKey[Settings] = web.AppKey("settings", Settings)

@@ -7,7 +7,7 @@ engines through `Engines` (the worker's engine client unless a test gives it ano
 """
 
 from kvrelay.proxy.turn.accounting import PromptAccount
-from kvrelay.proxy.turn.attempts import EngineAnswer, Engines, LegFailure
+from kvrelay.proxy.turn.attempts import EngineAnswer, Engines, LegFailure, fleet_engines
 from kvrelay.proxy.turn.client import AiohttpClient, Client, ClientStream
 from kvrelay.proxy.turn.conversation import (
     CONVERSATION_HEADER,
@@ -50,6 +50,7 @@ __all__ = [
     "completion_shape",
     "conversation_id_from",
     "decode_body",
+    "fleet_engines",
     "prefill_body",
     "prompt_chars",
     "request_id_from",

@@ -19,12 +19,7 @@ from kvrelay.connector.protocol import (
     KVR_LOCAL_HIT_TOKENS,
     KVR_PROMPT_TOKENS,
     KVR_REFUSED_BLOCKS,
-    REFUSED_FAILED,
-    REFUSED_HASH,
-    REFUSED_LOCAL,
-    REFUSED_PARTIAL,
-    REFUSED_THRESHOLD,
-    REFUSED_UNVERIFIED,
+    REFUSED_REASONS,
     KVTransferParams,
 )
 
@@ -37,10 +32,6 @@ HEADER_COMPUTED = "X-Kvrelay-Computed-Tokens"
 HEADER_REFUSED = "X-Kvrelay-Refused-Blocks"
 HEADER_PREFILLED_BY = "X-Kvrelay-Prefilled-By"
 UNKNOWN = "unknown"
-# The connector's reasons; any other name an engine sends is counted as "other" (it becomes a
-# metric label: an engine must not be able to grow the label set).
-REASONS = frozenset({REFUSED_HASH, REFUSED_PARTIAL, REFUSED_UNVERIFIED, REFUSED_LOCAL,
-                     REFUSED_THRESHOLD, REFUSED_FAILED})  # fmt: skip
 
 
 # Not frozen: a frozen dataclass sets each field through `object.__setattr__`, and several
@@ -157,7 +148,9 @@ def _refused(offered: dict[str, int]) -> tuple[tuple[str, int], ...]:
     refused: dict[str, int] = {}
     for reason, blocks in offered.items():
         if blocks > 0:
-            key = reason if reason in REASONS else "other"
+            # Any other name an engine sends becomes "other": it is a metric label, and an
+            # engine must not be able to grow the label set.
+            key = reason if reason in REFUSED_REASONS else "other"
             refused[key] = refused.get(key, 0) + blocks
     return tuple(sorted(refused.items()))
 

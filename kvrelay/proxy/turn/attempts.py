@@ -107,6 +107,18 @@ class UpstreamEngines:
         return await probe_health(self._upstream, url, self._probe_timeout)
 
 
+def fleet_engines(fleet: Fleet) -> UpstreamEngines:
+    """The fleet's engine client with its settings' timeouts. It holds nothing of a turn, so a
+    worker builds it once and hands it to every `Turn` (`Turn.engines`)."""
+    settings = fleet.settings
+    return UpstreamEngines(
+        fleet.upstream,
+        settings.first_byte_timeout,
+        settings.total_timeout,
+        settings.probe_timeout_s,
+    )
+
+
 class Verdict(enum.Enum):
     """What an engine's status says about the attempt (see the module's docstring)."""
 

@@ -27,7 +27,7 @@ from kvrelay.kvcache_map import ConversationKey, InvalidKeyError, KVEntry, MapUn
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.fleet import Backend, Fleet
 from kvrelay.proxy.turn.answer import Answer
-from kvrelay.proxy.turn.attempts import Attempts, Engines, UpstreamEngines
+from kvrelay.proxy.turn.attempts import Attempts, Engines, fleet_engines
 from kvrelay.proxy.turn.client import Client
 from kvrelay.proxy.turn.conversation import PromptShape, chat_store_key_id, prompt_chars
 from kvrelay.proxy.turn.decode_leg import DecodeLeg
@@ -76,13 +76,7 @@ class Turn:
             lookup_key=self._lookup_key(),
             store_key=self._store_key(),
         )
-        settings = self.fleet.settings
-        engines = self.engines or UpstreamEngines(
-            self.fleet.upstream,
-            settings.first_byte_timeout,
-            settings.total_timeout,
-            settings.probe_timeout_s,
-        )
+        engines = self.engines or fleet_engines(self.fleet)
         self._attempts = Attempts(self.fleet, engines, self.report, self.forwarded)
 
     @property
