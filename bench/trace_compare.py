@@ -90,6 +90,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
     replay_mod.add_slo_arguments(p, ttft_ms=5000.0)
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs per system and rate, each on a fresh fleet; a row pools their requests "
+        "(230 requests per run move the SLO share by several points from run to run)",
+    )
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_compare.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "trace_replay.png")
     p.add_argument("--no-results", action="store_true")
@@ -118,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(err))
     if not args.scales or min(args.scales) <= 0:
         p.error("--time-scales must be positive numbers")
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
     if args.prefill_engines is None:
         args.prefill_engines = args.engines // 2
     if not 0 < args.prefill_engines < args.engines:
@@ -199,35 +208,68 @@ async def run_once(
     }
 
 
+def pooled(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """One run's figures from repeats of it on fresh fleets: their requests pooled (the SLO
+    share and percentiles over all of them), engine counters and frees summed, held-block
+    samples joined; `attainments` keeps each repeat's SLO share to show the spread."""
+    if len(runs) == 1:
+        return {**runs[0], "attainments": [runs[0]["summary"]["slo_attainment"]]}
+    records = [r for run in runs for r in run["records"]]
+    wall_s = sum(run["summary"]["wall_s"] for run in runs)
+    summary = replay_mod.summarize([replay_mod.Record(**r) for r in records], wall_s, args)
+    return {
+        "summary": summary,
+        "fleet_prompt_tokens": _summed([run["fleet_prompt_tokens"] for run in runs]),
+        "frees": _summed([run["frees"] for run in runs]),
+        "held_series": [x for run in runs for x in run["held_series"]],
+        "records": records,
+        "attainments": [run["summary"]["slo_attainment"] for run in runs],
+    }
+
+
+def _summed(counters: list[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for one in counters:
+        for k, v in one.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
 def derive(run: dict[str, Any], lru: dict[str, int], offered_rps: float) -> dict[str, Any]:
-    """The figures a row shows, from a run's summary, counters and the LRU bound."""
+    """The figures a row shows, from a run's summary, counters and the LRU bound (a pooled
+    run of n repeats is held against n times the bound; its routing counts are per run)."""
     s = run["summary"]
+    n = len(run.get("attainments") or [None])
     sent = float(s["prompt_tokens"])
     computed = run["fleet_prompt_tokens"]["local_compute"]
     reused = max(0.0, sent - computed)
     held = [(x["held"], x["total"]) for x in run["held_series"]]
+    bound = lru["reused_tokens"] * n
     return {
         "offered_rps": offered_rps,
+        "repeats": n,
         "attainment": s["slo_attainment"],
+        "attainments": run.get("attainments") or [s["slo_attainment"]],
         "errors": s["errors"],
         "ttft_first_p50": s["ttft_s_first_turns_p50"],
         "ttft_first_p90": s["ttft_s_first_turns_p90"],
         "ttft_later_p50": s["ttft_s_later_turns_p50"],
         "ttft_later_p90": s["ttft_s_later_turns_p90"],
         "tpot_p90": s["tpot_s_p90"],
-        "prompt_tokens_sent": sent,
-        "prompt_tokens_computed": computed,
-        "prompt_tokens_reused": reused,
-        "reuse_vs_lru": reused / lru["reused_tokens"] if lru["reused_tokens"] else math.nan,
+        "prompt_tokens_sent": sent / n,
+        "prompt_tokens_computed": computed / n,
+        "prompt_tokens_reused": reused / n,
+        "reuse_vs_lru": reused / bound if bound else math.nan,
         "d_pinned": rf.pinned_share(held),
         "wall_s": s["wall_s"],
-        "routing": routing_counts(run["records"]),
+        "routing": routing_counts(run["records"], n),
     }
 
 
-def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+def routing_counts(records: list[dict[str, Any]], repeats: int = 1) -> dict[str, dict[str, int]]:
     """kvrelay's routing decision per answered turn (`usage.kvrelay.routing` of the stream),
-    counted for first and for later turns; empty for fronts that report none."""
+    counted for first and for later turns (per run: the mean over `repeats`); empty for
+    fronts that report none."""
     out: dict[str, dict[str, int]] = {"first": {}, "later": {}}
     for r in records:
         decision = r.get("routing")
@@ -235,6 +277,9 @@ def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
             continue
         by = out["first" if r["turn"] == 1 else "later"]
         by[decision] = by.get(decision, 0) + 1
+    for by in out.values():
+        for k, v in by.items():
+            by[k] = round(v / repeats)
     return out
 
 
@@ -361,6 +406,14 @@ def verdicts(rows: dict[str, dict[float, dict[str, Any]]], mid: float) -> list[s
     return lines
 
 
+def _slo_met(row: dict[str, Any]) -> str:
+    """The SLO share of a row, with each repeat's when there were several."""
+    runs = row.get("attainments") or []
+    if len(runs) < 2:
+        return _pct(row["attainment"])
+    return f"{_pct(row['attainment'])} ({' / '.join(_pct(x) for x in runs)})"
+
+
 def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0%}"
 
@@ -422,7 +475,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "when every measured rate met it, `<` when none did). Reuse = prompt tokens sent minus "
         'those computed (`vllm:prompt_tokens_by_source{source="local_compute"}` summed over '
         "the fleet's engines). D pinned = blocks held for remote readers over D's pool "
-        "(sampled), mean / peak.",
+        "(sampled), mean / peak. A row that pooled several runs (`--repeats`, each on a fresh "
+        "fleet) shows its SLO share over all their requests and each run's in brackets; its "
+        "token counts are per run.",
         "",
         "| system | req/s | SLO met | TTFT p50/p90 first ms | TTFT p50/p90 later ms "
         "| TPOT p90 ms | computed tokens | reused | vs LRU bound | D pinned mean/peak | errors |",
@@ -432,7 +487,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         for scale in sorted(by):
             r = by[scale]
             lines.append(
-                f"| {label} | {r['offered_rps']:.2f} | {_pct(r['attainment'])} | "
+                f"| {label} | {r['offered_rps']:.2f} | {_slo_met(r)} | "
                 f"{c.fmt_ms(r['ttft_first_p50'], 0)} / {c.fmt_ms(r['ttft_first_p90'], 0)} | "
                 f"{c.fmt_ms(r['ttft_later_p50'], 0)} / {c.fmt_ms(r['ttft_later_p90'], 0)} | "
                 f"{c.fmt_ms(r['tpot_p90'], 1)} | {r['prompt_tokens_computed']:.0f} | "
@@ -567,13 +622,16 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         for scale in args.scales:
             settings = replay_mod.scaled_settings(scale, hw.unscaled_lease_s)
             tag = f"{system.label.split()[0][:4]}{int(scale)}"
+            repeats: list[dict[str, Any]] = []
             try:
-                with rf.fleet(system, hw, scale, settings, tag) as f:
-                    run = asyncio.run(run_once(f, plan, args, scale))
+                for _ in range(args.repeats):  # each on a fresh fleet: no state carried over
+                    with rf.fleet(system, hw, scale, settings, tag) as f:
+                        repeats.append(asyncio.run(run_once(f, plan, args, scale)))
             except Exception as exc:  # a system that cannot start is reported, not fatal
                 data["skipped"] += f"{label} at {scale:g}x: {type(exc).__name__}: {exc}. "
                 print(f"{label} {scale:g}x failed: {exc}", flush=True)
                 continue
+            run = pooled(repeats, args)
             row = derive(run, lru, offered[str(scale)])
             data["rows"][label][str(scale)] = row
             data["runs"][f"{label} {scale:g}"] = {

@@ -5,6 +5,7 @@ prompt token counters, and one started fleet counting what its engines computed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from typing import Any
@@ -225,3 +226,47 @@ def test_routing_counts_split_first_and_later_turns_and_skip_failed_ones() -> No
         "first": {"prefill_chosen": 1, "spilled": 1},
         "later": {"decode_only": 2},
     }
+
+
+def _replayed(index: int, ttft_s: float, tpot_s: float) -> dict[str, Any]:
+    rec = trace_replay.Record(
+        index=index, conversation=index, turn=1, predecessor=None, conversation_id=None,
+        expected_prompt_tokens=100, expected_output_tokens=10, arrival_s=0.0,
+        ttft_s=ttft_s, tpot_s=tpot_s, prompt_tokens=100, routing="prefill_chosen",
+    )  # fmt: skip
+    return dataclasses.asdict(rec)
+
+
+def _run(records: list[dict[str, Any]], computed: float, args: Any) -> dict[str, Any]:
+    return {
+        "summary": trace_replay.summarize([trace_replay.Record(**r) for r in records], 10.0, args),
+        "fleet_prompt_tokens": {"local_compute": computed},
+        "frees": {"budget": 1.0},
+        "held_series": [{"held": 10, "total": 100}],
+        "records": records,
+    }
+
+
+def test_repeats_pool_their_requests_and_hold_reuse_against_the_bound_once_per_run() -> None:
+    args = tc.parse_args(["--repeats", "2"])
+    assert args.repeats == 2
+    # Run one: 3 of 4 requests meet the SLO (5 s TTFT, 100 ms TPOT); run two: 1 of 4.
+    one = [_replayed(i, 1.0, 0.02) for i in range(3)] + [_replayed(3, 9.0, 0.02)]
+    two = [_replayed(i, 1.0, 0.5) for i in range(3)] + [_replayed(3, 1.0, 0.02)]
+    runs = [_run(one, 300.0, args), _run(two, 100.0, args)]
+    run = tc.pooled(runs, args)
+    assert run["attainments"] == [0.75, 0.25]
+    assert run["summary"]["slo_attainment"] == 0.5  # 4 of the 8 requests, not a single run's
+    assert run["frees"] == {"budget": 2.0}
+    lru = {"reused_tokens": 200, "prompt_tokens": 400, "capacity_blocks": 1}
+    row = tc.derive(run, lru, 1.0)
+    # Sent 800, computed 400 over two runs: 200 reused per run against a bound of 200 a run.
+    assert row["prompt_tokens_reused"] == 200 and row["reuse_vs_lru"] == 1.0
+    assert row["routing"] == {"first": {"prefill_chosen": 4}, "later": {}}
+    assert tc._slo_met(row) == "50% (75% / 25%)"
+    # One run is its own row, unchanged.
+    single = tc.derive(tc.pooled(runs[:1], args), lru, 1.0)
+    assert single["attainment"] == 0.75 and single["reuse_vs_lru"] == 0.5
+    assert tc._slo_met(single) == "75%"
+    with pytest.raises(SystemExit):
+        tc.parse_args(["--repeats", "0"])
