@@ -42,8 +42,10 @@ from bench import _replay_fleet as rf
 from bench import _trace as tr
 from bench import trace_replay as replay_mod
 from bench._plots import save_figure
+from kvrelay.enginesim.costs import get_profile
 
 SECTION = "trace replay"
+DEFAULT_PROFILE = "llama3-8b-h100"
 GOODPUT_ATTAINMENT = 0.9
 GOODPUT_AIM = 1.3  # kvrelay default over vllm-router cache_aware P/D
 LATER_TTFT_AIM = 0.5  # kvrelay default's later-turn TTFT p50 over cache_aware P/D's
@@ -72,7 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--prefill-engines", type=int, help="P engines of the P/D systems (default: half)"
     )
-    p.add_argument("--profile", default="llama3-8b-h100")
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-link", default="rdma-400g")
     p.add_argument(
         "--kv-scale",
@@ -406,6 +408,12 @@ def verdicts(rows: dict[str, dict[float, dict[str, Any]]], mid: float) -> list[s
     return lines
 
 
+def _tp_groups(profile: str) -> str:
+    """What one engine of a tensor-parallel profile stands for."""
+    tp = get_profile(profile).tp
+    return f" (each a TP group of {tp} GPUs)" if tp > 1 else ""
+
+
 def _slo_met(row: dict[str, Any]) -> str:
     """The SLO share of a row, with each repeat's when there were several."""
     runs = row.get("attainments") or []
@@ -452,9 +460,10 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     )
     lines += [
         "",
-        f"Simulated hardware, the same for every system: {hw['engines']} enginesim engines "
-        f"`--cost-profile {hw['profile']} --kv-link {hw['kv_link']} --kv-scale "
-        f"{hw['kv_scale']:g}` ({hw['pool_blocks']} KV blocks of {hw['block_size']} tokens each, "
+        f"Simulated hardware, the same for every system: {hw['engines']} enginesim engines"
+        f"{_tp_groups(hw['profile'])} `--cost-profile {hw['profile']} --kv-link "
+        f"{hw['kv_link']} --kv-scale {hw['kv_scale']:g}` ({hw['pool_blocks']} KV blocks of "
+        f"{hw['block_size']} tokens each, "
         f"a prefix cache of as many blocks; KV tensors of 1 layer x 1 head x 8 so NIXL moves "
         f"small real tensors); P/D systems split them {hw['prefill_engines']} P + "
         f"{hw['engines'] - hw['prefill_engines']} D. kvrelay with one worker, "
@@ -568,6 +577,14 @@ def plot(data: dict[str, Any], path: Path) -> None:
     save_figure(
         fig, path, title=tr.CITATION + " replayed on simulated " + data["hardware"]["profile"]
     )
+
+
+def section_of(args: argparse.Namespace) -> str:
+    """RESULTS.md's section for a run: one per cost profile, so each profile's comparison
+    stands beside the others instead of replacing them."""
+    if args.profile == DEFAULT_PROFILE:
+        return SECTION
+    return f"{SECTION} ({args.profile})"
 
 
 def mid_scale(data: dict[str, Any]) -> float:
@@ -690,7 +707,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(data, args)
     plot(data, args.plot)
     text += f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
-    c.publish(SECTION, text, args.no_results, wrote=f"{c.relpath(args.json)}")
+    c.publish(section_of(args), text, args.no_results, wrote=f"{c.relpath(args.json)}")
     return 0
 
 

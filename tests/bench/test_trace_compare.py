@@ -270,3 +270,9 @@ def test_repeats_pool_their_requests_and_hold_reuse_against_the_bound_once_per_r
     assert tc._slo_met(single) == "75%"
     with pytest.raises(SystemExit):
         tc.parse_args(["--repeats", "0"])
+
+
+def test_each_cost_profile_writes_its_own_results_section() -> None:
+    assert tc.section_of(tc.parse_args([])) == "trace replay"
+    tp4 = tc.parse_args(["--profile", "llama3-70b-h100-tp4"])
+    assert tc.section_of(tp4) == "trace replay (llama3-70b-h100-tp4)"
