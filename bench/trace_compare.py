@@ -383,8 +383,10 @@ def verdicts(rows: dict[str, dict[float, dict[str, Any]]], mid: float) -> list[s
             f"{c.fmt_ratio(ratio)}; highest of the others {top} {gp[top][1]} req/s -> {_met(ok)} "
             f"(aim: >= {GOODPUT_AIM}x {RIVAL} and the highest of all)"
         )
-    if OURS in rows and RIVAL in rows and mid in rows[OURS] and mid in rows[RIVAL]:
-        a, b = rows[OURS][mid], rows[RIVAL][mid]
+    # At every rate both ran (the rival is often measured only at lower rates than ours).
+    common = sorted(set(rows.get(OURS, {})) & set(rows.get(RIVAL, {})))
+    for scale in common:
+        a, b = rows[OURS][scale], rows[RIVAL][scale]
         ratio = _ratio(a["ttft_later_p50"], b["ttft_later_p50"])
         lines.append(
             f"- later-turn TTFT p50 at {a['offered_rps']:.2f} req/s: {OURS} "

@@ -138,15 +138,21 @@ def test_verdicts_print_each_aim_met_or_missed_with_its_ratio() -> None:
         tc.HOLDS_OFF: {1.0: row(1, 0.9, 0.4, 0.03, 0.1), 2.0: row(2, 0.5, 0.4, 0.030, 0.1)},
     }
     lines = tc.verdicts(rows, 2.0)
-    assert len(lines) == 3
+    assert len(lines) == 4
     assert "ratio" in lines[0] and "-> met" in lines[0]  # >= 2.00 against about 1.1
-    assert "ratio 0.40 -> met" in lines[1]
-    assert "0.80 of the LRU bound" in lines[2] and "ratio 1.07 -> met" in lines[2]
+    # Later-turn TTFT at each rate both systems ran.
+    assert "at 1.00 req/s" in lines[1] and "ratio 0.20 -> met" in lines[1]
+    assert "at 2.00 req/s" in lines[2] and "ratio 0.40 -> met" in lines[2]
+    assert "0.80 of the LRU bound" in lines[3] and "ratio 1.07 -> met" in lines[3]
     rows[tc.OURS][2.0] = row(2, 0.5, 0.3, 0.040, 0.7)
     lines = tc.verdicts(rows, 2.0)
     assert "MISSED" in lines[0]
-    assert "ratio 0.60 -> MISSED" in lines[1]
-    assert "ratio 1.33 -> MISSED" in lines[2]
+    assert "ratio 0.60 -> MISSED" in lines[2]
+    assert "ratio 1.33 -> MISSED" in lines[3]
+    # A rival measured only below the middle rate is still compared where it ran.
+    del rows[tc.RIVAL][2.0]
+    lines = tc.verdicts(rows, 2.0)
+    assert len(lines) == 3 and "at 1.00 req/s" in lines[1] and "ratio 0.20 -> met" in lines[1]
 
 
 def test_prompt_counters_read_the_engines_vllm_series() -> None:
