@@ -566,11 +566,15 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax1.grid(True, alpha=0.3)
     ax1.legend(fontsize=8)
     for label in ordered(data["held_series"]):
-        series = data["held_series"][label]
-        ax2.plot(
-            [x["t_s"] for x in series], [x["held"] / x["total"] * 100 if x["total"] else 0
-                                         for x in series], label=label,
-        )  # fmt: skip
+        # Repeats of a run are joined one after another: each is drawn from its own start.
+        colour = None
+        for i, series in enumerate(_runs_of(data["held_series"][label])):
+            line = ax2.plot(
+                [x["t_s"] for x in series],
+                [x["held"] / x["total"] * 100 if x["total"] else 0 for x in series],
+                label=label if i == 0 else None, color=colour, alpha=1.0 if i == 0 else 0.5,
+            )  # fmt: skip
+            colour = line[0].get_color()
     ax2.set_title(f"D KV pool pinned by holds at {data['scales'][len(data['scales']) // 2]:g}x")
     ax2.set_xlabel("replay time (s)")
     ax2.set_ylabel("% of D's blocks")
@@ -587,6 +591,18 @@ def section_of(args: argparse.Namespace) -> str:
     if args.profile == DEFAULT_PROFILE:
         return SECTION
     return f"{SECTION} ({args.profile})"
+
+
+def _runs_of(series: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Split held-block samples where the replay clock starts again (the next repeat)."""
+    runs: list[list[dict[str, Any]]] = []
+    last = -math.inf
+    for x in series:
+        if not runs or x["t_s"] < last:
+            runs.append([])
+        runs[-1].append(x)
+        last = x["t_s"]
+    return runs
 
 
 def mid_scale(data: dict[str, Any]) -> float:

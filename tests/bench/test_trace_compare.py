@@ -282,3 +282,10 @@ def test_each_cost_profile_writes_its_own_results_section() -> None:
     assert tc.section_of(tc.parse_args([])) == "trace replay"
     tp4 = tc.parse_args(["--profile", "llama3-70b-h100-tp4"])
     assert tc.section_of(tp4) == "trace replay (llama3-70b-h100-tp4)"
+
+
+def test_held_samples_of_repeats_are_split_where_the_replay_clock_restarts() -> None:
+    series = [{"t_s": t, "held": 1, "total": 10} for t in (0.0, 1.0, 2.0, 0.5, 1.5, 0.0)]
+    runs = tc._runs_of(series)
+    assert [[x["t_s"] for x in run] for run in runs] == [[0.0, 1.0, 2.0], [0.5, 1.5], [0.0]]
+    assert tc._runs_of([]) == []
