@@ -1,0 +1,91 @@
+"""The hold budget on real vLLM: a D whose connector may pin a quarter of its KV pool with
+holds for next turns frees the oldest unclaimed ones past it (`freed_by_budget`) as new holds
+come, keeps the newest, and never lets the held blocks grow past the budget. A freed hold's
+blocks stay in vLLM's prefix cache, so the conversation's next turn still finds its history
+there (vLLM's own `local_cache_hit` counter says so).
+
+One vLLM D with kvrelay's connector (no P, no proxy): requests ask it to hold their blocks
+directly, as the proxy's decode leg does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvrelay.devtools import vllm_servers
+from kvrelay.devtools.process import free_port
+from tests.harness import wait_until
+from tests.vllm.test_kvrelay_pd import HELD_BLOCKS, SYSTEM, completion_body
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+BUDGET_FRACTION = 0.25
+BUDGET_BLOCKS = int(BUDGET_FRACTION * vllm_servers.DECODE_BLOCKS)  # the connector's rule
+FREED_BY_BUDGET = "vllm:kvrelay_freed_by_budget_total"
+LOCAL_HIT = (
+    'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_cache_hit"}'
+)
+
+
+@pytest.fixture(scope="module")
+def budget_d(tiny_model: Path) -> Iterator[vllm_servers.VLLMServer]:
+    side = free_port()
+    config = vllm_servers.kvrelay_transfer_config(side, hold_budget_fraction=BUDGET_FRACTION)
+    d = vllm_servers.VLLMServer(
+        "budget-D", tiny_model, 1, config, side_channel_port=side,
+        extra_args=["--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS)],
+    )  # fmt: skip
+    try:
+        d.start()
+        yield d
+    finally:
+        d.stop()
+
+
+def _prompt(i: int) -> str:
+    return f"Conversation {i}. " + SYSTEM
+
+
+def _held(d: vllm_servers.VLLMServer) -> float:
+    return d.metric(HELD_BLOCKS)
+
+
+def test_holds_past_the_budget_free_the_oldest_and_the_history_stays_cached(
+    budget_d: vllm_servers.VLLMServer,
+) -> None:
+    d = budget_d
+    first_blocks = 0.0
+    for i in range(8):
+        held_before = _held(d)
+        freed_before = d.metric(FREED_BY_BUDGET)
+        body = {
+            **completion_body(_prompt(i), max_tokens=8),
+            "kv_transfer_params": {"hold_blocks": True},
+        }
+        status, out = d.post("/v1/completions", body, timeout=60)
+        assert status == 200, out
+        # The hold is counted, or it pushed older ones out: either way the count moves.
+        wait_until(
+            lambda h=held_before, f=freed_before: _held(d) != h or d.metric(FREED_BY_BUDGET) > f,
+            10, what="D to hold the request",
+        )  # fmt: skip
+        if i == 0:
+            first_blocks = _held(d)
+            assert 0 < first_blocks <= BUDGET_BLOCKS // 2, "each hold must be a fraction of it"
+        # Past the budget the oldest went; the newest is always kept.
+        assert first_blocks <= _held(d) <= BUDGET_BLOCKS
+    assert d.metric(FREED_BY_BUDGET) > 0, "eight holds never went past a quarter of the pool"
+
+    # Conversation 0's hold was the first to go, but its blocks are still in vLLM's prefix
+    # cache: its next turn computes only what is new.
+    hit_before = d.metric(LOCAL_HIT)
+    body = completion_body(_prompt(0) + " And a follow-up question?", max_tokens=4)
+    status, out = d.post("/v1/completions", body, timeout=60)
+    assert status == 200, out
+    wait_until(
+        lambda: d.metric(LOCAL_HIT) - hit_before >= vllm_servers.BLOCK_SIZE, 30,
+        what="vLLM to count the follow-up's prefix-cache hit",
+    )  # fmt: skip
