@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools import vllm_servers
-from kvrelay.devtools.process import free_port
+from kvrelay.devtools import free_port, vllm_servers
 from tests.harness import wait_until
 from tests.vllm.test_kvrelay_pd import HELD_BLOCKS, SYSTEM, completion_body
 
