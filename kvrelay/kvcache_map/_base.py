@@ -180,6 +180,40 @@ async def stop_task(task: asyncio.Task[None]) -> None:
         log.error("background task failed: %r", task.exception())
 
 
+class MapUpkeep:
+    """What every backend keeps beside its entries: eviction reporting, operation counters,
+    the sweeper task and the closed flag, and the statistics and closing built from them.
+
+    A backend sets `backend`, starts `_sweeper` on first use and ends `close()` its own way
+    once `_stop_sweeping()` has said the map was still open.
+    """
+
+    backend: str
+
+    def __init__(self, on_evict: EvictionCallback | None, close_timeout: float) -> None:
+        self.close_timeout = close_timeout
+        self._notifier = EvictionNotifier(on_evict)
+        self._counters = MapCounters()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def drain(self) -> None:
+        """Wait for the `on_evict` callbacks started so far."""
+        await self._notifier.drain()
+
+    def _stats(self, entries: int | None, available: bool) -> MapStats:
+        return build_stats(self.backend, entries, available, self._counters, self._notifier)
+
+    async def _stop_sweeping(self) -> bool:
+        """Mark the map closed and stop its sweeper; False when it was closed already."""
+        if self._closed:
+            return False
+        self._closed = True
+        if self._sweeper is not None:
+            await stop_task(self._sweeper)
+        return True
+
+
 def build_stats(
     backend: str,
     entries: int | None,

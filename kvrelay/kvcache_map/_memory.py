@@ -26,13 +26,10 @@ from typing import NamedTuple
 from kvrelay.kvcache_map._base import (
     CLOSE_DRAIN_TIMEOUT,
     EvictionCallback,
-    EvictionNotifier,
     EvictionReason,
-    MapCounters,
     MapStats,
-    build_stats,
+    MapUpkeep,
     check_ttl,
-    stop_task,
 )
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, validate_key
 
@@ -114,7 +111,7 @@ class _Slots:
         self._len = 0
 
 
-class MemoryMap:
+class MemoryMap(MapUpkeep):
     """In-process `KVMap`: LRU over at most `max_entries` entries, each with a TTL.
 
     Leaving entries are reported to `on_evict`: EVICTED (LRU bound), EXPIRED (TTL),
@@ -139,9 +136,9 @@ class MemoryMap:
             raise ValueError("max_entries must be a positive integer")
         if not sweep_interval > 0:
             raise ValueError("sweep_interval must be positive")
+        super().__init__(on_evict, close_timeout)
         self.max_entries = max_entries
         self.sweep_interval = sweep_interval
-        self.close_timeout = close_timeout
         self._report_on_close = report_on_close
         self._clock = clock
         self._data = _Slots(max_entries)
@@ -151,10 +148,6 @@ class MemoryMap:
         # would push its number again each time.
         self._buckets: dict[int, set[ConversationKey]] = {}
         self._due: list[int] = []
-        self._notifier = EvictionNotifier(on_evict)
-        self._counters = MapCounters()
-        self._sweeper: asyncio.Task[None] | None = None
-        self._closed = False
 
     # -- KVMap -------------------------------------------------------------------------------
 
@@ -215,16 +208,13 @@ class MemoryMap:
         return entry
 
     async def stats(self) -> MapStats:
-        return build_stats(self.backend, len(self._data), True, self._counters, self._notifier)
+        return self._stats(len(self._data), True)
 
     async def close(self) -> None:
         """Stop the sweeper, report what is left (unless `report_on_close=False`), and wait
         for every pending `on_evict` callback."""
-        if self._closed:
+        if not await self._stop_sweeping():
             return
-        self._closed = True
-        if self._sweeper is not None:
-            await stop_task(self._sweeper)
         if self._report_on_close:
             now = self._clock()
             for key, slot in self._data.items():
@@ -262,10 +252,6 @@ class MemoryMap:
             if bucket == current:
                 break
         return reported
-
-    async def drain(self) -> None:
-        """Wait for the `on_evict` callbacks started so far."""
-        await self._notifier.drain()
 
     def __len__(self) -> int:
         return len(self._data)

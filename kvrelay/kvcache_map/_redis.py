@@ -50,13 +50,10 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvrelay.kvcache_map._base import (
     CLOSE_DRAIN_TIMEOUT,
     EvictionCallback,
-    EvictionNotifier,
     EvictionReason,
-    MapCounters,
     MapStats,
-    build_stats,
+    MapUpkeep,
     check_ttl,
-    stop_task,
 )
 from kvrelay.kvcache_map._entry import ConversationKey, KVEntry, decode_key, encode_key
 from kvrelay.kvcache_map._errors import (
@@ -184,7 +181,7 @@ def make_client(
     return single_client(url, timeout=timeout, max_connections=max_connections)
 
 
-class RedisMap:
+class RedisMap(MapUpkeep):
     """`KVMap` on Redis, shared by any number of proxy replicas using the same `prefix`.
 
     Reports REPLACED (overwritten by `put`) and EXPIRED (TTL ran out, found by the sweep or by
@@ -227,10 +224,10 @@ class RedisMap:
             raise ValueError("wait_replicas must be non-negative")
         if wait_replicas and isinstance(client, RedisCluster):
             raise ValueError("wait_replicas is for single Redis and Sentinel maps")
+        super().__init__(on_evict, close_timeout)
         self.prefix = prefix
         self.timeout = timeout
         self.sweep_interval = sweep_interval
-        self.close_timeout = close_timeout
         self._r = client
         self._owns_client = owns_client
         self._grace_ms = math.ceil(shadow_grace * 1000)
@@ -254,11 +251,7 @@ class RedisMap:
             if not wait_replicas and not isinstance(client, RedisCluster)
             else None
         )
-        self._notifier = EvictionNotifier(on_evict)
-        self._counters = MapCounters()
         self._available = True
-        self._sweeper: asyncio.Task[None] | None = None
-        self._closed = False
 
     @classmethod
     def from_url(
@@ -349,16 +342,13 @@ class RedisMap:
                 entries += int(await self._op(self._r.zcard(self._layout.index(shard))))
         except MapUnavailableError:
             entries = None
-        return build_stats(self.backend, entries, self._available, self._counters, self._notifier)
+        return self._stats(entries, self._available)
 
     async def close(self) -> None:
         """Stop sweeping, wait for pending callbacks, close the client if this map made it.
         Entries stay in Redis for the other replicas."""
-        if self._closed:
+        if not await self._stop_sweeping():
             return
-        self._closed = True
-        if self._sweeper is not None:
-            await stop_task(self._sweeper)
         await self._notifier.drain(within=self.close_timeout)
         if self._resp is not None:
             self._resp.close()
@@ -401,10 +391,6 @@ class RedisMap:
                 reported += self._report_expired(pairs[i], pairs[i + 1])
             if due < self._batch:
                 return reported
-
-    async def drain(self) -> None:
-        """Wait for the `on_evict` callbacks started so far."""
-        await self._notifier.drain()
 
     @property
     def available(self) -> bool:
