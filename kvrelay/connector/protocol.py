@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     PlainValidator,
+    Strict,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -85,33 +86,39 @@ MAX_FINISHED_BATCH = 32
 
 _INT_ONLY = {int}
 _STR_ONLY = {str}
-_SEQUENCES = (list, tuple)  # what pydantic's list took (JSON gives lists; Python callers tuples)
+_SEQUENCES = (list, tuple)  # JSON gives lists; Python callers (engines in-process) tuples
 
 
 def _ints(values: object) -> list[int]:
-    """A list of integers (no bools, no floats), copied; checked in C (`map`, `set`) rather
-    than by pydantic item by item: a long prompt's params list hundreds of block ids."""
+    """A list or tuple of integers (no bools, no floats) as a new list; checked in C (`map`,
+    `set`) rather than item by item: a long prompt's params list hundreds of block ids."""
     if not isinstance(values, _SEQUENCES) or (values and set(map(type, values)) != _INT_ONLY):
         raise ValueError("must be a list of integers")
     return list(values)
 
 
-def _block_id_groups(value: object) -> list[list[int]] | None:
-    """`remote_block_ids`: one list of block ids per KV-cache group (lists copied)."""
-    if value is None:
-        return None
+def _block_id_groups(value: object) -> list[list[int]]:
+    """`remote_block_ids` given as tuples: one list of block ids per KV-cache group."""
     if not isinstance(value, _SEQUENCES):
         raise ValueError("remote_block_ids must be a list of lists of integers")
     return [_ints(group) for group in value]
 
 
-def _strs(value: object) -> list[str] | None:
-    """A list of strings (`remote_block_hashes`), copied; checked as `_ints` is."""
-    if value is None:
-        return None
+def _strs(value: object) -> list[str]:
+    """`remote_block_hashes` given as a tuple: a list of strings, checked as `_ints` is."""
     if not isinstance(value, _SEQUENCES) or (value and set(map(type, value)) != _STR_ONLY):
         raise ValueError("must be a list of strings")
     return list(value)
+
+
+# The lists engines send are checked and copied by pydantic's compiled strict list validators:
+# no call back into Python, which is what makes them cheaper than `_ints` on every turn. Those
+# refuse tuples, so a tuple (an engine in the same process) falls through, left to right, to
+# the Python check, which takes lists and tuples and nothing else (no sets, no generators).
+_StrictIds = Annotated[list[Annotated[list[StrictInt], Strict()]], Strict()]
+_StrictStrs = Annotated[list[StrictStr], Strict()]
+_BlockIds = _StrictIds | Annotated[list[list[int]], PlainValidator(_block_id_groups)] | None
+_Hashes = _StrictStrs | Annotated[list[str], PlainValidator(_strs)] | None
 
 
 class KVTransferParams(BaseModel):
@@ -133,11 +140,11 @@ class KVTransferParams(BaseModel):
     remote_request_id: StrictStr | None = None
     remote_host: StrictStr | None = None
     remote_port: StrictInt | None = None
-    remote_block_ids: Annotated[list[list[int]] | None, PlainValidator(_block_id_groups)] = None
+    remote_block_ids: _BlockIds = Field(default=None, union_mode="left_to_right")
     remote_num_tokens: StrictInt | None = None
     tp_size: StrictInt | None = None  # None: 1
     remote_blocks_expiry_time: StrictFloat | None = None
-    remote_block_hashes: Annotated[list[str] | None, PlainValidator(_strs)] = None
+    remote_block_hashes: _Hashes = Field(default=None, union_mode="left_to_right")
     remote_tail_hash: StrictStr | None = None
     release_token: StrictStr | None = None
     hold_blocks: StrictBool = False

@@ -138,6 +138,48 @@ def test_wrong_types_are_refused_at_the_edge(bad: dict[str, Any]) -> None:
     assert KVTransferParams.from_wire_or_none("not an object") is None
 
 
+@pytest.mark.parametrize(
+    ("field", "given", "parsed"),
+    [
+        ("remote_block_ids", [[1, 2], [3]], [[1, 2], [3]]),
+        ("remote_block_ids", ((1, 2), [3]), [[1, 2], [3]]),  # an engine in the same process
+        ("remote_block_ids", [(1, 2)], [[1, 2]]),
+        ("remote_block_ids", [], []),
+        ("remote_block_hashes", ["ab", "cd"], ["ab", "cd"]),
+        ("remote_block_hashes", ("ab", "cd"), ["ab", "cd"]),
+    ],
+)
+def test_lists_and_tuples_are_taken_as_lists(field: str, given: Any, parsed: Any) -> None:
+    value = getattr(KVTransferParams.from_wire(_d_params(**{field: given})), field)
+    assert value == parsed and type(value) is list
+    assert all(type(group) is list for group in value if field == "remote_block_ids")
+
+
+@pytest.mark.parametrize(
+    ("field", "given"),
+    [
+        ("remote_block_ids", [{1, 2}]),
+        ("remote_block_ids", ({1, 2},)),
+        ("remote_block_ids", {(1, 2)}),
+        ("remote_block_ids", [[1, 2.0]]),
+        ("remote_block_ids", ([1, False],)),
+        ("remote_block_ids", [1, 2]),
+        ("remote_block_ids", [[1, 2], "3"]),
+        ("remote_block_ids", ["12"]),
+        ("remote_block_ids", ([x for x in (1, 2)] for _ in range(1))),
+        ("remote_block_hashes", {"ab"}),
+        ("remote_block_hashes", ["ab", 1]),
+        ("remote_block_hashes", ("ab", None)),
+        ("remote_block_hashes", "abcd"),
+        ("remote_block_hashes", [b"ab"]),
+    ],
+)
+def test_other_collections_and_items_are_refused(field: str, given: Any) -> None:
+    """Only lists (JSON) and tuples (an engine in the same process) of the right items: no
+    sets, generators or strings, whichever of the two checks sees them."""
+    assert KVTransferParams.from_wire_or_none(_d_params(**{field: given})) is None
+
+
 def test_parsed_params_share_no_list_with_the_wire() -> None:
     wire = _d_params()
     parsed = KVTransferParams.from_wire(wire)
