@@ -17,7 +17,8 @@ Policies (`routing_policy`, README "Routing policy"):
   turn's, only the uncached part on the holder), D prefills the turn itself, as on a short
   follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D, and
   never onto a D whose decodes already run slower than `prefill_spill_max_inter_token_ms`
-  (its own inter-token histogram, read with the load gauges).
+  (its own inter-token histogram, read with the load gauges; 0, the default, turns that check
+  off: on a P-bound fleet it moved more misses to TTFT than it saved in TPOT).
   D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes the
   overflow. `always_p` and `affinity` never spill.
 
