@@ -17,6 +17,10 @@ The features (names for `--without`):
 - `fingerprint`: the first request's prompt shape (digests of the prompt) stands for all.
 - `finished_lookup`: a stream's end asks D's side channel for nothing (streams carry no params,
   so D's params are not stored).
+- `accounting`: no leg's account is read from P's or D's answer, none is counted, no
+  `X-Kvrelay-*` account header is sent and the router learns nothing from the turn.
+- `spill`: the router never spills a turn to D (every turn the map cannot send straight to
+  its holder goes through P, as before the spill existed).
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-FEATURES = ("metrics", "map", "entry", "admission", "fingerprint", "finished_lookup")
+FEATURES = (
+    "metrics", "map", "entry", "admission", "fingerprint", "finished_lookup", "accounting",
+    "spill",
+)  # fmt: skip
 
 
 class _NoUpdate:
@@ -135,6 +142,29 @@ def _finished_lookup_off() -> None:
     _replace(Releaser, "finished_params", finished_params)
 
 
+def _accounting_off() -> None:
+    from kvrelay.proxy.turn import PromptAccount, Turn, TurnReport
+
+    unknown = PromptAccount()
+
+    def nothing(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    _replace(PromptAccount, "from_connector", classmethod(nothing))
+    _replace(PromptAccount, "from_usage", classmethod(lambda cls, *args: unknown))
+    _replace(PromptAccount, "headers", lambda self, prefilled_by: {})
+    _replace(TurnReport, "decode_usage", nothing)
+    _replace(TurnReport, "decode_reported", nothing)
+    _replace(TurnReport, "settle_accounts", lambda self: unknown)
+    _replace(Turn, "_learn", nothing)
+
+
+def _spill_off() -> None:
+    from kvrelay.proxy.fleet import Router
+
+    _replace(Router, "spill", lambda self, entry, prompt_chars: None)
+
+
 _SWITCHES: dict[str, Callable[[], None]] = {
     "metrics": _metrics_off,
     "map": _map_off,
@@ -142,6 +172,8 @@ _SWITCHES: dict[str, Callable[[], None]] = {
     "admission": _admission_off,
     "fingerprint": _fingerprint_off,
     "finished_lookup": _finished_lookup_off,
+    "accounting": _accounting_off,
+    "spill": _spill_off,
 }
 
 

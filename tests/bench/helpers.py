@@ -10,11 +10,15 @@ from tests.harness import REPO_ROOT, ServerProcess, free_port, http_ready
 SECRET = "bench-test-secret"  # the fakes' side channels need one, and so does kvrelay
 
 
-def start(argv: list[str], ready_url: str, name: str) -> ServerProcess:
-    """A process of the benchmark, ready once `ready_url` answers (use it as a `with` block)."""
+def start(
+    argv: list[str], ready_url: str, name: str, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """A process of the benchmark, ready once `ready_url` answers (use it as a `with` block);
+    `env`: more environment (settings) for it."""
     env = {
         "KVRELAY_CONNECTOR_SECRET": SECRET,
         "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        **(env or {}),
     }
     return ServerProcess(argv, http_ready(ready_url), env=env, ready_timeout=60, name=name)
 

@@ -32,14 +32,16 @@ def engines() -> Iterator[list[str]]:
         ]  # fmt: skip
 
 
-def _proxy(stack: ExitStack, engines: list[str], without: str | None) -> str:
+def _proxy(
+    stack: ExitStack, engines: list[str], without: str | None, env: dict[str, str] | None = None
+) -> str:
     port = free_port()
     launcher = ["-m", "bench._features_off", "--without", without, "--"] if without else [
         "-m", "kvrelay.proxy.cli",
     ]  # fmt: skip
     argv = [sys.executable, *launcher, "serve", "--port", str(port), *engines]
     url = f"http://127.0.0.1:{port}"
-    stack.enter_context(start(argv, url + "/ready", f"kvrelay-{without or 'all-features'}"))
+    stack.enter_context(start(argv, url + "/ready", f"kvrelay-{without or 'all-features'}", env))
     return url
 
 
@@ -75,6 +77,26 @@ def test_each_switch_changes_only_what_it_names(engines: list[str]) -> None:
         assert not no_metrics.get(HIT) and not no_metrics.get(MISS)  # reused, but not counted
         everything_off = ",".join(instructions.FEATURES)
         assert not _two_turns(_proxy(stack, engines, everything_off)).get(MISS)
+
+
+def _total(samples: dict[str, float], metric: str) -> float:
+    return sum(v for k, v in samples.items() if k.split("{")[0] == metric)
+
+
+def test_accounting_and_spill_switches(engines: list[str]) -> None:
+    # A tiny spill factor: P's time beats D's by far less than that, so every first turn spills.
+    eager = {"KVRELAY_PREFILL_SPILL_FACTOR": "0.01"}
+    with ExitStack() as stack:
+        whole = _two_turns(_proxy(stack, engines, None, eager))
+        assert _total(whole, "kvrelay_prefill_spilled_total") >= 1
+        assert _total(whole, "kvrelay_leg_accounts_total") >= 2  # both turns' legs accounted
+        no_spill = _two_turns(_proxy(stack, engines, "spill", eager))
+        assert _total(no_spill, "kvrelay_prefill_spilled_total") == 0
+        assert no_spill.get(HIT) == 1 and _total(no_spill, "kvrelay_leg_accounts_total") >= 2
+        no_accounts = _two_turns(_proxy(stack, engines, "accounting", eager))
+        assert _total(no_accounts, "kvrelay_leg_accounts_total") == 0
+        assert _total(no_accounts, "kvrelay_prompt_tokens_total") == 0
+        assert no_accounts.get(HIT) == 1 and _total(no_accounts, "kvrelay_prefill_spilled_total")
 
 
 def test_unknown_features_are_refused_before_anything_runs() -> None:
