@@ -17,12 +17,14 @@ from aiohttp import web
 from kvrelay.devtools import (
     LOOPBACK_UCX,
     DevFleet,
+    ServerProcess,
     ThreadedApp,
     fleet_env,
     free_port,
     prometheus,
     sse,
     tcp_ready,
+    wait_until,
     with_loopback_ucx,
 )
 from tests.harness import REPO_ROOT
@@ -119,6 +121,29 @@ def test_free_ports_lie_below_the_ephemeral_range_and_can_be_bound() -> None:
         taken = held.getsockname()[1]
         held.listen()
         assert free_port(preferred=taken) != taken
+
+
+@pytest.mark.parametrize("keep", ["", "0", "1"])
+def test_a_stopped_server_keeps_its_output_file_only_when_asked(
+    keep: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`KVRELAY_KEEP_SERVER_LOGS` keeps a benchmark's engine and proxy output for a diagnosis
+    after the fleet is stopped; by default the file goes with the server."""
+    monkeypatch.setenv("KVRELAY_KEEP_SERVER_LOGS", keep)
+    code = "import time; print('started', flush=True); time.sleep(60)"
+    server = ServerProcess([sys.executable, "-c", code], ready=lambda: True, name="keep-logs")
+    with server:
+        wait_until(lambda: "started" in server.output(), 30, what="the server's first line")
+        path = server.log_path
+    assert path is not None and not server.alive
+    try:
+        if keep == "1":
+            assert path.read_text() == "started\n"
+            assert f"keep-logs: output kept in {path}" in capsys.readouterr().err
+        else:
+            assert not path.exists()
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_makefile_exports_the_devtools_ucx_defaults() -> None:

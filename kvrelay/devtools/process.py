@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.error
@@ -23,6 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+# Set (to anything but "" or "0"), every server's output file outlives `stop()`, its path
+# written to stderr: how a benchmark's engine and proxy logs are kept for a diagnosis.
+KEEP_LOGS_ENV = "KVRELAY_KEEP_SERVER_LOGS"
 
 # Free ports are looked for from here up to the kernel's ephemeral range (Linux's default start
 # when the range cannot be read).
@@ -234,8 +239,11 @@ class ServerProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         if self.log_path is not None:
-            with contextlib.suppress(OSError):
-                self.log_path.unlink()
+            if os.environ.get(KEEP_LOGS_ENV, "") not in ("", "0"):
+                sys.stderr.write(f"{self.name}: output kept in {self.log_path}\n")
+            else:
+                with contextlib.suppress(OSError):
+                    self.log_path.unlink()
             self.log_path = None
 
     def __enter__(self) -> ServerProcess:

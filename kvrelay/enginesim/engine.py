@@ -294,26 +294,30 @@ class EngineCore:
         return n
 
     def _resume(self, req: SimRequest, budget: int) -> int | None:
-        """Re-admit a preempted request. vLLM asks the connector again (nothing is computed);
-        whatever does not arrive is recomputed locally (same values)."""
-        n_ext, is_async = self._ask_connector(req)
+        """Re-admit a preempted request as vLLM admits any request with nothing computed:
+        local prefix hit first (its own full blocks, cached when it was preempted, over its
+        prompt and output so far), then the connector asked again for what lies beyond it;
+        the rest is recomputed locally (same values)."""
+        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids))
+        n_ext, is_async = self._ask_connector(req, local)
+        computed = local + n_ext
         if is_async:
-            n, tokens = 0, n_ext
+            n, tokens = 0, computed
         else:
-            n, tokens = self._first_chunk_blocks(req, 0, budget)
-            tokens = max(tokens, n_ext)
+            n, tokens = self._first_chunk_blocks(req, computed, budget)
         blocks = self._allocate(self.pool.blocks_for(tokens))
         if blocks is None:
             return None
         self.waiting.popleft()
         req.block_ids = blocks
-        req.num_computed = 0
-        req.cached_tokens = 0
+        self.prefix_cache.load(self.pool, blocks, req.hashes, local)
+        req.cached_tokens = local
         req.prefill_start = None
         self.kv.update_state_after_alloc(req, blocks, n_ext)
         if is_async:
             self._start_loading(req)
             return 0
+        req.num_computed = computed
         req.state = ReqState.PREFILL
         self.running[req.request_id] = req
         return n
@@ -420,10 +424,13 @@ class EngineCore:
         return False
 
     def _preempt_newest(self) -> SimRequest:
-        """The newest running request goes back to the queue head, its blocks freed; its KV
-        is recomputed (or loaded again) when it is resumed."""
+        """The newest running request goes back to the queue head, its blocks freed. Its full
+        blocks stay in the prefix cache (vLLM caches a request's full blocks as they are
+        computed, and a freed block keeps its hash until it is reused), so when it is resumed
+        only what lies beyond them is recomputed (or loaded again)."""
         victim = next(reversed(self.running.values()))
         del self.running[victim.request_id]
+        self.prefix_cache.store(self.pool, victim.block_ids, victim.hashes[: victim.num_computed])
         self.pool.free(victim.block_ids)
         victim.block_ids = []
         victim.num_computed = 0

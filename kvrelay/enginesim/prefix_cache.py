@@ -1,11 +1,11 @@
 """`PrefixCache`: the engine's local prefix cache (vLLM's automatic prefix caching, simplified).
 
-Full blocks of every finished request are remembered by the prefix hash of their last position
-(which covers every token before it), least recently used first out once `capacity` blocks are
-kept. A new request whose prompt starts with remembered blocks gets their KV copied into its own
-blocks and computes only the rest. It lives beside the block pool instead of sharing its blocks
-(no reference counts to get wrong); a hit costs a copy, which the simulated clock ignores, as a
-real engine's hit costs nothing.
+Full blocks of every finished or preempted request are remembered by the prefix hash of their
+last position (which covers every token before it), least recently used first out once
+`capacity` blocks are kept. A new request whose prompt starts with remembered blocks (or a
+preempted one resumed) gets their KV copied into its own blocks and computes only the rest. It
+lives beside the block pool instead of sharing its blocks (no reference counts to get wrong); a
+hit costs a copy, which the simulated clock ignores, as a real engine's hit costs nothing.
 
 This is what P affinity relies on (turn N+1's P finds turn N's prompt here and pulls from D only
 the blocks beyond it) and what conditional disaggregation relies on (the D that served turn N
@@ -59,7 +59,9 @@ class PrefixCache:
             pool.write(block_ids, block * bs, kv)
 
     def store(self, pool: BlockPool, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
-        """Remember every full block of a finished request (newest last in LRU order)."""
+        """Remember every full block of a request whose KV is written at the positions `hashes`
+        covers (a finished request's, or a preempted one's computed part), newest last in LRU
+        order."""
         if not self.capacity:
             return
         bs = self.block_size

@@ -327,8 +327,11 @@ class EngineServer:
             return {"id": response_id, "object": kind, "created": created,
                     "model": self.config.model, "choices": [choice]}  # fmt: skip
 
-        if chat:
-            await stream.write(_sse(chunk("", None, first=True)))
+        # vLLM sends a chat stream's role event with the request's first output, not when the
+        # stream opens: nothing reaches the client while the request waits or prefills (a
+        # router reads the first event as "prefill done"); an error before any output is the
+        # stream's first event.
+        role_sent = not chat
         while True:
             out = await next_output()
             if out.error is not None:
@@ -336,6 +339,9 @@ class EngineServer:
                 await stream.write(_sse(error.body()))
                 await stream.write(_sse("[DONE]"))
                 return True
+            if not role_sent:
+                await stream.write(_sse(chunk("", None, first=True)))
+                role_sent = True
             if not out.finished:
                 if out.text:
                     await stream.write(_sse(chunk(out.text, None)))

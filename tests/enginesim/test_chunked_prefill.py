@@ -327,3 +327,40 @@ def test_inter_token_gaps_count_the_prefill_steps_a_decode_shared() -> None:
     buckets = dict(core.token_gaps.cumulative())
     assert decode_only < 0.01 < shared
     assert buckets["0.01"] == 1 and buckets["+Inf"] == 2
+
+
+def test_a_preempted_prefill_resumes_from_the_full_blocks_it_had_computed() -> None:
+    """vLLM caches a prefill's full blocks as they are computed and admits a preempted request
+    again like a new one, local prefix hit first: only what lay beyond its last full block is
+    computed again. Recomputed from the start, a long prompt preempted over and over (its
+    engine's decoders keep growing) would never get through its prefill, and every request
+    queued behind it would wait with it."""
+    clock = ModelledClock()
+    # 40 blocks (640 tokens): a 300-token decoder and a 500-token prompt do not both fit.
+    core = _core(clock, 64, num_blocks=40, max_model_len=640, prefix_cache_blocks=40)
+    first, second = Recorder(clock), Recorder(clock)
+    p1, p2 = _prompt(300, 1), _prompt(500, 2)
+    core.add_request(_request("first", p1, 60, first))
+    req = _request("second", p2, 10, second)
+    core.add_request(req)
+    computed = 0  # positions of `second` in KV after the last step it ran
+    resumed: list[tuple[int, int]] = []  # (computed when preempted, computed once resumed)
+    preempted_at: int | None = None
+    for _ in range(10_000):
+        if first.finished and second.finished:
+            break
+        _step(core)
+        if req.preempted and preempted_at is None:
+            preempted_at = computed
+        elif preempted_at is not None and "second" in core.running:
+            resumed.append((preempted_at, req.num_computed))
+            preempted_at = None
+        computed = req.num_computed
+    assert core.counters["preemptions"] >= 1 and resumed
+    for lost_at, after in resumed:
+        # Its full blocks came back from the prefix cache; the step that resumed it then
+        # computed the next chunk beyond them.
+        assert lost_at >= 64 and after > lost_at // 16 * 16
+    assert first.text == reference_completion(p1, 60, ignore_eos=True)
+    assert second.text == reference_completion(p2, 10, ignore_eos=True)
+    assert core.pool.num_free == 40 and not core.has_work

@@ -213,3 +213,37 @@ def test_stream_events_have_vllm_shapes(engine: EngineSim) -> None:
     assert usage["usage"]["completion_tokens"] == 6
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + 6
     assert all(e == "[DONE]" or "kv_transfer_params" not in e for e in events)
+
+
+def test_a_chat_stream_sends_nothing_before_its_first_output(
+    engine_factory: EngineFactory,
+) -> None:
+    """vLLM sends a chat stream's role event with the request's first output: a request still
+    queued (or prefilling) has sent nothing but headers, which is what a router reads its
+    first byte as (the end of prefill, for kvrelay's spill budget)."""
+    # One sequence at a time: the chat request waits until the slow first one has finished.
+    eng = engine_factory("one-at-a-time", "--max-num-seqs", "1", "--decode-us-per-step",
+                         "20000", connector=False)  # fmt: skip
+    body = json.dumps({"prompt": "first job", "max_tokens": 50, "ignore_eos": True}).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    finished = 'enginesim_requests_by_outcome_total{outcome="finished"}'
+    msgs = [{"role": "user", "content": "queued"}]
+    chat = {"messages": msgs, "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with socket.create_connection(("127.0.0.1", eng.port)) as first:
+        first.sendall(head + body)
+        wait_until(lambda: eng.metric("enginesim_requests_running") == 1, 10,
+                   what="the first request running")  # fmt: skip
+        with httpx.stream("POST", eng.url + "/v1/chat/completions", json=chat,
+                          timeout=30) as resp:  # fmt: skip
+            assert resp.status_code == 200
+            lines = (line for line in resp.iter_lines() if line.startswith("data: "))
+            role = json.loads(next(lines)[6:])
+            # Its first event came only once the engine ran it, after the first one ended.
+            assert eng.metric(finished) >= 1 and eng.metric("enginesim_requests_waiting") == 0
+            assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+            content = json.loads(next(lines)[6:])
+            assert content["choices"][0]["delta"]["content"]
+            rest = list(lines)
+    assert rest[-1] == "data: [DONE]"
+    eng.wait_idle()
