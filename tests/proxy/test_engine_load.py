@@ -177,6 +177,27 @@ def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None
     assert plain.pick_prefill(entry, set()) == (q0, False)
 
 
+def test_prefill_affinity_yields_to_a_p_whose_queue_is_shorter_by_more_than_the_turn() -> None:
+    router, prefill, _ = _router(routing_policy="affinity")
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    entry = _entry("http://d", "http://p1")
+    turn = 1000  # the turn's prompt characters
+    p1.outstanding_work = 5000  # the previous P has queued work; p0 none
+    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    p0.outstanding_work = 4000  # p0 only a turn's worth ahead: not worth losing the local hit
+    assert router.pick_prefill(entry, set(), turn) == (p1, True)
+    p0.outstanding_work = 3999
+    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    # Another worker's requests on p1 (its fresh reading shows more than this worker sent)
+    # count at this worker's mean per request there.
+    p0.outstanding_work, p1.outstanding_work, p1.inflight = 2000, 1000, 1
+    assert router.pick_prefill(entry, set(), turn) == (p1, True)
+    p1.load = _reading(waiting=3)  # 1 running + 3 waiting: 3 more requests of 1000 characters
+    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    # A P left out (tried already) is not a reason to yield.
+    assert router.pick_prefill(entry, {"http://p0"}, turn) == (p1, True)
+
+
 def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() -> None:
     router, _, decode = _router(
         routing_policy="conditional", conditional_max_uncached_tokens=50,

@@ -5,6 +5,9 @@ Policies (`routing_policy`, README "Routing policy"):
 - `affinity`: as `always_p`, but the P leg goes to the P that served the conversation's
   previous turn (kept in its map entry) while that P is usable and not overloaded: its local
   prefix cache still has the previous prompt, so it pulls from D only the blocks beyond it.
+  Affinity yields when another P's queued prompt work is shorter by more than the whole turn:
+  that P would be done before the previous P started, and it loses only the pull of the
+  history (the holder serves it to any P).
 - `conditional`: `affinity`, and when the D that holds the conversation is not busy and the part
   of the new prompt it does not hold is short (`conditional_max_uncached_tokens`, estimated
   from the previous turn's characters per token), the turn goes straight to that D: D serves
@@ -43,6 +46,7 @@ from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 
 # Characters per token until a conversation's entry says (English BPE tokenizers: about 4).
 _DEFAULT_CHARS_PER_TOKEN = 4.0
+_NO_P_LEFT_OUT: frozenset[str] = frozenset()
 
 
 @dataclass(slots=True)
@@ -96,13 +100,17 @@ class Router:
 
     # -- P -----------------------------------------------------------------------------------
 
-    def pick_prefill(self, entry: KVEntry | None, exclude: set[str]) -> tuple[Backend | None, bool]:
-        """P for the turn, and whether it is the conversation's previous P (affinity)."""
+    def pick_prefill(
+        self, entry: KVEntry | None, exclude: set[str], work: int = 0
+    ) -> tuple[Backend | None, bool]:
+        """P for the turn, and whether it is the conversation's previous P (affinity). `work`:
+        the turn's prompt characters; affinity yields to a P whose queue is shorter by more."""
         preferred = entry.prefill_url if entry is not None else None
         if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
             if backend is not None and self.affinity.admits(backend.url):
-                return backend, True
+                shorter = self._shorter_queue(backend, exclude, work)
+                return (backend, True) if shorter is None else (shorter, False)
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
             return (candidates[0] if candidates else None), False
@@ -202,9 +210,10 @@ class Router:
         s = self.settings
         if s.routing_policy != "conditional" or s.prefill_spill_factor <= 0:
             return None
-        p_queued = self._prefill_queue(prompt_chars)
-        if p_queued is None:
+        least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT)
+        if least is None:
             return None  # no P: the P leg finds none and D prefills anyway
+        p_queued = least[1]
         cpt = entry.chars_per_token if entry is not None else None
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
@@ -224,25 +233,44 @@ class Router:
             return None
         return Spill(target, d_tokens, holder)
 
-    def _prefill_queue(self, prompt_chars: int) -> float | None:
-        """The least prompt work (characters) queued on a usable P, or None without one. A P
-        whose fresh load reading shows more requests than this worker sent (other workers')
-        counts them at this worker's mean per request there, or at this turn's size."""
-        least: float | None = None
-        interval = self.settings.load_poll_interval_s
+    def _least_queued(
+        self, prompt_chars: int, exclude: set[str] | frozenset[str]
+    ) -> tuple[Backend, float] | None:
+        """The usable P (not in `exclude`) with the least prompt work queued, and that work."""
+        least: tuple[Backend, float] | None = None
         for b in self.prefill.backends.values():
-            if not b.usable:
+            if not b.usable or b.url in exclude:
                 continue
-            work = float(b.outstanding_work)
-            load = fresh_load(b, interval)
-            if load is not None:
-                seen = load.running + load.waiting
-                if seen > b.inflight:
-                    mean = work / b.inflight if b.inflight else float(prompt_chars)
-                    work += (seen - b.inflight) * mean
-            if least is None or work < least:
-                least = work
+            work = self._queued_work(b, prompt_chars)
+            if least is None or work < least[1]:
+                least = (b, work)
         return least
+
+    def _queued_work(self, p: Backend, prompt_chars: int) -> float:
+        """Prompt work (characters) queued on P: this worker's own, and where a fresh load
+        reading shows more requests than this worker sent (other workers'), those counted at
+        this worker's mean per request there, or at this turn's size."""
+        work = float(p.outstanding_work)
+        load = fresh_load(p, self.settings.load_poll_interval_s)
+        if load is not None:
+            seen = load.running + load.waiting
+            if seen > p.inflight:
+                mean = work / p.inflight if p.inflight else float(prompt_chars)
+                work += (seen - p.inflight) * mean
+        return work
+
+    def _shorter_queue(self, p: Backend, exclude: set[str], work: int) -> Backend | None:
+        """The usable P whose queued prompt work is shorter than `p`'s by more than the whole
+        turn (it would be done with the turn before `p` started it), or None. The conversation's
+        previous P saves only the pull of the history its prefix cache still has (the holder
+        serves that to any P), so affinity is not worth that wait."""
+        own = self._queued_work(p, work)
+        if own <= work:
+            return None  # not a turn's worth queued beyond this one: no P can be that far ahead
+        least = self._least_queued(work, exclude)
+        if least is None or own - least[1] <= work:
+            return None
+        return least[0]
 
     def _spill_decode(self, entry: KVEntry | None) -> tuple[Backend | None, bool]:
         """The D a spilled turn would go to and whether it holds the conversation: the holder

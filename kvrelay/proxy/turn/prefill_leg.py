@@ -58,7 +58,7 @@ class PrefillLeg:
         affine: set[str] = set()
 
         def pick(exclude: set[str]) -> Backend | None:
-            backend, by_affinity = router.pick_prefill(entry, exclude)
+            backend, by_affinity = router.pick_prefill(entry, exclude, work)
             if backend is not None and by_affinity:
                 affine.add(backend.url)
             return backend
