@@ -244,8 +244,7 @@ class EngineCore:
             and len(self.running) + len(self.loading) < self.config.max_num_seqs
         ):
             req = self.waiting[0]
-            admit = self._resume if req.preempted else self._admit_new
-            n = admit(req, budget)
+            n = self._admit_one(req, budget)
             if n is None:
                 return
             if req.request_id in self.running:
@@ -259,14 +258,21 @@ class EngineCore:
         n = min(remaining, budget)
         return n, computed + n + int(n == remaining)
 
-    def _admit_new(self, req: SimRequest, budget: int) -> int | None:
-        """Admit the head of the queue; returns its first chunk (0 when it loads), or None
-        when the pool cannot take it now."""
+    def _admit_one(self, req: SimRequest, budget: int) -> int | None:
+        """Admit the head of the queue, new or preempted; returns its first chunk (0 when it
+        loads), or None when the pool cannot take it now. vLLM admits both alike, as a request
+        with nothing computed: local prefix hit first (a preempted request's own full blocks,
+        cached when it was preempted, over its prompt and output so far), then the connector
+        asked for what lies beyond it; the rest is computed (recomputed: same values). What a
+        request reports it reused is its first admission's split."""
+        first = not req.preempted
         # Asked on every admission attempt, as vLLM does (a retry after a failed allocation
         # may see a different local hit). The connector is told the local hit, so it loads
         # only what lies beyond it.
-        local = self.prefix_cache.hit_tokens(req.hashes, req.num_prompt_tokens)
-        n_ext, is_async = req.external = self._ask_connector(req, local)
+        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids))
+        n_ext, is_async = self._ask_connector(req, local)
+        if first:
+            req.external = (n_ext, is_async)
         computed = local + n_ext
         if is_async:
             # Blocks for what arrives; the rest is allocated chunk by chunk after it.
@@ -281,43 +287,15 @@ class EngineCore:
         req.prefill_start = None
         self.prefix_cache.load(self.pool, blocks, req.hashes, local)
         req.cached_tokens = local
-        if req.admitted_local is None:
+        if first:
             req.admitted_local, req.admitted_external = local, n_ext
         self.kv.update_state_after_alloc(req, blocks, n_ext)
         if is_async:
             self._start_loading(req)
             return 0
         req.num_computed = computed
-        req.loaded_tokens = n_ext
-        req.state = ReqState.PREFILL
-        self.running[req.request_id] = req
-        return n
-
-    def _resume(self, req: SimRequest, budget: int) -> int | None:
-        """Re-admit a preempted request as vLLM admits any request with nothing computed:
-        local prefix hit first (its own full blocks, cached when it was preempted, over its
-        prompt and output so far), then the connector asked again for what lies beyond it;
-        the rest is recomputed locally (same values)."""
-        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids))
-        n_ext, is_async = self._ask_connector(req, local)
-        computed = local + n_ext
-        if is_async:
-            n, tokens = 0, computed
-        else:
-            n, tokens = self._first_chunk_blocks(req, computed, budget)
-        blocks = self._allocate(self.pool.blocks_for(tokens))
-        if blocks is None:
-            return None
-        self.waiting.popleft()
-        req.block_ids = blocks
-        self.prefix_cache.load(self.pool, blocks, req.hashes, local)
-        req.cached_tokens = local
-        req.prefill_start = None
-        self.kv.update_state_after_alloc(req, blocks, n_ext)
-        if is_async:
-            self._start_loading(req)
-            return 0
-        req.num_computed = computed
+        if first:
+            req.loaded_tokens = n_ext
         req.state = ReqState.PREFILL
         self.running[req.request_id] = req
         return n
