@@ -24,6 +24,7 @@ from kvrelay.proxy.turn.conversation import (
 )
 from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.turn.owed import Debt, Owed
+from kvrelay.proxy.turn.prefill_leg import read_prefill_answer
 from kvrelay.proxy.turn.relay import Turn
 from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.streaming import SSEFilter
@@ -53,6 +54,7 @@ __all__ = [
     "fleet_engines",
     "prefill_body",
     "prompt_chars",
+    "read_prefill_answer",
     "request_id_from",
     "tenant_of",
     "upstream_request_id",

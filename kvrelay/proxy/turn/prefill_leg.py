@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from kvrelay.connector.protocol import (
     KV_TRANSFER_PARAMS,
     REMOTE_PREFILL_CACHED_TOKENS,
@@ -38,6 +40,34 @@ class PrefillAnswer:
     backend: Backend
     params: KVTransferParams | None  # parsed once, here at the edge; None when unusable
     prompt_tokens: int | None
+
+
+class _PrefillReply(BaseModel):
+    """The two fields of P's answer a turn reads. pydantic-core reads them from the answer's
+    bytes in one pass (its JSON reader keeps every integer exact and builds no Python object
+    for the fields skipped), where parsing the whole answer into Python and then validating the
+    params took two; anything this refuses is read the long way (`read_prefill_answer`)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    kv_transfer_params: KVTransferParams | None = None
+    usage: Any = None
+
+
+def read_prefill_answer(raw: bytes) -> tuple[KVTransferParams | None, Any] | None:
+    """P's params (None when absent or unusable) and its `usage`; None when the answer is not a
+    JSON object."""
+    try:
+        reply = _PrefillReply.model_validate_json(raw)
+    except ValueError:  # not JSON, not an object, NaN, unusable params: the long way decides
+        try:
+            data = jsoncodec.loads(raw)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(data, dict):
+            return None
+        return KVTransferParams.from_wire_or_none(data.get(KV_TRANSFER_PARAMS)), data.get("usage")
+    return reply.kv_transfer_params, reply.usage
 
 
 class PrefillLeg:
@@ -97,15 +127,11 @@ class PrefillLeg:
 
     def _answer(self, backend: Backend, raw: bytes) -> PrefillAnswer:
         report = self._attempts.report
-        try:
-            data = jsoncodec.loads(raw)
-        except (ValueError, RecursionError):
-            data = None
-        if not isinstance(data, dict):
+        answer = read_prefill_answer(raw)
+        if answer is None:
             report.prefill_answered(UNKNOWN_ACCOUNT, for_decode=False)
             return PrefillAnswer(backend, None, None)
-        params = KVTransferParams.from_wire_or_none(data.get(KV_TRANSFER_PARAMS))
-        usage = data.get("usage")
+        params, usage = answer
         prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         if not isinstance(prompt_tokens, int):
             prompt_tokens = None
