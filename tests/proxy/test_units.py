@@ -323,6 +323,20 @@ def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> No
         assert other.spill(None, 16_000) is None
 
 
+def test_an_idle_p_keeps_its_turns_unless_the_factor_is_below_one() -> None:
+    """With nothing queued on P, P computes the turn's uncached tokens and D at least as many:
+    no factor of 1 or more spills it (the router says so without weighing the D pool); a
+    factor below 1 asks for D even then."""
+    for factor, spills in ((1.0, False), (2.0, False), (0.5, True)):
+        router, prefill, decode = _router(prefill_spill_factor=factor)
+        prefill.add("http://p")
+        d = decode.add("http://d")
+        spill = router.spill(None, 16_000)
+        assert (spill is not None) == spills, factor
+        if spill is not None:
+            assert (spill.backend, spill.tokens) == (d, 4000)
+
+
 def test_a_decode_only_legs_prompt_work_ends_at_its_first_token() -> None:
     """D's prefill budgets weigh prompt tokens still to prefill: once the first token is out
     the leg counts 1, like any decode, until it ends."""

@@ -214,6 +214,11 @@ class Router:
         if least is None:
             return None  # no P: the P leg finds none and D prefills anyway
         p_queued = least[1]
+        if p_queued <= 0 and s.prefill_spill_factor >= 1:
+            # An idle P computes only the turn's uncached tokens; any D would compute at least
+            # those (its queued work is never negative), so no factor >= 1 can spill the turn.
+            # Said here, before the pass over the D pool: the common case at low load.
+            return None
         cpt = entry.chars_per_token if entry is not None else None
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
