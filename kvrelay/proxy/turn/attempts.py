@@ -161,7 +161,7 @@ class Attempts:
     async def send(self, backend: Backend, payload: bytes) -> EngineAnswer:
         """POST a leg's payload to `backend`; `LegFailure` when there is no answer to judge."""
         headers = self._headers
-        if tracing.enabled():
+        if self.report.traced:
             carrier: dict[str, str] = {}
             tracing.inject(carrier)  # the leg's span continues on the engine (W3C traceparent)
             headers += tuple(carrier.items())

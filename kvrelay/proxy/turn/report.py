@@ -111,6 +111,8 @@ class TurnReport:
     # Which leg prefilled the prompt: "prefill" once P answered with params for D, else D.
     prefilled_by: str = "decode"
     account: PromptAccount | None = None  # the turn's realized reuse, once settled
+    # Whether spans are recorded, asked once: every scope and attempt of the turn reads it.
+    traced: bool = field(default_factory=tracing.enabled)
     # `partial`, not a lambda: made in C, no Python frame on every turn.
     prefill_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "prefill"))
     decode_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "decode"))
@@ -208,7 +210,7 @@ class TurnReport:
 
     def turn_scope(self) -> contextlib.AbstractContextManager[Any]:
         """The whole turn: its span (continuing the client's `traceparent`) and its log line."""
-        traced, logged = tracing.enabled(), logs.turn_log_enabled()
+        traced, logged = self.traced, logs.turn_log_enabled()
         if not traced and not logged:
             return tracing.OFF
         return self._turn_scope(logged)
@@ -233,24 +235,23 @@ class TurnReport:
 
     def take_scope(self) -> contextlib.AbstractContextManager[Any]:
         """Taking the conversation's entry from the map."""
-        if not tracing.enabled():
+        if not self.traced:
             return tracing.OFF
         return tracing.span(TAKE_SPAN, finish=self._take_attributes)
 
     def _take_attributes(self) -> dict[str, Any]:
         return {"kvrelay.reuse": self.reuse, "kvrelay.tokens_offered": self.tokens_offered}
 
-    @staticmethod
-    def put_scope(tokens: int, ttl_s: float) -> contextlib.AbstractContextManager[Any]:
+    def put_scope(self, tokens: int, ttl_s: float) -> contextlib.AbstractContextManager[Any]:
         """Storing D's params as the conversation's new entry."""
-        if not tracing.enabled():
+        if not self.traced:
             return tracing.OFF
         attributes = {"kvrelay.tokens": tokens, "kvrelay.map.ttl_s": ttl_s}
         return tracing.span(PUT_SPAN, attributes=attributes)
 
     def leg_scope(self, role: str) -> contextlib.AbstractContextManager[Any]:
         """One leg, all its attempts (each an `attempt` event naming the engine)."""
-        if not tracing.enabled():
+        if not self.traced:
             return tracing.OFF
         return tracing.span(LEG_SPANS[role], kind="client", finish=self.leg(role).attributes)
 
@@ -315,23 +316,47 @@ class TurnReport:
         }
 
 
+class _LegSeries:
+    """One leg's account series, looked up once per process: `_count` runs for both legs of
+    every turn, and a label lookup per series was most of its cost."""
+
+    __slots__ = ("cached", "computed", "engine", "leg", "loaded", "local_hit", "unknown",
+                 "unknown_tokens")  # fmt: skip
+
+    def __init__(self, leg: str) -> None:
+        tokens = metrics.PROMPT_TOKENS
+        self.leg = leg
+        self.engine = metrics.LEG_ACCOUNTS.labels(leg, "engine")
+        self.unknown = metrics.LEG_ACCOUNTS.labels(leg, "unknown")
+        self.unknown_tokens = tokens.labels(leg, "unknown")
+        self.local_hit = tokens.labels(leg, "local_hit")
+        self.loaded = tokens.labels(leg, "loaded")
+        self.cached = tokens.labels(leg, "cached")
+        self.computed = tokens.labels(leg, "computed")
+
+
+_LEG_SERIES: dict[str, _LegSeries] = {}
+
+
 def _count(leg: str, account: PromptAccount) -> None:
     """One leg's account in `/metrics`: its prompt tokens by source, its refused blocks."""
-    if account.reused is None:
-        metrics.LEG_ACCOUNTS.labels(leg, "unknown").inc()
-        if account.prompt_tokens:
-            metrics.PROMPT_TOKENS.labels(leg, "unknown").inc(account.prompt_tokens)
+    series = _LEG_SERIES.get(leg)
+    if series is None:
+        series = _LEG_SERIES[leg] = _LegSeries(leg)
+    reused, prompt = account.reused, account.prompt_tokens
+    if reused is None:
+        series.unknown.inc()
+        if prompt:
+            series.unknown_tokens.inc(prompt)
         return
-    metrics.LEG_ACCOUNTS.labels(leg, "engine").inc()
-    tokens = metrics.PROMPT_TOKENS
+    series.engine.inc()
     if account.local_hit is not None and account.loaded is not None:
-        tokens.labels(leg, "local_hit").inc(account.local_hit)
-        tokens.labels(leg, "loaded").inc(account.loaded)
+        series.local_hit.inc(account.local_hit)
+        series.loaded.inc(account.loaded)
     else:
-        tokens.labels(leg, "cached").inc(account.reused)
-    computed = account.computed
-    if computed is not None:
-        tokens.labels(leg, "computed").inc(computed)
+        series.cached.inc(reused)
+    if prompt is not None:
+        series.computed.inc(max(0, prompt - reused))  # `PromptAccount.computed`, inline
     for reason, blocks in account.refused:
         metrics.REFUSED_BLOCKS.labels(leg, reason).inc(blocks)
 
