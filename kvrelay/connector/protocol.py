@@ -300,7 +300,10 @@ class FinishedBatchRequest(BaseModel):
 
 class FinishedBatchResponse(BaseModel):
     """Answer to `POST /v1/finished`: params by request id, for the ids published now; the
-    batch does not wait, so an id missing here may still be asked for alone (which waits)."""
+    batch does not wait, so an id missing here may still be asked for alone (which waits).
+    Only keys go to the JSON reader's string cache: the params' hashes are new every time."""
+
+    model_config = ConfigDict(cache_strings="keys")
 
     finished: dict[str, dict[str, Any]]
 

@@ -1,10 +1,13 @@
-"""JSON on the request path: orjson, with the standard library behind it for what orjson refuses.
+"""JSON on the request path: pydantic-core's reader and orjson's writer, with the standard
+library behind both for what they refuse.
 
-orjson parses and encodes several times faster than `json`, but refuses a few things `json`
-accepts (NaN and Infinity, lone surrogate escapes, nesting deeper than 1024) and reads integers
-beyond 64 bits as floats. Those inputs go to `json` instead (a run of 20 digits anywhere sends
-the text there), so what the proxy accepts and answers does not depend on which library read it;
-only the common case gets faster. Output is compact UTF-8.
+Reading: pydantic-core's `from_json` (jiter, in Rust) keeps integers of any size exact, reads
+NaN and Infinity, lone surrogate escapes and control characters as `json` does, and is faster
+than orjson on the proxy's bodies (engines' answers are dense in digits, block ids and hashes,
+and orjson reads integers beyond 64 bits as floats, which took a scan of every body for long
+digit runs before it). What it refuses (invalid JSON, nesting deeper than its limit) goes to
+`json`, so what the proxy accepts and answers does not depend on which library read it
+(tests/proxy/test_jsoncodec.py compares them). Writing: orjson, compact UTF-8.
 
 `canonical` is the other encoding the proxy needs: sorted keys and ASCII only, byte for byte
 what `json.dumps(value, sort_keys=True, separators=(",", ":"))` writes, because chat
@@ -20,36 +23,19 @@ from collections.abc import Iterable
 from typing import Any
 
 import orjson
+from pydantic_core import from_json
 
-# orjson keeps integers exact up to 2**64 - 1 (20 digits); longer ones need `json`. The scan maps
-# every digit to 0 and every other byte to 1, then looks for twenty zeros in a row: two passes in
-# C, several times faster than a regular expression, which tries a match at every digit. Before
-# it, a look at every tenth byte: twenty digits in a row always cover two consecutive multiples
-# of ten, so a body without two digits there (almost every body) needs no full scan; on a long
-# chat's 25 KB that takes the check from more than orjson's whole parse to a tenth of it.
-_DIGITS_TO_ZERO = bytes(0 if chr(b).isdigit() and b < 128 else 1 for b in range(256))
-_TWENTY_DIGITS = bytes(20)
-_TWO_DIGITS = bytes(2)
-_SAMPLE_STRIDE = 10
 _STR_TYPE = {str}
-
-
-def _has_long_number(raw: bytes | bytearray) -> bool:
-    if len(raw) < 20:
-        return False
-    if _TWO_DIGITS not in raw[::_SAMPLE_STRIDE].translate(_DIGITS_TO_ZERO):
-        return False
-    return _TWENTY_DIGITS in raw.translate(_DIGITS_TO_ZERO)
 
 
 def loads(raw: bytes | bytearray | str) -> Any:
     """Parse JSON; raises ValueError (RecursionError for absurd nesting) like `json.loads`."""
-    if not _has_long_number(raw.encode() if isinstance(raw, str) else raw):
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            pass
-    return json.loads(raw)
+    try:
+        # Keys only in the reader's string cache: a body's keys repeat across requests, its
+        # values (prompts, ids, hashes) do not.
+        return from_json(raw, cache_strings="keys")
+    except ValueError:
+        return json.loads(raw)
 
 
 def dumps(value: Any) -> bytes:
