@@ -349,8 +349,11 @@ def start_kvrelay(
     env: dict[str, str] | None = None,
     cpus: str | None = None,
     cwd: Path | None = None,
+    without: str = "",
 ) -> RunningRouter:
-    """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`.
+    """Start `python -m kvrelay.proxy.cli serve` on a free port and wait for `GET /ready`;
+    with `without` (comma-separated features), through `bench._features_off`, which switches
+    them off first.
 
     `cwd` is where the proxy runs; `python -m` imports `kvrelay` from there first, so a proxy
     from another source tree runs with that tree as `cwd` (and on `PYTHONPATH`).
@@ -363,9 +366,12 @@ def start_kvrelay(
     full_env.setdefault("KVRELAY_LOG_LEVEL", "warning")
     if env:
         full_env.update(env)
+    launcher = ("-m", "bench._features_off", "--without", without, "--") if without else (
+        "-m", "kvrelay.proxy.cli",
+    )  # fmt: skip
     proxy = ProxyServer(
         prefill, decode, flags=True, args=[*args, *extra], env_base=full_env, cpus=cpus,
-        cwd=cwd, name=name, ready_timeout=60,
+        cwd=cwd, name=name, ready_timeout=60, launcher=launcher,
     ).start("/ready")  # fmt: skip
     assert proxy.process is not None
     return RunningRouter(name=name, url=proxy.url, process=proxy.process)

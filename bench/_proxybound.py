@@ -60,10 +60,12 @@ from kvrelay.devtools import RedisServer, ServerProcess, free_port, http_ready, 
 SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
+WITHOUT = "kvrelay-w1-without"
 BASE = "kvrelay-w1-base"
 BASE_W2 = "kvrelay-w2-base"
 BARE = "bare-relay"
-TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, BASE_W2, "kvrelay-w2", "vllm-router")
+TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, WITHOUT, BASE_W2, "kvrelay-w2",
+           "vllm-router")  # fmt: skip
 MODES = ("non-stream", "stream", "long-chat")
 # The six cases: the aims are judged on these (long-chat is reported beside them).
 AIM_MODES = ("non-stream", "stream")
@@ -116,6 +118,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "archive), run as kvrelay-w1-base beside kvrelay-w1 (and kvrelay-w2-base beside "
         "kvrelay-w2)",
     )  # fmt: skip
+    g.add_argument(
+        "--without", default="", metavar="FEATURES",
+        help="also run kvrelay-w1 with these features switched off (comma-separated; see "
+        "bench/_features_off.py) as kvrelay-w1-without: what they cost, and the proxy "
+        "on the path an older --baseline-src took",
+    )  # fmt: skip
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -159,6 +167,8 @@ class Bench:
         targets = list(self.args.targets)
         if self.args.tracing == "both" and "kvrelay-w1" in targets:
             targets.insert(targets.index("kvrelay-w1") + 1, TRACED)
+        if getattr(self.args, "without", "") and "kvrelay-w1" in targets:
+            targets.insert(targets.index("kvrelay-w1") + 1, WITHOUT)
         if getattr(self.args, "baseline_src", None):
             for ours, base in (("kvrelay-w1", BASE), ("kvrelay-w2", BASE_W2)):
                 if ours in targets:
@@ -217,6 +227,11 @@ class Bench:
             self.routers[BASE] = c.start_kvrelay(
                 BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
                 cwd=base_src,
+            )  # fmt: skip
+        if WITHOUT in targets:
+            self.routers[WITHOUT] = c.start_kvrelay(
+                WITHOUT, [self.p], [self.d], workers=1, env=self._env(False), cpus=a.proxy_cpus,
+                without=a.without,
             )  # fmt: skip
         if TRACED in targets:
             self.routers[TRACED] = c.start_kvrelay(

@@ -31,6 +31,7 @@ from typing import Any
 
 from bench import _common as c
 from bench import _loadgen, _proxybound
+from bench._features_off import FEATURES
 from bench._plots import save_figure
 from kvrelay.devtools import ServerProcess, prometheus
 
@@ -107,6 +108,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes: the enginesim mode measures {' and '.join(MODES)} only")
     if not args.proxy_bound and _proxybound.BARE in args.targets:
         p.error(f"--targets: {_proxybound.BARE} is a target of the proxy-bound mode only")
+    if args.without and not args.proxy_bound:
+        p.error("--without: a target of the proxy-bound mode only")
+    unknown = set(filter(None, args.without.split(","))) - set(FEATURES)
+    if unknown:
+        p.error(f"--without: unknown features {sorted(unknown)}; known: {', '.join(FEATURES)}")
     if args.rounds is None:
         args.rounds = 3 if args.proxy_bound else 2
     if args.max_tokens is None:

@@ -63,6 +63,9 @@ class ProxyServer(ManagedServer):
     cwd: Path | None = None  # where it runs: `python -m` imports `kvrelay` from there first
     name: str = ""  # its log's name, default `proxy-<port>`
     ready_timeout: float = 30.0
+    # What `python` runs before `serve`: the proxy's CLI, or a wrapper that hands on to it
+    # (bench/_features_off.py's, which switches features off first).
+    launcher: Sequence[str] = ("-m", "kvrelay.proxy.cli")
 
     @property
     def url(self) -> str:
@@ -95,7 +98,7 @@ class ProxyServer(ManagedServer):
         return env
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", "kvrelay.proxy.cli", "serve"]
+        argv = [sys.executable, *self.launcher, "serve"]
         if self.flags:
             argv += ["--host", "127.0.0.1", "--port", str(self.port)]
             argv += ["--prefill", *self._urls(self.prefill)]

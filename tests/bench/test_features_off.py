@@ -12,7 +12,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from bench import instructions
+from bench import _common, instructions, proxy_overhead
 from kvrelay.prometheus_text import parse_samples
 from tests.bench.helpers import fake_engine, start
 from tests.harness import REPO_ROOT, free_port
@@ -107,3 +107,19 @@ def test_unknown_features_are_refused_before_anything_runs() -> None:
     assert done.returncode == 2 and "colour" in done.stderr
     with pytest.raises(SystemExit):
         instructions.parse_args(["--without", "metrics", "map,colour"])
+
+
+def test_the_proxy_bound_without_target_runs_with_those_features_off() -> None:
+    """`proxy_overhead.py --proxy-bound --without` starts kvrelay-w1-without this way."""
+    p = _common.start_fake_engine("prefill", "fake-p")
+    d = _common.start_fake_engine("decode", "fake-d")
+    router = None
+    try:
+        router = _common.start_kvrelay("kvrelay-w1-without", [p], [d], without="accounting")
+        samples = _two_turns(router.url)
+        assert samples.get(HIT) == 1  # the turn itself runs as ever
+        assert _total(samples, "kvrelay_leg_accounts_total") == 0
+    finally:
+        _common.stop_all(router.process if router else None, p.process, d.process)
+    with pytest.raises(SystemExit):
+        proxy_overhead.parse_args(["--proxy-bound", "--without", "accounting,colour"])
