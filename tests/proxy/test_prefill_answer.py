@@ -4,12 +4,13 @@ what parsing the whole answer and then validating its params gives, for every an
 
 from __future__ import annotations
 
+import contextlib
+import json
 from typing import Any
 
 import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.proxy.base import jsoncodec
 from kvrelay.proxy.turn import read_prefill_answer
 
 HASHES = '["a1", "b2"]'
@@ -50,13 +51,13 @@ ANSWERS = [
 
 
 def read_the_long_way(raw: bytes) -> tuple[KVTransferParams | None, Any] | None:
-    try:
-        data = jsoncodec.loads(raw)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    return KVTransferParams.from_wire_or_none(data.get("kv_transfer_params")), data.get("usage")
+    """The whole answer parsed by the standard library, then its params validated."""
+    with contextlib.suppress(ValueError, RecursionError):
+        data = json.loads(raw)
+        if type(data) is dict:
+            params = KVTransferParams.from_wire_or_none(data.get("kv_transfer_params"))
+            return params, data.get("usage")
+    return None
 
 
 def _comparable(answer: tuple[KVTransferParams | None, Any] | None) -> object:
