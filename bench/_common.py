@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench._features_off import launcher as features_off_launcher
 from kvrelay.devtools import (
     EngineSim,
     ProxyServer,
@@ -366,12 +367,9 @@ def start_kvrelay(
     full_env.setdefault("KVRELAY_LOG_LEVEL", "warning")
     if env:
         full_env.update(env)
-    launcher = ("-m", "bench._features_off", "--without", without, "--") if without else (
-        "-m", "kvrelay.proxy.cli",
-    )  # fmt: skip
     proxy = ProxyServer(
         prefill, decode, flags=True, args=[*args, *extra], env_base=full_env, cpus=cpus,
-        cwd=cwd, name=name, ready_timeout=60, launcher=launcher,
+        cwd=cwd, name=name, ready_timeout=60, launcher=features_off_launcher(without),
     ).start("/ready")  # fmt: skip
     assert proxy.process is not None
     return RunningRouter(name=name, url=proxy.url, process=proxy.process)

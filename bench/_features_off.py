@@ -55,6 +55,14 @@ class _NoUpdate:
         return None
 
 
+def launcher(without: str) -> tuple[str, ...]:
+    """What `python` runs before the proxy's CLI arguments: the CLI itself, or with `without`
+    (comma-separated features) this module, which switches them off and hands on to it."""
+    if not without:
+        return ("-m", "kvrelay.proxy.cli")
+    return ("-m", "bench._features_off", "--without", without, "--")
+
+
 def _replace(owner: object, name: str, stand_in: object) -> None:
     """Swap `owner.name` (a module's function, a class's method) for `stand_in`."""
     if not hasattr(owner, name):  # the proxy changed: price nothing rather than the wrong thing

@@ -34,7 +34,7 @@ from typing import Any
 
 from bench import _common as c
 from bench import _loadgen, _proxybound
-from bench._features_off import FEATURES
+from bench._features_off import FEATURES, launcher
 from bench._proxybound import MODES
 from kvrelay.devtools import ServerProcess, free_port, http_ready
 
@@ -129,11 +129,8 @@ def _server_argv(
     engines = ["--prefill", p.url, "--decode", d.url]
     if src is None:
         return ["-m", "bench.bare_relay", "--host", "127.0.0.1", "--port", str(port), *engines]
-    launcher = ["-m", "bench._features_off", "--without", without, "--"] if without else [
-        "-m", "kvrelay.proxy.cli",
-    ]  # fmt: skip
     return [
-        *launcher, "serve", "--host", "127.0.0.1", "--port", str(port), *engines,
+        *launcher(without), "serve", "--host", "127.0.0.1", "--port", str(port), *engines,
         "--side-channels", *(f"{e.url}=127.0.0.1:{e.side_channel_port}" for e in (p, d)),
     ]  # fmt: skip
 

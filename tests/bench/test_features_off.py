@@ -13,6 +13,7 @@ from contextlib import ExitStack
 import pytest
 
 from bench import _common, instructions, proxy_overhead
+from bench._features_off import launcher
 from kvrelay.prometheus_text import parse_samples
 from tests.bench.helpers import fake_engine, start
 from tests.harness import REPO_ROOT, free_port
@@ -36,10 +37,7 @@ def _proxy(
     stack: ExitStack, engines: list[str], without: str | None, env: dict[str, str] | None = None
 ) -> str:
     port = free_port()
-    launcher = ["-m", "bench._features_off", "--without", without, "--"] if without else [
-        "-m", "kvrelay.proxy.cli",
-    ]  # fmt: skip
-    argv = [sys.executable, *launcher, "serve", "--port", str(port), *engines]
+    argv = [sys.executable, *launcher(without or ""), "serve", "--port", str(port), *engines]
     url = f"http://127.0.0.1:{port}"
     stack.enter_context(start(argv, url + "/ready", f"kvrelay-{without or 'all-features'}", env))
     return url

@@ -320,12 +320,10 @@ class _LegSeries:
     """One leg's account series, looked up once per process: `_count` runs for both legs of
     every turn, and a label lookup per series was most of its cost."""
 
-    __slots__ = ("cached", "computed", "engine", "leg", "loaded", "local_hit", "unknown",
-                 "unknown_tokens")  # fmt: skip
+    __slots__ = ("cached", "computed", "engine", "loaded", "local_hit", "unknown", "unknown_tokens")
 
     def __init__(self, leg: str) -> None:
         tokens = metrics.PROMPT_TOKENS
-        self.leg = leg
         self.engine = metrics.LEG_ACCOUNTS.labels(leg, "engine")
         self.unknown = metrics.LEG_ACCOUNTS.labels(leg, "unknown")
         self.unknown_tokens = tokens.labels(leg, "unknown")
@@ -343,11 +341,11 @@ def _count(leg: str, account: PromptAccount) -> None:
     series = _LEG_SERIES.get(leg)
     if series is None:
         series = _LEG_SERIES[leg] = _LegSeries(leg)
-    reused, prompt = account.reused, account.prompt_tokens
+    reused = account.reused
     if reused is None:
         series.unknown.inc()
-        if prompt:
-            series.unknown_tokens.inc(prompt)
+        if account.prompt_tokens:
+            series.unknown_tokens.inc(account.prompt_tokens)
         return
     series.engine.inc()
     if account.local_hit is not None and account.loaded is not None:
@@ -355,8 +353,9 @@ def _count(leg: str, account: PromptAccount) -> None:
         series.loaded.inc(account.loaded)
     else:
         series.cached.inc(reused)
-    if prompt is not None:
-        series.computed.inc(max(0, prompt - reused))  # `PromptAccount.computed`, inline
+    computed = account.computed
+    if computed is not None:
+        series.computed.inc(computed)
     for reason, blocks in account.refused:
         metrics.REFUSED_BLOCKS.labels(leg, reason).inc(blocks)
 
