@@ -78,7 +78,7 @@ class EngineSim(ManagedServer):
         self.process = ServerProcess(
             self.argv(), http_ready(f"{self.url}/health"),
             env=dev_env() if self.env is None else self.env, ready_timeout=self.ready_timeout,
-            name=self.process_name or f"enginesim-{self.name}", cpus=self.cpus,
+            name=self.process_name or f"enginesim-{self.name}", cpus=self.cpus, port=self.port,
         ).spawn()  # fmt: skip
         return self
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -43,8 +44,17 @@ def _ephemeral_low() -> int:
         return _EPHEMERAL_FALLBACK_LOW
 
 
+# Every port `free_port` handed out in this process. The server it was for may not have bound it
+# yet (an engine binds once its imports are done), so it looks free: two engines started side by
+# side were once both handed one port, and the one that could not bind it was taken for ready
+# because the other answered there.
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
+
 def free_port(host: str = "127.0.0.1", preferred: int = 0) -> int:
-    """A TCP port that was free on `host` a moment ago: `preferred` when it is, else another.
+    """A TCP port that was free on `host` a moment ago: `preferred` when it is, else another;
+    never one this process was handed before (`_handed_out`).
 
     Chosen below the kernel's ephemeral range. A port the kernel hands out (`bind(0)`) is one
     it may also give an outgoing connection as its local port, and a server started minutes
@@ -54,15 +64,59 @@ def free_port(host: str = "127.0.0.1", preferred: int = 0) -> int:
     low = _ephemeral_low()
     if low - 1 > _LOWEST_PORT:
         candidates += random.sample(range(_LOWEST_PORT, low), k=min(64, low - _LOWEST_PORT))
-    candidates.append(0)  # no room below the range: let the kernel choose
-    for port in candidates:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
+    candidates += [0] * 8  # no room below the range: let the kernel choose
+    with _handed_out_lock:
+        for candidate in candidates:
+            if candidate in _handed_out:
                 continue
-            return int(sock.getsockname()[1])
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, candidate))
+                except OSError:
+                    continue
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:  # the kernel's choice may be one handed out already
+                _handed_out.add(port)
+                return port
     raise RuntimeError(f"no free port on {host}")
+
+
+def _listening_sockets(port: int) -> set[str] | None:
+    """`socket:[inode]` of each TCP socket listening on `port` (IPv4 and IPv6, Linux
+    `/proc/net`); None where neither table can be read."""
+    found: set[str] = set()
+    read = False
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = Path("/proc/net", table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        read = True
+        for row in rows:
+            # local_address is ADDR:PORT in hex, st 0A is LISTEN, inode the tenth column.
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "0A" and int(cols[1].rpartition(":")[2], 16) == port:
+                found.add(f"socket:[{cols[9]}]")
+    return found if read else None
+
+
+def group_listens(pgid: int, port: int) -> bool:
+    """Whether a process of process group `pgid` listens on TCP `port`: the server's own
+    socket, not another process's on the same port (Linux `/proc`; true where it cannot tell)."""
+    sockets = _listening_sockets(port)
+    if sockets is None:
+        return True
+    if not sockets:
+        return False
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            text = stat.read_text()
+            if int(text[text.rindex(")") + 2 :].split()[2]) != pgid:
+                continue
+            for fd in (stat.parent / "fd").iterdir():
+                if os.readlink(fd) in sockets:
+                    return True
+    return False
 
 
 def wait_until(
@@ -152,6 +206,8 @@ class ServerProcess:
     `ready` is polled until true (bounded by `ready_timeout`); if the process exits first, the
     error shows its output. `env` is added to this process's environment; `cwd` defaults to the
     current directory; `cpus` pins it, and every process it starts, to those CPUs (`taskset`).
+    With `port`, it is ready only once it listens there itself (`group_listens`): a server
+    that cannot bind its port is not taken for ready because another process answers there.
     """
 
     argv: Sequence[str]
@@ -161,6 +217,7 @@ class ServerProcess:
     name: str = "server"
     cwd: Path | None = None
     cpus: str | None = None
+    port: int | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, init=False)
     log_path: Path | None = field(default=None, init=False)
 
@@ -205,7 +262,10 @@ class ServerProcess:
 
     def _ready_or_dead(self) -> bool:
         assert self.proc is not None
-        return self.proc.poll() is not None or self.ready()
+        if self.proc.poll() is not None:
+            return True
+        # Its own session: the process group is the server and what it started.
+        return self.ready() and (self.port is None or group_listens(self.proc.pid, self.port))
 
     @property
     def alive(self) -> bool:
