@@ -158,6 +158,17 @@ def test_loopback_ucx_fills_only_what_is_unset() -> None:
     assert with_loopback_ucx(env) == {"UCX_TLS": "rc", "UCX_NET_DEVICES": "lo"}
 
 
+def test_loopback_ucx_for_cuda_adds_the_cuda_transports_to_the_default_only() -> None:
+    env = with_loopback_ucx({}, cuda=True)
+    assert env["UCX_TLS"].split(",") == ["tcp", "self", "sm", "cuda_copy", "cuda_ipc"]
+    assert env["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"  # NIXL's READ over cuda_ipc, no NVLink
+    assert "UCX_CUDA_IPC_ENABLE_GET_ZCOPY" not in with_loopback_ucx({})
+    # A process that already took the CPU default (a test's parent) gets them added too...
+    assert "cuda_ipc" in with_loopback_ucx(dict(LOOPBACK_UCX), cuda=True)["UCX_TLS"]
+    # ...and an operator's own choice is theirs.
+    assert with_loopback_ucx({"UCX_TLS": "rc,cuda_copy"}, cuda=True)["UCX_TLS"] == "rc,cuda_copy"
+
+
 def test_fleet_env_keeps_a_set_secret_fills_ucx_and_puts_the_tree_first() -> None:
     base = {"UCX_TLS": "rc", "PYTHONPATH": "/elsewhere", "KVRELAY_CONNECTOR_SECRET": "mine"}
     env = fleet_env(pythonpath=Path("/tree"), base=base)

@@ -5,6 +5,10 @@ spawn, so each side has its own NIXL agents and side channel). The child runs an
 thread (build metadata → every rank's `start_load_kv`/`get_finished` → `update_connector_output`
 → free blocks the workers report), and executes commands sent over a pipe inside that loop, so
 the connector is only ever called from one "scheduler thread", as CONTRACTS §4 requires.
+
+Each rank's caches are made as vLLM hands them to a connector (the attention backend's logical
+shape, a permuted view where the physical order differs) and registered the way the vLLM
+adapter registers them (`prepare_caches`, then the worker), on the CPU or on a CUDA device.
 """
 
 from __future__ import annotations
@@ -39,20 +43,32 @@ class PeerSpec:
     layout: str = "split"  # split | split_hnd | joint | mla
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # where the KV caches live: "cpu" or a CUDA device ("cuda", "cuda:1")
+    ucx_tls: str = ""  # this peer's UCX transports; empty: the loopback default for its device
+
+    @property
+    def on_cuda(self) -> bool:
+        return self.device.startswith("cuda")
 
 
-def _shape(spec: PeerSpec) -> tuple[tuple[int, ...], int, bool]:
+def _physical_shape(spec: PeerSpec) -> tuple[int, ...]:
+    """Memory order of one layer's cache; `_vllm_view` gives the shape vLLM hands out."""
     heads = spec.num_heads // spec.tp_size
     nb, bs, hd = spec.num_blocks, spec.block_size, spec.head_dim
-    if spec.layout == "split":
-        return (2, nb, bs, heads, hd), 1, False
-    if spec.layout == "split_hnd":
-        return (2, nb, heads, bs, hd), 1, True
-    if spec.layout == "joint":
-        return (nb, 2, bs, heads, hd), 0, False
-    if spec.layout == "mla":
-        return (nb, bs, hd * spec.num_heads), 0, False
+    if spec.layout == "split":  # FlashAttention: (2, blocks, block_size, heads, head_dim)
+        return (2, nb, bs, heads, hd)
+    if spec.layout == "split_hnd":  # the same shape over HND memory (heads outside tokens)
+        return (2, nb, heads, bs, hd)
+    if spec.layout == "joint":  # FlashInfer: (blocks, 2, block_size, heads, head_dim)
+        return (nb, 2, bs, heads, hd)
+    if spec.layout == "mla":  # one latent vector per token
+        return (nb, bs, hd * spec.num_heads)
     raise ValueError(spec.layout)
+
+
+def _vllm_view(physical: Any, layout: str) -> Any:
+    """What vLLM hands a connector: the backend's logical shape, here a permuted view for HND."""
+    return physical.permute(0, 1, 3, 2, 4) if layout == "split_hnd" else physical
 
 
 class _Engine:
@@ -61,13 +77,9 @@ class _Engine:
     def __init__(self, spec: PeerSpec, conn: Connection) -> None:
         import torch
 
-        from kvrelay.connector import (
-            CacheLayout,
-            ConnectorConfig,
-            ConnectorScheduler,
-            ConnectorWorker,
-        )
+        from kvrelay.connector import ConnectorConfig, ConnectorScheduler, ConnectorWorker
         from kvrelay.connector.tp import FinishedAggregator
+        from kvrelay.connector.vllm.layout import prepare_caches
 
         self.torch = torch
         self.spec = spec
@@ -85,24 +97,31 @@ class _Engine:
         }
         cfg.update(spec.config)
         self.config = ConnectorConfig(**cfg)
-        shape, block_dim, head_major = _shape(spec)
-        self.block_dim = block_dim
+        shape = _physical_shape(spec)
+        heads = 1 if spec.layout == "mla" else spec.num_heads // spec.tp_size
+        self.block_dim = 0
         self.caches: list[dict[str, Any]] = []
         self.workers = []
         for rank in range(spec.tp_size):
-            # MLA ranks hold identical (replicated) KV, as real MLA engines do.
+            # MLA ranks hold identical (replicated) KV, as real MLA engines do. Values are drawn
+            # on the CPU (the same bytes on any device), then moved.
             gen = torch.Generator().manual_seed(
                 spec.seed * 1000 + (0 if spec.layout == "mla" else rank)
             )
-            caches = {
-                f"layer{i}": torch.randn(shape, generator=gen, dtype=torch.float32)
+            handed = {
+                f"layer{i}": _vllm_view(
+                    torch.randn(shape, generator=gen, dtype=torch.float32).to(spec.device),
+                    spec.layout,
+                )
                 for i in range(spec.num_layers)
             }
-            worker = ConnectorWorker(self.config, rank, spec.tp_size)
-            worker.register_kv_caches(
-                caches, CacheLayout(block_dim=block_dim, head_major=head_major)
+            prepared = prepare_caches(
+                handed, spec.num_blocks, spec.block_size, heads, name=spec.layout
             )
-            self.caches.append(caches)
+            worker = ConnectorWorker(self.config, rank, spec.tp_size)
+            worker.register_kv_caches(prepared.tensors, prepared.layout)
+            self.block_dim = prepared.layout.block_dim
+            self.caches.append(prepared.tensors)
             self.workers.append(worker)
         self.sched = ConnectorScheduler(self.config)
         self.sched.start()
@@ -141,9 +160,9 @@ class _Engine:
             self.free_blocks.extend(blocks)
 
     def block_data(self, block_ids: list[int]) -> list[list[Any]]:
-        idx = self.torch.tensor(block_ids, dtype=self.torch.long)
+        idx = self.torch.tensor(block_ids, dtype=self.torch.long, device=self.spec.device)
         return [
-            [t.index_select(self.block_dim, idx).clone().numpy() for t in caches.values()]
+            [t.index_select(self.block_dim, idx).cpu().numpy() for t in caches.values()]
             for caches in self.caches
         ]
 
@@ -243,6 +262,8 @@ class _Engine:
             self.reply(cid, {
                 "port": self.sched.side_channel_port, "instance_id": self.sched.instance_id,
                 "compat_hash": self.config.compat_hash(), "pid": os.getpid(),
+                "mem_type": self.workers[0].get_handshake_metadata()["layout"]["mem_type"],
+                "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
             })  # fmt: skip
         else:
             self.reply(cid, RuntimeError(f"unknown command {cmd}"))
@@ -268,7 +289,9 @@ class _Engine:
 
 
 def _peer_main(conn: Connection, spec: PeerSpec) -> None:
-    with_loopback_ucx()
+    if spec.ucx_tls:
+        os.environ["UCX_TLS"] = spec.ucx_tls
+    with_loopback_ucx(cuda=spec.on_cuda)
     try:
         engine = _Engine(spec, conn)
     except Exception:
