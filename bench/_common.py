@@ -59,9 +59,9 @@ ROUTER_VERSION = "0.1.17"
 
 # The order sections appear in when RESULTS.md is created from scratch.
 SECTION_ORDER = (
-    "kvmap", "kvmap at scale", "transfer", "proxy overhead", "proxy-bound", "proxy-bound tracing",
-    "instructions per request", "http clients", "multiturn", "multiturn policies",
-    "multiturn (vLLM)", "trace replay",
+    "kvmap", "kvmap at scale", "transfer", "transfer (GPU)", "proxy overhead", "proxy-bound",
+    "proxy-bound tracing", "instructions per request", "http clients", "multiturn",
+    "multiturn policies", "multiturn (vLLM)", "trace replay",
 )  # fmt: skip
 
 RESULTS_PREAMBLE = (

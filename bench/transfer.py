@@ -1,13 +1,16 @@
-"""NIXL READ bandwidth between two processes vs a single-threaded memory copy; rejection-to-free.
+"""NIXL READ bandwidth between two processes vs a plain copy of the same bytes; rejection-to-free.
 
-Part 1: a target process registers a buffer of blocks with its own NIXL agent (UCX, CPU
-memory) and keeps driving progress; this process reads scattered blocks from it through the
-connector's own descriptor builder (`kvrelay.connector.transport.build_descs`), with coalescing of
-contiguous runs on and off, for block sizes 16 KiB .. 1 MiB. The baseline copies the same bytes
-once with one thread (`numpy.copyto`, contiguous). Part 2: a holder and a reader engine
-(`kvrelay/devtools/nixl_peer.py`, each its own process) — the reader rejects a request before
-admission and we time until the holder's engine has freed the blocks.
-Writes the `## transfer` section of bench/RESULTS.md.
+Part 1: a target process registers a buffer of blocks with its own NIXL agent (UCX) and keeps
+driving progress; this process reads scattered blocks from it through the connector's own
+descriptor builder (`kvrelay.connector.transport.build_descs`), with coalescing of contiguous
+runs on and off, for block sizes 16 KiB .. 1 MiB. On the CPU (`--device cpu`, the default) the
+baseline copies the same bytes once with one thread (`numpy.copyto`, contiguous); on a GPU
+(`--device cuda`: both buffers in the one GPU's memory, UCX's CUDA transports) it is a
+device-to-device copy of the same bytes on that GPU (`Tensor.copy_`, contiguous). Part 2: a
+holder and a reader engine (`kvrelay/devtools/nixl_peer.py`, each its own process, caches on
+the same device) — the reader rejects a request before admission and we time until the
+holder's engine has freed the blocks.
+Writes the `## transfer` section of bench/RESULTS.md (`## transfer (GPU)` with `--device cuda`).
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ with_loopback_ucx()
 KIB = 1024
 
 
-def _target(conn: Connection, total_bytes: int) -> None:
+def _mem_type(device: str) -> str:
+    return "VRAM" if device.startswith("cuda") else "DRAM"
+
+
+def _target(conn: Connection, total_bytes: int, device: str) -> None:
     """Child: register a buffer, hand over metadata, drive NIXL progress until told to stop."""
     import torch
 
     from kvrelay.connector.transport import NixlTransport
 
-    buf = torch.randint(0, 255, (total_bytes,), dtype=torch.uint8)
+    buf = torch.randint(0, 255, (total_bytes,), dtype=torch.uint8).to(device)
     transport = NixlTransport(f"bench-target-{os.getpid()}")
-    transport.register([buf], "DRAM")
+    transport.register([buf], _mem_type(device))
     conn.send((transport.metadata(), buf.data_ptr(), int(buf.sum())))
     while not conn.poll(0):
         transport.notifications()  # progress for reads that need the target's side
@@ -66,8 +73,36 @@ def _run_reads(
     return best
 
 
+class _Copy:
+    """The baseline: one contiguous copy of the same bytes, on the device the blocks live on."""
+
+    def __init__(self, total: int, device: str) -> None:
+        import torch
+
+        self.torch = torch
+        self.cuda = device.startswith("cuda")
+        if self.cuda:
+            self.src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)
+            self.dst = torch.empty_like(self.src)
+        else:
+            self.src_np = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
+            self.dst_np = np.empty_like(self.src_np)
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            t0 = time.perf_counter()
+            np.copyto(self.dst_np, self.src_np)
+            return time.perf_counter() - t0
+        # Timed as the reads are: from the call until the bytes are there (synchronised).
+        self.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        self.torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+
 def bandwidth(
-    sizes_kib: list[int], total_mib: int, reps: int, run_len: int
+    sizes_kib: list[int], total_mib: int, reps: int, run_len: int, device: str = "cpu"
 ) -> list[dict[str, Any]]:
     import torch
 
@@ -79,7 +114,7 @@ def bandwidth(
     total = total_mib * KIB * KIB
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_target, args=(child, total), daemon=True)
+    proc = ctx.Process(target=_target, args=(child, total, device), daemon=True)
     proc.start()
     rows: list[dict[str, Any]] = []
     try:
@@ -88,12 +123,13 @@ def bandwidth(
             if not proc.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError("target process failed to start (see its output above)")
         metadata, remote_base, checksum = parent.recv()
-        local_buf = torch.zeros(total, dtype=torch.uint8)
+        local_buf = torch.zeros(total, dtype=torch.uint8, device=device)
+        mem_type = _mem_type(device)
+        device_id = local_buf.device.index or 0
         transport = NixlTransport(f"bench-reader-{os.getpid()}")
-        transport.register([local_buf], "DRAM")
+        transport.register([local_buf], mem_type)
         agent = transport.add_remote(metadata)
-        src = np.random.default_rng(0).integers(0, 255, total, dtype=np.uint8)
-        dst = np.empty_like(src)
+        copy = _Copy(total, device)
         for size_kib in sizes_kib:
             bs = size_kib * KIB
             nblocks = total // bs
@@ -104,11 +140,13 @@ def bandwidth(
             remote_ids = [b for i in order for b in runs[i]]
             local_ids = list(range(nblocks))
             geom_l = CacheGeometry(
-                (Strip(local_buf.data_ptr(), bs, bs),), nblocks, "DRAM", 0, "uint8", False, "bench"
-            )
+                (Strip(local_buf.data_ptr(), bs, bs),), nblocks, mem_type, device_id, "uint8",
+                False, "bench",
+            )  # fmt: skip
             geom_r = CacheGeometry(
-                (Strip(remote_base, bs, bs),), nblocks, "DRAM", 0, "uint8", False, "bench"
-            )
+                (Strip(remote_base, bs, bs),), nblocks, mem_type, device_id, "uint8", False,
+                "bench",
+            )  # fmt: skip
             descs = {
                 co: build_descs(geom_l, geom_r, local_ids, remote_ids, ReadPiece(0, 0, 0, bs), co)
                 for co in (True, False)
@@ -118,9 +156,7 @@ def bandwidth(
             copy_s = float("inf")
             best = {True: float("inf"), False: float("inf")}
             for _ in range(reps):
-                t0 = time.perf_counter()
-                np.copyto(dst, src)
-                copy_s = min(copy_s, time.perf_counter() - t0)
+                copy_s = min(copy_s, copy.seconds())
                 for co, (l_arr, r_arr) in descs.items():
                     best[co] = min(best[co], _run_reads(transport, agent, l_arr, r_arr, 1))
             for coalesce in (True, False):
@@ -152,11 +188,15 @@ def bandwidth(
     return rows
 
 
-def rejection_to_free(samples: int) -> list[float]:
+def rejection_to_free(samples: int, device: str = "cpu") -> list[float]:
     from kvrelay.devtools import nixl_peer
 
-    holder = nixl_peer.Peer.start(nixl_peer.PeerSpec("bench-holder", num_blocks=256))
-    reader = nixl_peer.Peer.start(nixl_peer.PeerSpec("bench-reader", num_blocks=256))
+    holder = nixl_peer.Peer.start(
+        nixl_peer.PeerSpec("bench-holder", num_blocks=256, device=device), timeout=120
+    )
+    reader = nixl_peer.Peer.start(
+        nixl_peer.PeerSpec("bench-reader", num_blocks=256, device=device), timeout=120
+    )
     out: list[float] = []
     try:
         prompt = list(range(1000, 1000 + 16 * 8 + 3))
@@ -180,14 +220,78 @@ def rejection_to_free(samples: int) -> list[float]:
     return out
 
 
+def gpu_description() -> str:
+    """The GPU and the versions a GPU figure depends on, in one line."""
+    import importlib.metadata
+    import subprocess
+
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    nixl = "nixl (version unknown)"
+    for dist in ("nixl-cu13", "nixl-cu12", "nixl"):
+        try:
+            nixl = f"{dist} {importlib.metadata.version(dist)}"
+            break
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    driver = ""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        driver = f", driver {out.stdout.strip().splitlines()[0]}"
+    except (OSError, subprocess.SubprocessError, IndexError):
+        pass
+    return (
+        f"{props.name} ({props.total_memory / 2**30:.0f} GiB, {props.multi_processor_count} SMs)"
+        f"{driver}; torch {torch.__version__} (CUDA {torch.version.cuda}); {nixl}"
+    )
+
+
+def _descriptor_cost(rows: list[dict[str, Any]]) -> str:
+    """What a GPU run says about the fixed cost of one descriptor, from its own rows."""
+    per_block = [r for r in rows if not r["coalesce"]]
+    if not per_block:
+        return ""
+    smallest = min(per_block, key=lambda r: r["block_kib"])
+    fixed_us = smallest["nixl_s"] / smallest["descs"] * 1e6
+    reached = [r["bytes"] / r["descs"] for r in rows if r["ratio"] >= 0.8]
+    where = (
+        f"80% of the copy was reached from {min(reached) / 2**20:.0f} MiB per descriptor"
+        if reached
+        else "no row reached 80% of the copy"
+    )
+    return (
+        f"Each descriptor costs about {fixed_us:.1f} us whatever its size (the "
+        f"{smallest['block_kib']} KiB rows without coalescing: time / descriptors), so reads "
+        "scale with bytes per descriptor, not per block: coalescing adjacent blocks is what "
+        f"moves them; {where}."
+    )
+
+
 def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespace) -> str:
+    ucx = ", ".join(f"{k}=`{v}`" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
+    ucx += ". "
+    if args.device.startswith("cuda"):
+        what = (
+            f"GPU: {gpu_description()}.  \n{ucx}NIXL READ (UCX, both buffers in the one GPU's "
+            "memory, two processes, no progress thread) of "
+            f"{args.total_mib} MiB in blocks scattered in runs of {args.run_len}, best of "
+            f"{args.reps}, vs one device-to-device copy of the same bytes on the same GPU "
+            "(`Tensor.copy_`, contiguous, timed from the call to `cuda.synchronize()` as the "
+            "reads are timed from posting to DONE).\n"
+        )
+    else:
+        what = (
+            f"{ucx}NIXL READ (UCX over loopback, CPU memory, two processes, no progress thread) "
+            f"of {args.total_mib} MiB in blocks scattered in runs of {args.run_len}, best of "
+            f"{args.reps}, vs one single-threaded `numpy.copyto` of the same bytes.\n"
+        )
     lines = [
         c.run_header(),
-        f"UCX_TLS=`{os.environ.get('UCX_TLS', '')}`, UCX_NET_DEVICES="
-        f"`{os.environ.get('UCX_NET_DEVICES', '')}`. "
-        "NIXL READ (UCX over loopback, CPU memory, two processes, no progress thread) of "
-        f"{args.total_mib} MiB in blocks scattered in runs of {args.run_len}, best of "
-        f"{args.reps}, vs one single-threaded `numpy.copyto` of the same bytes.\n",
+        what,
         "| block | coalescing | descriptors | NIXL GB/s | copy GB/s | NIXL / copy |",
         "|---:|:---:|---:|---:|---:|---:|",
     ]
@@ -204,10 +308,15 @@ def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespac
             "",
             f"Aim: NIXL >= 80% of the copy from 256 KiB per block — {verdict} in this run "
             f"(worst {min(big):.0%}, best {max(big):.0%}). Load average at the end of the run: "
-            f"{load} on {os.cpu_count()} cores. UCX serves these reads with CMA zero-copy "
-            "(`process_vm_readv`; `UCX_PROTO_INFO=y` shows `remote memory read by ucp_get* ... "
-            "cma/memory`), TCP only carries wire-up and notifications; the target process "
-            "keeps polling for progress, so on a saturated machine it competes with the reader.",
+            f"{load} on {os.cpu_count()} cores. "
+            + (
+                _descriptor_cost(rows)
+                if args.device.startswith("cuda")
+                else "UCX serves these reads with CMA zero-copy (`process_vm_readv`; "
+                "`UCX_PROTO_INFO=y` shows `remote memory read by ucp_get* ... cma/memory`), TCP "
+                "only carries wire-up and notifications; the target process keeps polling for "
+                "progress, so on a saturated machine it competes with the reader."
+            ),
         ]
     if rej:
         lines += [
@@ -230,11 +339,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 16 MiB, 2 reps, 5 samples")
     p.add_argument("--json", type=str, default=str(c.WORK_DIR / "transfer.json"))
     p.add_argument("--no-results", action="store_true", help="do not touch bench/RESULTS.md")
+    p.add_argument(
+        "--device", default="cpu",
+        help="where both sides' blocks live: cpu, or a CUDA device (cuda, cuda:0) for the GPU "
+        "section (UCX's CUDA transports are added to the loopback default)",
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.quick:
         args.total_mib, args.reps, args.rejections = 16, 2, 5
-    rows = bandwidth(args.sizes_kib, args.total_mib, args.reps, args.run_len)
-    rej = rejection_to_free(args.rejections) if args.rejections > 0 else []
+    on_gpu = args.device.startswith("cuda")
+    with_loopback_ucx(cuda=on_gpu)  # before the target and the peers are spawned
+    rows = bandwidth(args.sizes_kib, args.total_mib, args.reps, args.run_len, args.device)
+    rej = rejection_to_free(args.rejections, args.device) if args.rejections > 0 else []
     if rej:
         print(f"rejection to free: median {c.fmt_ms(statistics.median(rej))} ms", flush=True)
     c.write_json(
@@ -242,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         {"bandwidth": rows, "rejection_to_free_s": rej, "total_mib": args.total_mib},
     )
     if not args.no_results:
-        c.update_results_section("transfer", render(rows, rej, args))
+        c.update_results_section(
+            "transfer (GPU)" if on_gpu else "transfer", render(rows, rej, args)
+        )
     return 0
 
 
