@@ -99,6 +99,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, default=3000, help="requests per case and round")
     add_long_chat_arguments(g)
     g.add_argument("--proxy-cpus", default="0", help="CPUs of the router, fakes (taskset list)")
+    g.add_argument(
+        "--fake-cpus", default=None,
+        help="CPUs of the fake engines alone (default: the router's, --proxy-cpus): apart, "
+        "the engines' CPU no longer competes with the router's",
+    )  # fmt: skip
     g.add_argument("--w2-cpus", default="0,1", help="CPUs of kvrelay --workers 2 and its Redis")
     g.add_argument("--loadgen-cpus", default="1", help="CPUs of the load generator")
     g.add_argument("--profile", action="store_true",
@@ -205,8 +210,9 @@ class Bench:
 
     def start(self) -> None:
         a = self.args
-        self.p = c.start_fake_engine("prefill", "fake-p", a.proxy_cpus)
-        self.d = c.start_fake_engine("decode", "fake-d", a.proxy_cpus)
+        fake_cpus = a.fake_cpus or a.proxy_cpus
+        self.p = c.start_fake_engine("prefill", "fake-p", fake_cpus)
+        self.d = c.start_fake_engine("decode", "fake-d", fake_cpus)
         if a.tracing != "off":
             self._start_sink()
         trace_all = a.tracing == "on"
@@ -412,10 +418,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def placement(args: argparse.Namespace) -> str:
+    fakes = getattr(args, "fake_cpus", None)
+    routers = "kvrelay-w1 and vllm-router" if fakes else "fakes, kvrelay-w1 and vllm-router"
     return (
-        f"fakes, kvrelay-w1 and vllm-router pinned to CPU {args.proxy_cpus}; kvrelay-w2 (both "
-        f"workers and its redis-server) to CPUs {args.w2_cpus}; the load generator to CPU "
-        f"{args.loadgen_cpus} (`taskset`); machine has {os.cpu_count()} CPUs"
+        f"{routers} pinned to CPU {args.proxy_cpus}; "
+        + (f"the fakes to CPU {fakes}; " if fakes else "")
+        + f"kvrelay-w2 (both workers and its redis-server) to CPUs {args.w2_cpus}; the load "
+        f"generator to CPU {args.loadgen_cpus} (`taskset`); machine has {os.cpu_count()} CPUs"
     )
 
 
