@@ -588,6 +588,8 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         # Workers' metrics are aggregated by kvrelay (prometheus multiprocess mode).
         counted = ", ".join(f"`{k}` {v:.0f}" for k, v in sorted(counts.items()))
         lines += ["", f"{name} work counters at the end (all cases): {counted or 'none'}"]
+    if any(x["target"] == BASE for x in cases):
+        lines += ["", *baseline_lines(data)]
     lines += ["", *aim_lines(cases)]
     profile = data.get("profile")
     if profile and "error" in profile:
@@ -595,6 +597,61 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     elif profile:
         lines += ["", *profile_lines(profile)]
     return "\n".join(lines)
+
+
+def round_spread(case: dict[str, Any]) -> float:
+    """The fastest round's req/s over the slowest's: how much one target moves by itself."""
+    rps = [r["rps"] for r in case.get("rounds") or () if r.get("rps")]
+    return max(rps) / min(rps) if len(rps) > 1 else math.nan
+
+
+def within_noise(ratio: float, spread: float) -> bool:
+    """A ratio to the baseline no further from 1 than the baseline's own round spread."""
+    return not math.isnan(spread) and 1 / spread <= ratio <= spread
+
+
+def baseline_lines(data: dict[str, Any]) -> list[str]:
+    """kvrelay-w1 (and kvrelay-w1-without) against the baseline tree, case by case, each
+    judged against the baseline's own round-to-round spread in the same case."""
+    cases = data["cases"]
+    ours = [t for t in ("kvrelay-w1", WITHOUT) if any(x["target"] == t for x in cases)]
+    lines = [
+        f"Against `kvrelay-w1-base` (the proxy from {data.get('baseline', 'the baseline tree')}, "
+        "same rounds): req/s and router CPU per request as ratios of the base's medians; "
+        '"spread" is the base\'s fastest round over its slowest in the same case, and a ratio '
+        "within it (between 1/spread and spread) is within noise.",
+        "",
+        "| case | base spread | "
+        + " | ".join(f"{t} req/s | {t} CPU | {t} noise" for t in ours)
+        + " |",
+        "|---|---:|" + "---:|---:|:---:|" * len(ours),
+    ]
+    verdicts: dict[str, list[bool]] = {t: [] for t in ours}
+    for mode in MODES:
+        for conc in sorted({int(x["concurrency"]) for x in cases}):
+            base = find(cases, mode, conc, BASE)
+            if base is None:
+                continue
+            spread = round_spread(base)
+            cells = [f"{mode} c={conc}", f"{spread:.2f}"]
+            for t in ours:
+                case = find(cases, mode, conc, t)
+                if case is None:
+                    cells += ["-", "-", "-"]
+                    continue
+                rps = _ratio(case["rps"], base["rps"])
+                ok = within_noise(rps, spread)
+                verdicts[t].append(ok)
+                cpu = _ratio(case["router_cpu_us"], base["router_cpu_us"])
+                cells += [f"{rps:.2f}x", f"{cpu:.2f}x", "within" if ok else "OUTSIDE"]
+            lines.append("| " + " | ".join(cells) + " |")
+    for t, oks in verdicts.items():
+        lines += [
+            "",
+            f"- {t} req/s within noise of kvrelay-w1-base in {sum(oks)} of {len(oks)} cases: "
+            + _verdict(bool(oks) and all(oks)),
+        ]
+    return lines
 
 
 def summary_table(cases: list[dict[str, Any]], kv: str) -> list[str]:
