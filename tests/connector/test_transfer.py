@@ -6,6 +6,7 @@ as an engine does. After every test the holder holds nothing and every block is 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -66,12 +67,15 @@ def same_tp_equal(
     )
 
 
-@pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
-    """A holder and a reader (K/V split planes) shared by this module's simple tests."""
-    holder = nixl_peer.Peer.start(nixl_peer.PeerSpec("holder", seed=1, num_blocks=96))
+@contextlib.contextmanager
+def running_pair(
+    holder_spec: nixl_peer.PeerSpec, reader_spec: nixl_peer.PeerSpec, timeout: float = 60.0
+) -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
+    """A holder and a reader peer, both stopped afterwards (the holder too if the reader
+    never starts)."""
+    holder = nixl_peer.Peer.start(holder_spec, timeout)
     try:
-        reader = nixl_peer.Peer.start(nixl_peer.PeerSpec("reader", seed=2, num_blocks=96))
+        reader = nixl_peer.Peer.start(reader_spec, timeout)
     except BaseException:
         holder.stop()
         raise
@@ -82,6 +86,16 @@ def pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
         holder.stop()
 
 
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
+    """A holder and a reader (K/V split planes) shared by this module's simple tests."""
+    with running_pair(
+        nixl_peer.PeerSpec("holder", seed=1, num_blocks=96),
+        nixl_peer.PeerSpec("reader", seed=2, num_blocks=96),
+    ) as peers:
+        yield peers
+
+
 @pytest.fixture
 def idle_pair(
     pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
@@ -90,16 +104,16 @@ def idle_pair(
     assert_idle(*pair)
 
 
-@pytest.mark.parametrize("coalesce", [True, False])
-def test_byte_exact_read_of_scattered_blocks(
-    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], coalesce: bool
-) -> None:
-    holder, reader = idle_pair
+# --- checks shared with the GPU twins of these tests (test_transfer_cuda.py) ------------------
+def read_scattered_blocks(holder: nixl_peer.Peer, reader: nixl_peer.Peer, coalesce: bool) -> None:
+    """Blocks held in scattered runs arrive byte-exact, in as many descriptors as coalescing
+    says, and the read frees the holder's claim."""
     reader.call("coalesce", on=coalesce)
     prompt = toks(7 * BS + 5)
     scattered = [40, 41, 42, 10, 11, 60, 3, 4]  # runs of 3, 2, 1 and 2 blocks
     params = hold(holder, f"h-{coalesce}", prompt, blocks=scattered)
     before = reader.stats()["workers"][0]
+    freed = holder.stats()["sched"]["freed_by_read"]
     out = reader.call("load", rid=f"r-{coalesce}", prompt=[*prompt, 1, 2, 3], params=for_p(params))
     assert out["n"] == 7 * BS and out["loaded"] == 7 * BS and not out["failed"]
     assert same_tp_equal(holder, scattered[:7], reader, out["blocks"][:7])
@@ -110,12 +124,13 @@ def test_byte_exact_read_of_scattered_blocks(
     strips = 2 * 2  # 2 layers x (K, V)
     # Holder runs 3+2+1+1 (7 blocks) map onto one local run: 4 descriptors per strip.
     assert descs == (4 * strips if coalesce else 7 * strips)
-    wait_until(lambda: holder.stats()["sched"]["freed_by_read"] >= 1, 20, what="free by read")
+    wait_until(
+        lambda: holder.stats()["sched"]["freed_by_read"] == freed + 1, 20, what="free by read"
+    )
 
 
-def test_byte_exact_joint_kv_layout(peers: StartPeer) -> None:
-    holder = peers(nixl_peer.PeerSpec("holder-joint", layout="joint", seed=3))
-    reader = peers(nixl_peer.PeerSpec("reader-joint", layout="joint", seed=4))
+def read_whole_blocks(holder: nixl_peer.Peer, reader: nixl_peer.Peer) -> None:
+    """A short hold read whole; both peers idle afterwards."""
     prompt = toks(3 * BS + 1)
     params = hold(holder, "h", prompt)
     out = reader.call("load", rid="r", prompt=prompt, params=for_p(params))
@@ -124,15 +139,11 @@ def test_byte_exact_joint_kv_layout(peers: StartPeer) -> None:
     assert_idle(holder, reader)
 
 
-@pytest.mark.parametrize(
-    ("diverge_at", "expected_blocks"),
-    [(37, 2), (32, 2), (0, 0), (None, 4)],
-    ids=["mid-block", "block-boundary", "first-token", "no-divergence"],
-)
-def test_prefix_verification_pulls_exactly_the_matching_blocks(
-    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], diverge_at: int | None, expected_blocks: int
+def pull_matching_prefix(
+    holder: nixl_peer.Peer, reader: nixl_peer.Peer, diverge_at: int | None, expected_blocks: int
 ) -> None:
-    holder, reader = idle_pair
+    """The block hashes decide: exactly the blocks before the first differing token are read,
+    and the holder's hold is freed by the read (or released when nothing matched)."""
     history = toks(4 * BS + 6)  # D holds 4 full blocks + a partial one
     params = hold(holder, f"hv-{diverge_at}", history)
     prompt = [*history, 5, 6, 7]
@@ -152,10 +163,8 @@ def test_prefix_verification_pulls_exactly_the_matching_blocks(
     wait_until(lambda: holder.stats()["sched"][key] == before + 1, 20, what=key)
 
 
-def test_rejection_before_admission_frees_the_holder(
-    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
-) -> None:
-    holder, reader = idle_pair
+def reject_before_admission(holder: nixl_peer.Peer, reader: nixl_peer.Peer) -> None:
+    """A reader that rejects the request before admission frees the holder's blocks early."""
     prompt = toks(2 * BS + 3)
     params = hold(holder, "h-rej", prompt)
     before = holder.stats()["sched"]["freed_by_release"]
@@ -164,6 +173,67 @@ def test_rejection_before_admission_frees_the_holder(
         lambda: holder.stats()["sched"]["freed_by_release"] == before + 1, 20, what="early release"
     )
     assert reader.stats()["sched"]["early_releases"] >= 1
+
+
+def holder_killed_mid_read(peers: StartPeer, spec: Callable[..., nixl_peer.PeerSpec]) -> None:
+    """Reads held in flight by a holder that stopped driving NIXL, then killed: the reader
+    that recomputes loads nothing, the one that fails fails, and both blocks come back."""
+    holder = peers(spec("doomed", seed=10))
+    fast_fail = {"transfer_timeout_s": 3.0, "handshake_retries": 1}
+    recompute = peers(spec("r-recompute", config=fast_fail))
+    fail = peers(spec("r-fail", config={**fast_fail, "kv_load_failure_policy": "fail"}))
+    prompt = toks(4 * BS)
+    p1, p2 = hold(holder, "h1", prompt), hold(holder, "h2", prompt)
+    # The holder stops driving NIXL, so the reads cannot finish: they stay in flight...
+    holder.call("polling", on=False)
+    c1 = recompute.send("load", rid="a", prompt=[*prompt, 1], params=for_p(p1))
+    c2 = fail.send("load", rid="b", prompt=[*prompt, 1], params=for_p(p2))
+    for reader in (recompute, fail):
+        wait_until(
+            lambda r=reader: r.stats()["workers"][0]["reads_in_flight"] == 1,
+            20,
+            what="read in flight",
+        )
+    holder.kill()  # ...until the holder dies under them.
+    out1, out2 = recompute.result(c1, timeout=30), fail.result(c2, timeout=30)
+    assert out1["loaded"] == 0 and not out1["failed"] and out1["invalid"] == out1["blocks"][:4]
+    assert out2["failed"] and out2["invalid"] == out2["blocks"][:4]
+    for reader in (recompute, fail):
+        w = reader.stats()["workers"][0]
+        assert w["failures"] == 1
+        assert w.get("failures_transfer", 0) + w.get("failures_timeout", 0) == 1
+    assert_idle(recompute, fail)
+
+
+# --- the tests --------------------------------------------------------------------------------
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_byte_exact_read_of_scattered_blocks(
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], coalesce: bool
+) -> None:
+    read_scattered_blocks(*idle_pair, coalesce)
+
+
+def test_byte_exact_joint_kv_layout(peers: StartPeer) -> None:
+    holder = peers(nixl_peer.PeerSpec("holder-joint", layout="joint", seed=3))
+    reader = peers(nixl_peer.PeerSpec("reader-joint", layout="joint", seed=4))
+    read_whole_blocks(holder, reader)
+
+
+@pytest.mark.parametrize(
+    ("diverge_at", "expected_blocks"),
+    [(37, 2), (32, 2), (0, 0), (None, 4)],
+    ids=["mid-block", "block-boundary", "first-token", "no-divergence"],
+)
+def test_prefix_verification_pulls_exactly_the_matching_blocks(
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], diverge_at: int | None, expected_blocks: int
+) -> None:
+    pull_matching_prefix(*idle_pair, diverge_at, expected_blocks)
+
+
+def test_rejection_before_admission_frees_the_holder(
+    idle_pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
+) -> None:
+    reject_before_admission(*idle_pair)
 
 
 def test_compat_hash_mismatch_is_a_clear_failure(
@@ -259,33 +329,7 @@ def test_mla_reads_one_holder_rank_and_notifies_the_others(peers: StartPeer) -> 
 
 
 def test_holder_killed_mid_read_applies_each_policy(peers: StartPeer) -> None:
-    holder = peers(nixl_peer.PeerSpec("doomed", seed=10))
-    fast_fail = {"transfer_timeout_s": 3.0, "handshake_retries": 1}
-    recompute = peers(nixl_peer.PeerSpec("r-recompute", config=fast_fail))
-    fail = peers(
-        nixl_peer.PeerSpec("r-fail", config={**fast_fail, "kv_load_failure_policy": "fail"})
-    )
-    prompt = toks(4 * BS)
-    p1, p2 = hold(holder, "h1", prompt), hold(holder, "h2", prompt)
-    # The holder stops driving NIXL, so the reads cannot finish: they stay in flight...
-    holder.call("polling", on=False)
-    c1 = recompute.send("load", rid="a", prompt=[*prompt, 1], params=for_p(p1))
-    c2 = fail.send("load", rid="b", prompt=[*prompt, 1], params=for_p(p2))
-    for reader in (recompute, fail):
-        wait_until(
-            lambda r=reader: r.stats()["workers"][0]["reads_in_flight"] == 1,
-            20,
-            what="read in flight",
-        )
-    holder.kill()  # ...until the holder dies under them.
-    out1, out2 = recompute.result(c1, timeout=30), fail.result(c2, timeout=30)
-    assert out1["loaded"] == 0 and not out1["failed"] and out1["invalid"] == out1["blocks"][:4]
-    assert out2["failed"] and out2["invalid"] == out2["blocks"][:4]
-    for reader in (recompute, fail):
-        w = reader.stats()["workers"][0]
-        assert w["failures"] == 1
-        assert w.get("failures_transfer", 0) + w.get("failures_timeout", 0) == 1
-    assert_idle(recompute, fail)
+    holder_killed_mid_read(peers, nixl_peer.PeerSpec)
 
 
 def test_restarted_holder_is_handshaken_again(

@@ -19,15 +19,15 @@ import pytest
 
 from kvrelay.devtools import nixl_peer
 from tests.connector.test_transfer import (
-    BS,
     StartPeer,
     assert_idle,
-    for_p,
-    hold,
-    same_tp_equal,
-    toks,
+    holder_killed_mid_read,
+    pull_matching_prefix,
+    read_scattered_blocks,
+    read_whole_blocks,
+    reject_before_admission,
+    running_pair,
 )
-from tests.harness import wait_until
 
 
 def _cuda_device_present() -> bool:
@@ -53,23 +53,16 @@ STAGED_TLS = "tcp,self,sm,cuda_copy"
 
 
 def gpu_spec(engine_id: str, **kw: object) -> nixl_peer.PeerSpec:
-    return nixl_peer.PeerSpec(engine_id, device="cuda", **kw)  # type: ignore[arg-type]
+    return nixl_peer.PeerSpec(f"gpu-{engine_id}", device="cuda", **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture(scope="module")
 def gpu_pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
     """A holder and a reader with FlashAttention-shaped caches in VRAM."""
-    holder = nixl_peer.Peer.start(gpu_spec("gpu-holder", seed=1, num_blocks=96), timeout=120)
-    try:
-        reader = nixl_peer.Peer.start(gpu_spec("gpu-reader", seed=2, num_blocks=96), timeout=120)
-    except BaseException:
-        holder.stop()
-        raise
-    try:
-        yield holder, reader
-    finally:
-        reader.stop()
-        holder.stop()
+    with running_pair(
+        gpu_spec("holder", seed=1, num_blocks=96), gpu_spec("reader", seed=2, num_blocks=96), 120
+    ) as peers:
+        yield peers
 
 
 @pytest.fixture
@@ -95,33 +88,14 @@ def test_caches_are_registered_as_device_memory_with_the_cuda_transports(
 def test_byte_exact_read_of_scattered_vram_blocks(
     idle_gpu_pair: tuple[nixl_peer.Peer, nixl_peer.Peer], coalesce: bool
 ) -> None:
-    holder, reader = idle_gpu_pair
-    reader.call("coalesce", on=coalesce)
-    prompt = toks(7 * BS + 5)
-    scattered = [40, 41, 42, 10, 11, 60, 3, 4]  # runs of 3, 2, 1 and 2 blocks
-    params = hold(holder, f"h-{coalesce}", prompt, blocks=scattered)
-    freed = holder.stats()["sched"]["freed_by_read"]
-    out = reader.call("load", rid=f"r-{coalesce}", prompt=[*prompt, 1, 2, 3], params=for_p(params))
-    assert out["n"] == 7 * BS and out["loaded"] == 7 * BS and not out["failed"]
-    assert same_tp_equal(holder, scattered[:7], reader, out["blocks"][:7])
-    # The block past the loaded prefix was not written.
-    assert not same_tp_equal(holder, scattered[7:], reader, out["blocks"][7:8])
-    # The read released the holder's claim: its blocks went back to its pool.
-    wait_until(
-        lambda: holder.stats()["sched"]["freed_by_read"] == freed + 1, 20, what="free by read"
-    )
+    read_scattered_blocks(*idle_gpu_pair, coalesce)
 
 
 @pytest.mark.parametrize("layout", ["split_hnd", "joint"])
 def test_byte_exact_read_for_other_backend_layouts(peers: StartPeer, layout: str) -> None:
-    holder = peers(gpu_spec(f"gpu-holder-{layout}", layout=layout, seed=3))
-    reader = peers(gpu_spec(f"gpu-reader-{layout}", layout=layout, seed=4))
-    prompt = toks(3 * BS + 1)
-    params = hold(holder, "h", prompt)
-    out = reader.call("load", rid="r", prompt=prompt, params=for_p(params))
-    assert out["loaded"] == 3 * BS
-    assert same_tp_equal(holder, params["remote_block_ids"][0][:3], reader, out["blocks"][:3])
-    assert_idle(holder, reader)
+    holder = peers(gpu_spec(f"holder-{layout}", layout=layout, seed=3))
+    reader = peers(gpu_spec(f"reader-{layout}", layout=layout, seed=4))
+    read_whole_blocks(holder, reader)
 
 
 @pytest.mark.parametrize(
@@ -134,69 +108,14 @@ def test_block_hashes_decide_which_vram_blocks_are_pulled(
     diverge_at: int | None,
     expected_blocks: int,
 ) -> None:
-    holder, reader = idle_gpu_pair
-    history = toks(4 * BS + 6)
-    params = hold(holder, f"hv-{diverge_at}", history)
-    prompt = [*history, 5, 6, 7]
-    if diverge_at is not None:
-        prompt[diverge_at] = 1
-    freed_before = holder.stats()["sched"]
-    blocks_before = reader.stats()["workers"][0]["blocks_read"]
-    out = reader.call("load", rid=f"rv-{diverge_at}", prompt=prompt, params=for_p(params))
-    assert out["n"] == expected_blocks * BS and out["loaded"] == expected_blocks * BS
-    assert reader.stats()["workers"][0]["blocks_read"] - blocks_before == expected_blocks
-    if expected_blocks:
-        hb = params["remote_block_ids"][0][:expected_blocks]
-        assert same_tp_equal(holder, hb, reader, out["blocks"][:expected_blocks])
-        key, before = "freed_by_read", freed_before["freed_by_read"]
-    else:
-        key, before = "freed_by_release", freed_before["freed_by_release"]  # released, not read
-    wait_until(lambda: holder.stats()["sched"][key] == before + 1, 20, what=key)
+    pull_matching_prefix(*idle_gpu_pair, diverge_at, expected_blocks)
 
 
 def test_rejection_before_admission_frees_the_vram_holder_early(
     idle_gpu_pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
 ) -> None:
-    holder, reader = idle_gpu_pair
-    prompt = toks(2 * BS + 3)
-    params = hold(holder, "h-rej", prompt)
-    before = holder.stats()["sched"]["freed_by_release"]
-    reader.call("reject", rid="r-rej", prompt=prompt, params=params)
-    wait_until(
-        lambda: holder.stats()["sched"]["freed_by_release"] == before + 1, 20, what="early release"
-    )
-    assert reader.stats()["sched"]["early_releases"] >= 1
+    reject_before_admission(*idle_gpu_pair)
 
 
 def test_vram_holder_killed_mid_read_applies_each_policy(peers: StartPeer) -> None:
-    holder = peers(gpu_spec("gpu-doomed", seed=10, ucx_tls=STAGED_TLS))
-    fast_fail = {"transfer_timeout_s": 3.0, "handshake_retries": 1}
-    recompute = peers(gpu_spec("gpu-r-recompute", config=fast_fail, ucx_tls=STAGED_TLS))
-    fail = peers(
-        gpu_spec(
-            "gpu-r-fail",
-            config={**fast_fail, "kv_load_failure_policy": "fail"},
-            ucx_tls=STAGED_TLS,
-        )
-    )
-    prompt = toks(4 * BS)
-    p1, p2 = hold(holder, "h1", prompt), hold(holder, "h2", prompt)
-    # The holder stops driving NIXL, so the staged reads cannot finish: they stay in flight...
-    holder.call("polling", on=False)
-    c1 = recompute.send("load", rid="a", prompt=[*prompt, 1], params=for_p(p1))
-    c2 = fail.send("load", rid="b", prompt=[*prompt, 1], params=for_p(p2))
-    for reader in (recompute, fail):
-        wait_until(
-            lambda r=reader: r.stats()["workers"][0]["reads_in_flight"] == 1,
-            20,
-            what="read in flight",
-        )
-    holder.kill()  # ...until the holder dies under them.
-    out1, out2 = recompute.result(c1, timeout=30), fail.result(c2, timeout=30)
-    assert out1["loaded"] == 0 and not out1["failed"] and out1["invalid"] == out1["blocks"][:4]
-    assert out2["failed"] and out2["invalid"] == out2["blocks"][:4]
-    for reader in (recompute, fail):
-        w = reader.stats()["workers"][0]
-        assert w["failures"] == 1
-        assert w.get("failures_transfer", 0) + w.get("failures_timeout", 0) == 1
-    assert_idle(recompute, fail)
+    holder_killed_mid_read(peers, lambda name, **kw: gpu_spec(name, ucx_tls=STAGED_TLS, **kw))
