@@ -2,11 +2,11 @@
 # The GPU checks: NIXL reads between two engine processes whose KV caches live in one CUDA
 # device's memory (the `gpu` tests) and the GPU section of bench/transfer.py.
 #
-#   scripts/gpu-check.sh wheels DIR   on a machine with network: download into DIR the wheels a
-#                                     GPU machine without network needs (nixl-cu13 with its
-#                                     expert-parallel kernels stripped, the connector's pure-Python
-#                                     needs at this venv's versions); GPU_PYTHON picks the
-#                                     Python version (3.12 by default)
+#   scripts/gpu-check.sh wheels DIR   on a machine with network: download into DIR (`.whl` in
+#                                     the tree is git-ignored) the wheels a GPU machine without
+#                                     network needs (nixl-cu13 with its expert-parallel kernels
+#                                     stripped, the connector's pure-Python needs at this venv's
+#                                     versions); GPU_PYTHON picks the Python version (3.12)
 #   scripts/gpu-check.sh run [DIR]    on the GPU machine, from the repository root: install DIR's
 #                                     wheels (if given) beside the machine's own torch, run the
 #                                     `gpu` tests, then `bench.transfer --device cuda` (writes
@@ -71,7 +71,7 @@ run_checks() {
     export PYTHONPATH="$PYTHONPATH:$site"  # after the tree; beside the machine's torch
   fi
   local out=${OUT:-}
-  nvidia-smi -L
+  if command -v nvidia-smi >/dev/null; then nvidia-smi -L; fi
   "$py" - <<'PY'
 import sys
 import torch
