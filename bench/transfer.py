@@ -35,8 +35,13 @@ with_loopback_ucx()
 KIB = 1024
 
 
+def _on_gpu(device: str) -> bool:
+    """Whether `--device` names a CUDA device ("cuda", "cuda:0")."""
+    return device.startswith("cuda")
+
+
 def _mem_type(device: str) -> str:
-    return "VRAM" if device.startswith("cuda") else "DRAM"
+    return "VRAM" if _on_gpu(device) else "DRAM"
 
 
 def _target(conn: Connection, total_bytes: int, device: str) -> None:
@@ -80,7 +85,7 @@ class _Copy:
         import torch
 
         self.torch = torch
-        self.cuda = device.startswith("cuda")
+        self.cuda = _on_gpu(device)
         if self.cuda:
             self.src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)
             self.dst = torch.empty_like(self.src)
@@ -274,7 +279,7 @@ def _descriptor_cost(rows: list[dict[str, Any]]) -> str:
 def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespace) -> str:
     ucx = ", ".join(f"{k}=`{v}`" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
     ucx += ". "
-    if args.device.startswith("cuda"):
+    if _on_gpu(args.device):
         what = (
             f"GPU: {gpu_description()}.  \n{ucx}NIXL READ (UCX, both buffers in the one GPU's "
             "memory, two processes, no progress thread) of "
@@ -311,7 +316,7 @@ def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespac
             f"{load} on {os.cpu_count()} cores. "
             + (
                 _descriptor_cost(rows)
-                if args.device.startswith("cuda")
+                if _on_gpu(args.device)
                 else "UCX serves these reads with CMA zero-copy (`process_vm_readv`; "
                 "`UCX_PROTO_INFO=y` shows `remote memory read by ucp_get* ... cma/memory`), TCP "
                 "only carries wire-up and notifications; the target process keeps polling for "
@@ -347,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.total_mib, args.reps, args.rejections = 16, 2, 5
-    on_gpu = args.device.startswith("cuda")
+    on_gpu = _on_gpu(args.device)
     with_loopback_ucx(cuda=on_gpu)  # before the target and the peers are spawned
     rows = bandwidth(args.sizes_kib, args.total_mib, args.reps, args.run_len, args.device)
     rej = rejection_to_free(args.rejections, args.device) if args.rejections > 0 else []
