@@ -1,9 +1,12 @@
 """Chained block hashes of token ids (CONTRACTS §1). Torch-free.
 
-h_{-1} = sha256(b"kvrelay-v1" || compat_hash [|| b"\nlora:" || adapter name]); h_i =
-sha256(h_{i-1} || tokens of block i as little-endian int64); each published as its first 16 hex
-chars. The LoRA adapter a request ran with changes its KV, so it seeds the chain: blocks computed
-under one adapter (or none) never match a prompt run under another. Only FULL blocks are hashed:
+h_{-1} = sha256(b"kvrelay-v1" || compat_hash [|| b"\nlora:" || adapter name] [|| b"\nsalt:" ||
+cache salt]); h_i = sha256(h_{i-1} || tokens of block i as little-endian int64); each published as
+its first 16 hex chars. The LoRA adapter a request ran with changes its KV, so it seeds the chain:
+blocks computed under one adapter (or none) never match a prompt run under another. So does the
+request's `cache_salt` (vLLM's per-tenant cache isolation, which seeds vLLM's own block hashes
+the same way): blocks held for one salt never verify for a prompt under another, so a reader
+can pull only KV its own tenant's requests computed. Only FULL blocks are hashed:
 a partial block's KV cannot be matched by content and is never pulled on the strength of a hash.
 """
 
@@ -17,7 +20,11 @@ HASH_HEX_CHARS = 16
 
 
 def _chain(
-    token_ids: Sequence[int], block_size: int, compat_hash: str, lora_name: str | None
+    token_ids: Sequence[int],
+    block_size: int,
+    compat_hash: str,
+    lora_name: str | None,
+    cache_salt: str | None,
 ) -> tuple[list[str], bytes]:
     """(truncated hashes of the full blocks, full digest after the last full block)."""
     if block_size <= 0:
@@ -25,6 +32,8 @@ def _chain(
     seed = b"kvrelay-v1" + compat_hash.encode()
     if lora_name:
         seed += b"\nlora:" + lora_name.encode()
+    if cache_salt:
+        seed += b"\nsalt:" + cache_salt.encode("utf-8", "surrogatepass")
     digest = hashlib.sha256(seed).digest()
     out: list[str] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -36,20 +45,29 @@ def _chain(
 
 
 def block_hashes(
-    token_ids: Sequence[int], block_size: int, compat_hash: str, lora_name: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    compat_hash: str,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> list[str]:
-    """One truncated hex hash per full block of `token_ids` (computed under `lora_name`)."""
-    return _chain(token_ids, block_size, compat_hash, lora_name)[0]
+    """One truncated hex hash per full block of `token_ids` (computed under `lora_name` and
+    `cache_salt`)."""
+    return _chain(token_ids, block_size, compat_hash, lora_name, cache_salt)[0]
 
 
 def tail_hash(
-    token_ids: Sequence[int], block_size: int, compat_hash: str, lora_name: str | None = None
+    token_ids: Sequence[int],
+    block_size: int,
+    compat_hash: str,
+    lora_name: str | None = None,
+    cache_salt: str | None = None,
 ) -> str | None:
     """Hash of the partial last block (chained after the full ones); None when there is none.
 
     Lets a reader verify the holder's partial tail block token by token before pulling it.
     """
-    _, digest = _chain(token_ids, block_size, compat_hash, lora_name)
+    _, digest = _chain(token_ids, block_size, compat_hash, lora_name, cache_salt)
     tail = token_ids[len(token_ids) - len(token_ids) % block_size :]
     if not tail:
         return None

@@ -67,15 +67,14 @@ class HolderBreaker:
             self._down[holder] = _Down(reason, self._clock() + self._retry_s)
 
     def answered(self, holder: Holder) -> None:
-        """Its side channel answered: up again unless its READs are what timed out."""
+        """Its side channel answered: up again unless its READs are what timed out. Then the
+        probe goes on (an answered claim says nothing about its READ): only the probe's READ
+        ending (`read_done`, `failed`) or the load ending without one (`probe_over`) lets
+        another load through."""
         with self._lock:
             down = self._down.get(holder)
-            if down is None:
-                return
-            if down.reason is DownReason.SIDE_CHANNEL:
+            if down is not None and down.reason is DownReason.SIDE_CHANNEL:
                 del self._down[holder]
-            else:
-                down.probing = False
 
     def read_done(self, holder: Holder) -> None:
         """A READ from it completed: up again."""

@@ -72,9 +72,14 @@ class ConnectorConfig(BaseModel):
     handshake_retries: int = Field(default=3, ge=1)
     transfer_timeout_s: float = Field(default=30.0, gt=0)
     # After a failed or timed-out READ: how long to wait for NIXL to report it over before the
-    # read counts as stuck. Its blocks stay with the request (quarantined) either way until
-    # NIXL reports it over; they never go back to the engine while data may still land.
+    # read counts as stuck. A stuck read's holder is then forgotten (its NIXL agent removed,
+    # which ends every transfer still posted to it), so its blocks come back with the next
+    # poll; until NIXL reports a read over they never go back while data may still land.
     cancel_grace_s: float = Field(default=30.0, gt=0)
+    # A holder's NIXL agent (and its UCX endpoints) is dropped once no read used it for this
+    # long: holders come and go (each vLLM process has an engine id of its own), and the next
+    # read from one that is still there costs one handshake.
+    remote_idle_s: float = Field(default=120.0, gt=0)
     coalesce: bool = True
     # Claims and handshakes run on threads of their holder's own (at most this many per
     # holder), so a hung holder delays only loads that name it.
@@ -82,9 +87,10 @@ class ConnectorConfig(BaseModel):
     # A holder whose claims, handshakes or READs timed out gets no new loads (they recompute at
     # once) until a probe load, one per this many seconds, shows it answers again.
     holder_retry_s: float = Field(default=10.0, gt=0)
-    # Blocks this reader (per worker rank) may have quarantined behind cancelled READs that
-    # NIXL has not reported over. Past it, new loads from a holder with such reads are refused
-    # (recomputed) instead of adding more.
+    # Blocks this reader (per worker rank) may have quarantined: behind cancelled READs that
+    # NIXL has not reported over, and behind READs still in flight from a holder with such a
+    # read. Past it, new loads from a holder with such reads are refused (recomputed) instead
+    # of adding more.
     max_quarantined_blocks: int = Field(default=256, ge=0)
     # Holder addresses a reader contacts at all (allowlist.py); the fleet's own engines.
     allowed_holders: tuple[str, ...] = DEFAULT_ALLOWED_HOLDERS

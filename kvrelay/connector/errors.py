@@ -41,14 +41,13 @@ class ConnectorErrorKind(Enum):
     def releases_holder(self) -> bool:
         """Whether a reader whose load failed this way should release the holder's blocks.
 
-        Not for `GONE` (nothing is held any more), `CLAIMED` (another reader owns them now) or
-        `HOLDER_DOWN` (it does not answer; never claimed, its lease frees them).
+        Not for `GONE` (nothing is held any more) or `CLAIMED` (another reader owns them now).
+        A load refused because the holder is down (`HOLDER_DOWN`) releases too: a holder whose
+        READs timed out may still answer its side channel, and one that comes back would
+        otherwise keep the blocks for their whole lease (the release is sent in the background
+        with bounded retries, so a dead holder costs nothing but those tries).
         """
-        return self not in (
-            ConnectorErrorKind.GONE,
-            ConnectorErrorKind.CLAIMED,
-            ConnectorErrorKind.HOLDER_DOWN,
-        )
+        return self not in (ConnectorErrorKind.GONE, ConnectorErrorKind.CLAIMED)
 
 
 class ConnectorError(Exception):

@@ -7,15 +7,24 @@ engine needs blocks) or budget (holds pin more of the engine's blocks than they 
 to free only queues the request id; the engine frees blocks when a worker reports it in
 `finished_sending` (the scheduler routes the id through the per-step metadata), and `finalize`
 then drops the entry.
+
+Holds kept for a later turn are cache, and one client must not be able to take it all: each
+carries its owner (the tenant the proxy names in `hold_owner`), and the budget and reclaim free
+holds from the owner pinning the most blocks first, its least recently used first (max-min
+fairness: a flood of one owner's holds frees that owner's, while another owner under its share
+keeps its own). Holds of one owner, or of none, go least recently used first, as before.
+Holds for a transfer in progress (P's blocks for this turn's D) are not cache: the budget never
+frees them, and reclaim only once one is older than the claim timeout (its reader is late).
 """
 
 from __future__ import annotations
 
+import heapq
 import hmac
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -63,6 +72,8 @@ class HoldEntry:
     # Kept for a later turn (D's `hold_blocks`), not for this turn's P -> D pull: only these
     # are cache the hold budget may free.
     next_turn: bool = False
+    # Whose hold it is (the proxy's `hold_owner`: a tenant), for the fair share of the budget.
+    owner: str = ""
 
     @property
     def num_blocks(self) -> int:
@@ -187,8 +198,12 @@ class HoldTable:
         now: float | None = None,
         freeable: Callable[[HoldEntry], int] | None = None,
     ) -> int:
-        """Free the oldest unpinned holds until `num_blocks` blocks are queued; returns blocks.
+        """Free unpinned holds until `num_blocks` blocks are queued; returns blocks.
 
+        Next-turn holds go first, in the fair order of `trim`; then holds for a transfer in
+        progress older than the claim timeout (a reader that has not claimed by then is late),
+        oldest first. A younger transfer hold is this turn's KV on its way to D: freeing it
+        would make D recompute the prompt, so the engine waits for it instead.
         `freeable(entry)`: how many of its blocks the engine gets back by freeing it (blocks
         another request also uses, e.g. a running turn's prefix hit on them, stay in use);
         default all. A hold that frees none is kept: dropping it gains no block.
@@ -196,10 +211,17 @@ class HoldTable:
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
-            for entry in sorted(self._entries.values(), key=lambda e: e.created_at):
+            live = [e for e in self._entries.values() if e.freeing is None]
+            cache = [e for e in live if e.next_turn]
+            late = now - self._claim_timeout_s
+            transfers = sorted(
+                (e for e in live if not e.next_turn and e.created_at <= late),
+                key=lambda e: e.created_at,
+            )
+            for entry in (*_fair_order(cache, lambda e: e.pinned_until <= now), *transfers):
                 if freed >= num_blocks:
                     break
-                if entry.freeing is not None or entry.pinned_until > now:
+                if entry.pinned_until > now:
                     continue
                 gain = entry.num_blocks if freeable is None else freeable(entry)
                 if gain <= 0:
@@ -209,26 +231,32 @@ class HoldTable:
         return freed
 
     def trim(self, max_blocks: int, keep: str | None = None, now: float | None = None) -> int:
-        """Free the least recently used unpinned next-turn holds until the live ones pin
-        `max_blocks` blocks at most; returns the blocks queued.
+        """Free unpinned next-turn holds until the live ones pin `max_blocks` blocks at most;
+        returns the blocks queued.
 
-        A hold is used last when its turn finishes, and a conversation's next turn is less
-        likely to come the longer it has not (think times fall off with age), so the oldest
-        go first. `keep` (the hold just made) is never freed: the latest turn is the likeliest
-        to be continued, so the budget may be exceeded by it alone. Claimed holds stay (a
-        reader may be copying them) and count against the budget. Holds for a P -> D pull of
-        the same turn are transfers in progress, neither counted nor freed.
+        From the owner that pins the most blocks first (see the module docstring), and each
+        owner's least recently used first: a hold is used last when its turn finishes, and a
+        conversation's next turn is less likely to come the longer it has not (think times
+        fall off with age). `keep` (the hold just made) is never freed: the latest turn is the
+        likeliest to be continued, so the budget may be exceeded by it alone. Claimed holds
+        stay (a reader may be copying them) and count against the budget and their owner's
+        share. Holds for a P -> D pull of the same turn are transfers in progress, neither
+        counted nor freed.
         """
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
             live = [e for e in self._entries.values() if e.freeing is None and e.next_turn]
             excess = sum(e.num_blocks for e in live) - max_blocks
-            for entry in sorted(live, key=lambda e: e.created_at):
+            if excess <= 0:
+                return 0
+
+            def can_free(entry: HoldEntry) -> bool:
+                return entry.request_id != keep and entry.pinned_until <= now
+
+            for entry in _fair_order(live, can_free):
                 if freed >= excess:
                     break
-                if entry.request_id == keep or entry.pinned_until > now:
-                    continue
                 self._mark(entry, FreeReason.BUDGET)
                 freed += entry.num_blocks
         return freed
@@ -307,3 +335,28 @@ class HoldTable:
                 del self._finished[key]
             item = self._finished.get(client_request_id)
             return None if item is None else item[1]
+
+
+def _fair_order(
+    entries: Iterable[HoldEntry], can_free: Callable[[HoldEntry], bool]
+) -> Iterator[HoldEntry]:
+    """The holds `can_free` allows, in the order to free them: always one of the owner that
+    now pins the most blocks (every hold of its counts, freeable or not; ties: the owner whose
+    next candidate is older), oldest first within an owner. The caller stops when it has
+    freed enough; each hold taken counts as freed from its owner's share."""
+    pinned: dict[str, int] = {}
+    queues: dict[str, deque[HoldEntry]] = {}
+    for entry in sorted(entries, key=lambda e: e.created_at):
+        pinned[entry.owner] = pinned.get(entry.owner, 0) + entry.num_blocks
+        if can_free(entry):
+            queues.setdefault(entry.owner, deque()).append(entry)
+    heap = [(-pinned[owner], queue[0].created_at, owner) for owner, queue in queues.items()]
+    heapq.heapify(heap)
+    while heap:
+        _, _, owner = heapq.heappop(heap)
+        queue = queues[owner]
+        entry = queue.popleft()
+        yield entry
+        pinned[owner] -= entry.num_blocks
+        if queue:
+            heapq.heappush(heap, (-pinned[owner], queue[0].created_at, owner))

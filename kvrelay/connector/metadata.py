@@ -23,6 +23,8 @@ class RequestView:
     kv_transfer_params: dict[str, Any] | None = None
     # The LoRA adapter the request runs with (None: the base model); it seeds block hashes.
     lora_name: str | None = None
+    # The request's `cache_salt` (vLLM's per-tenant prefix-cache scope); it seeds them too.
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class RecvSpec:
     remote_port: int
     remote_tp_size: int
     hold: HoldRef | None  # what frees the holder's blocks when this read gives up
+    # Where `remote_block_ids` starts in the hold's block list: the claim must answer those
+    # very blocks at those places.
+    remote_first_block: int = 0
 
 
 @dataclass

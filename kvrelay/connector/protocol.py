@@ -40,6 +40,8 @@ REMOTE_BLOCK_HASHES = "remote_block_hashes"
 REMOTE_TAIL_HASH = "remote_tail_hash"
 RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
+# Whose hold it is (the proxy's tenant id): the holder shares its hold budget fairly by owner.
+HOLD_OWNER = "hold_owner"
 REMOTE_URL = "remote_url"
 
 # --- reuse report: what the engine's connector did for this request (CONTRACTS §1) ---------
@@ -148,6 +150,7 @@ class KVTransferParams(BaseModel):
     remote_tail_hash: StrictStr | None = None
     release_token: StrictStr | None = None
     hold_blocks: StrictBool = False
+    hold_owner: StrictStr | None = None
     remote_url: StrictStr | None = None
     remote_prefill_cached_tokens: StrictInt | None = None
     # The connector's reuse report (ACCOUNTING.md).

@@ -236,7 +236,7 @@ class ConnectorScheduler:
         prompt = list(req.prompt_token_ids)
         beyond = REFUSED_PARTIAL
         if params.remote_block_hashes is not None:
-            local_h = block_hashes(prompt, bs, self._compat, req.lora_name)
+            local_h = block_hashes(prompt, bs, self._compat, req.lora_name, req.cache_salt)
             matched = matching_prefix_blocks(local_h, params.remote_block_hashes)
             verified = min(matched * bs, remote_tokens)
             self.counters.inc("prefix_mismatch_blocks", len(params.remote_block_hashes) - matched)
@@ -251,7 +251,9 @@ class ConnectorScheduler:
                 and remote_tokens <= len(prompt)
                 and params.remote_tail_hash is not None
                 and params.remote_tail_hash
-                == tail_hash(prompt[:remote_tokens], bs, self._compat, req.lora_name)
+                == tail_hash(
+                    prompt[:remote_tokens], bs, self._compat, req.lora_name, req.cache_salt
+                )
             ):
                 verified = remote_tokens
         elif self.config.require_block_hashes:
@@ -314,6 +316,7 @@ class ConnectorScheduler:
             remote_port=params.remote_port,
             remote_tp_size=params.tp_size or 1,
             hold=params.hold_ref,
+            remote_first_block=first,
         )
         self._recvs[req.request_id] = spec
         self._loading[req.request_id] = _Loading(
@@ -437,8 +440,10 @@ class ConnectorScheduler:
             expires_at=now_mono + self.config.lease_seconds,
             release_token=secrets.token_urlsafe(24),
             next_turn=not params.do_remote_decode,
+            owner=params.hold_owner or "",
         )
-        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, req.lora_name)
+        scope = (req.lora_name, req.cache_salt)
+        tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, *scope)
         out = KVTransferParams(
             do_remote_prefill=True,
             do_remote_decode=False,
@@ -450,9 +455,7 @@ class ConnectorScheduler:
             remote_num_tokens=num_tokens,
             tp_size=self.config.tp_size,
             remote_blocks_expiry_time=now_wall + self.config.lease_seconds,
-            remote_block_hashes=block_hashes(
-                all_tokens[:num_tokens], bs, self._compat, req.lora_name
-            ),
+            remote_block_hashes=block_hashes(all_tokens[:num_tokens], bs, self._compat, *scope),
             **({REMOTE_TAIL_HASH: tail} if tail is not None else {}),
             release_token=entry.release_token,
             **report.to_params(),

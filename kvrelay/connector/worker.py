@@ -17,16 +17,28 @@ A READ that failed or timed out while NIXL still has it in progress is cancelled
 counting as a load, but its handle is kept and polled until NIXL reports it over (done or
 failed). Until then the request is not reported, so the engine keeps its blocks (quarantined):
 releasing a NIXL handle does not stop data already requested from landing. Past
-`cancel_grace_s` the read counts as stuck (`reads_stuck`, logged); it is still never handed
-back early. A holder that dies ends it (NIXL reports the failure). If NIXL refuses to release
-a handle, handle and blocks are kept and the release retried (a status error does not prove the
-DMA stopped). Past `max_quarantined_blocks` quarantined blocks, loads from a holder with
-quarantined reads are refused at once (`quarantine` failures); `quarantined_blocks` and
-`quarantined_block_ms` (blocks x milliseconds) show what quarantines cost.
+`cancel_grace_s` the read counts as stuck (`reads_stuck`, logged) and its holder is forgotten:
+removing the holder's NIXL agent ends every transfer still posted to it (NIXL reports them
+failed, and nothing lands after that), so the blocks come back at the next poll instead of when
+the holder progresses again, which a hung holder may never do. A holder that dies ends it too
+(NIXL reports the failure). If NIXL refuses to release a handle, handle and blocks are kept and
+the release retried (a status error does not prove the DMA stopped). Past
+`max_quarantined_blocks` quarantined blocks (those of cancelled reads, and of reads still in
+flight from a holder that has one), loads from such a holder are refused at once
+(`quarantine` failures); `quarantined_blocks` and `quarantined_block_ms` (blocks x
+milliseconds) show what quarantines cost.
 
 One NIXL agent entry per holder instance: loaded at the first read from it and replaced only
-when the holder's instance id changes (a restart: the old entry is removed first). One read's
-failure never removes it, so other reads from the same holder are untouched.
+when the holder's instance id changes (a restart: the old entry is removed first), dropped once
+no read used it for `remote_idle_s` (holders come and go) or when a read from it is stuck. One
+read's failure never removes it, so other reads from the same holder are untouched.
+
+What a reader believes of a holder: it is authenticated (signed side channel, allowed
+address); its claim answers exactly the blocks the params named, at their places in the hold
+(a holder answering others, more or reordered ones is refused: `mismatch`); every block id
+read lies inside the geometry its signed handshake declared; and the blocks' tokens are the
+prompt's (the chained block hashes, checked by the scheduler). The bytes themselves are the
+holder's word: an authenticated engine is trusted with them.
 
 Holder role: each rank counts read notifications per request; a request is reported
 `finished_sending` once the expected number of readers (carried in the message) notified, or
@@ -109,6 +121,7 @@ class _RemoteEngine:
     tp_size: int
     agents: dict[int, str]
     geometries: dict[int, CacheGeometry]
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -271,10 +284,13 @@ class ConnectorWorker:
         return None
 
     def _quarantined_blocks(self, holder: Holder | None = None) -> int:
+        """Blocks behind cancelled reads, and behind reads still in flight from a holder with
+        a cancelled one (they are likely to follow it), of `holder` or of any."""
+        suspect = {r.holder for r in self._reads.values() if r.failure is not None}
         return sum(
             r.num_blocks
             for r in self._reads.values()
-            if r.failure is not None and (holder is None or r.holder == holder)
+            if r.holder in suspect and (holder is None or r.holder == holder)
         )
 
     def _quarantine_full(self, holder: Holder) -> bool:
@@ -310,6 +326,7 @@ class ConnectorWorker:
         self._poll_reads()
         self._poll_notifs()
         self._drain_failures()
+        self._forget_idle_remotes()
         sending, self._done_sending = self._done_sending, set()
         recving, self._done_recving = self._done_recving, set()
         return sending, recving
@@ -373,11 +390,13 @@ class ConnectorWorker:
                 )
             if claim.status != "held":
                 raise LoadFailure(ConnectorErrorKind.GONE, "holder no longer holds the blocks")
-            held = set(claim.block_ids[0]) if claim.block_ids else set()
-            if not set(spec.remote_block_ids) <= held:
+            first, count = spec.remote_first_block, len(spec.remote_block_ids)
+            held = claim.block_ids[0] if claim.block_ids and len(claim.block_ids) == 1 else []
+            if tuple(held[first : first + count]) != spec.remote_block_ids:
                 # Our claim pins the hold: MISMATCH releases it (GONE would leave it pinned).
                 raise LoadFailure(
-                    ConnectorErrorKind.MISMATCH, "holder holds other blocks than the params said"
+                    ConnectorErrorKind.MISMATCH,
+                    "holder answered other blocks (or in another order) than the params named",
                 )
             handshake = None
             if self._known_instances.get(spec.remote_engine_id) != claim.instance_id:
@@ -449,6 +468,7 @@ class ConnectorWorker:
         engine_id = prep.spec.remote_engine_id
         current = self._remotes.get(engine_id)
         if current is not None and current.instance_id == prep.claim.instance_id:
+            current.last_used = time.monotonic()
             return current  # another read's handshake of the same instance changes nothing
         if prep.handshake is None:
             raise LoadFailure(ConnectorErrorKind.HANDSHAKE, "no cached metadata for the holder")
@@ -471,6 +491,16 @@ class ConnectorWorker:
         self._remotes[engine_id] = remote
         self._known_instances = {**self._known_instances, engine_id: hs.instance_id}
         return remote
+
+    def _forget_idle_remotes(self) -> None:
+        """Drop the agents of holders no read used for `remote_idle_s` and none reads now."""
+        if not self._remotes:
+            return
+        cutoff = time.monotonic() - self.config.remote_idle_s
+        reading = {r.spec.remote_engine_id for r in self._reads.values()}
+        for engine_id, remote in list(self._remotes.items()):
+            if remote.last_used < cutoff and engine_id not in reading:
+                self._forget_remote(engine_id)
 
     def _forget_remote(self, engine_id: str) -> None:
         remote = self._remotes.pop(engine_id, None)
@@ -559,10 +589,12 @@ class ConnectorWorker:
                     read.stuck = True
                     self.counters.inc("reads_stuck")
                     log.error(
-                        "cancelled KV read for %s still in progress after %.0fs: its blocks stay "
-                        "with the request until NIXL reports it over",
-                        rid, self.config.cancel_grace_s,
+                        "cancelled KV read for %s still in progress after %.0fs: forgetting its "
+                        "holder %s, which ends its transfers (the blocks come back once NIXL "
+                        "reports them over)",
+                        rid, self.config.cancel_grace_s, read.spec.remote_engine_id,
                     )  # fmt: skip
+                    self._forget_remote(read.spec.remote_engine_id)
             elif "ERR" in states:
                 self._fail(rid, LoadFailure(ConnectorErrorKind.TRANSFER, "NIXL READ failed"))
             elif now > read.pin_deadline:

@@ -243,6 +243,8 @@ class _Engine:
             })  # fmt: skip
         elif cmd == "reclaim":
             self.reply(cid, self.sched.reclaim_holds(args["num_blocks"]))
+        elif cmd == "release":
+            self.reply(cid, self.sched.release_hold(args["rid"]))
         elif cmd == "free_all":
             # Finish every request this engine ran locally (not holds, not loads in flight).
             for rid in list(self.req_blocks):

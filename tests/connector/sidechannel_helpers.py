@@ -22,10 +22,14 @@ def hold_params(
     n_tokens: int = 10,
     client: str | None = None,
     next_turn: bool = False,
+    owner: str | None = None,
 ) -> dict[str, Any]:
-    """Finish `rid` holding its blocks: a P leg's hold, or (`next_turn`) D's for a later turn."""
+    """Finish `rid` holding its blocks: a P leg's hold, or (`next_turn`) D's for a later turn
+    (`owner`: the tenant the proxy names in `hold_owner`)."""
     tokens = list(range(n_tokens + 1))
-    asked = {"hold_blocks": True} if next_turn else {"do_remote_decode": True}
+    asked: dict[str, Any] = {"hold_blocks": True} if next_turn else {"do_remote_decode": True}
+    if owner is not None:
+        asked["hold_owner"] = owner
     view = RequestView(rid, client, tokens[:n_tokens], tokens, asked)
     blocks = list(range(100, 100 + (n_tokens + 3) // 4 + 1))
     delay, params = sched.request_finished(view, [blocks])

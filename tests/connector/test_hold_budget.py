@@ -38,6 +38,30 @@ def test_oldest_holds_go_past_the_budget(make_scheduler: MakeScheduler) -> None:
     assert not sched.holds.is_held("r0") and sched.holds.is_held("r2")
 
 
+def test_one_owners_flood_frees_its_own_holds_and_not_anothers(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # 24 blocks, half for holds (4 holds of 3). Tenant A holds two conversations; tenant B
+    # then finishes ten single turns. Oldest-first would free A's (they are older); fairly,
+    # B pins the most and gives back its own, and A keeps its half.
+    sched = make_scheduler(num_blocks=24, hold_budget_fraction=0.5)
+    for rid in ("a0", "a1"):
+        hold_params(sched, rid, next_turn=True, owner="tenant-a")
+    freed: set[str] = set()
+    for i in range(10):
+        hold_params(sched, f"b{i}", next_turn=True, owner="tenant-b")
+        freed |= drain(sched)
+    assert freed == {f"b{i}" for i in range(8)}
+    assert sched.holds.is_held("a0") and sched.holds.is_held("a1")
+    assert sched.stats()["held_blocks"] == 12
+    # Now A grows past its half: A's oldest go, and B keeps its share.
+    for rid in ("a2", "a3"):
+        hold_params(sched, rid, next_turn=True, owner="tenant-a")
+        freed |= drain(sched)
+    assert {"a0", "a1"} <= freed
+    assert all(sched.holds.is_held(r) for r in ("a2", "a3", "b8", "b9"))
+
+
 def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
     client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)

@@ -95,9 +95,13 @@ def test_timed_out_read_keeps_its_blocks_until_the_transfer_is_over(
     assert_idle(holder, reader)
 
 
-def test_read_stuck_past_the_grace_stays_quarantined_until_the_holder_dies(
+def test_a_read_stuck_past_the_grace_ends_once_its_holder_is_forgotten(
     peers: StartPeer,
 ) -> None:
+    # The holder's side channel lives but its worker stops polling NIXL (a hung engine loop):
+    # the READ can never finish. Past the grace the reader forgets the holder (removes its NIXL
+    # agent), which ends the transfer: the blocks come back, invalid, with the holder still up
+    # and still hung (it used to take the holder's death).
     holder = peers(nixl_peer.PeerSpec("h-stuck", seed=27))
     reader = peers(
         nixl_peer.PeerSpec(
@@ -107,13 +111,11 @@ def test_read_stuck_past_the_grace_stays_quarantined_until_the_holder_dies(
     prompt = toks(2 * BS + 1)
     params = hold(holder, "h1", prompt)
     holder.call("polling", on=False)
-    cid = reader.send("load", rid="r1", prompt=[*prompt, 1], params=for_p(params))
-    wait_until(lambda: reader.stats()["workers"][0]["reads_stuck"] == 1, 20, what="grace over")
-    with pytest.raises(TimeoutError):
-        reader.result(cid, timeout=1.0)
-    holder.kill()  # the transfer can only end now: the reader sees it fail and lets go
-    out = reader.result(cid)
+    out = reader.call("load", rid="r1", prompt=[*prompt, 1], params=for_p(params))
     assert out["loaded"] == 0 and out["invalid"] == out["blocks"][:2]
+    w = reader.stats()["workers"][0]
+    assert w["reads_stuck"] == 1 and w["remote_agents_removed"] == 1
+    assert w["quarantined_blocks"] == 0
     assert_idle(reader)
 
 
@@ -146,5 +148,72 @@ def test_reader_never_contacts_a_holder_outside_its_allowlist(peers: StartPeer) 
     assert reader.stats()["workers"][0]["failures_claim"] == 1
     s = holder.stats()["sched"]
     assert s.get("claims_held", 0) == 0 and s.get("handshakes_served", 0) == 0 and s["held"] == 1
-    holder.call("reclaim", num_blocks=100)
+    assert holder.call("release", rid="h1")  # nobody else will: the reader never got through
+    assert_idle(holder, reader)
+
+
+def test_a_claim_answering_other_blocks_than_the_params_named_is_refused(
+    peers: StartPeer,
+) -> None:
+    # A lying (or confused) holder: the params name blocks a, c of its hold while it holds
+    # a, b, c. The claim answers its real list; a reader that only checked "a subset of what
+    # is held" would read block c into the place of b, the wrong bytes for those tokens.
+    holder = peers(nixl_peer.PeerSpec("h-lie", seed=33))
+    reader = peers(nixl_peer.PeerSpec("r-lie", seed=34))
+    prompt = toks(3 * BS + 1)
+    params = hold(holder, "h1", prompt)
+    a, b, c = params["remote_block_ids"][0][:3]
+    for lie in ([a, c, b], [b, a, c], [c, b, a]):
+        forged = {**for_p(params), "remote_block_ids": [lie]}
+        out = reader.call("load", rid=f"r-{lie}", prompt=[*prompt, 1], params=forged)
+        assert out["loaded"] == 0 and out["invalid"] == out["blocks"][:3], out
+        params = hold(holder, f"h-{lie}", prompt)  # the refusal released the hold it claimed
+    w = reader.stats()["workers"][0]
+    assert w["failures_mismatch"] == 3 and w["transfers"] == 0
+    # The truth still loads, byte for byte.
+    out = reader.call("load", rid="r-true", prompt=[*prompt, 1], params=for_p(params))
+    assert out["loaded"] == 3 * BS
+    assert same_tp_equal(holder, params["remote_block_ids"][0][:3], reader, out["blocks"][:3])
+    assert_idle(holder, reader)
+
+
+def test_a_load_refused_while_its_holder_is_down_releases_the_hold(peers: StartPeer) -> None:
+    # The holder's READs time out (its worker stopped polling NIXL) but its side channel
+    # answers: loads naming it are refused at once, and each releases the hold it named,
+    # instead of leaving it to the lease.
+    holder = peers(nixl_peer.PeerSpec("h-down", seed=35))
+    reader = peers(nixl_peer.PeerSpec(
+        "r-down", seed=36,
+        config={"transfer_timeout_s": 1.0, "cancel_grace_s": 1.0, "holder_retry_s": 600.0},
+    ))  # fmt: skip
+    prompt = toks(2 * BS + 1)
+    first = hold(holder, "h1", prompt)
+    holder.call("polling", on=False)
+    assert reader.call("load", rid="r1", prompt=[*prompt, 1], params=for_p(first))["loaded"] == 0
+    assert reader.stats()["workers"][0]["holders_down"] == 1
+    holder.call("polling", on=True)
+    second = hold(holder, "h2", prompt)
+    out = reader.call("load", rid="r2", prompt=[*prompt, 1], params=for_p(second))
+    assert out["loaded"] == 0 and reader.stats()["workers"][0]["failures_holder_down"] == 1
+    wait_until(lambda: not holder.stats()["sched"]["held"], 20, what="the refused hold released")
+    assert_idle(holder, reader)
+
+
+def test_a_holder_no_read_used_for_a_while_is_forgotten(peers: StartPeer) -> None:
+    # Holders come and go (a new engine id per vLLM process): an idle one's NIXL agent is
+    # dropped, and a later read from it handshakes again.
+    holder = peers(nixl_peer.PeerSpec("h-idle", seed=37))
+    reader = peers(nixl_peer.PeerSpec("r-idle", seed=38, config={"remote_idle_s": 0.5}))
+    prompt = toks(2 * BS + 1)
+    out = reader.call(
+        "load", rid="r1", prompt=[*prompt, 1], params=for_p(hold(holder, "h1", prompt))
+    )
+    assert out["loaded"] == 2 * BS
+    wait_until(lambda: reader.stats()["workers"][0]["remote_agents_removed"] == 1, 10,
+               what="the idle holder forgotten")  # fmt: skip
+    out = reader.call(
+        "load", rid="r2", prompt=[*prompt, 1], params=for_p(hold(holder, "h2", prompt))
+    )
+    assert out["loaded"] == 2 * BS
+    assert reader.stats()["workers"][0]["remote_agents_added"] == 2
     assert_idle(holder, reader)

@@ -1,4 +1,5 @@
-"""Whose KV a block is: the LoRA adapter is part of every block hash (no NIXL needed)."""
+"""Whose KV a block is: the LoRA adapter and the cache salt (the tenant's cache scope) are part
+of every block hash (no NIXL needed)."""
 
 from __future__ import annotations
 
@@ -11,19 +12,28 @@ from kvrelay.connector.scheduler import ConnectorScheduler
 MakeScheduler = Callable[..., ConnectorScheduler]
 
 
-def _hold(holder: ConnectorScheduler, lora: str | None) -> dict[str, object]:
+def _hold(
+    holder: ConnectorScheduler, lora: str | None, salt: str | None = None
+) -> dict[str, object]:
     tokens = list(range(11))
-    view = RequestView("h1", None, tokens[:10], tokens, {"do_remote_decode": True}, lora_name=lora)
+    view = RequestView(
+        "h1", None, tokens[:10], tokens, {"do_remote_decode": True}, lora_name=lora,
+        cache_salt=salt,
+    )  # fmt: skip
     delay, params = holder.request_finished(view, [[100, 101, 102]])
     assert delay and params is not None
     return params
 
 
-def _matched(reader: ConnectorScheduler, params: dict[str, object], lora: str | None) -> int:
+def _matched(
+    reader: ConnectorScheduler, params: dict[str, object], lora: str | None,
+    salt: str | None = None,
+) -> int:  # fmt: skip
     prompt = [*range(10), 99]
     view = RequestView(
         "r1", None, prompt, prompt,
         {**params, "do_remote_decode": True, "do_remote_prefill": False}, lora_name=lora,
+        cache_salt=salt,
     )  # fmt: skip
     n, _ = reader.get_num_new_matched_tokens(view, 0)
     return n
@@ -49,6 +59,26 @@ def test_kv_of_another_lora_adapter_is_never_pulled(make_scheduler: MakeSchedule
     assert _matched(make_scheduler(engine_id="reader-2"), _hold(base, None), "adapter-a") == 0
     assert _matched(make_scheduler(engine_id="reader-3"), _hold(base, None), None) == 8
     assert _matched(make_scheduler(engine_id="reader-4"), with_a, "adapter-a") == 8
+
+
+def test_block_hashes_are_seeded_with_the_cache_salt() -> None:
+    tokens = list(range(8))
+    base = block_hashes(tokens, 4, "c")
+    salted = block_hashes(tokens, 4, "c", cache_salt="tenant-a")
+    assert salted[0] != base[0] and salted != block_hashes(tokens, 4, "c", cache_salt="tenant-b")
+    # The salt and the adapter are separate seeds: neither stands in for the other.
+    assert block_hashes(tokens, 4, "c", lora_name="x", cache_salt="y") != block_hashes(
+        tokens, 4, "c", lora_name="y", cache_salt="x"
+    )
+
+
+def test_kv_held_under_another_cache_salt_is_never_pulled(make_scheduler: MakeScheduler) -> None:
+    # One tenant's held blocks never verify for another tenant's identical prompt.
+    holder = make_scheduler(engine_id="holder")
+    tenant_a = _hold(holder, None, "salt-a")
+    assert _matched(make_scheduler(engine_id="reader-b"), tenant_a, None, "salt-b") == 0
+    assert _matched(make_scheduler(engine_id="reader-none"), tenant_a, None) == 0
+    assert _matched(make_scheduler(engine_id="reader-a"), tenant_a, None, "salt-a") == 8
 
 
 def test_d_leg_pulls_the_partial_tail_only_when_its_tokens_match(

@@ -158,7 +158,7 @@ def test_claim_pins_until_the_claimer_gives_up(make_scheduler: MakeScheduler, cl
 def test_reclaim_frees_oldest_unclaimed_holds(make_scheduler: MakeScheduler, client) -> None:  # type: ignore[no-untyped-def]
     sched = make_scheduler()
     for i in range(3):
-        hold_params(sched, f"r{i}", n_tokens=8)  # 2 blocks each
+        hold_params(sched, f"r{i}", n_tokens=8, next_turn=True)  # 2 blocks each
     assert client.claim("127.0.0.1", sched.side_channel_port, "r0", "reader", "q").status == "held"
     assert sched.reclaim_holds(3) == 4  # r0 is claimed: r1 and r2 go
     assert drain(sched) == {"r1", "r2"}
@@ -167,6 +167,24 @@ def test_reclaim_frees_oldest_unclaimed_holds(make_scheduler: MakeScheduler, cli
     assert drain(sched) == set()
     assert sched.holds.reap(now=time.monotonic() + 60) == ["r0"]
     assert drain(sched) == {"r0"} and sched.stats()["held"] == 0
+
+
+def test_reclaim_leaves_a_transfer_in_progress_until_its_reader_is_late(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # P's hold for this turn's D is not cache: freeing it makes D recompute the whole prompt.
+    # Under block pressure the next-turn holds go first; a transfer hold only once its reader
+    # has not claimed it within the claim timeout.
+    sched = make_scheduler(claim_timeout_s=30.0)
+    hold_params(sched, "pull", n_tokens=8)  # a P -> D hold of this turn
+    hold_params(sched, "cache", n_tokens=8, next_turn=True)
+    now = time.monotonic()
+    assert sched.holds.reclaim(10, now=now) == 2
+    assert drain(sched) == {"cache"}
+    assert sched.holds.reclaim(10, now=now + 1) == 0  # young: its D is on its way
+    assert sched.holds.is_held("pull")
+    assert sched.holds.reclaim(10, now=now + 31) == 2  # late: the engine needs the blocks
+    assert drain(sched) == {"pull"}
 
 
 async def test_finished_params_by_client_request_id(make_scheduler: MakeScheduler) -> None:

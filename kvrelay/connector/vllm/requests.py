@@ -44,4 +44,9 @@ def request_view(request: Any) -> RequestView:
         all_token_ids=request.all_token_ids,
         kv_transfer_params=params if isinstance(params, dict) else None,
         lora_name=str(lora.lora_name) if lora is not None else None,
+        cache_salt=_salt(getattr(request, "cache_salt", None)),
     )
+
+
+def _salt(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
