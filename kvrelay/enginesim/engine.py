@@ -269,7 +269,7 @@ class EngineCore:
         # Asked on every admission attempt, as vLLM does (a retry after a failed allocation
         # may see a different local hit). The connector is told the local hit, so it loads
         # only what lies beyond it.
-        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids))
+        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids), req.cache_salt)
         n_ext, is_async = self._ask_connector(req, local)
         if first:
             req.external = (n_ext, is_async)
@@ -285,7 +285,7 @@ class EngineCore:
         self.waiting.popleft()
         req.block_ids = blocks
         req.prefill_start = None
-        self.prefix_cache.load(self.pool, blocks, req.hashes, local)
+        self.prefix_cache.load(self.pool, blocks, req.hashes, local, req.cache_salt)
         req.cached_tokens = local
         if first:
             req.admitted_local, req.admitted_external = local, n_ext
@@ -408,7 +408,8 @@ class EngineCore:
         only what lies beyond them is recomputed (or loaded again)."""
         victim = next(reversed(self.running.values()))
         del self.running[victim.request_id]
-        self.prefix_cache.store(self.pool, victim.block_ids, victim.hashes[: victim.num_computed])
+        computed = victim.hashes[: victim.num_computed]
+        self.prefix_cache.store(self.pool, victim.block_ids, computed, victim.cache_salt)
         self.pool.free(victim.block_ids)
         victim.block_ids = []
         victim.num_computed = 0
@@ -519,7 +520,7 @@ class EngineCore:
         offered = req.block_ids if hold else []
         if hold and req.block_ids:
             # Every position of a finished request has its KV written: cache the full blocks.
-            self.prefix_cache.store(self.pool, req.block_ids, req.hashes)
+            self.prefix_cache.store(self.pool, req.block_ids, req.hashes, req.cache_salt)
         delay_free, params = self.kv.request_finished(req, offered)
         if delay_free:
             keep = list(offered)

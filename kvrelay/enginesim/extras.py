@@ -27,9 +27,13 @@ from kvrelay.enginesim.tokenizer import Tokenizer
 DEFAULT_DIMENSIONS = 16
 
 
-def add_routes(app: web.Application, tokenizer: Tokenizer, model: str, max_model_len: int) -> None:
-    """Register the four routes for one engine serving `model`."""
-    extras = Extras(tokenizer, model, max_model_len)
+def add_routes(
+    app: web.Application, tokenizer: Tokenizer, model: str, max_model_len: int,
+    first_line: str = "",
+) -> None:  # fmt: skip
+    """Register the four routes for one engine serving `model` (`first_line`: the chat
+    template's, as the chat route renders it)."""
+    extras = Extras(tokenizer, model, max_model_len, first_line)
     app.add_routes(
         [
             web.post("/tokenize", extras.tokenize),
@@ -47,10 +51,13 @@ def _error(exc: ApiError) -> web.Response:
 class Extras:
     """Handlers of one engine (its tokenizer and served model)."""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer, model: str, max_model_len: int, first_line: str = ""
+    ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.max_model_len = max_model_len
+        self.first_line = first_line  # the chat template's: /tokenize renders as chat does
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         try:
@@ -81,7 +88,8 @@ class Extras:
             body = await self._body(request)
             if "messages" in body:
                 try:
-                    text = render_chat(body["messages"], add_generation_prompt=True)
+                    generation = body.get("add_generation_prompt", True) is not False
+                    text = render_chat(body["messages"], generation, first_line=self.first_line)
                 except ChatTemplateError as exc:
                     raise ApiError(400, str(exc), param="messages") from None
                 ids = encode_text(self.tokenizer, text, "messages")

@@ -82,6 +82,7 @@ class NixlHost:
                 prompt_token_ids=req.prompt_token_ids,
                 all_token_ids=req.all_token_ids,
                 kv_transfer_params=req.kv_transfer_params,
+                cache_salt=req.cache_salt,
             )
         view: RequestView = req.connector_view
         return view

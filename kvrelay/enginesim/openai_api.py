@@ -55,6 +55,8 @@ class ParsedRequest:
     include_usage: bool
     kv_transfer_params: dict[str, Any] | None
     model: str
+    # vLLM's `cache_salt`: the prefix-cache scope of the request (None: the shared one).
+    cache_salt: str | None = None
 
 
 def kv_params_of(body: Any) -> dict[str, Any] | None:
@@ -82,6 +84,25 @@ def _int(body: dict[str, Any], name: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"{name} must be an integer", param=name)
     return value
+
+
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    """vLLM 0.32's check of `cache_salt` (`validate_cache_salt`): absent, or a non-empty
+    string of at most 128 characters without '@', '/', '\\' or NUL."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
+                       param="cache_salt")  # fmt: skip
+    if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be at most 128 characters and must not contain "
+            "'@', '/', '\\\\', or NUL.",
+            param="cache_salt",
+        )
+    return salt
 
 
 def _check_common(body: Any, served_model: str) -> tuple[str, bool, bool]:
@@ -218,7 +239,9 @@ def parse_completion(
     sampling = _sampling(
         body, _int(body, "max_tokens"), len(ids), max_model_len, DEFAULT_COMPLETION_MAX_TOKENS
     )
-    return ParsedRequest(ids, sampling, stream, include_usage, kv_params_of(body), model)
+    return ParsedRequest(
+        ids, sampling, stream, include_usage, kv_params_of(body), model, _cache_salt(body)
+    )
 
 
 def parse_chat(
@@ -238,4 +261,6 @@ def parse_chat(
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
     sampling = _sampling(body, max_tokens, len(ids), max_model_len, None)
-    return ParsedRequest(ids, sampling, stream, include_usage, kv_params_of(body), model)
+    return ParsedRequest(
+        ids, sampling, stream, include_usage, kv_params_of(body), model, _cache_salt(body)
+    )

@@ -67,6 +67,8 @@ class SimRequest:
     sampling: SamplingParams
     kv_transfer_params: dict[str, Any] | None
     sink: Callable[[Output], None]
+    # vLLM's `cache_salt`: only requests with the same salt share prefix-cache blocks.
+    cache_salt: str | None = None
     all_token_ids: list[int] = field(init=False)
     state: ReqState = ReqState.WAITING
     block_ids: list[int] = field(default_factory=list)

@@ -82,8 +82,9 @@ class EngineServer:
             ]
         )
         extras.add_routes(
-            self.app, self.core.tokenizer, self.config.model, self.config.max_model_len
-        )
+            self.app, self.core.tokenizer, self.config.model, self.config.max_model_len,
+            self.config.chat_template_first_line,
+        )  # fmt: skip
 
     # ----- simple endpoints --------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -220,7 +221,7 @@ class EngineServer:
         req = SimRequest(
             request_id=f"{client_id}-{next(self._ids):x}", client_request_id=client_id,
             prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
-            kv_transfer_params=parsed.kv_transfer_params,
+            kv_transfer_params=parsed.kv_transfer_params, cache_salt=parsed.cache_salt,
             sink=self._sink(loop, outputs, parsed.stream),
         )  # fmt: skip
         response_id = ("chatcmpl-" if chat else "cmpl-") + client_id

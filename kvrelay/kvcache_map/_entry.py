@@ -196,6 +196,13 @@ class KVEntry(BaseModel):
         except ValidationError as exc:
             raise EntryDecodeError(f"stored entry is invalid: {exc.error_count()} errors") from exc
 
+    @property
+    def has_full_block(self) -> bool:
+        """The held tokens fill at least one whole block, the least a prefix cache can reuse:
+        the holder hashed one, or it holds two blocks or more (all but the last are full). A
+        single block whose fill is unknown (no hashes, no block size here) counts as not."""
+        return bool(self.block_hashes) or max(map(len, self.block_ids)) >= 2
+
     # -- kv_transfer_params ----------------------------------------------------------------------
 
     @property

@@ -12,12 +12,14 @@ from kvrelay.enginesim.tokenizer import get_tokenizer
 HISTORY = "The cache keeps whole blocks of the prompt so that the next turn can skip them. " * 4
 
 
-def _complete(core: EngineCore, rid: str, prompt: str, max_tokens: int = 8) -> str:
+def _complete(
+    core: EngineCore, rid: str, prompt: str, max_tokens: int = 8, salt: str | None = None
+) -> str:
     outputs: list[Output] = []
     core.add_request(SimRequest(
         request_id=rid, client_request_id=rid, prompt_token_ids=get_tokenizer().encode(prompt),
         sampling=SamplingParams(max_tokens=max_tokens), kv_transfer_params=None,
-        sink=outputs.append,
+        sink=outputs.append, cache_salt=salt,
     ))  # fmt: skip
     run_to_completion(core, lambda: bool(outputs) and outputs[-1].finished)
     return "".join(o.text for o in outputs)
@@ -50,3 +52,15 @@ def test_the_cache_is_bounded_and_off_by_default() -> None:
     small = EngineCore(EngineConfig(prefix_cache_blocks=2))
     _complete(small, "r1", HISTORY)
     assert len(small.prefix_cache) == 2
+
+
+def test_requests_share_cached_blocks_only_under_the_same_cache_salt() -> None:
+    # vLLM's cache_salt: one tenant's prompt never hits another's blocks, and the answer does
+    # not depend on the salt (only what is cached does).
+    core = EngineCore(EngineConfig(prefix_cache_blocks=64))
+    answer = _complete(core, "a1", HISTORY, salt="tenant-a")
+    assert _complete(core, "b1", HISTORY, salt="tenant-b") == answer
+    assert _complete(core, "n1", HISTORY) == answer
+    assert core.counters["prompt_tokens_cached"] == 0
+    assert _complete(core, "a2", HISTORY, salt="tenant-a") == answer
+    assert core.counters["prompt_tokens_cached"] > 0

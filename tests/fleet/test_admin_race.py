@@ -16,8 +16,9 @@ from typing import Any
 import httpx
 from redis import Redis
 
-from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer
-from kvrelay.proxy.fleet import engine_name
+from kvrelay.devtools import CONNECTOR_SECRET, EngineFactory, ProxyFactory, ProxyServer
+from kvrelay.proxy.config import load_settings
+from kvrelay.proxy.fleet import engine_name, name_key
 from tests.harness import RedisServer, wait_until
 
 ADMIN_KEY = "race-admin-key"
@@ -59,8 +60,13 @@ def _record(server: RedisServer) -> dict[str, Any]:
     return record
 
 
+# The proxies here run with the tests' connector secret, which keys the engines' names.
+_NAME_KEY = name_key(load_settings({"connector_secret": CONNECTOR_SECRET}, env_file=None))
+
+
 def _series(url: str) -> str:
-    return f'kvrelay_backend_healthy{{backend="{engine_name("decode", url)}",role="decode"}}'
+    name = engine_name("decode", url, _NAME_KEY)
+    return f'kvrelay_backend_healthy{{backend="{name}",role="decode"}}'
 
 
 def _health_series(proxy: ProxyServer) -> dict[str, float]:
@@ -88,9 +94,7 @@ def test_concurrent_add_and_remove_of_one_engine_never_fail(
                what="both workers with D1")  # fmt: skip
     record = _record(redis)
     assert set(record["decode"]) == both, record
-    d1_series = (
-        f'kvrelay_backend_healthy{{backend="{engine_name("decode", d1.url)}",role="decode"}}'
-    )
+    d1_series = _series(d1.url)
     wait_until(lambda: _health_series(proxy).get(d1_series) == 1.0, 15,
                what="D1's health series at 1")  # fmt: skip
 

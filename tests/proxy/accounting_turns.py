@@ -36,6 +36,7 @@ class Asker:
     max_tokens: int
     use_async: bool = False
     timeout: float = 120.0
+    api_key: str = SDK_KEY  # the tenant the turns are sent as
 
     def turn(self, messages: list[dict[str, Any]], conversation: str, stream: bool,
              include_usage: bool, **extra: Any) -> Result:  # fmt: skip
@@ -52,7 +53,7 @@ class Asker:
                 kwargs["stream_options"] = {"include_usage": True}
         if self.use_async:
             return asyncio.run(self._async_turn(kwargs))
-        client = OpenAI(base_url=self.proxy.url + "/v1", api_key=SDK_KEY, max_retries=0,
+        client = OpenAI(base_url=self.proxy.url + "/v1", api_key=self.api_key, max_retries=0,
                         timeout=self.timeout)  # fmt: skip
         try:
             if not stream:
@@ -69,8 +70,8 @@ class Asker:
             client.close()
 
     async def _async_turn(self, kwargs: dict[str, Any]) -> Result:
-        client = AsyncOpenAI(base_url=self.proxy.url + "/v1", api_key=SDK_KEY, max_retries=0,
-                             timeout=self.timeout)  # fmt: skip
+        client = AsyncOpenAI(base_url=self.proxy.url + "/v1", api_key=self.api_key,
+                             max_retries=0, timeout=self.timeout)  # fmt: skip
         try:
             if not kwargs.get("stream"):
                 raw = await client.chat.completions.with_raw_response.create(**kwargs)
@@ -87,8 +88,8 @@ class Asker:
 
     def forget(self, conversation: str) -> None:
         """Delete the conversation: D holds nothing for it afterwards."""
-        status, _, _ = self.proxy.call("DELETE", f"/v1/conversations/{conversation}",
-                                       headers={"Authorization": f"Bearer {SDK_KEY}"})  # fmt: skip
+        auth = {"Authorization": f"Bearer {self.api_key}"}
+        status, _, _ = self.proxy.call("DELETE", f"/v1/conversations/{conversation}", headers=auth)
         assert status == 200
 
 

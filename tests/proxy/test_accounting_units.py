@@ -73,14 +73,28 @@ class Clock:
 def test_an_engine_whose_turns_reuse_nothing_is_withdrawn_and_probed() -> None:
     clock = Clock()
     standing = ReuseStanding("decode", "decode_only", 30.0, clock)
-    assert standing.admits("d1")
-    standing.unpaid("d1")
-    standing.unpaid("d1")  # still withdrawn: one change
-    assert not standing.admits("d1") and standing.admits("d2")
+    assert standing.admits("d1", "ta")
+    standing.unpaid("d1", "ta")
+    standing.unpaid("d1", "ta")  # still withdrawn: one change
+    assert not standing.admits("d1", "ta") and standing.admits("d2", "ta")
     clock.now = 29.0
-    assert not standing.admits("d1")
+    assert not standing.admits("d1", "ta")
     clock.now = 30.0
-    assert standing.admits("d1")  # one probe turn ...
-    assert not standing.admits("d1")  # ... and no second before the next interval
-    standing.paid("d1")
-    assert standing.admits("d1") and not standing.withdrawn("d1")
+    assert standing.admits("d1", "ta")  # one probe turn ...
+    assert not standing.admits("d1", "ta")  # ... and no second before the next interval
+    standing.paid("d1", "ta")
+    assert standing.admits("d1", "ta") and not standing.withdrawn("d1", "ta")
+
+
+def test_one_tenants_turns_never_withdraw_an_engine_for_another() -> None:
+    # Turns that reuse nothing (on purpose or not) withdraw the engine for their own tenant;
+    # every other tenant keeps it, and memory is bounded however many tenants come.
+    standing = ReuseStanding("decode", "decode_only", 30.0, Clock(), limit=3)
+    for _ in range(5):
+        standing.unpaid("d1", "tb")
+    assert not standing.admits("d1", "tb")
+    assert standing.admits("d1", "ta") and not standing.withdrawn("d1", "ta")
+    for tenant in ("t1", "t2", "t3"):
+        standing.unpaid("d1", tenant)
+    assert not standing.withdrawn("d1", "tb")  # the oldest forgotten: restored, not leaked
+    assert standing.withdrawn("d1", "t3")

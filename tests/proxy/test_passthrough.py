@@ -148,7 +148,9 @@ def test_forwarded_body_has_no_kv_transfer_params_and_no_client_key(
     assert resp.status_code == 200, resp.text
     assert resp.headers["x-request-id"] == "client-1"
     seen = fake.seen[-1]
-    assert json.loads(seen.body) == {"model": MODEL, "input": "x"}
+    sent = json.loads(seen.body)
+    assert isinstance(sent.pop("cache_salt"), str)  # the tenant's, set by the proxy
+    assert sent == {"model": MODEL, "input": "x"}
     assert seen.query == "user=7"
     assert "authorization" not in seen.headers
     assert seen.headers["x-request-id"].startswith("client-1-")  # the upstream id
@@ -243,6 +245,45 @@ def test_kv_transfer_params_inside_vllm_xargs_never_reach_an_engine(
         assert theirs.get("remote_host") != "169.254.169.254", (seen.path, sent)
 
 
+def test_the_token_in_routes_sampling_extra_args_lose_their_connector_params(
+    fake: FakeUpstream, proxy_factory: ProxyFactory
+) -> None:
+    # vLLM's /inference/v1/generate takes a whole SamplingParams object; its extra_args'
+    # kv_transfer_params reach the scheduler (a string kills the engine core). Allowed as a
+    # pass-through route, they are gone; every other sampling field is kept.
+    route = "/inference/v1/generate"
+    proxy = proxy_factory([fake.url], [fake.url], passthrough_routes=route)
+    sampling = {"max_tokens": 3, "extra_args": {"kv_transfer_params": "x", "keep": 1}}
+    body = {"model": MODEL, "token_ids": [1, 2, 3], "sampling_params": sampling}
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        client.post(route, json=body)
+    (seen,) = [s for s in fake.seen if s.path == route]
+    sent = json.loads(seen.body)
+    assert sent["sampling_params"] == {"max_tokens": 3, "extra_args": {"keep": 1}}
+    assert sent["token_ids"] == [1, 2, 3]
+
+
+def test_routes_that_compute_kv_carry_the_tenants_cache_salt(
+    fake: FakeUpstream, proxy_factory: ProxyFactory
+) -> None:
+    # A generating route's usage reports cached tokens too: it gets the tenant's salt (the
+    # client's own folded in); routes that compute no KV get none.
+    proxy = proxy_factory([fake.url], [fake.url], api_keys="key-a,key-b")
+    with httpx.Client(base_url=proxy.url, timeout=30) as client:
+        for key in ("key-a", "key-b"):
+            auth = {"Authorization": f"Bearer {key}"}
+            client.post("/v1/responses", json={"model": MODEL, "input": "x"}, headers=auth)
+            client.post("/tokenize", json={"model": MODEL, "prompt": "x"}, headers=auth)
+            odd = {"model": MODEL, "input": "x", "cache_salt": "a/b"}
+            bad = client.post("/v1/responses", json=odd, headers=auth)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "cache_salt"
+    routes = ("/v1/responses", "/tokenize")
+    resp_a, tok_a, resp_b, tok_b = [json.loads(s.body) for s in fake.seen if s.path in routes]
+    assert isinstance(resp_a["cache_salt"], str) and isinstance(resp_b["cache_salt"], str)
+    assert resp_a["cache_salt"] != resp_b["cache_salt"]
+    assert "cache_salt" not in tok_a and "cache_salt" not in tok_b
+
+
 def test_strip_connector_fields_is_the_one_place_that_removes_them() -> None:
     from kvrelay.proxy.base import strip_connector_fields
 
@@ -252,3 +293,9 @@ def test_strip_connector_fields_is_the_one_place_that_removes_them() -> None:
     assert xargs == {"kv_transfer_params": {"a": 1}, "keep": "y"}  # the caller's dict untouched
     odd = {"vllm_xargs": "not an object"}
     assert strip_connector_fields(odd) == {"vllm_xargs": "not an object"}  # the engine's 400
+    sampling = {"extra_args": {"kv_transfer_params": {"a": 1}, "keep": 2}, "max_tokens": 3}
+    token_in = {"sampling_params": sampling}
+    assert strip_connector_fields(token_in) == {
+        "sampling_params": {"extra_args": {"keep": 2}, "max_tokens": 3}
+    }
+    assert sampling["extra_args"] == {"kv_transfer_params": {"a": 1}, "keep": 2}

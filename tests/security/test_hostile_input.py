@@ -8,6 +8,7 @@ error a client can read names an engine's internal URL.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import socket
 import time
@@ -277,6 +278,25 @@ def test_metrics_need_the_key_and_name_engines_without_urls(secure_fleet: Secure
         assert engine.url not in text and f":{engine.port}" not in text
     for name in _engine_names(fleet).values():
         assert f'backend="{name}"' in text
+
+
+def test_version_lists_engines_only_to_a_key_and_their_names_cannot_be_hashed_back(
+    secure_fleet: SecureFleet,
+) -> None:
+    # Anyone gets the proxy's version (vLLM's answer); only a tenant gets the engines, named by
+    # a hash keyed with the deployment's secret: hashing candidate addresses finds none of them.
+    fleet = secure_fleet
+    anonymous = httpx.get(fleet.proxy.url + "/version", timeout=10)
+    assert anonymous.status_code == 200 and set(anonymous.json()) == {"version"}
+    wrong = httpx.get(fleet.proxy.url + "/version", headers={"Authorization": "Bearer x"})
+    assert set(wrong.json()) == {"version"}
+    listed = httpx.get(fleet.proxy.url + "/version", headers=fleet.b, timeout=10).json()
+    names = {e["engine"] for e in listed["engines"]}
+    assert names == set(_engine_names(fleet).values())
+    for engine in (fleet.prefill, fleet.decode):
+        for role in ("prefill", "decode"):
+            plain = f"{role}-{hashlib.sha256(engine.url.encode()).hexdigest()[:8]}"
+            assert plain not in names
 
 
 def test_metrics_show_urls_only_when_the_operator_opts_in(tight_proxy: ProxyServer) -> None:

@@ -13,7 +13,7 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import SettingsError, load_settings
-from kvrelay.proxy.fleet import Pool, engine_name
+from kvrelay.proxy.fleet import Pool, engine_name, name_key
 from kvrelay.proxy.http import (
     BodyBudget,
     HeldBody,
@@ -182,10 +182,17 @@ def test_an_empty_body_is_a_400_saying_so(raw: bytes) -> None:
 
 
 def test_engine_names_are_stable_and_reveal_no_address() -> None:
-    name = engine_name("decode", "http://10.1.2.3:8000")
-    assert name == engine_name("decode", "http://10.1.2.3:8000")
+    key = name_key(load_settings({"connector_secret": "s3cret"}, env_file=None))
+    name = engine_name("decode", "http://10.1.2.3:8000", key)
+    assert name == engine_name("decode", "http://10.1.2.3:8000", key)
     assert name.startswith("decode-") and "10.1.2.3" not in name and "8000" not in name
-    assert name != engine_name("decode", "http://10.1.2.3:8001")
+    assert name != engine_name("decode", "http://10.1.2.3:8001", key)
+    # Keyed: without the deployment's secret the name cannot be computed from an address.
+    assert name != engine_name("decode", "http://10.1.2.3:8000", b"")
+    other = name_key(load_settings({"connector_secret": "other"}, env_file=None))
+    assert name != engine_name("decode", "http://10.1.2.3:8000", other)
+    # The same secret gives the same names in every worker and replica.
+    assert key == name_key(load_settings({"connector_secret": "s3cret"}, env_file=None))
 
 
 def test_inflight_budget_must_fit_one_largest_body() -> None:

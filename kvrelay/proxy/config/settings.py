@@ -25,6 +25,8 @@ LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 LogFormat = Literal["text", "json"]  # kvrelay.proxy.telemetry.logs
 TracingMode = Literal["auto", "on", "off"]  # kvrelay.proxy.telemetry.tracing
 RoutingPolicy = Literal["always_p", "affinity", "conditional"]
+CacheIsolation = Literal["tenant", "shared"]  # kvrelay.proxy.tenants.cache_scope
+_TENANT_ID = re.compile(r"t[0-9a-f]{24}|anonymous")
 
 
 class SettingsError(ValueError):
@@ -47,6 +49,14 @@ def _check_host_port(addr: str, what: str) -> None:
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what} is not host:port")
+
+
+def _check_tenant_id(tenant: str) -> None:
+    # A tenant id, never an API key: keys are secrets and must not sit in plain config.
+    if not _TENANT_ID.fullmatch(tenant):
+        raise ValueError(
+            "keys must be tenant ids (t + 24 hex digits, from `kvrelay tenant-id`), not API keys"
+        )
 
 
 def _check_no_repeats(keys: list[str], what: str) -> None:
@@ -159,6 +169,22 @@ class Settings(BaseSettings):
     metrics_key: SecretStr | None = Field(
         default=None,
         description="Key (Bearer) that /metrics requires; unset = /metrics is open.",
+    )
+    cache_isolation: CacheIsolation = Field(
+        default="tenant",
+        description=(
+            "tenant: each API key's requests carry their own vLLM cache_salt (set by the "
+            "proxy, the client's own folded in), so no tenant reuses, or learns from hit "
+            "counts, another's prompts; shared: one prefix cache for all (the client's "
+            "cache_salt passes as sent)."
+        ),
+    )
+    cache_share_groups: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "With cache_isolation tenant: tenant id -> group name; tenants of one group share "
+            "one prefix cache (e.g. `t3f9...=team-a,t08c...=team-a`)."
+        ),
     )
     # Timeouts and retries ---------------------------------------------------------------
     connect_timeout: float = Field(
@@ -505,7 +531,7 @@ class Settings(BaseSettings):
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
 
-    @field_validator("side_channels", "tenant_limits", mode="before")
+    @field_validator("side_channels", "tenant_limits", "cache_share_groups", mode="before")
     @classmethod
     def _mapping(cls, value: Any) -> Any:
         return _split_mapping(value)
@@ -530,13 +556,17 @@ class Settings(BaseSettings):
     @classmethod
     def _tenant_limits(cls, value: dict[str, str]) -> dict[str, str]:
         for tenant, spec in value.items():
-            # A tenant id, never an API key: keys are secrets and must not sit in plain config.
-            if not re.fullmatch(r"t[0-9a-f]{24}|anonymous", tenant):
-                raise ValueError(
-                    "keys must be tenant ids (t + 24 hex digits, from `kvrelay tenant-id`), "
-                    "not API keys"
-                )
+            _check_tenant_id(tenant)
             parse_limit(spec, where=tenant)
+        return value
+
+    @field_validator("cache_share_groups")
+    @classmethod
+    def _cache_share_groups(cls, value: dict[str, str]) -> dict[str, str]:
+        for tenant, group in value.items():
+            _check_tenant_id(tenant)
+            if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", group):
+                raise ValueError(f"group {group!r} of {tenant} is not a name of [A-Za-z0-9._-]")
         return value
 
     @field_validator("passthrough_routes")

@@ -1,9 +1,11 @@
 """Talking to engines: the engine-facing HTTP/1.1 client (`Upstream`), releases of held blocks
-and finished-params lookups on the engines' side channels (`Releaser`, `FinishedLookups`).
+and finished-params lookups on the engines' side channels (`Releaser`, `FinishedLookups`), and
+the prompt tokens an engine counts for a request (`prompt_tokens`).
 """
 
 from kvrelay.proxy.engines.finished_lookups import FinishedLookups
 from kvrelay.proxy.engines.release import RELEASE_ATTEMPTS, Releaser
+from kvrelay.proxy.engines.token_count import prompt_tokens
 from kvrelay.proxy.engines.upstream import (
     H1Response,
     Origin,
@@ -25,4 +27,5 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamTimeout",
+    "prompt_tokens",
 ]

@@ -549,9 +549,24 @@ class Upstream:
         """`GET path` of the engine at `base_url`, read whole within `timeout_s` (connecting
         included): status and body. The health probes, load scrapes, `/v1/models` and
         `/version` calls; `UpstreamError` or `TimeoutError` when it fails."""
+        return await self._whole("GET", base_url, path, b"", (), timeout_s, max_bytes)
+
+    async def post_json(
+        self, base_url: str, path: str, body: bytes, *, timeout_s: float,
+        max_bytes: int = _GET_MAX_BYTES,
+    ) -> tuple[int, bytes]:  # fmt: skip
+        """`POST path` with a JSON body, read whole within `timeout_s`, as `get` (the prompt
+        token counts, `/tokenize`)."""
+        headers = (("Content-Type", "application/json"),)
+        return await self._whole("POST", base_url, path, body, headers, timeout_s, max_bytes)
+
+    async def _whole(
+        self, method: str, base_url: str, path: str, body: bytes,
+        headers: tuple[tuple[str, str], ...], timeout_s: float, max_bytes: int,
+    ) -> tuple[int, bytes]:  # fmt: skip
         async with asyncio.timeout(timeout_s):
             resp = await self.for_url(base_url).request(
-                "GET", path, read_timeout=timeout_s, total_timeout=timeout_s
+                method, path, body, headers, read_timeout=timeout_s, total_timeout=timeout_s
             )
             try:
                 return resp.status, await resp.read(max_bytes)

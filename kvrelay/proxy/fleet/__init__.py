@@ -22,6 +22,7 @@ from kvrelay.proxy.fleet.engine_load import (
     fresh_load,
     load_from_metrics,
 )
+from kvrelay.proxy.fleet.engine_names import engine_name, name_key, use_name_key
 from kvrelay.proxy.fleet.fleet_sync import (
     FleetSync,
     LocalFleetSync,
@@ -34,7 +35,6 @@ from kvrelay.proxy.fleet.pools import (
     Backend,
     HealthChecker,
     Pool,
-    engine_name,
     engines_to_try,
     probe_health,
 )
@@ -68,10 +68,12 @@ __all__ = [
     "fresh_load",
     "load_from_metrics",
     "make_resolver",
+    "name_key",
     "open_fleet_sync",
     "probe_health",
     "ready_engines",
     "start_discovery",
     "start_kube_discovery",
     "uncached_tokens",
+    "use_name_key",
 ]

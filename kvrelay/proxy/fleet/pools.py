@@ -18,8 +18,8 @@ engine fails can be told from an engine failing everyone (`Pool.blames_input`, r
 per-key breaker in `kvrelay.proxy.tenants`); `Backend.faults` counts the failures charged to
 the engine, so the breaker can drop strikes those failures explain.
 
-Engines are named to clients and in metrics by `Backend.name` (role and a stable hash of the
-URL), never by their internal URL.
+Engines are named to clients and in metrics by `Backend.name` (role and a keyed hash of the
+URL, `kvrelay.proxy.fleet.engine_names`), never by their internal URL.
 Which engine a leg goes to is `kvrelay.proxy.fleet.routing`'s choice among the usable ones;
 draining engines finish what they have but get nothing new.
 """
@@ -27,7 +27,6 @@ draining engines finish what they have but get nothing new.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -36,6 +35,7 @@ from typing import Literal
 
 from kvrelay.proxy.base import cancel_and_wait
 from kvrelay.proxy.engines import Upstream, UpstreamError
+from kvrelay.proxy.fleet.engine_names import engine_name
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 
 Role = Literal["prefill", "decode"]
@@ -134,11 +134,6 @@ class Backend:
                 "age_s": round(time.monotonic() - self.load.at, 3),
             },
         }
-
-
-def engine_name(role: str, url: str) -> str:
-    """`decode-1a2b3c4d`: the same in every worker and across restarts, reveals no address."""
-    return f"{role}-{hashlib.sha256(url.encode()).hexdigest()[:8]}"
 
 
 # Tenants remembered per engine for disputed 5xx (bounds memory under many API keys).

@@ -29,9 +29,16 @@ An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
 are chosen last and lose affinity. Without a fresh reading only the in-flight counts decide.
 
-The router learns from what the engines report a turn reused (`ReuseStanding`): a D whose
-decode-only turns show no cached tokens gets none until it shows some again, and a P whose
-affinity turns show no local hit loses affinity until it shows one.
+The sizes above are first estimated from the prompt's characters, which the client chooses:
+emoji or CJK text run to a token per character where English runs about four. A turn the
+estimate would send to D is confirmed on the count of that D's own tokenizer
+(`kvrelay.proxy.engines.prompt_tokens`): `decode_only_fits` and `Spill.counted` check the
+same bounds on it, and the turn goes through P when it does not fit (or D cannot count it).
+
+The router learns from what the engines report a turn reused (`ReuseStanding`), per engine and
+tenant: a D whose decode-only turns show a tenant no cached tokens gets none of that tenant's
+until it shows some again, and a P whose affinity turns show no local hit loses that tenant's
+affinity until it shows one.
 """
 
 from __future__ import annotations
@@ -51,11 +58,28 @@ _NO_P_LEFT_OUT: frozenset[str] = frozenset()
 
 @dataclass(slots=True)
 class Spill:
-    """Where a spilled turn goes, and the prompt tokens that D prefills itself (estimated)."""
+    """Where a spilled turn goes, and the prompt tokens that D prefills itself (estimated, until
+    `counted` with D's own count)."""
 
     backend: Backend
     tokens: int
     holder: bool  # D holds the conversation's history (its decode-only turn reuses it)
+    p_queued_chars: float  # the least loaded P's queued prompt work, in characters
+    d_queued: int  # D's decode-only prompt tokens in flight
+    factor: float  # prefill_spill_factor
+
+    def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
+        """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
+        what the conversation's holder keeps, 0 without an entry; P's queue, kept in
+        characters, is converted at this prompt's own characters per token); None when it no
+        longer pays, and the turn goes through P."""
+        uncached = max(0, prompt_tokens - held_tokens)  # what P would compute
+        d_tokens = uncached if self.holder else prompt_tokens
+        p_queued = self.p_queued_chars * prompt_tokens / max(prompt_chars, 1)
+        if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
+            return None
+        return Spill(self.backend, d_tokens, self.holder, self.p_queued_chars, self.d_queued,
+                     self.factor)  # fmt: skip
 
 
 @dataclass
@@ -101,14 +125,14 @@ class Router:
     # -- P -----------------------------------------------------------------------------------
 
     def pick_prefill(
-        self, entry: KVEntry | None, exclude: set[str], work: int = 0
+        self, entry: KVEntry | None, exclude: set[str], work: int = 0, tenant: str = ""
     ) -> tuple[Backend | None, bool]:
         """P for the turn, and whether it is the conversation's previous P (affinity). `work`:
         the turn's prompt characters; affinity yields to a P whose queue is shorter by more."""
         preferred = entry.prefill_url if entry is not None else None
         if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
-            if backend is not None and self.affinity.admits(backend.url):
+            if backend is not None and self.affinity.admits(backend.url, tenant):
                 shorter = self._shorter_queue(backend, exclude, work)
                 return (backend, True) if shorter is None else (shorter, False)
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
@@ -162,14 +186,17 @@ class Router:
 
     # -- conditional disaggregation ------------------------------------------------------------
 
-    def decode_only_tokens(self, entry: KVEntry | None, prompt_chars: int) -> int | None:
+    def decode_only_tokens(
+        self, entry: KVEntry | None, prompt_chars: int, tenant: str = ""
+    ) -> int | None:
         """Send this turn straight to the D holding the conversation (no P, no transfer)?
 
-        Returns the prompt tokens that D would then prefill itself (estimated), or None when
-        the turn goes through P: another policy, no estimate, a holder that is unusable,
-        overloaded or busy, too long an uncached part, or a holder whose decode-only turns in
-        flight already add up to `conditional_max_inflight_tokens` (P then takes the turn:
-        prefill spread over the Ps keeps D's decode steps short)."""
+        Returns the prompt tokens that D would then prefill itself (estimated: confirm with
+        `decode_only_fits` on D's count), or None when the turn goes through P: another policy,
+        no estimate, a holder that is unusable, overloaded or busy, too long an uncached part,
+        or a holder whose decode-only turns in flight already add up to
+        `conditional_max_inflight_tokens` (P then takes the turn: prefill spread over the Ps
+        keeps D's decode steps short)."""
         s = self.settings
         if s.routing_policy != "conditional" or entry is None or not entry.chars_per_token:
             return None
@@ -183,17 +210,27 @@ class Router:
         ):
             return None
         uncached = uncached_tokens(entry, prompt_chars)
-        if uncached > s.conditional_max_uncached_tokens:
+        if not self._fits_decode_only(holder, uncached):
             return None
-        # A decode leg counts 1 of outstanding work, a decode-only one 1 + its tokens.
-        in_flight = holder.outstanding_work - holder.inflight
-        if in_flight + uncached > s.conditional_max_inflight_tokens:
-            return None
-        if not self.decode_only.admits(holder.url):
+        if not self.decode_only.admits(holder.url, tenant):
             return None  # its decode-only turns showed no cached tokens: through P
         return uncached
 
-    def spill(self, entry: KVEntry | None, prompt_chars: int) -> Spill | None:
+    def decode_only_fits(self, entry: KVEntry, uncached: int) -> bool:
+        """The decode-only turn that `decode_only_tokens` estimated, judged again with the
+        uncached tokens D counted: within both of D's bounds."""
+        holder = self.decode.get(entry.url)
+        return holder is not None and self._fits_decode_only(holder, uncached)
+
+    def _fits_decode_only(self, holder: Backend, uncached: int) -> bool:
+        s = self.settings
+        if uncached > s.conditional_max_uncached_tokens:
+            return False
+        # A decode leg counts 1 of outstanding work, a decode-only one 1 + its tokens.
+        in_flight = holder.outstanding_work - holder.inflight
+        return in_flight + uncached <= s.conditional_max_inflight_tokens
+
+    def spill(self, entry: KVEntry | None, prompt_chars: int, tenant: str = "") -> Spill | None:
         """Send this turn, which would go through P, straight to a D that prefills it itself?
 
         Yes (`conditional` only, `prefill_spill_factor` > 0) when P's time, the least loaded
@@ -206,7 +243,8 @@ class Router:
         (a decode-only turn's tokens count until its first token). Prompt tokens are
         estimated from characters (`chars_per_token` of the conversation's entry, else the
         latest one seen); the numbers are the pools' own counts and the load
-        readings already kept, so this costs a pass over the engines and nothing else."""
+        readings already kept, so this costs a pass over the engines and nothing else. A spill
+        found here is judged again on D's own count before it is taken (`Spill.counted`)."""
         s = self.settings
         if s.routing_policy != "conditional" or s.prefill_spill_factor <= 0:
             return None
@@ -229,14 +267,14 @@ class Router:
             else tokens
         )
         p_time = p_queued / cpt + uncached
-        target, holder = self._spill_decode(entry)
+        target, holder = self._spill_decode(entry, tenant)
         if target is None:
             return None
         d_tokens = uncached if holder else tokens
-        d_time = target.outstanding_work - target.inflight + d_tokens
-        if p_time <= s.prefill_spill_factor * d_time:
+        d_queued = target.outstanding_work - target.inflight
+        if p_time <= s.prefill_spill_factor * (d_queued + d_tokens):
             return None
-        return Spill(target, d_tokens, holder)
+        return Spill(target, d_tokens, holder, p_queued, d_queued, s.prefill_spill_factor)
 
     def _least_queued(
         self, prompt_chars: int, exclude: set[str] | frozenset[str]
@@ -277,7 +315,7 @@ class Router:
             return None
         return least[0]
 
-    def _spill_decode(self, entry: KVEntry | None) -> tuple[Backend | None, bool]:
+    def _spill_decode(self, entry: KVEntry | None, tenant: str) -> tuple[Backend | None, bool]:
         """The D a spilled turn would go to and whether it holds the conversation: the holder
         when it can take a decode-only turn, else the least loaded D that is neither busy nor
         overloaded; either only within D's decode-only budget."""
@@ -288,7 +326,7 @@ class Router:
             if (
                 holder is not None
                 and holder.outstanding_work - holder.inflight < budget
-                and not self.decode_only.withdrawn(holder.url)
+                and not self.decode_only.withdrawn(holder.url, tenant)
                 and not self._decoding_slowly(holder)
             ):
                 return holder, True
@@ -315,26 +353,29 @@ class Router:
 
     # -- learning from what the engines reused -------------------------------------------------
 
-    def decode_only_served(self, url: str, cached_tokens: int) -> None:
-        """D served a decode-only turn from `cached_tokens` of its own (its report)."""
+    def decode_only_served(self, url: str, cached_tokens: int, tenant: str = "") -> None:
+        """D served `tenant` a decode-only turn from `cached_tokens` of its own (its report),
+        on an entry that offered at least one whole block (less is nothing to reuse)."""
         if cached_tokens > 0:
-            self.decode_only.paid(url)
+            self.decode_only.paid(url, tenant)
         else:
-            self.decode_only.unpaid(url)
+            self.decode_only.unpaid(url, tenant)
 
-    def decode_served(self, url: str, local_hit_tokens: int) -> None:
-        """D served a turn through P with this local prefix hit: a hit shows its prefix
-        cache works, so its decode-only turns come back."""
+    def decode_served(self, url: str, local_hit_tokens: int, tenant: str = "") -> None:
+        """D served `tenant` a turn through P with this local prefix hit: a hit shows its
+        prefix cache works, so its decode-only turns come back."""
         if local_hit_tokens > 0:
-            self.decode_only.paid(url)
+            self.decode_only.paid(url, tenant)
 
-    def prefill_served(self, url: str, local_hit_tokens: int, *, affinity_turn: bool) -> None:
-        """P served a turn with this local prefix hit; `affinity_turn`: it was chosen as the
-        conversation's previous P, with the same history (nothing refused by hash)."""
+    def prefill_served(
+        self, url: str, local_hit_tokens: int, *, affinity_turn: bool, tenant: str = ""
+    ) -> None:
+        """P served `tenant` a turn with this local prefix hit; `affinity_turn`: it was chosen
+        as the conversation's previous P, with the same history (nothing refused by hash)."""
         if local_hit_tokens > 0:
-            self.affinity.paid(url)
+            self.affinity.paid(url, tenant)
         elif affinity_turn:
-            self.affinity.unpaid(url)
+            self.affinity.unpaid(url, tenant)
 
 
 def uncached_tokens(entry: KVEntry, prompt_chars: int) -> int:

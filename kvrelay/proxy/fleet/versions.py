@@ -1,11 +1,13 @@
 """`GET /version`: the proxy's version and the versions its engines report.
 
 Clients of vLLM ask `/version` before they start (vLLM's multi-turn benchmark among them), so
-the proxy answers it as vLLM does (`{"version": ...}`, the proxy's own) and adds, per usable
-engine, what that engine's `/version` said (None when it did not answer). Engines are named as
-on `/metrics` (role and a hash), never by address. Like vLLM's, the route needs no API key; the
-engines' answers are cached for `models_refresh_s` and fetched once for all callers, so the
-open route cannot make the proxy query the fleet on every request.
+the proxy answers it as vLLM does (`{"version": ...}`, the proxy's own), to anyone, as vLLM
+does. A caller with an API key (any caller when no keys are configured) also gets, per usable
+engine, what that engine's `/version` said (None when it did not answer): the fleet is the
+operator's business, not the open internet's. Engines are named as on `/metrics` (role and a
+keyed hash, `engine_names`), never by address. The engines' answers are cached for
+`models_refresh_s` and fetched once for all callers, so the route cannot make the proxy query
+the fleet on every request.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ class EngineVersions(Refreshed):
     def __init__(self, fleet: Fleet) -> None:
         super().__init__(fleet, fleet.settings.probe_timeout_s)
         self._engines: list[dict[str, Any]] = []
+
+    def own(self) -> dict[str, Any]:
+        """The proxy's own version, as vLLM answers `/version`."""
+        return {"version": __version__}
 
     async def document(self) -> dict[str, Any]:
         if not self._fresh:

@@ -36,9 +36,11 @@ from kvrelay.proxy.fleet import (
     LoadPoller,
     ModelCatalog,
     Pool,
+    name_key,
     open_fleet_sync,
     start_discovery,
     start_kube_discovery,
+    use_name_key,
 )
 from kvrelay.proxy.http.access import admit, leave
 from kvrelay.proxy.http.admin import admin_app
@@ -47,6 +49,7 @@ from kvrelay.proxy.http.body import BodyBudget, HeldBody, read_json_object
 from kvrelay.proxy.http.headers import forwarded_headers, header_text
 from kvrelay.proxy.http.keys import (
     BODY_BUDGET,
+    CACHE_SCOPES,
     ENGINES,
     FLEET,
     FLEET_SYNC,
@@ -61,7 +64,7 @@ from kvrelay.proxy.http.openapi import openapi_document
 from kvrelay.proxy.http.passthrough import add_routes as add_passthrough_routes
 from kvrelay.proxy.http.validation import validate_chat, validate_completion
 from kvrelay.proxy.telemetry import metrics
-from kvrelay.proxy.tenants import Slot, TenantBreaker, open_limiter
+from kvrelay.proxy.tenants import CacheScopes, Slot, TenantBreaker, open_limiter
 from kvrelay.proxy.turn import (
     CONVERSATION_HEADER,
     SESSION_HEADER,
@@ -78,6 +81,10 @@ from kvrelay.proxy.turn import (
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+INTERNAL_ERROR = ProxyError(
+    500, "the proxy failed on this request; retry, or report it with its X-Request-Id",
+    code="internal_error",
+)  # fmt: skip
 
 
 @web.middleware
@@ -99,10 +106,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
         raise  # the client is gone: nobody to answer
     except Exception:
         log.exception("unexpected error on %s %r", request.method, request.path)
-        return ProxyError(
-            500, "the proxy failed on this request; retry, or report it with its X-Request-Id",
-            code="internal_error",
-        ).response()  # fmt: skip
+        return INTERNAL_ERROR.response()
 
 
 async def _completion(request: web.Request, route: str) -> web.StreamResponse:
@@ -114,6 +118,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
     request_id = request_id_from(supplied)
     held = HeldBody(app[BODY_BUDGET])
     turn: Turn | None = None
+    client: AiohttpClient | None = None
     tenant = ""
     slot: Slot | None = None
     try:
@@ -124,6 +129,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         else:
             validate_completion(body)
         strip_connector_fields(body)
+        app[CACHE_SCOPES].apply(body, tenant)  # the engines cache per tenant
         await app[MODELS].check(body.get("model"))
         conversation_id = conversation_id_from(
             header_text(request, CONVERSATION_HEADER), body, header_text(request, SESSION_HEADER)
@@ -152,16 +158,32 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         if suspect and app[TENANTS].strike(tenant, suspect):
             log.warning("paused an API key (tenant %s) whose requests every engine failed",
                         tenant)  # fmt: skip
-        return exc.response({"X-Request-Id": request_id})
+        started = await _end_started_stream(client, exc)
+        return started or exc.response({"X-Request-Id": request_id})
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         outcome = "client_disconnected"
         raise
     except asyncio.CancelledError:
         outcome = "client_disconnected"
         raise
+    except Exception:
+        started = await _end_started_stream(client, INTERNAL_ERROR)
+        if started is None:
+            raise  # the errors middleware answers with a shaped 500
+        log.exception("unexpected error on %s %r after its stream started",
+                      request.method, request.path)  # fmt: skip
+        return started
     finally:
         await leave(slot, held, route)
         metrics.REQUESTS.labels(route, outcome).inc()
+
+
+async def _end_started_stream(
+    client: AiohttpClient | None, error: ProxyError
+) -> web.StreamResponse | None:
+    """A turn whose stream had started ends it with `error` as its last event (never a second
+    response inside the stream's body); None when no stream had started."""
+    return None if client is None else await client.end_stream_with(error)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -219,7 +241,14 @@ async def delete_conversation(request: web.Request) -> web.StreamResponse:
 
 
 async def version(request: web.Request) -> web.StreamResponse:
-    return json_response(await request.app[VERSIONS].document())
+    """vLLM's answer (the proxy's version) to anyone, as vLLM gives it; the engines' list
+    only to a caller with an API key (when keys are configured)."""
+    versions = request.app[VERSIONS]
+    try:
+        authenticate(request)
+    except ProxyError:
+        return json_response(versions.own())
+    return json_response(await versions.document())
 
 
 async def openapi(request: web.Request) -> web.StreamResponse:
@@ -247,8 +276,11 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
         middlewares=[errors_middleware], client_max_size=settings.body_limit_bytes
     )
     app[SETTINGS] = settings
+    use_name_key(name_key(settings))  # how /metrics and client errors name engines
     app[BODY_BUDGET] = BodyBudget(settings.inflight_body_bytes)
     app[TENANTS] = TenantBreaker(settings.tenant_failure_limit, settings.tenant_cooldown_s)
+    isolate = settings.cache_isolation == "tenant"
+    app[CACHE_SCOPES] = CacheScopes(isolate, settings.cache_share_groups)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)

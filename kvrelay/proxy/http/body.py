@@ -80,7 +80,20 @@ def too_large(limit: int) -> ProxyError:
 
 
 async def read_body(request: web.Request, settings: Settings, held: HeldBody) -> bytes | bytearray:
-    """The raw body, read within the size, time and budget limits."""
+    """The raw body, read within the size, time and budget limits; a body aiohttp cannot
+    decode (a `Content-Encoding` whose bytes do not inflate) is the client's 400."""
+    try:
+        return await _read_body(request, settings, held)
+    except web.RequestPayloadError as exc:
+        raise ProxyError(
+            400,
+            f"the request body could not be read ({exc}); send it as its Content-Encoding "
+            "says, or without one",
+            code="malformed_request",
+        ) from None
+
+
+async def _read_body(request: web.Request, settings: Settings, held: HeldBody) -> bytes | bytearray:
     limit = settings.body_limit_bytes
     length = request.content_length
     if length is not None and length > limit:

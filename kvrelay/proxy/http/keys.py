@@ -7,9 +7,10 @@ from aiohttp import web
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import EngineVersions, Fleet, FleetSync, HealthChecker, ModelCatalog
 from kvrelay.proxy.http.body import BodyBudget
-from kvrelay.proxy.tenants import Limiter, TenantBreaker
+from kvrelay.proxy.tenants import CacheScopes, Limiter, TenantBreaker
 from kvrelay.proxy.turn import Engines
 
+CACHE_SCOPES: web.AppKey[CacheScopes] = web.AppKey("cache_scopes", CacheScopes)
 BODY_BUDGET: web.AppKey[BodyBudget] = web.AppKey("body_budget", BodyBudget)
 ENGINES: web.AppKey[Engines] = web.AppKey("engines", Engines)
 FLEET: web.AppKey[Fleet] = web.AppKey("fleet", Fleet)

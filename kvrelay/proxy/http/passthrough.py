@@ -38,8 +38,9 @@ from kvrelay.proxy.http.forms import field_text as form_field_text
 from kvrelay.proxy.http.forms import parts as form_parts
 from kvrelay.proxy.http.forms import without as form_without
 from kvrelay.proxy.http.headers import forwarded_headers
-from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, MODELS
+from kvrelay.proxy.http.keys import BODY_BUDGET, CACHE_SCOPES, FLEET, MODELS
 from kvrelay.proxy.telemetry import metrics
+from kvrelay.proxy.tenants import CACHE_SALT, check_client_salt
 from kvrelay.proxy.turn import request_id_from, upstream_request_id
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
     outcome = "error"
     metrics.INFLIGHT.labels(route).inc()
     try:
-        _tenant, slot = await admit(request)
-        body = await _payload(request, fleet, held)
+        tenant, slot = await admit(request)
+        body = await _payload(request, fleet, held, tenant, route)
         upstream_id = upstream_request_id(request_id, supplied == request_id)
         response, outcome = await _forward(request, fleet, route, body, upstream_id, request_id)
         return response
@@ -91,18 +92,24 @@ def _outcome_of(status: int) -> str:
     return "client_error" if status < 500 else "upstream_error"
 
 
+# Routes that compute no KV (vLLM's request models for them have no `cache_salt`): every other
+# JSON route gets the tenant's salt, since a prompt it prefills is cached (and its usage can
+# report cached tokens, the oracle `kvrelay.proxy.tenants.cache_scope` closes).
+_NO_KV_ROUTES = frozenset({"/tokenize", "/detokenize"})
+
 # A JSON text's first byte past any whitespace; a multipart body starts with its boundary.
 _LOOKS_LIKE_JSON = re.compile(rb"[ \t\r\n]*[\[{]")
 
 
 async def _payload(
-    request: web.Request, fleet: Fleet, held: HeldBody
+    request: web.Request, fleet: Fleet, held: HeldBody, tenant: str, route: str
 ) -> tuple[bytes | None, Any, str | None]:
     """The body to forward, the model it names and its Content-Type. Bodies are checked by
     what they are, not by the Content-Type the client claims: anything that is not a real
     multipart form must be a JSON object and gets the JSON checks (budget, depth, model,
-    `kv_transfer_params` dropped); a form gets its `model` field checked and its
-    `kv_transfer_params` field dropped. A model nobody serves is refused (404)."""
+    `kv_transfer_params` dropped, the tenant's `cache_salt` set where the route computes KV);
+    a form gets its `model` field checked and its `kv_transfer_params` field dropped. A model
+    nobody serves is refused (404)."""
     if not request.body_exists:
         return None, None, None
     raw = await read_body(request, fleet.settings, held)
@@ -119,6 +126,11 @@ async def _payload(
     body: dict[str, Any] = parse_json_body(raw, fleet.settings, held)
     await request.app[MODELS].check(body.get("model"))
     strip_connector_fields(body)  # the proxy alone speaks to the connector
+    if route not in _NO_KV_ROUTES:
+        problem = check_client_salt(body.get(CACHE_SALT))
+        if problem is not None:
+            raise bad_request(problem, param=CACHE_SALT)
+        request.app[CACHE_SCOPES].apply(body, tenant)
     return json.dumps(body, separators=(",", ":")).encode(), body.get("model"), JSON_TYPE
 
 

@@ -13,10 +13,14 @@ from typing import Any
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.base import bad_request
+from kvrelay.proxy.tenants import CACHE_SALT, check_client_salt
 
 _DICT = {dict}
 _STR = {str}
 _ROLE = itertools.repeat("role")
+# Token ids are packed as signed 64-bit integers where the proxy digests a prompt; no
+# vocabulary comes near this, and the engine refuses ids outside its own.
+_TOKEN_ID_LIMIT = 1 << 63
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> None:
@@ -43,6 +47,9 @@ def validate_common(body: dict[str, Any]) -> None:
     _check_int(body, "max_tokens", 1)
     _check_int(body, "max_completion_tokens", 1)
     _check_int(body, "n", 1)
+    salt_problem = check_client_salt(body.get(CACHE_SALT))
+    if salt_problem is not None:
+        raise bad_request(salt_problem, param=CACHE_SALT)
 
 
 def validate_chat(body: dict[str, Any]) -> None:
@@ -79,3 +86,12 @@ def validate_completion(body: dict[str, Any]) -> None:
             "`prompt` must be a string, an array of strings or an array of token ids",
             param="prompt",
         )
+    assert isinstance(prompt, str | list)
+    if isinstance(prompt, list) and not isinstance(prompt[0], str):
+        ids = prompt if isinstance(prompt[0], int) else itertools.chain.from_iterable(prompt)
+        if not all(
+            type(t) is int and 0 <= t < _TOKEN_ID_LIMIT for t in ids
+        ):  # a batch of token prompts: each a list of ids
+            raise bad_request(
+                "`prompt` token ids must be integers from 0 to 2^63 - 1", param="prompt"
+            )

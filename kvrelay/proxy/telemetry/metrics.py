@@ -272,6 +272,15 @@ PREFILL_SPILLED = Labelled(
         ["turn"],
     )
 )
+DECODE_ONLY_CHECKS = Labelled(
+    Counter(
+        "kvrelay_decode_only_checks_total",
+        "Decode-only turns the estimate from characters allowed, checked on D's own count of "
+        "the prompt's tokens: fits (sent to D), too_long (through P) or uncounted (D could not "
+        "count it in time: through P).",
+        ["result"],
+    )
+)
 FINISHED_PARAMS = Labelled(
     Counter(
         "kvrelay_finished_params_total",

@@ -1,8 +1,9 @@
-"""The clients: per-tenant in-flight and per-second limits (`Limiter`, `RedisLimiter`) and the
-per-API-key breaker (`TenantBreaker`).
+"""The clients: per-tenant in-flight and per-second limits (`Limiter`, `RedisLimiter`), the
+per-API-key breaker (`TenantBreaker`) and each tenant's prefix-cache scope (`CacheScopes`).
 """
 
 from kvrelay.proxy.tenants.breaker import TenantBreaker
+from kvrelay.proxy.tenants.cache_scope import CACHE_SALT, CacheScopes, check_client_salt
 from kvrelay.proxy.tenants.limits import (
     Limiter,
     RedisLimiter,
@@ -13,11 +14,14 @@ from kvrelay.proxy.tenants.limits import (
 )
 
 __all__ = [
+    "CACHE_SALT",
+    "CacheScopes",
     "Limiter",
     "RedisLimiter",
     "Slot",
     "TenantBreaker",
     "TenantLimit",
+    "check_client_salt",
     "limits_from",
     "open_limiter",
 ]

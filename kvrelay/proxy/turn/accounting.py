@@ -6,7 +6,8 @@ knows how many prompt tokens it found in its own prefix cache, read from a holde
 and nothing else: the connector's report (`kvr_*` in the params it returns), else vLLM's own
 per-request figures (`remote_prefill_cached_tokens` on P's params, `usage.prompt_tokens_details`
 where the answer is the engine's own). A figure an engine did not give stays None ("unknown"):
-it is never guessed from the map.
+it is never guessed from the map. A figure no prompt can have (`count_or_none`: absurd,
+negative, a split larger than its prompt) is unknown too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvrelay.connector.protocol import (
     REFUSED_REASONS,
     KVTransferParams,
 )
+from kvrelay.proxy.base import MAX_ENGINE_COUNT, count_or_none
 
 # Headers of a JSON answer that carry the turn's account (the proxy README, "Accounting").
 HEADER_PROMPT = "X-Kvrelay-Prompt-Tokens"
@@ -69,8 +71,8 @@ class PromptAccount:
         loaded = values[KVR_LOADED_TOKENS]
         if type(prompt) is not int or type(local) is not int or type(loaded) is not int:
             return None
-        if prompt < 0 or local < 0 or loaded < 0:
-            return None
+        if not 0 <= local + loaded <= prompt <= MAX_ENGINE_COUNT or local < 0 or loaded < 0:
+            return None  # absurd, or more reused than the prompt has: no report
         offered = values[KVR_REFUSED_BLOCKS]
         refused = _refused(offered) if offered else ()
         return cls(prompt, local + loaded, local, loaded, refused)
@@ -82,9 +84,12 @@ class PromptAccount:
         usage's `prompt_tokens_details.cached_tokens`. Only where the answer is the engine's
         own figure: a D given P's params reports P's cached tokens (ACCOUNTING §1)."""
         prompt, in_usage = usage_figures(usage)
-        if type(cached) is int and cached >= 0:
-            return cls(prompt, cached)
-        return cls(prompt, in_usage)
+        reused = count_or_none(cached)
+        if reused is None:
+            reused = in_usage
+        if reused is not None and prompt is not None and reused > prompt:
+            reused = None  # more cached than the prompt has: not a figure to believe
+        return cls(prompt, reused)
 
     def or_else(self, other: PromptAccount | None) -> PromptAccount:
         """This account when the engine split it, else `other` when that one knows more; the
@@ -131,13 +136,10 @@ def usage_figures(usage: object) -> tuple[int | None, int | None]:
     (None where absent or not a count)."""
     if type(usage) is not dict:  # parsed JSON: a dict or nothing usable
         return None, None
-    # Each count checked inline: this runs on both legs of every turn.
-    prompt = usage.get("prompt_tokens")
-    if type(prompt) is not int or prompt < 0:
-        prompt = None
+    prompt = count_or_none(usage.get("prompt_tokens"))
     details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if type(details) is dict else None
-    if type(cached) is not int or cached < 0:
+    cached = count_or_none(details.get("cached_tokens") if type(details) is dict else None)
+    if prompt is not None and cached is not None and cached > prompt:
         cached = None
     return prompt, cached
 
@@ -147,7 +149,7 @@ def _refused(offered: dict[str, int]) -> tuple[tuple[str, int], ...]:
     summed under "other", in a stable order."""
     refused: dict[str, int] = {}
     for reason, blocks in offered.items():
-        if blocks > 0:
+        if 0 < blocks <= MAX_ENGINE_COUNT:  # an absurd count says nothing: left out
             # Any other name an engine sends becomes "other": it is a metric label, and an
             # engine must not be able to grow the label set.
             key = reason if reason in REFUSED_REASONS else "other"

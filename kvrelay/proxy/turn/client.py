@@ -11,10 +11,15 @@ what it owes (`kvrelay.proxy.turn.owed`) unless the answer was already complete.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Protocol
 
+import aiohttp
 from aiohttp import web
+
+from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.turn.streaming import error_event
 
 
 class ClientStream(Protocol):
@@ -68,9 +73,28 @@ class AiohttpClient:
         self._response = out
         return out
 
+    async def end_stream_with(self, error: ProxyError) -> web.StreamResponse | None:
+        """When a stream was started and not ended: end it with `error` as an error event and a
+        clean close, and return it; None when no stream was started (the caller answers with a
+        whole error response then). Once a stream's headers left, any other answer would be a
+        second HTTP response written inside the stream's body."""
+        out = self._response
+        if not isinstance(out, _EventStream):
+            return None
+        if not out.ended:
+            event = error_event(error.message, type=error.type, code=error.code)
+            with contextlib.suppress(ConnectionResetError, aiohttp.ClientConnectionResetError):
+                await out.write_eof(event)
+        return out
+
 
 class _EventStream(web.StreamResponse):
     """The client's stream; its headers go out with the first event, in one write with it,
     not in a write of their own (aiohttp's `web.Response` buffers them the same way)."""
 
     _send_headers_immediately = False
+    ended = False  # write_eof was called: the answer is complete, or was cut
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        self.ended = True
+        await super().write_eof(data)

@@ -65,7 +65,7 @@ class DecodeLeg:
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
             d_hold = hold and (not stream or fleet.side_channel_of(backend) is not None)
-            payload = jsoncodec.dumps(decode_body(body, p_params, p_url, d_hold))
+            payload = jsoncodec.dumps(decode_body(body, p_params, p_url, d_hold, report.tenant))
             start = time.monotonic()
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
             # turn until its first token (what the router weighs against D's prefill budget).

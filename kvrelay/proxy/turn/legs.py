@@ -15,6 +15,7 @@ from kvrelay.connector.protocol import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HOLD_BLOCKS,
+    HOLD_OWNER,
     KV_TRANSFER_PARAMS,
     REMOTE_BLOCK_IDS,
     REMOTE_ENGINE_ID,
@@ -62,9 +63,11 @@ def decode_body(
     prefill: KVTransferParams | None,
     prefill_url: str | None,
     hold: bool,
+    owner: str = "",
 ) -> dict[str, Any]:
     """D's request: the client's, with P's params (parsed where P's answer came in; none:
-    decode-only) and `hold_blocks`."""
+    decode-only) and `hold_blocks` with the hold's `owner` (the tenant: D shares its hold
+    budget fairly among owners)."""
     out = strip_connector_fields(dict(body))
     params: dict[str, Any] = {}
     # The model's own set of given fields and its extras (pinned in tests/test_private_apis.py):
@@ -78,6 +81,8 @@ def decode_body(
     if hold:
         # Stock vLLM ignores the flag (and holds anyway); kvrelay's D holds only on request.
         params[HOLD_BLOCKS] = True
+        if owner:
+            params[HOLD_OWNER] = owner
     if params:
         out[KV_TRANSFER_PARAMS] = params
     return out

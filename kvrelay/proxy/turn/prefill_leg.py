@@ -26,7 +26,7 @@ from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet import Backend
-from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount
+from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
 from kvrelay.proxy.turn.legs import prefill_body
 
@@ -79,10 +79,11 @@ class PrefillLeg:
         self._attempts = attempts
 
     async def run(
-        self, body: dict[str, Any], entry: KVEntry | None, work: int
+        self, body: dict[str, Any], entry: KVEntry | None, work: int, tenant: str = ""
     ) -> PrefillAnswer | None:
         """P's answer, or None when no P answered (D then prefills alone). `work` is the
-        prompt's weight, counted against P's outstanding work while it prefills."""
+        prompt's weight, counted against P's outstanding work while it prefills; `tenant`'s
+        standing decides P affinity."""
         attempts = self._attempts
         report, pool, router = attempts.report, attempts.fleet.prefill, attempts.fleet.router
         reuse = entry.to_kv_transfer_params() if entry is not None else None
@@ -90,7 +91,7 @@ class PrefillLeg:
         affine: set[str] = set()
 
         def pick(exclude: set[str]) -> Backend | None:
-            backend, by_affinity = router.pick_prefill(entry, exclude, work)
+            backend, by_affinity = router.pick_prefill(entry, exclude, work, tenant)
             if backend is not None and by_affinity:
                 affine.add(backend.url)
             return backend
@@ -134,9 +135,7 @@ class PrefillLeg:
             report.prefill_answered(UNKNOWN_ACCOUNT, for_decode=False)
             return PrefillAnswer(backend, None, None)
         params, usage = answer
-        prompt_tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-        if not isinstance(prompt_tokens, int):
-            prompt_tokens = None
+        prompt_tokens, _ = usage_figures(usage)  # bounded: it sizes the next turn's estimate
         report.prefill_answered(_account(params, usage), for_decode=params is not None)
         return PrefillAnswer(backend, params, prompt_tokens)
 

@@ -25,6 +25,7 @@ from typing import Any
 from kvrelay.connector.protocol import REFUSED_HASH
 from kvrelay.kvcache_map import ConversationKey, InvalidKeyError, KVEntry, MapUnavailableError
 from kvrelay.proxy.base import ProxyError
+from kvrelay.proxy.engines import prompt_tokens
 from kvrelay.proxy.fleet import Backend, Fleet
 from kvrelay.proxy.turn.answer import Answer
 from kvrelay.proxy.turn.attempts import Attempts, Engines, fleet_engines
@@ -126,7 +127,7 @@ class Turn:
         try:
             with self.report.take_scope():
                 await self._take_entry()
-            self._route()
+            await self._route()
             if self.decode_only_tokens is None:
                 with self.report.leg_scope("prefill"):
                     await self._prefill()
@@ -148,38 +149,60 @@ class Turn:
             self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn()
 
-    def _route(self) -> None:
+    async def _route(self) -> None:
         """Through P, or straight to a D: the holder for a short follow-up, or any D that is
-        quicker than P's queue (a spill, `Router.spill`)."""
-        router, work = self.fleet.router, self._work_estimate()
-        self.decode_only_tokens = router.decode_only_tokens(self.entry, work)
-        if self.decode_only_tokens is not None:
+        quicker than P's queue (a spill, `Router.spill`). Either is estimated from the
+        prompt's characters and then confirmed on the D's own count of its tokens (a client
+        chooses its characters, not how they tokenize)."""
+        router, work, entry = self.fleet.router, self._work_estimate(), self.entry
+        if entry is not None and router.decode_only_tokens(entry, work, self.tenant) is not None:
+            counted = await self._count_tokens(entry.url)
+            uncached = None if counted is None else max(0, counted - entry.num_tokens)
+            fits = uncached is not None and router.decode_only_fits(entry, uncached)
+            self.report.decode_only_checked(counted is not None, fits)
+            if fits:
+                self.decode_only_tokens = uncached
+                return
+        spill = router.spill(entry, work, self.tenant)
+        if spill is None:
             return
-        spill = router.spill(self.entry, work)
+        counted = await self._count_tokens(spill.backend.url)
+        held = entry.num_tokens if entry is not None else 0
+        spill = spill.counted(counted, held, work) if counted is not None else None
         if spill is not None:
             self.decode_only_tokens = spill.tokens
             self.spilled_to = spill.backend.url
-            self.report.spilled(first=self.entry is None, holder=spill.holder)
+            self.report.spilled(first=entry is None, holder=spill.holder)
+
+    async def _count_tokens(self, url: str) -> int | None:
+        """The prompt's tokens as the engine at `url` counts them (None: it could not say)."""
+        fleet = self.fleet
+        timeout = fleet.settings.probe_timeout_s
+        return await prompt_tokens(fleet.upstream, url, self.route, self.body, timeout)
 
     def _learn(self) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
         `kvrelay.proxy.fleet.ReuseStanding`)."""
-        router, report = self.fleet.router, self.report
+        router, report, tenant = self.fleet.router, self.report, self.tenant
         p, d = report.prefill_leg.account, report.decode_leg.account
         d_url = report.decode_leg.engine
         if self.decode_only_tokens is not None:
             if self.spilled_to is not None and not self.report.spilled_to_holder:
                 return  # a D without the history: nothing to learn about its prefix cache
+            if self.entry is None or not self.entry.has_full_block:
+                return  # the held history fills no block: D had nothing it could reuse
             if d is not None and d.reused is not None and d_url is not None:
-                router.decode_only_served(d_url, d.reused)
+                router.decode_only_served(d_url, d.reused, tenant)
             return
         if self.prefill is not None and p is not None and p.local_hit is not None:
             # A re-rendered history (blocks refused by hash) is the prompt's doing, not P's.
             changed = any(reason == REFUSED_HASH for reason, _ in p.refused)
             affinity = report.routing == "prefill_affinity" and not changed
-            router.prefill_served(self.prefill.backend.url, p.local_hit, affinity_turn=affinity)
+            router.prefill_served(
+                self.prefill.backend.url, p.local_hit, affinity_turn=affinity, tenant=tenant
+            )
         if d is not None and d.local_hit and d_url is not None:
-            router.decode_served(d_url, d.local_hit)
+            router.decode_served(d_url, d.local_hit, tenant)
 
     async def _take_entry(self) -> None:
         report, fleet = self.report, self.fleet
@@ -233,7 +256,8 @@ class Turn:
         return self._work
 
     async def _prefill(self) -> None:
-        answer = await PrefillLeg(self._attempts).run(self.body, self.entry, self._work_estimate())
+        prefill = PrefillLeg(self._attempts)
+        answer = await prefill.run(self.body, self.entry, self._work_estimate(), self.tenant)
         if answer is None:
             return
         self.prefill = answer

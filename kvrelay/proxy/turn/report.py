@@ -146,6 +146,12 @@ class TurnReport:
         self.spilled_to_holder = holder
         metrics.PREFILL_SPILLED.labels("first" if first else "later").inc()
 
+    def decode_only_checked(self, counted: bool, fits: bool) -> None:
+        """A decode-only turn the estimate allowed was checked on D's count of the prompt:
+        `kvrelay_decode_only_checks_total{result=fits|too_long|uncounted}`."""
+        result = "fits" if fits else "too_long" if counted else "uncounted"
+        metrics.DECODE_ONLY_CHECKS.labels(result).inc()
+
     def fell_back(self, kind: str) -> None:
         metrics.FALLBACKS.labels(kind).inc()
 
