@@ -170,7 +170,7 @@ def _accounting_off() -> None:
 def _spill_off() -> None:
     from kvrelay.proxy.fleet import Router
 
-    _replace(Router, "spill", lambda self, entry, prompt_chars: None)
+    _replace(Router, "spill", lambda self, *args: None)
 
 
 _SWITCHES: dict[str, Callable[[], None]] = {

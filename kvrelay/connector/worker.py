@@ -34,10 +34,11 @@ no read used it for `remote_idle_s` (holders come and go) or when a read from it
 read's failure never removes it, so other reads from the same holder are untouched.
 
 What a reader believes of a holder: it is authenticated (signed side channel, allowed
-address); its claim answers exactly the blocks the params named, at their places in the hold
-(a holder answering others, more or reordered ones is refused: `mismatch`); every block id
-read lies inside the geometry its signed handshake declared; and the blocks' tokens are the
-prompt's (the chained block hashes, checked by the scheduler). The bytes themselves are the
+address); the NIXL metadata it loads is the agent its signed handshake names; its claim answers
+exactly the blocks the params named, at their places in the hold (a holder answering others,
+more or reordered ones is refused: `mismatch`); every block id read lies inside the geometry
+its signed handshake declared; and the blocks' tokens are the prompt's (the chained block
+hashes, checked by the scheduler). The bytes themselves are the
 holder's word: an authenticated engine is trusted with them.
 
 Holder role: each rank counts read notifications per request; a request is reported
@@ -480,9 +481,15 @@ class ConnectorWorker:
         try:
             for rank, info in hs.ranks.items():
                 remote.geometries[rank] = CacheGeometry.from_dict(info.layout)
-                remote.agents[rank] = transport.add_remote(
-                    base64.b64decode(info.agent_metadata_b64)
-                )
+                name = transport.add_remote(base64.b64decode(info.agent_metadata_b64))
+                remote.agents[rank] = name
+                if name != info.agent_name:
+                    # The NIXL metadata is another agent's than the signed handshake names.
+                    raise LoadFailure(
+                        ConnectorErrorKind.HANDSHAKE,
+                        f"holder rank {rank}'s NIXL metadata is agent {name!r}, its handshake "
+                        f"says {info.agent_name!r}",
+                    )
         except Exception:
             for name in remote.agents.values():
                 transport.remove_remote(name)
