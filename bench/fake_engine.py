@@ -11,6 +11,8 @@ is all that limits throughput. On the wire it answers like vLLM 0.32 with kvrela
   hold (`hold_blocks`) publishes its params on the side channel instead, under the request's
   `X-Request-Id`, as kvrelay's connector does; a JSON answer carries them in the body (and
   `kv_transfer_params: null` when nobody asked to hold, like stock D);
+- `POST /tokenize`: the prompt's token count by the same stand-in rule (no token ids), as
+  kvrelay asks D before a decode-only or spilled turn;
 - a side channel on its own port: `GET /v1/finished/{id}`, `POST /v1/finished` (several ids,
   no wait) and `POST /v1/release`, each request
   checked and each answer signed with `kvrelay.connector.auth` (the helpers of whichever
@@ -95,6 +97,12 @@ class FakeEngine:
             if self.role == "prefill":
                 return self._prefill(body, chat)
             return await self._decode(request, body, chat)
+        if request.method == "POST" and path == "/tokenize":
+            # vLLM's answer, counted by the same stand-in rule the completions use.
+            body = orjson.loads(await request.read())
+            count = _prompt_tokens(body, "messages" in body)
+            answer = {"count": count, "max_model_len": 131072, "tokens": []}
+            return web.Response(body=orjson.dumps(answer), content_type=_JSON)
         if path == "/health":
             return web.Response()
         if path == "/metrics":

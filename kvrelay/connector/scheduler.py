@@ -280,9 +280,12 @@ class ConnectorScheduler:
         bs = self.config.block_size
         first = pending.start_tokens // bs
         if num_external_tokens <= 0:
-            # The engine kept its own (sub-block) local hit instead of loading.
+            # The engine did not take the load it was offered: it kept its own (sub-block)
+            # local hit instead, or it reads no cache at all for this request (vLLM's prompt
+            # logprobs need every prompt token computed): "local" only with a local hit.
             if report is not None:
-                report.refused[REFUSED_LOCAL] += report.verified_blocks - first
+                reason = REFUSED_LOCAL if report.local_hit_tokens else REFUSED_THRESHOLD
+                report.refused[reason] += report.verified_blocks - first
             self._release(params)
             return
         end = min(pending.end_tokens, pending.start_tokens + num_external_tokens)

@@ -134,3 +134,34 @@ def test_engines_report_reuse_as_vllm_counts_it(kvrelay_fleet: PDFleet) -> None:
                                   held["remote_request_id"], held["release_token"])  # fmt: skip
     finally:
         client.close()
+
+
+def test_a_p_leg_asking_prompt_logprobs_reports_its_offer_not_taken(
+    kvrelay_fleet: PDFleet,
+) -> None:
+    # vLLM reads no cache for a request that asks for prompt logprobs: it drops the load the
+    # connector planned. The report must say so (offered, not taken: "threshold"), never that
+    # the blocks were found locally, and its figures equal vLLM's (all computed).
+    p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
+    question = f"Question {uuid.uuid4().hex[:6]}: which tokens need logprobs?"
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    p1, _, _ = leg(p, messages, P_LEG, 1)
+    d_params = {**p1, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
+    d1, reply, _ = leg(d, messages, d_params, 12)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
+    counted = Counted(p)
+    out = chat(p, f"lp-{uuid.uuid4().hex[:8]}", messages, max_tokens=1, prompt_logprobs=1,
+               kv_transfer_params={**d1, **P_LEG})  # fmt: skip
+    got = out["kv_transfer_params"]
+    split = counted.split(out["usage"]["prompt_tokens"])
+    _, local, loaded, offered, refused = reuse(got)
+    assert (local, loaded) == (0, 0) == (split["local_cache_hit"], split["external_kv_transfer"])
+    assert offered == len(d1["remote_block_ids"][0]) > 0
+    assert "local" not in refused and refused.get("threshold", 0) > 0, refused
+    assert sum(refused.values()) == offered
+    client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
+    try:
+        assert client.release(got["remote_host"], got["remote_port"],
+                              got["remote_request_id"], got["release_token"])  # fmt: skip
+    finally:
+        client.close()
