@@ -218,8 +218,7 @@ def engines(args: argparse.Namespace) -> Iterator[tuple[list[c.Engine], c.Engine
         "16384",
         "--max-model-len",
         "8192",
-        "--prefix-cache-blocks",
-        "16384",
+        "--enable-prefix-caching",
         "--log-level",
         "WARNING",
     ]
@@ -352,7 +351,7 @@ def render(data: dict[str, Any], args: argparse.Namespace, default: str) -> str:
     lines = [c.run_header(), ""]
     lines.append(
         f"2 P + 1 D enginesim (`--prefill-us-per-token {args.prefill_us_per_token} "
-        f"--decode-us-per-step {args.decode_us_per_step} --prefix-cache-blocks 16384`), one "
+        f"--decode-us-per-step {args.decode_us_per_step} --enable-prefix-caching`), one "
         "kvrelay worker (`conditional_max_uncached_tokens="
         f"{args.conditional_max_uncached_tokens}`, `conditional_max_inflight_tokens="
         f"{args.conditional_max_inflight_tokens}`). Multi-turn: {args.conversations} "

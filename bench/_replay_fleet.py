@@ -110,7 +110,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
         "--cost-profile", hw.profile,
         "--kv-link", hw.kv_link,
         "--kv-scale", f"{hw.kv_scale:g}",
-        "--prefix-cache-blocks", str(hw.pool_blocks()),
+        "--enable-prefix-caching",
         "--lease-seconds", f"{lease_s:g}",
         *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
         "--enable-prompt-tokens-details",

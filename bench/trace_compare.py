@@ -42,7 +42,7 @@ from bench import _replay_fleet as rf
 from bench import _trace as tr
 from bench import trace_replay as replay_mod
 from bench._plots import save_figure
-from kvrelay.enginesim.costs import get_profile
+from kvrelay.enginesim.costs import DEFAULT_LINK, LINKS, get_profile
 
 SECTION = "trace replay"
 DEFAULT_PROFILE = "llama3-8b-h100"
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--prefill-engines", type=int, help="P engines of the P/D systems (default: half)"
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE)
-    p.add_argument("--kv-link", default="rdma-400g")
+    p.add_argument("--kv-link", default=DEFAULT_LINK, choices=sorted(LINKS))
     p.add_argument(
         "--kv-scale",
         type=float,

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import torch  # nixl needs torch imported first
 
+from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
 from kvrelay.connector.layout import CacheGeometry
 from kvrelay.connector.tp import ReadPiece
@@ -43,21 +44,6 @@ class TransportError(ConnectorError, RuntimeError):
 
 
 XferHandle = Any
-
-
-def block_runs(
-    local: Sequence[int], remote: Sequence[int], coalesce: bool
-) -> list[tuple[int, int, int]]:
-    """(local_start, remote_start, count) runs; consecutive ids on both sides merge."""
-    runs: list[tuple[int, int, int]] = []
-    for lb, rb in zip(local, remote, strict=True):
-        if coalesce and runs:
-            l0, r0, n = runs[-1]
-            if lb == l0 + n and rb == r0 + n:
-                runs[-1] = (l0, r0, n + 1)
-                continue
-        runs.append((lb, rb, 1))
-    return runs
 
 
 def build_descs(

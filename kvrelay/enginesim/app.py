@@ -5,7 +5,6 @@ from __future__ import annotations
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.engine import EngineCore
 from kvrelay.enginesim.kvhost import KVHost
-from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.runner import EngineRunner
 from kvrelay.enginesim.server import EngineServer
 
@@ -13,7 +12,7 @@ from kvrelay.enginesim.server import EngineServer
 def build_server(config: EngineConfig) -> EngineServer:
     """A started engine (thread running, connector side channel up) behind its HTTP app."""
     config.validate()
-    pool = BlockPool(config.num_blocks, config.block_size, config.geometry, config.kv_layout)
+    pool = config.new_pool()
     kv_host: KVHost | None = None
     if config.connector is not None:
         from kvrelay.enginesim.nixl_host import NixlHost

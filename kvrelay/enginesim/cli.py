@@ -52,8 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --cost-profile: the share of the profile's KV blocks this engine gets",
     )  # fmt: skip
     p.add_argument(
-        "--prefix-cache-blocks", type=int, default=0,
-        help="local prefix cache size in blocks (0: none)",
+        "--enable-prefix-caching", action="store_true",
+        help="vLLM's prefix caching: full blocks stay findable in the KV pool until an "
+        "allocation takes them (off unless asked; vLLM 0.32 turns it on by default)",
     )  # fmt: skip
     # Unset: 1024 blocks of 16 tokens and 4096 tokens, or what --cost-profile says.
     p.add_argument("--num-blocks", type=int, default=None)
@@ -134,7 +135,7 @@ _ENGINE_OPTIONS = (
     "decode_us_per_step",
     "cost_profile",
     "kv_link",
-    "prefix_cache_blocks",
+    "enable_prefix_caching",
     "eos_period",
     "params_in_stream",
     "enable_prompt_tokens_details",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.enginesim.costs import DEFAULT_LINK, get_link, get_profile
-from kvrelay.enginesim.kvpool import KVLayout
+from kvrelay.enginesim.kvpool import BlockPool, KVLayout
 from kvrelay.enginesim.model import ModelGeometry
 
 DEFAULT_MODEL = "kvrelay-sim"
@@ -38,8 +38,10 @@ class EngineConfig:
     # waits the modelled transfer time over `kv_link` on top of the real NIXL read.
     cost_profile: str | None = None
     kv_link: str = DEFAULT_LINK
-    # Local prefix cache (full blocks of finished requests), in blocks; 0: none.
-    prefix_cache_blocks: int = 0
+    # vLLM's `--enable-prefix-caching`: full blocks stay findable in the pool until an
+    # allocation takes them (`kvpool`). Off by default here (vLLM 0.32 turns it on): the
+    # tests and benchmarks that rely on a prefix cache ask for it.
+    enable_prefix_caching: bool = False
     # The model ends a reply with EOS with probability ~1/eos_period per token (0: never).
     eos_period: int = 64
     params_in_stream: bool = False
@@ -55,6 +57,13 @@ class EngineConfig:
     # connector's own settings type; the KV identity fields (model, dtype, block size, layers,
     # layout) are filled in from this config when the connector starts (`nixl_host`).
     connector: ConnectorConfig | None = None
+
+    def new_pool(self) -> BlockPool:
+        """The engine's KV pool, as this config describes it (prefix caching in it or not)."""
+        return BlockPool(
+            self.num_blocks, self.block_size, self.geometry, self.kv_layout,
+            prefix_caching=self.enable_prefix_caching,
+        )  # fmt: skip
 
     def validate(self) -> None:
         if self.max_model_len < 2:

@@ -8,8 +8,18 @@ over the whole step (vLLM runs prefill chunks and decode tokens in one forward p
 
 per GPU of the TP group (FLOPs, weights and KV heads are split evenly over the ranks). A long
 prefill is compute-bound, a decode batch memory-bound; the `max` picks whichever the shape is.
-KV transfer time is bytes / link bandwidth + one per-transfer latency, with each TP rank moving
-its share over its own link. All times are seconds; the engine waits them out, never burns them.
+
+A KV transfer costs what a NIXL READ was measured to cost, not only its bytes:
+
+    transfer = per-transfer latency + descriptors * per-descriptor cost + bytes / link rate
+
+with each TP rank moving its share over its own link (its own descriptors, in parallel). The
+descriptors are what the engine registers: vLLM 0.32 hands a connector one page per layer
+with K and V together, so a read is one descriptor per layer per run of consecutive blocks
+(`descriptors`; the block-major layout of a later vLLM would be one per run). The engine's own
+link is shared by its concurrent loads (`engine.py` queues them behind each other). Links
+(`LINKS`) carry the figures they were measured or published at, named in their comments. All
+times are seconds; the engine waits them out, never burns them.
 """
 
 from __future__ import annotations
@@ -68,13 +78,19 @@ class LinkSpec:
     name: str
     line_rate: float  # bytes/s, one direction
     efficiency: float  # share of the line rate a large read achieves
-    latency_s: float  # fixed cost of one transfer (descriptor set-up, completion notification)
+    latency_s: float  # fixed cost of one transfer (set-up, completion notification)
+    per_descriptor_s: float = 0.0  # cost of each descriptor of a READ, whatever its size
 
-    def transfer_time(self, num_bytes: float) -> float:
-        """Seconds to move `num_bytes` over this link as one transfer (0 bytes: nothing moves)."""
+    def transfer_time(self, num_bytes: float, descriptors: int = 1) -> float:
+        """Seconds to move `num_bytes` in `descriptors` pieces as one transfer (0 bytes:
+        nothing moves)."""
         if num_bytes <= 0:
             return 0.0
-        return num_bytes / (self.line_rate * self.efficiency) + self.latency_s
+        return (
+            self.latency_s
+            + max(1, descriptors) * self.per_descriptor_s
+            + num_bytes / (self.line_rate * self.efficiency)
+        )
 
 
 @dataclass(frozen=True)
@@ -152,10 +168,19 @@ class CostProfile:
         )
         return int(free // (self.block_size * self.kv_bytes_per_token_per_rank))
 
-    def transfer_time(self, tokens: int, link: LinkSpec) -> float:
-        """KV of `tokens` tokens between two engines of this profile: every rank moves its
-        share over its own link at once, so the time is one rank's."""
-        return link.transfer_time(tokens * self.kv_bytes_per_token_per_rank)
+    def descriptors(self, block_runs: int) -> int:
+        """READ descriptors of one rank for `block_runs` runs of consecutive blocks, in vLLM
+        0.32's per-layer layout (one page per layer, K and V together)."""
+        return self.model.num_layers * block_runs
+
+    def transfer_time(self, tokens: int, link: LinkSpec, block_runs: int | None = None) -> float:
+        """KV of `tokens` tokens between two engines of this profile, in `block_runs` runs of
+        consecutive blocks (None: every block its own run, the fragmented pool's worst case):
+        every rank moves its share over its own link at once, so the time is one rank's."""
+        if block_runs is None:
+            block_runs = -(-tokens // self.block_size)
+        num_bytes = tokens * self.kv_bytes_per_token_per_rank
+        return link.transfer_time(num_bytes, self.descriptors(block_runs))
 
 
 # ----- public figures (README: "Cost profiles" names each source) ------------------------------
@@ -201,12 +226,29 @@ PROFILES: dict[str, CostProfile] = {
 }
 
 LINKS: dict[str, LinkSpec] = {
-    # One 400 Gb/s ConnectX-7 NIC per GPU (DGX H100's layout): P and D on different nodes.
-    "rdma-400g": LinkSpec("rdma-400g", line_rate=400e9 / 8, efficiency=0.9, latency_s=30e-6),
-    # NVLink 4 inside one node (P and D on GPUs of the same HGX board).
-    "nvlink4": LinkSpec("nvlink4", line_rate=450 * GB, efficiency=0.85, latency_s=10e-6),
-}
-DEFAULT_LINK = "rdma-400g"
+    # One 400 Gb/s ConnectX-7 NIC per GPU (DGX H100's layout): P and D on different nodes,
+    # NIXL over UCX on InfiniBand. What a descriptor costs there, as published for small
+    # READs: about 1.1 us (uccl-project/uccl PR #677: nixlbench, 1000 descriptors of 4 KiB at
+    # 3.79 GB/s) up to about 12.6 us (ai-dynamo/nixl issue #1598: 0.324 GB/s at 4 KiB over
+    # RDMA with the UCX backend, which the NIXL developers called the expected figure then).
+    # The two profiles bracket it; a comparison states which it ran.
+    "rdma-400g-1us": LinkSpec(
+        "rdma-400g-1us", line_rate=400e9 / 8, efficiency=0.9, latency_s=30e-6,
+        per_descriptor_s=1.1e-6,
+    ),
+    "rdma-400g-13us": LinkSpec(
+        "rdma-400g-13us", line_rate=400e9 / 8, efficiency=0.9, latency_s=30e-6,
+        per_descriptor_s=12.6e-6,
+    ),
+    # Inside one node over cuda_ipc (NVLink): this project's own H200 measurement
+    # (bench/RESULTS.md, "transfer (GPU)": about 7.3 us per descriptor whatever its size, and a
+    # device-to-device copy of 1.74-1.99 TB/s, which large descriptors approach).
+    "cuda-ipc-h200": LinkSpec(
+        "cuda-ipc-h200", line_rate=1.99 * TB, efficiency=0.95, latency_s=30e-6,
+        per_descriptor_s=7.3e-6,
+    ),
+}  # fmt: skip
+DEFAULT_LINK = "rdma-400g-13us"
 
 
 def get_profile(name: str) -> CostProfile:

@@ -31,6 +31,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.protocol import (
     DO_REMOTE_PREFILL,
     REMOTE_BLOCK_IDS,
@@ -41,7 +42,6 @@ from kvrelay.enginesim.costs import CostProfile, get_link, get_profile
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
-from kvrelay.enginesim.prefix_cache import PrefixCache
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
 from kvrelay.enginesim.token_gaps import TokenGaps
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
@@ -74,11 +74,8 @@ class EngineCore:
             config.model, config.geometry, self.tokenizer.output_vocab(),
             self.tokenizer.eos_id, config.eos_period,
         )  # fmt: skip
-        self.pool = pool or BlockPool(
-            config.num_blocks, config.block_size, config.geometry, config.kv_layout
-        )
+        self.pool = pool or config.new_pool()
         self.kv: KVHost = kv_host or NoConnector()
-        self.prefix_cache = PrefixCache(config.prefix_cache_blocks, config.block_size)
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
         # Loads the connector finished, waiting out their modelled transfer time: id -> (request,
@@ -88,6 +85,8 @@ class EngineCore:
         # Finished requests whose blocks the connector holds for a remote reader, oldest first.
         self.held: OrderedDict[str, list[int]] = OrderedDict()
         self._reclaim_pending = 0
+        # When this engine's link is free of the modelled transfers queued on it.
+        self._link_free_at = 0.0
         # Outputs of the current step, delivered by `deliver_outputs()` after the step so that
         # a client never sees a result before the engine's published state includes it.
         self._outbox: list[tuple[SimRequest, Output]] = []
@@ -268,8 +267,10 @@ class EngineCore:
         first = not req.preempted
         # Asked on every admission attempt, as vLLM does (a retry after a failed allocation
         # may see a different local hit). The connector is told the local hit, so it loads
-        # only what lies beyond it.
-        local = self.prefix_cache.hit_tokens(req.hashes, len(req.all_token_ids), req.cache_salt)
+        # only what lies beyond it. The last prompt token is always computed (its logits).
+        usable = (len(req.all_token_ids) - 1) // self.pool.block_size
+        hit = self.pool.cached_prefix(self._cache_keys(req, 0, usable))
+        local = len(hit) * self.pool.block_size
         n_ext, is_async = self._ask_connector(req, local)
         if first:
             req.external = (n_ext, is_async)
@@ -279,13 +280,17 @@ class EngineCore:
             n, tokens = 0, computed
         else:
             n, tokens = self._first_chunk_blocks(req, computed, budget)
-        blocks = self._allocate(self.pool.blocks_for(tokens))
-        if blocks is None:
+        # The hit blocks are shared, not copied: they leave the free queue before the new
+        # blocks are taken, so the allocation cannot evict them.
+        self.pool.share(hit)
+        new = self._allocate(self.pool.blocks_for(tokens) - len(hit))
+        if new is None:
+            self.pool.free(hit)
             return None
+        blocks = [*hit, *new]
         self.waiting.popleft()
         req.block_ids = blocks
         req.prefill_start = None
-        self.prefix_cache.load(self.pool, blocks, req.hashes, local, req.cache_salt)
         req.cached_tokens = local
         if first:
             req.admitted_local, req.admitted_external = local, n_ext
@@ -299,6 +304,22 @@ class EngineCore:
         req.state = ReqState.PREFILL
         self.running[req.request_id] = req
         return n
+
+    def _cache_keys(self, req: SimRequest, first: int, last: int) -> list[tuple[str | None, int]]:
+        """Prefix-cache keys of the request's full blocks [first, last): the prefix hash of
+        each block's last position, under the request's `cache_salt` (vLLM seeds its block
+        hashes with it, so requests of different salts share nothing)."""
+        bs, hashes, salt = self.pool.block_size, req.hashes, req.cache_salt
+        return [(salt, hashes[(b + 1) * bs - 1]) for b in range(first, last)]
+
+    def _cache_computed(self, req: SimRequest, start: int, end: int) -> None:
+        """Register the full blocks whose KV positions [start, end) just completed."""
+        if not self.pool.prefix_caching:
+            return
+        bs = self.pool.block_size
+        first, last = start // bs, end // bs
+        for b, key in zip(range(first, last), self._cache_keys(req, first, last), strict=True):
+            self.pool.cache(req.block_ids[b], key)
 
     def _ask_connector(self, req: SimRequest, local_hit: int = 0) -> tuple[int, bool]:
         n_ext, is_async = self.kv.get_num_new_matched_tokens(req, local_hit)
@@ -372,6 +393,7 @@ class EngineCore:
         if n > 0:
             self.pool.write(req.block_ids, start, self.model.kv_for(req.hashes[start:end]))
             self.counters["prefill_chunks"] += 1
+            self._cache_computed(req, start, end)
         req.num_computed = end
         if end < len(req.all_token_ids):
             return
@@ -403,13 +425,11 @@ class EngineCore:
 
     def _preempt_newest(self) -> SimRequest:
         """The newest running request goes back to the queue head, its blocks freed. Its full
-        blocks stay in the prefix cache (vLLM caches a request's full blocks as they are
-        computed, and a freed block keeps its hash until it is reused), so when it is resumed
-        only what lies beyond them is recomputed (or loaded again)."""
+        blocks stay in the prefix cache (cached as they were computed; a freed block keeps its
+        key until an allocation takes it), so when it is resumed only what lies beyond the
+        ones still there is recomputed (or loaded again), and counted as computed."""
         victim = next(reversed(self.running.values()))
         del self.running[victim.request_id]
-        computed = victim.hashes[: victim.num_computed]
-        self.prefix_cache.store(self.pool, victim.block_ids, computed, victim.cache_salt)
         self.pool.free(victim.block_ids)
         victim.block_ids = []
         victim.num_computed = 0
@@ -435,6 +455,7 @@ class EngineCore:
         req.hashes.extend(self.model.prefix_hashes(req.all_token_ids, pos, req.hashes[-1]))
         # Every token's KV is written at once, so the blocks always cover all_token_ids.
         self.pool.write(req.block_ids, pos, self.model.kv_for(req.hashes[pos : pos + 1]))
+        self._cache_computed(req, pos, pos + 1)
         req.num_computed = pos + 1
         window = self.pool.read(req.block_ids, max(0, pos + 1 - DECODE_WINDOW), pos + 1)
         req.digest = self.model.step_digest(req.digest, window)
@@ -458,7 +479,7 @@ class EngineCore:
         c["vllm_prompt_tokens_cached"] += cached
         # vLLM's estimate: prompt tokens in full blocks its prefix cache now knows, less the
         # cached ones (0 without a prefix cache).
-        if self.prefix_cache.capacity:
+        if self.pool.prefix_caching:
             full = prompt // self.config.block_size * self.config.block_size
             req.cache_creation_tokens = max(0, full - cached)
         req.num_cached_tokens = cached
@@ -518,9 +539,6 @@ class EngineCore:
         req.state = ReqState.FINISHED
         # An aborted or failed request offers no blocks: nothing of it is worth holding.
         offered = req.block_ids if hold else []
-        if hold and req.block_ids:
-            # Every position of a finished request has its KV written: cache the full blocks.
-            self.prefix_cache.store(self.pool, req.block_ids, req.hashes, req.cache_salt)
         delay_free, params = self.kv.request_finished(req, offered)
         if delay_free:
             keep = list(offered)
@@ -566,12 +584,14 @@ class EngineCore:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
                 continue
             arrived = self.kv.loaded_tokens(req)
+            ready_at = self._modelled_arrival(req, req.cached_tokens, arrived)
             req.num_computed = max(arrived, req.cached_tokens)
+            # What arrived intact is this prompt's KV (the connector verified its tokens).
+            self._cache_computed(req, req.cached_tokens, req.num_computed)
             req.state = ReqState.PREFILL
-            delay = self._modelled_transfer(max(0, arrived - req.cached_tokens))
-            if delay > 0:
+            if ready_at is not None:
                 # The real read moved the scaled-down pool's bytes; a GPU's take this long more.
-                self.arriving[request_id] = (req, self._clock() + delay)
+                self.arriving[request_id] = (req, ready_at)
             else:
                 self.running[request_id] = req
         for request_id in out.failed - out.finished_recving:
@@ -579,8 +599,23 @@ class EngineCore:
             if req is not None:
                 self._fail(req, EngineError(502, "KV transfer from the remote engine failed"))
 
-    def _modelled_transfer(self, tokens: int) -> float:
-        return self.costs.transfer_time(tokens, self.link) if self.costs is not None else 0.0
+    def _modelled_arrival(self, req: SimRequest, start: int, end: int) -> float | None:
+        """When the KV of positions [start, end), just read, would have arrived on the
+        modelled GPUs (None without a cost profile, or nothing read): one transfer of those
+        tokens in as many descriptors as the blocks' runs make (the blocks this engine read
+        into and the holder's they came from, consecutive on both sides), queued on this
+        engine's link behind the loads before it."""
+        if self.costs is None or end <= start:
+            return None
+        bs = self.pool.block_size
+        first, last = start // bs, -(-end // bs)
+        groups = (req.kv_transfer_params or {}).get(REMOTE_BLOCK_IDS)
+        remote = groups[0][first:last] if isinstance(groups, list) and groups else []
+        local = req.block_ids[first:last]
+        runs = len(block_runs(local, remote, True)) if len(remote) == len(local) else None
+        duration = self.costs.transfer_time(end - start, self.link, runs)
+        self._link_free_at = max(self._clock(), self._link_free_at) + duration
+        return self._link_free_at
 
     def _fail(self, req: SimRequest, error: EngineError) -> None:
         self.counters["requests_failed"] += 1

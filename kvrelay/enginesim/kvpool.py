@@ -8,12 +8,22 @@ Layouts (per layer tensor):
 The engine reads and writes canonical ``[N, layers, 2, heads, head]`` arrays of raw bit
 patterns through numpy views of the same memory (cheap per token, any dtype), so the model's
 results do not depend on the layout or the block size; NIXL moves the torch tensors' bytes.
+
+The prefix cache lives in the pool, as vLLM's does (its `BlockPool` with
+`enable_prefix_caching`): a full block whose KV is computed (or loaded intact) is registered
+under its cache key, and stays findable while it is in use *and* after it is freed, until an
+allocation takes it. Blocks are reference-counted: a request that hits cached blocks shares
+them (no copy); a freed block goes to the end of the free queue and allocation takes from the
+front, so the least recently freed cached block is evicted first. A held block (the connector
+keeps it for a remote reader or a later turn) is not free, so it is never evicted, and a
+request that hits it shares it. Free blocks, cached or not, are what `num_free` counts (vLLM
+counts them alike): caching costs the pool nothing until the blocks are wanted.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -35,11 +45,12 @@ class BlockPoolError(RuntimeError):
 
 
 class BlockPool:
-    """Fixed-size pool of KV blocks; allocation is all-or-nothing, freed blocks go last."""
+    """Fixed-size pool of KV blocks with the prefix cache in it (see the module docstring);
+    allocation is all-or-nothing, freed blocks go last."""
 
     def __init__(
         self, num_blocks: int, block_size: int, geometry: ModelGeometry,
-        layout: KVLayout = KVLayout.KV_FIRST,
+        layout: KVLayout = KVLayout.KV_FIRST, prefix_caching: bool = False,
     ) -> None:  # fmt: skip
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
@@ -58,34 +69,92 @@ class BlockPool:
         }
         # Integer views sharing the tensors' memory: what the engine reads and writes.
         self._layers = [t.view(g.storage_torch_dtype).numpy() for t in self.caches.values()]
-        self._free: deque[int] = deque(range(num_blocks))
-        self._is_free = [True] * num_blocks
+        # Free blocks in eviction order (front first); an OrderedDict so that a cached free
+        # block a request hits leaves the queue in O(1).
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._refs = [0] * num_blocks
+        self.prefix_caching = prefix_caching
+        self._key_of: list[Hashable | None] = [None] * num_blocks
+        self._cached: dict[Hashable, int] = {}  # cache key -> the block holding it
+        self.evictions = 0  # cached blocks an allocation took (their KV lost)
 
     @property
     def num_free(self) -> int:
         return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks findable in the prefix cache (in use or free)."""
+        return len(self._cached)
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` positions."""
         return -(-num_tokens // self.block_size)
 
     def allocate(self, n: int) -> list[int] | None:
-        """`n` free blocks, or None (nothing taken) when fewer are free."""
+        """`n` free blocks, or None (nothing taken) when fewer are free. A cached block taken
+        is evicted from the prefix cache."""
         if n > len(self._free):
             return None
-        out = [self._free.popleft() for _ in range(n)]
-        for block in out:
-            self._is_free[block] = False
+        out = []
+        for _ in range(n):
+            block, _ = self._free.popitem(last=False)
+            key = self._key_of[block]
+            if key is not None:
+                del self._cached[key]
+                self._key_of[block] = None
+                self.evictions += 1
+            self._refs[block] = 1
+            out.append(block)
         return out
 
     def free(self, block_ids: Sequence[int]) -> None:
-        for block in block_ids:
+        """One reference fewer on each block; a block nobody uses any more goes to the end of
+        the free queue (still cached if it was), the request's last block first: a request's
+        tail is evicted before its head, whose prefix more requests share."""
+        for block in reversed(block_ids):
             if not 0 <= block < self.num_blocks:
                 raise BlockPoolError(f"unknown block id {block}")
-            if self._is_free[block]:
+            if self._refs[block] <= 0:
                 raise BlockPoolError(f"block {block} freed twice")
-            self._is_free[block] = True
-            self._free.append(block)
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                self._free[block] = None
+
+    # ----- the prefix cache -------------------------------------------------------------------
+    def cached_prefix(self, keys: Sequence[Hashable]) -> list[int]:
+        """The blocks holding the leading run of `keys` (one key per full block), in order."""
+        if not self.prefix_caching:
+            return []
+        out: list[int] = []
+        for key in keys:
+            block = self._cached.get(key)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of `block_ids` are free now (a hit on them takes them out of the queue)."""
+        return sum(1 for b in block_ids if self._refs[b] == 0)
+
+    def share(self, block_ids: Sequence[int]) -> None:
+        """A request takes a reference on cached blocks it hit (a free one leaves the queue)."""
+        for block in block_ids:
+            if self._refs[block] == 0:
+                del self._free[block]
+            self._refs[block] += 1
+
+    def cache(self, block: int, key: Hashable) -> None:
+        """Register a full block whose KV is final under `key` (a block already cached under
+        another key, or a key another block holds, stays as it is: the first one wins)."""
+        if not self.prefix_caching or self._key_of[block] is not None or key in self._cached:
+            return
+        self._key_of[block] = key
+        self._cached[key] = block
+
+    def ref_count(self, block: int) -> int:
+        return self._refs[block]
 
     def _slots(
         self, block_ids: Sequence[int], start: int, end: int

@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from kvrelay.connector import CacheLayout, ConnectorConfig, ConnectorScheduler, ConnectorWorker
+from kvrelay.connector.holds import HoldEntry
 from kvrelay.connector.metadata import RequestView
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.kvhost import ConnectorOutput
@@ -118,7 +119,14 @@ class NixlHost:
         self.sched.request_rejected(self.view(req))
 
     def reclaim_holds(self, num_blocks: int) -> int:
-        return self.sched.reclaim_holds(num_blocks)
+        # A held block a running request shares (its prefix hit) stays in use when the hold
+        # goes: only the blocks the hold alone uses come back.
+        pool = self.pool
+
+        def freeable(entry: HoldEntry) -> int:
+            return sum(1 for group in entry.block_ids for b in group if pool.ref_count(b) == 1)
+
+        return self.sched.reclaim_holds(num_blocks, freeable)
 
     def drop_agent(self) -> None:
         """Lose the NIXL agent (as a crashed worker would) and come back with a fresh one.

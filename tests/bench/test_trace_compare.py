@@ -70,7 +70,7 @@ def test_sampling_spreads_over_the_slice_not_only_its_start() -> None:
 def hardware(**kw: Any) -> rf.Hardware:
     base: dict[str, Any] = {
         "engines": 4, "prefill_engines": 2, "profile": "llama3-8b-h100",
-        "kv_link": "rdma-400g", "kv_scale": 0.5, "unscaled_lease_s": 120.0,
+        "kv_link": "rdma-400g-13us", "kv_scale": 0.5, "unscaled_lease_s": 120.0,
     }  # fmt: skip
     base.update(kw)
     return rf.Hardware(**base)
@@ -114,7 +114,7 @@ def test_lru_capacity_is_the_pool_the_engines_really_get() -> None:
     assert (num_blocks, block_size) == (hw.pool_blocks(), hw.block_size())
     assert hw.fleet_trace_blocks() == 4 * num_blocks * block_size // 512
     assert max_model_len >= 126_195  # the trace's longest prompt fits at this share
-    assert int(args.prefix_cache_blocks) == num_blocks
+    assert args.enable_prefix_caching  # the cache is the pool: no capacity of its own
 
 
 def test_goodput_interpolates_where_attainment_crosses_ninety_percent() -> None:

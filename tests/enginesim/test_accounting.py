@@ -49,7 +49,7 @@ class Delta:
 def pair(request: pytest.FixtureRequest) -> Iterator[tuple[EngineSim, EngineSim, bool]]:
     """A P and a D with their local prefix caches on, or both off."""
     cache = request.param == "cache-on"
-    args = ["--prefix-cache-blocks", "256"] if cache else []
+    args = ["--enable-prefix-caching"] if cache else []
     factory = EngineFactory()
     try:
         p, d = factory.many(("P", ["--role", "prefill", *args]), ("D", ["--role", "decode", *args]))
@@ -112,7 +112,7 @@ def turn(
 
 def test_usage_details_follow_the_flag_as_in_vllm(engine_factory: EngineFactory) -> None:
     off = engine_factory("plain", "--no-enable-prompt-tokens-details", connector=False)
-    on = engine_factory("details", "--prefix-cache-blocks", "64", connector=False)
+    on = engine_factory("details", "--enable-prefix-caching", connector=False)
     for engine in (off, on):
         for _ in range(2):  # the second finds the first's prompt in the prefix cache
             delta = Delta(engine)

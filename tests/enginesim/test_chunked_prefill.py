@@ -147,7 +147,7 @@ def test_decodes_keep_a_token_every_step_while_a_long_prompt_prefills() -> None:
 @pytest.mark.parametrize("budget", [8, 50, 300, 8192])
 def test_answers_do_not_depend_on_the_chunking(budget: int) -> None:
     clock = ModelledClock()
-    core = _core(clock, budget, prefix_cache_blocks=256)
+    core = _core(clock, budget, enable_prefix_caching=True)
     prompts = [_prompt(700, 1), _prompt(90, 2), _prompt(300, 3), _prompt(5, 4)]
     recs = [Recorder(clock) for _ in prompts]
     for i, (prompt, rec) in enumerate(zip(prompts, recs, strict=True)):
@@ -255,7 +255,7 @@ def test_p_and_d_both_chunking_answer_as_one_engine_with_reuse(
     engine_factory: EngineFactory,
 ) -> None:
     args = ["--max-num-batched-tokens", "32", "--max-num-seqs", "8"]
-    d_args = [*args, "--prefix-cache-blocks", "256"]
+    d_args = [*args, "--enable-prefix-caching"]
     p, d = engine_factory.many(("P-chunk", args), ("D-chunk", d_args))
     prompt = " ".join([PROMPT] * 3)
     body = {"prompt": prompt, "max_tokens": 40, "ignore_eos": True}
@@ -337,7 +337,7 @@ def test_a_preempted_prefill_resumes_from_the_full_blocks_it_had_computed() -> N
     queued behind it would wait with it."""
     clock = ModelledClock()
     # 40 blocks (640 tokens): a 300-token decoder and a 500-token prompt do not both fit.
-    core = _core(clock, 64, num_blocks=40, max_model_len=640, prefix_cache_blocks=40)
+    core = _core(clock, 64, num_blocks=40, max_model_len=640, enable_prefix_caching=True)
     first, second = Recorder(clock), Recorder(clock)
     p1, p2 = _prompt(300, 1), _prompt(500, 2)
     core.add_request(_request("first", p1, 60, first))

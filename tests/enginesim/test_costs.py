@@ -104,19 +104,32 @@ def test_block_count_is_what_the_gpu_memory_leaves(name: str) -> None:
     assert profile.num_blocks() == int(free // per_block)
 
 
-def test_transfer_time_is_bytes_over_the_link_plus_latency() -> None:
-    rdma, nvlink = LINKS["rdma-400g"], LINKS["nvlink4"]
+def test_transfer_time_counts_every_descriptor_and_every_byte() -> None:
+    rdma, cuda = LINKS["rdma-400g-13us"], LINKS["cuda-ipc-h200"]
     eight = get_profile("llama3-8b-h100")
+    per_token = 131072  # 32 layers x 2 x 8 KV heads x 128 x 2 bytes
+    # vLLM 0.32's per-layer pages: one descriptor per layer for each run of consecutive
+    # blocks. 8192 tokens in one run: 32 descriptors; scattered (the default, every block
+    # its own run): 32 x 512.
+    assert eight.transfer_time(8192, rdma, block_runs=1) == pytest.approx(
+        30e-6 + 32 * 12.6e-6 + 8192 * per_token / (400e9 / 8 * 0.9)
+    )
     assert eight.transfer_time(8192, rdma) == pytest.approx(
-        8192 * 131072 / (400e9 / 8 * 0.9) + 30e-6
+        30e-6 + 32 * 512 * 12.6e-6 + 8192 * per_token / (400e9 / 8 * 0.9)
     )
-    assert eight.transfer_time(8192, nvlink) == pytest.approx(
-        8192 * 131072 / (450e9 * 0.85) + 10e-6
-    )
-    # Each TP rank moves its share over its own NIC, at the same time.
+    # The measured H200 figure: a 15k-token pull of scattered blocks is about 210 ms of
+    # descriptors on top of its bytes, where bytes alone would be about 1 ms.
+    pull = eight.transfer_time(15_008, cuda)
+    assert pull == pytest.approx(30e-6 + 32 * 938 * 7.3e-6 + 15_008 * per_token / (1.99e12 * 0.95))
+    assert 0.2 < pull < 0.23
+    # Each TP rank moves its share over its own link, with its own descriptors, at once.
     tp4 = get_profile("llama3-70b-h100-tp4")
-    assert tp4.transfer_time(1000, rdma) == pytest.approx(1000 * 81920 / (50e9 * 0.9) + 30e-6)
+    assert tp4.transfer_time(1000, rdma, block_runs=2) == pytest.approx(
+        30e-6 + 80 * 2 * 12.6e-6 + 1000 * 81920 / (50e9 * 0.9)
+    )
     assert eight.transfer_time(0, rdma) == 0.0
+    # The published bracket for UCX over InfiniBand: 1.1 to 12.6 us a descriptor.
+    assert LINKS["rdma-400g-1us"].per_descriptor_s < rdma.per_descriptor_s
 
 
 def test_unknown_names_and_mixed_knobs_are_refused() -> None:
@@ -199,7 +212,7 @@ def test_a_local_prefix_hit_is_context_not_computed_work() -> None:
     name = "llama3-8b-h100"
     waits: list[float] = []
     cfg = EngineConfig(
-        cost_profile=name, num_blocks=512, max_model_len=4096, prefix_cache_blocks=64,
+        cost_profile=name, num_blocks=512, max_model_len=4096, enable_prefix_caching=True,
     )  # fmt: skip
     core = EngineCore(cfg, wait=waits.append)
     first: list[Output] = []
@@ -216,13 +229,15 @@ def test_a_local_prefix_hit_is_context_not_computed_work() -> None:
 def test_loaded_kv_waits_its_modelled_transfer_time_on_top_of_the_read() -> None:
     name, loaded = "llama3-70b-h100-tp4", 1600
     now = [100.0]
-    cfg = EngineConfig(cost_profile=name, num_blocks=512, max_model_len=4096, kv_link="rdma-400g")
+    link = "rdma-400g-13us"
+    cfg = EngineConfig(cost_profile=name, num_blocks=512, max_model_len=4096, kv_link=link)
     core = EngineCore(cfg, FakeLoadingHost(loaded), wait=lambda s: None, clock=lambda: now[0])
     outs: list[Output] = []
     core.add_request(_request("r", _prompt(1700), 1, outs.append))
     core.step()  # admitted, the read starts and is reported finished
-    transfer = get_profile(name).transfer_time(loaded, LINKS["rdma-400g"])
-    assert transfer == pytest.approx(1600 * 81920 / 45e9 + 30e-6)
+    transfer = get_profile(name).transfer_time(loaded, LINKS[link])
+    # No holder's block ids to pair with (a fake load): every block counts as its own run.
+    assert transfer == pytest.approx(1600 * 81920 / 45e9 + 30e-6 + 80 * 100 * 12.6e-6)
     now[0] += transfer * 0.99
     core.step()
     assert "r" not in core.running and not outs and core.has_work
@@ -232,6 +247,22 @@ def test_loaded_kv_waits_its_modelled_transfer_time_on_top_of_the_read() -> None
     core.deliver_outputs()
     assert outs and outs[-1].finished
     assert outs[-1].loaded_tokens == loaded
+
+
+def test_loads_that_end_together_share_the_engines_link() -> None:
+    # Two reads reported finished in the same step: the link moves one after the other, so
+    # the second arrives a whole transfer after the first.
+    name, loaded, link = "llama3-8b-h100", 800, "rdma-400g-13us"
+    now = [0.0]
+    cfg = EngineConfig(cost_profile=name, num_blocks=512, max_model_len=4096, kv_link=link)
+    core = EngineCore(cfg, FakeLoadingHost(loaded), wait=lambda s: None, clock=lambda: now[0])
+    for rid in ("a", "b"):
+        core.add_request(_request(rid, _prompt(900, len(rid)), 1, lambda out: None))
+    core.step()
+    transfer = get_profile(name).transfer_time(loaded, LINKS[link])
+    assert sorted(ready for _, ready in core.arriving.values()) == pytest.approx(
+        [transfer, 2 * transfer]
+    )
 
 
 def test_an_abort_while_the_modelled_transfer_runs_frees_the_blocks() -> None:

@@ -459,7 +459,7 @@ def test_preempted_request_never_loads_again(
 def test_profiled_p_and_d_wait_the_modelled_load_over_real_nixl(
     idle_after: EngineFactory,
 ) -> None:
-    name, scale, link = "llama3-8b-h100", 0.05, "rdma-400g"
+    name, scale, link = "llama3-8b-h100", 0.05, "rdma-400g-13us"
     profile = get_profile(name)
     args = ["--cost-profile", name, "--kv-scale", str(scale), "--kv-link", link]
     p, d = idle_after.many(("P-gpu", args), ("D-gpu", args))

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.nixl
 SYSTEM = "You are a careful assistant who explains caches. Answer briefly. " * 6
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
 MAX_TOKENS = 12
-CACHE = ("--prefix-cache-blocks", "512")
+CACHE = ("--enable-prefix-caching",)
 PROMPTS = f'vllm:prompt_tokens_total{{engine="0",model_name="{MODEL}"}}'
 SOURCE = f'vllm:prompt_tokens_by_source_total{{engine="0",model_name="{MODEL}",source="%s"}}'
 MISMATCH = "enginesim_connector_prefix_mismatch_blocks"

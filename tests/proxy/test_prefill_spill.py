@@ -21,7 +21,7 @@ pytestmark = pytest.mark.nixl
 
 SYSTEM = "You are a careful assistant who explains queues. Answer briefly. " * 8
 ADMIN_KEY = "spill-admin-key"
-CACHE = ("--prefix-cache-blocks", "512")
+CACHE = ("--enable-prefix-caching",)
 SPILLED = 'kvrelay_prefill_spilled_total{turn="%s"}'
 
 

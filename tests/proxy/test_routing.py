@@ -21,7 +21,7 @@ pytestmark = pytest.mark.nixl
 SYSTEM = "You are a careful assistant who explains caches. Answer briefly. " * 8
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
 ADMIN_KEY = "routing-admin-key"
-CACHE = ("--prefix-cache-blocks", "512")
+CACHE = ("--enable-prefix-caching",)
 
 
 @pytest.fixture(scope="module")

@@ -48,7 +48,7 @@ class Fleet:
 def fleet() -> Iterator[Fleet]:
     engines, proxies = EngineFactory(), ProxyFactory()
     try:
-        cache = ("--prefix-cache-blocks", "512")
+        cache = ("--enable-prefix-caching",)
         p, d = engines.many(
             ("CP", ["--role", "prefill", *cache]), ("CD", ["--role", "decode", *cache])
         )
