@@ -410,8 +410,10 @@ def start_vllm_router(
     decode: Sequence[Engine],
     cpus: str | None = None,
     policy: str = "round_robin",
+    extra: Sequence[str] = (),
 ) -> RunningRouter:
-    """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines.
+    """Start `vllm-router --vllm-pd-disaggregation` (NIXL mode) in front of the engines
+    (`extra`: more flags, e.g. a policy's thresholds).
 
     `round_robin` (the default here) keeps it from calling the engines' `/render` endpoint for
     every request (its `cache_aware` policy tokenizes each prompt on P and D first); with one P
@@ -434,6 +436,7 @@ def start_vllm_router(
         "--queue-size", "4096",
         "--worker-startup-check-interval", "1",
         "--disable-retries",
+        *extra,
     ]  # fmt: skip
     for engine in prefill:
         argv += ["--prefill", engine.url]

@@ -8,9 +8,14 @@ system serves from all of them.
 - `kvrelay`: the proxy's default policy; `kvrelay always_p`; `kvrelay holds off` (the default
   policy, D's hold lease cut to `HOLDS_OFF_LEASE_S`, so nothing D keeps for a conversation
   outlives its turn: what holding buys is the difference to `kvrelay`);
-- `vllm-router cache_aware P/D` and `vllm-router round_robin P/D` (its NIXL P/D mode);
-- `aggregated cache_aware`: every engine serves whole requests, vllm-router `cache_aware` in
-  front (what many operators run today).
+- `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
+  that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
+  and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
+  `... power_of_two P/D` (the load-aware policy) and `... round_robin P/D` (its NIXL P/D mode);
+- `aggregated cache_aware`, `aggregated cache_aware tuned` and `aggregated power_of_two`: every
+  engine serves whole requests, vllm-router in front (what many operators run today).
+
+Each P/D system runs at a P:D split of the comparison's choosing (`split`).
 
 Leases. D's hold lease is the one a think time races against, so it is scaled with time
 (`trace_replay.scaled_settings`); P's lease only covers P -> D pulls of the same turn, so P
@@ -46,6 +51,8 @@ from kvrelay.prometheus_text import parse_samples
 TINY_GEOMETRY = ("--num-layers", "1", "--num-kv-heads", "1", "--head-size", "8")
 HOLDS_OFF_LEASE_S = 0.05  # shorter than any turn's decode: D's holds end with the turn
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+# Every prompt token an engine computed in prefill, recomputation after preemption included.
+GPU_PREFILL = "prefill_tokens_computed"
 
 
 @dataclass(frozen=True)
@@ -56,15 +63,27 @@ class System:
     front: str  # "kvrelay", "vllm-router-pd" or "vllm-router"
     policy: str  # kvrelay routing_policy or vllm-router policy
     holds: bool = True  # D's holds on (kvrelay only)
+    router_args: tuple[str, ...] = ()  # vllm-router tuning flags
 
+    @property
+    def disaggregated(self) -> bool:
+        return self.front != "vllm-router"
+
+
+# vllm-router's cache_aware balances load only past both thresholds (defaults 64 and 1.5).
+BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2")
 
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("vllm-router cache_aware P/D", "vllm-router-pd", "cache_aware"),
+    System("vllm-router cache_aware tuned P/D", "vllm-router-pd", "cache_aware", True, BALANCED),
+    System("vllm-router power_of_two P/D", "vllm-router-pd", "power_of_two"),
     System("vllm-router round_robin P/D", "vllm-router-pd", "round_robin"),
     System("aggregated cache_aware", "vllm-router", "cache_aware"),
+    System("aggregated cache_aware tuned", "vllm-router", "cache_aware", True, BALANCED),
+    System("aggregated power_of_two", "vllm-router", "power_of_two"),
 )
 
 
@@ -139,7 +158,9 @@ def proxy_env(system: System, settings: dict[str, Any]) -> dict[str, str]:
     return env
 
 
-def start_vllm_router_aggregated(engines: Sequence[c.Engine], policy: str) -> c.RunningRouter:
+def start_vllm_router_aggregated(
+    engines: Sequence[c.Engine], policy: str, extra: Sequence[str] = ()
+) -> c.RunningRouter:
     """vllm-router in its regular (not P/D) mode in front of whole-request engines."""
     launcher = c.ensure_router_venv()
     port, metrics_port = free_port(), free_port()
@@ -155,6 +176,7 @@ def start_vllm_router_aggregated(engines: Sequence[c.Engine], policy: str) -> c.
         "--queue-size", "4096",
         "--worker-startup-check-interval", "1",
         "--disable-retries",
+        *extra,
         "--worker-urls", *(e.url for e in engines),
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
@@ -224,9 +246,12 @@ def fleet(
                 env=proxy_env(system, settings),
             )  # fmt: skip
         elif system.front == "vllm-router-pd":
-            front = c.start_vllm_router(by_role["prefill"], by_role["decode"], policy=system.policy)
+            front = c.start_vllm_router(
+                by_role["prefill"], by_role["decode"], policy=system.policy,
+                extra=system.router_args,
+            )  # fmt: skip
         else:
-            front = start_vllm_router_aggregated(by_role["both"], system.policy)
+            front = start_vllm_router_aggregated(by_role["both"], system.policy, system.router_args)
         yield Fleet(
             system, front.url, by_role["prefill"], by_role["decode"], by_role["both"], front
         )
@@ -238,8 +263,10 @@ def fleet(
 
 
 def prompt_counters(samples: dict[str, float]) -> dict[str, float]:
-    """`vllm:prompt_tokens_by_source` of one engine's page, by source."""
+    """`vllm:prompt_tokens_by_source` of one engine's page, by source, and the tokens it
+    computed in prefill (`GPU_PREFILL`, enginesim's counter)."""
     out = dict.fromkeys(PROMPT_SOURCES, 0.0)
+    out[GPU_PREFILL] = samples.get(f"enginesim_{GPU_PREFILL}_total", 0.0)
     for key, value in samples.items():
         if key.startswith("vllm:prompt_tokens_by_source_total{") or key.startswith(
             "vllm:prompt_tokens_by_source{"
@@ -251,7 +278,7 @@ def prompt_counters(samples: dict[str, float]) -> dict[str, float]:
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in PROMPT_SOURCES}
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*PROMPT_SOURCES, GPU_PREFILL)}
 
 
 def pinned_share(held: Sequence[tuple[float, float]]) -> dict[str, float]:
@@ -277,7 +304,7 @@ class EngineSampler:
 
     async def counters(self) -> dict[str, float]:
         """The fleet's prompt tokens by source, summed over every engine."""
-        total = dict.fromkeys(PROMPT_SOURCES, 0.0)
+        total = dict.fromkeys((*PROMPT_SOURCES, GPU_PREFILL), 0.0)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             for e in self.fleet.engines:
                 for k, v in prompt_counters(await self.scrape(http, e.url)).items():

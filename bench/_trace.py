@@ -196,7 +196,7 @@ def parse_line(text: str, line: int, index: int) -> TraceRequest:
 
 
 def add_slice_arguments(
-    p: argparse.ArgumentParser, trace: Path, start_s: float, duration_s: float | None
+    p: argparse.ArgumentParser, trace: Path, start_s: float | None, duration_s: float | None
 ) -> None:
     """The trace file and the slice of it a script replays (`select`'s window), with its
     defaults."""

@@ -1,37 +1,54 @@
-"""Mooncake FAST'25 conversation trace replayed side by side on one simulated fleet
-(`python -m bench.trace_compare`): kvrelay against vllm-router P/D and aggregated engines.
+"""A Mooncake-format trace replayed side by side on one simulated fleet
+(`python -m bench.trace_compare`): kvrelay against vllm-router P/D and aggregated engines, each
+at the configuration given, in interleaved repeated rounds.
 
-Every system (`bench/_replay_fleet.py`) gets the same simulated GPUs (`--engines` enginesim
-engines, `--profile`, `--kv-link`, `--kv-scale`), fresh for each run so no cache carries
-over, and the same requests: a `--duration-s` slice of the trace from `--start-s`, whole
-conversations sampled with probability `--sample` (`_trace.sample_conversations`), replayed
-by `bench/trace_replay.py` (the `openai` SDK, streamed, each later turn carrying the answer
-the engine gave) at each `--time-scales` factor. A scale of S replays S times faster: the
-request rate is the sample's requests over the slice's length / S, and think times, D's hold
-lease and the proxy's TTL and safety margin are all divided by S (`--print-scaled-settings`
-of the replayer), so the think-time race is the trace's at every rate.
+Every configuration (`--configs`: a system of `bench/_replay_fleet.py`, P/D ones at a P:D
+split, `label@P:D`) gets the same simulated GPUs (`--engines` enginesim engines of one
+`--profile`, KV transfers over `--kv-link`, whose every descriptor costs what it was measured or
+published to cost), fresh for each run so no cache carries over, and the same requests: a slice
+of the trace (by default computed from the file: its minutes 10-30, or the whole file when it is
+shorter), whole conversations sampled with probability `--sample`, replayed by
+`bench/trace_replay.py` (the `openai` SDK, streamed, each later turn carrying the answer the
+engine gave) at each `--time-scales` factor. A scale of S replays S times faster: the request
+rate is the sample's requests over the slice's span / S, and think times, D's hold lease and
+the proxy's TTL and safety margin are all divided by S, so the think-time race is the trace's at
+every rate.
 
-Per system and rate: SLO attainment (TTFT <= `--slo-ttft-ms` and TPOT <= `--slo-tpot-ms`,
-the same targets for all), TTFT p50/p90 of first and later turns, TPOT p90, prompt tokens
-computed across the fleet and reused (the engines' own `vllm:prompt_tokens_by_source`
-counters), reuse against the offline LRU bound (one LRU cache as large as the fleet's KV
-memory, from the `hash_ids`), and the share of D's KV pool pinned by holds over time.
-Goodput: the request rate at which the attainment curve crosses 90% (linear between the
-measured rates). Writes the `## trace replay` section of bench/RESULTS.md and
-bench/trace_replay.png.
+Rounds (`--rounds`): at each rate every configuration runs once per round, in an order rotated
+from round to round and rate to rate, so a slow minute of a shared machine falls on different
+systems; each run records the machine's load average, and one that started or ended above
+`--load-bound` is marked. Rows show the median over rounds and the spread (lowest-highest).
+
+Memory: the engines' KV pools are scaled to the sample's share of the trace's traffic
+(`--kv-scale auto`), so the sample meets the cache pressure the whole trace would on the whole
+pool, raised where needed so the slice's longest request fits; the LRU bound (one LRU prefix
+cache as large as the fleet's scaled KV memory, from the `hash_ids`) uses the same pools.
+
+Per configuration and rate: SLO attainment (TTFT <= `--slo-ttft-ms` and TPOT <=
+`--slo-tpot-ms`, TPOT as vLLM's benchmark defines it; a request without a second token is
+judged on its TTFT), TTFT p50/p90 of first and later turns, TPOT p90, prompt tokens reused (the
+engines' own `vllm:prompt_tokens_by_source`) against the LRU bound, prompt tokens the GPUs
+computed (enginesim's `prefill_tokens_computed`, recomputation after preemption included), D's
+pool pinned by holds. Goodput per round: the request rate where the attainment curve crosses
+90% (linear between rates); an aim is met only when every round of both sides crossed within
+the measured rates and the whole interval of the ratio clears it, missed when the whole
+interval falls short, undetermined otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import math
 import os
 import signal
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,41 +64,103 @@ from kvrelay.enginesim.costs import DEFAULT_LINK, LINKS, get_profile
 SECTION = "trace replay"
 DEFAULT_PROFILE = "llama3-8b-h100"
 GOODPUT_ATTAINMENT = 0.9
-GOODPUT_AIM = 1.3  # kvrelay default over vllm-router cache_aware P/D
-LATER_TTFT_AIM = 0.5  # kvrelay default's later-turn TTFT p50 over cache_aware P/D's
-REUSE_AIM = 0.75  # realized reuse over the LRU bound
-TPOT_AIM = 1.1  # kvrelay default's TPOT p90 over holds off
-RIVAL = "vllm-router cache_aware P/D"
+# The aims (the prefix-routing issue's): goodput over the best P/D router and the best
+# aggregated configuration measured, never below holds off; reuse near the LRU bound at every
+# rate within the SLO; little of D's pool pinned by holds that end unused.
+PD_AIM = 1.3
+AGGREGATED_AIM = 1.1
+REUSE_AIM = 0.9
+PINNED_UNUSED_AIM = 0.10
 OURS = "kvrelay default"
 HOLDS_OFF = "kvrelay holds off"
+DEFAULT_CONFIGS = (
+    "kvrelay default,kvrelay holds off,vllm-router cache_aware tuned P/D,aggregated cache_aware"
+)
 # Per request, kept in the JSON for later analysis (the replayer's `Record` has more).
 RECORD_FIELDS = (
-    "index", "conversation", "turn", "arrival_s", "ready_s", "ttft_s", "tpot_s",
-    "prompt_tokens", "cached_tokens", "headers", "routing", "prefilled_by", "error",
-)  # fmt: skip
+    "index",
+    "conversation",
+    "turn",
+    "arrival_s",
+    "ready_s",
+    "ttft_s",
+    "tpot_s",
+    "prompt_tokens",
+    "cached_tokens",
+    "routing",
+    "prefilled_by",
+    "error",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    """One system at one configuration: what a row of the comparison is."""
+
+    system: rf.System
+    prefill_engines: int | None  # P/D systems' P engines (None: aggregated)
+
+    def label(self, engines: int) -> str:
+        if self.prefill_engines is None:
+            return self.system.label
+        return f"{self.system.label} ({self.prefill_engines}P+{engines - self.prefill_engines}D)"
+
+    @property
+    def family(self) -> str:
+        """What the aims compare: kvrelay's own variants apart, every rival front by kind."""
+        if self.system.front == "kvrelay":
+            return self.system.label
+        return "vllm-router P/D" if self.system.disaggregated else "aggregated"
+
+
+def parse_configs(text: str, engines: int) -> list[Config]:
+    """`label[@P:D],...`; a P/D system without a split gets half the engines as P."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        label, _, split = item.partition("@")
+        system = rf.system_by_label(label.strip())
+        if not system.disaggregated:
+            if split:
+                raise ValueError(f"{label}: an aggregated system takes no P:D split")
+            out.append(Config(system, None))
+            continue
+        n_p = engines // 2
+        if split:
+            p_text, _, d_text = split.partition(":")
+            n_p = int(p_text)
+            if not d_text or n_p + int(d_text) != engines:
+                raise ValueError(f"{item}: the split must add up to --engines {engines}")
+        if not 0 < n_p < engines:
+            raise ValueError(f"{item}: the split must leave at least one P and one D")
+        out.append(Config(system, n_p))
+    if not out:
+        raise ValueError("no configuration given")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    tr.add_slice_arguments(p, replay_mod.DEFAULT_TRACE, start_s=600.0, duration_s=1200.0)
+    tr.add_slice_arguments(p, replay_mod.DEFAULT_TRACE, start_s=None, duration_s=None)
     p.add_argument("--sample", type=float, default=0.05, help="share of conversations kept")
     p.add_argument("--seed", type=int, default=0, help="conversation sample seed")
     p.add_argument(
         "--time-scales", default="8,16,32", help="comma-separated speed-ups (request rates)"
     )
-    p.add_argument("--systems", default=",".join(s.label for s in rf.SYSTEMS))
-    p.add_argument("--engines", type=int, default=8, help="simulated GPUs per system")
     p.add_argument(
-        "--prefill-engines", type=int, help="P engines of the P/D systems (default: half)"
+        "--configs",
+        default=DEFAULT_CONFIGS,
+        help="comma-separated `system label[@P:D]` (systems: "
+        + "; ".join(s.label for s in rf.SYSTEMS)
+        + ")",
     )
+    p.add_argument("--engines", type=int, default=8, help="simulated GPUs per system")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-link", default=DEFAULT_LINK, choices=sorted(LINKS))
     p.add_argument(
         "--kv-scale",
-        type=float,
-        default=1.0,
-        help="share of the profile's KV blocks per engine (below 0.34 the longest prompts "
-        "no longer fit)",
+        default="auto",
+        help="share of the profile's KV blocks per engine, or auto: the sample's share of the "
+        "trace's traffic, raised so the slice's longest request fits",
     )
     p.add_argument("--lease-s", type=float, help="unscaled hold lease (default: connector's)")
     p.add_argument(
@@ -92,13 +171,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
     replay_mod.add_slo_arguments(p, ttft_ms=5000.0)
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (runs per row)")
     p.add_argument(
-        "--repeats",
-        type=int,
-        default=1,
-        help="runs per system and rate, each on a fresh fleet; a row pools their requests "
-        "(230 requests per run move the SLO share by several points from run to run)",
+        "--load-bound",
+        type=float,
+        default=float(os.cpu_count() or 2),
+        help="1-minute load average above which a run is marked as measured on a busy machine",
     )
+    p.add_argument("--section", help="RESULTS.md section (default: by trace and profile)")
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_compare.json")
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "trace_replay.png")
     p.add_argument("--no-results", action="store_true")
@@ -107,13 +187,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         action="append",
         default=[],
-        help="with --render-only: add the rows of another run's JSON (e.g. a lease trial)",
+        help="with --render-only: add the rows of another run's JSON",
     )
-    p.add_argument(
-        "--notes",
-        type=Path,
-        help="with --render-only: Markdown appended to the section (causes, trials)",
-    )
+    p.add_argument("--notes", type=Path, help="with --render-only: Markdown appended")
     p.add_argument(
         "--render-only",
         action="store_true",
@@ -122,33 +198,96 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     try:
         args.scales = sorted({float(x) for x in args.time_scales.split(",") if x.strip()})
-        args.system_list = [rf.system_by_label(x.strip()) for x in args.systems.split(",")]
+        args.config_list = parse_configs(args.configs, args.engines)
     except ValueError as err:
         p.error(str(err))
     if not args.scales or min(args.scales) <= 0:
         p.error("--time-scales must be positive numbers")
-    if args.repeats < 1:
-        p.error("--repeats must be at least 1")
-    if args.prefill_engines is None:
-        args.prefill_engines = args.engines // 2
-    if not 0 < args.prefill_engines < args.engines:
-        p.error("--prefill-engines must leave at least one P and one D")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
     if not 0 < args.sample <= 1:
         p.error("--sample must be in (0, 1]")
+    if args.kv_scale != "auto":
+        try:
+            if float(args.kv_scale) <= 0:
+                raise ValueError
+        except ValueError:
+            p.error("--kv-scale must be auto or a positive number")
     return args
 
 
-def hardware(args: argparse.Namespace) -> rf.Hardware:
+# --------------------------------------------------------------------------- the workload
+
+
+@dataclass
+class Workload:
+    """The requests a run replays and what they are measured against."""
+
+    path: Path
+    slice_start_s: float
+    slice_span_s: float  # the slice's length in trace time (what the request rate divides)
+    slice_requests: int
+    plan: tr.Plan
+    sample: list[tr.TraceRequest]
+
+    def rate(self, scale: float) -> float:
+        return len(self.sample) / (self.slice_span_s / scale)
+
+
+def default_slice(requests: list[tr.TraceRequest]) -> tuple[float, float]:
+    """The file's own default slice: trace minutes 10-30 when it lasts past 30 minutes (past
+    the warm-up of its first minutes), else the whole file."""
+    last_s = requests[-1].timestamp_ms / 1000 if requests else 0.0
+    if last_s > 1800:
+        return 600.0, 1200.0
+    return 0.0, last_s + 1.0  # the last arrival falls inside the slice
+
+
+def load_workload(args: argparse.Namespace) -> Workload:
+    requests = tr.load_trace(args.trace)
+    start, span = default_slice(requests)
+    start = args.start_s if args.start_s is not None else start
+    span = args.duration_s if args.duration_s is not None else span
+    chosen = tr.select(requests, start, span)
+    plan = tr.sample_conversations(tr.reconstruct(chosen), args.sample, args.seed)
+    kept = {t.request.index for t in plan.turns}
+    return Workload(
+        args.trace, start, span, len(chosen), plan, [r for r in chosen if r.index in kept]
+    )
+
+
+def kv_scale(args: argparse.Namespace, work: Workload) -> dict[str, float]:
+    """The engines' pool share (`--kv-scale`): given, or the sample's share of the trace's
+    traffic (its requests over the whole file's in the same span) raised so the slice's
+    longest request (prompt and answer) fits one engine."""
+    profile = get_profile(args.profile)
+    tokens = profile.num_blocks() * profile.block_size
+    longest = max((r.input_length + r.output_length for r in work.sample), default=1)
+    floor = math.ceil(1.05 * longest / tokens * 1000) / 1000
+    share = args.sample
+    if args.kv_scale != "auto":
+        return {"scale": float(args.kv_scale), "share": share, "floor": floor}
+    return {"scale": max(share, floor), "share": share, "floor": floor}
+
+
+def hardware(args: argparse.Namespace, scale: float) -> rf.Hardware:
     lease = args.lease_s if args.lease_s is not None else replay_mod._defaults()["lease_seconds"]
     return rf.Hardware(
         args.engines,
-        args.prefill_engines,
+        args.engines // 2,
         args.profile,
         args.kv_link,
-        args.kv_scale,
+        scale,
         lease,
         args.hold_budget,
     )
+
+
+def citation(path: Path) -> str:
+    """How a section names the file it replayed."""
+    if path.resolve() == replay_mod.DEFAULT_TRACE.resolve():
+        return f"{tr.CITATION} (`{path.name}`)"
+    return f"`{c.relpath(path)}`"
 
 
 # --------------------------------------------------------------------------- one run
@@ -156,9 +295,15 @@ def hardware(args: argparse.Namespace) -> rf.Hardware:
 
 def replayer_args(args: argparse.Namespace, url: str, scale: float) -> argparse.Namespace:
     argv = [
-        "--base-url", url, "--time-scale", f"{scale:g}",
-        "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",
-    ]  # fmt: skip
+        "--base-url",
+        url,
+        "--time-scale",
+        f"{scale:g}",
+        "--slo-ttft-ms",
+        f"{args.slo_ttft_ms:g}",
+        "--slo-tpot-ms",
+        f"{args.slo_tpot_ms:g}",
+    ]
     if args.conversation_ids:
         argv.append("--conversation-ids")
     return replay_mod.parse_args(argv)
@@ -206,72 +351,51 @@ async def run_once(
         "fleet_prompt_tokens": fleet_tokens,
         "frees": {k: v - frees_before.get(k, 0.0) for k, v in frees.items()},
         "held_series": sampler.series,
-        "records": result["records"],
+        "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in result["records"]],
     }
 
 
-def pooled(runs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    """One run's figures from repeats of it on fresh fleets: their requests pooled (the SLO
-    share and percentiles over all of them), engine counters and frees summed, held-block
-    samples joined; `attainments` keeps each repeat's SLO share to show the spread."""
-    if len(runs) == 1:
-        return {**runs[0], "attainments": [runs[0]["summary"]["slo_attainment"]]}
-    records = [r for run in runs for r in run["records"]]
-    wall_s = sum(run["summary"]["wall_s"] for run in runs)
-    summary = replay_mod.summarize([replay_mod.Record(**r) for r in records], wall_s, args)
-    return {
-        "summary": summary,
-        "fleet_prompt_tokens": _summed([run["fleet_prompt_tokens"] for run in runs]),
-        "frees": _summed([run["frees"] for run in runs]),
-        "held_series": [x for run in runs for x in run["held_series"]],
-        "records": records,
-        "attainments": [run["summary"]["slo_attainment"] for run in runs],
-    }
-
-
-def _summed(counters: list[dict[str, float]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for one in counters:
-        for k, v in one.items():
-            out[k] = out.get(k, 0.0) + v
-    return out
-
-
-def derive(run: dict[str, Any], lru: dict[str, int], offered_rps: float) -> dict[str, Any]:
-    """The figures a row shows, from a run's summary, counters and the LRU bound (a pooled
-    run of n repeats is held against n times the bound; its routing counts are per run)."""
+def derive(run: dict[str, Any], lru: dict[str, int], rate: float) -> dict[str, Any]:
+    """The figures a run contributes to its row."""
     s = run["summary"]
-    n = len(run.get("attainments") or [None])
+    tokens = run["fleet_prompt_tokens"]
     sent = float(s["prompt_tokens"])
-    computed = run["fleet_prompt_tokens"]["local_compute"]
-    reused = max(0.0, sent - computed)
+    reused = tokens["local_cache_hit"] + tokens["external_kv_transfer"]
     held = [(x["held"], x["total"]) for x in run["held_series"]]
-    bound = lru["reused_tokens"] * n
+    pinned = rf.pinned_share(held)
     return {
-        "offered_rps": offered_rps,
-        "repeats": n,
+        "rate": rate,
         "attainment": s["slo_attainment"],
-        "attainments": run.get("attainments") or [s["slo_attainment"]],
         "errors": s["errors"],
         "ttft_first_p50": s["ttft_s_first_turns_p50"],
         "ttft_first_p90": s["ttft_s_first_turns_p90"],
         "ttft_later_p50": s["ttft_s_later_turns_p50"],
         "ttft_later_p90": s["ttft_s_later_turns_p90"],
         "tpot_p90": s["tpot_s_p90"],
-        "prompt_tokens_sent": sent / n,
-        "prompt_tokens_computed": computed / n,
-        "prompt_tokens_reused": reused / n,
-        "reuse_vs_lru": reused / bound if bound else math.nan,
-        "d_pinned": rf.pinned_share(held),
+        "prompt_tokens_sent": sent,
+        "prompt_tokens_reused": reused,
+        "gpu_prefill_tokens": tokens.get("prefill_tokens_computed", math.nan),
+        "reuse_vs_lru": reused / lru["reused_tokens"] if lru["reused_tokens"] else math.nan,
+        "d_pinned": pinned,
+        "d_pinned_unused": pinned["mean"] * unused_share(run["frees"]),
         "wall_s": s["wall_s"],
-        "routing": routing_counts(run["records"], n),
+        "load": run.get("load", {}),
+        "routing": routing_counts(run["records"]),
     }
 
 
-def routing_counts(records: list[dict[str, Any]], repeats: int = 1) -> dict[str, dict[str, int]]:
+def unused_share(frees: dict[str, float]) -> float:
+    """Of the holds D's engines ended, the share no turn used: lease over, hold budget or
+    block pressure (read and released holds served a pull or a decode-only turn, or were let
+    go by the proxy)."""
+    unused = sum(frees.get(f"d_{k}", 0.0) for k in ("expiry", "budget", "reclaim"))
+    used = sum(frees.get(f"d_{k}", 0.0) for k in ("read", "release"))
+    return unused / (unused + used) if unused + used else 0.0
+
+
+def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     """kvrelay's routing decision per answered turn (`usage.kvrelay.routing` of the stream),
-    counted for first and for later turns (per run: the mean over `repeats`); empty for
-    fronts that report none."""
+    counted for first and for later turns; empty for fronts that report none."""
     out: dict[str, dict[str, int]] = {"first": {}, "later": {}}
     for r in records:
         decision = r.get("routing")
@@ -279,42 +403,62 @@ def routing_counts(records: list[dict[str, Any]], repeats: int = 1) -> dict[str,
             continue
         by = out["first" if r["turn"] == 1 else "later"]
         by[decision] = by.get(decision, 0) + 1
-    for by in out.values():
-        for k, v in by.items():
-            by[k] = round(v / repeats)
     return out
 
 
-def _routing_table(rows: dict[str, dict[float, dict[str, Any]]]) -> list[str]:
-    """Where kvrelay's turns went (rows of runs that recorded it)."""
-    lines: list[str] = []
-    for label, by in rows.items():
-        for scale in sorted(by):
-            r = by[scale]
-            counts = r.get("routing") or {}
-            first, later = counts.get("first", {}), counts.get("later", {})
-            if not first and not later:
-                continue
-            through_p = ("prefill_affinity", "prefill_chosen")
-            lines.append(
-                f"| {label} | {r['offered_rps']:.2f} | "
-                f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
-                f"{sum(later.get(k, 0) for k in through_p)} / {later.get('decode_only', 0)} / "
-                f"{later.get('spilled', 0)} |"
-            )
-    if not lines:
-        return []
-    return [
-        "",
-        "Routing per turn (kvrelay's `usage.kvrelay.routing` in each stream's last event): "
-        "spilled = sent to a D off a backed-up P (`prefill_spill_factor`), decode-only = a "
-        "short follow-up on the D holding it.",
-        "",
-        "| system | req/s | first turns: through P / spilled | later turns: through P / "
-        "decode-only / spilled |",
-        "|---|---:|---:|---:|",
-        *lines,
-    ]
+# --------------------------------------------------------------------------- rows and aims
+
+
+def median(values: list[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    return statistics.median(kept) if kept else math.nan
+
+
+def row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A configuration at one rate over its rounds: medians, and the attainment's spread."""
+    out: dict[str, Any] = {"rate": runs[0]["rate"], "rounds": len(runs)}
+    for key in (
+        "attainment",
+        "ttft_first_p50",
+        "ttft_first_p90",
+        "ttft_later_p50",
+        "ttft_later_p90",
+        "tpot_p90",
+        "prompt_tokens_reused",
+        "gpu_prefill_tokens",
+        "reuse_vs_lru",
+        "d_pinned_unused",
+    ):
+        out[key] = median([float(r[key]) for r in runs])
+    out["attainments"] = [r["attainment"] for r in runs]
+    out["d_pinned"] = median([r["d_pinned"]["mean"] for r in runs])
+    out["errors"] = sum(r["errors"] for r in runs)
+    out["busy_runs"] = sum(1 for r in runs if r.get("load", {}).get("busy"))
+    return out
+
+
+@dataclass(frozen=True)
+class Goodput:
+    """One configuration's goodput per round; `crossed` when every round's curve crossed
+    the attainment target within the measured rates."""
+
+    values: tuple[float, ...]
+    labels: tuple[str, ...]
+
+    @property
+    def crossed(self) -> bool:
+        return bool(self.labels) and all(not x.startswith(("<", ">=")) for x in self.labels)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.values) if self.values else math.nan
+
+    def text(self) -> str:
+        if not self.values:
+            return "-"
+        if len(self.values) == 1:
+            return self.labels[0]
+        return f"{statistics.median(self.values):.2f} ({' / '.join(self.labels)})"
 
 
 def goodput(points: list[tuple[float, float]]) -> tuple[float, str]:
@@ -333,207 +477,237 @@ def goodput(points: list[tuple[float, float]]) -> tuple[float, str]:
     return pts[-1][0], f">= {pts[-1][0]:.2f}"
 
 
-def lease_race(plan: tr.Plan, lease_s: float, margin_s: float) -> dict[str, float]:
-    """Later turns whose predecessor's hold has expired by their arrival (trace time): the
-    gap from the predecessor's arrival past the lease less the proxy's safety margin. The
-    hold starts when the answer ends, so this slightly overcounts for long answers."""
-    gaps = [
-        (t.request.timestamp_ms - plan.turns[t.predecessor].request.timestamp_ms) / 1000
-        for t in plan.turns
-        if t.predecessor is not None
-    ]
-    late = [g for g in gaps if g > lease_s - margin_s]
-    return {
-        "later_turns": len(gaps),
-        "past_lease": len(late),
-        "share_past_lease": len(late) / len(gaps) if gaps else math.nan,
-        "lease_s": lease_s,
-        "margin_s": margin_s,
-    }
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b and not math.isnan(a) and not math.isnan(b) else math.nan
-
-
-def _met(ok: bool) -> str:
-    return "met" if ok else "MISSED"
-
-
-def verdicts(rows: dict[str, dict[float, dict[str, Any]]], mid: float) -> list[str]:
-    """The issue's three aims, each met or missed with its ratio."""
-    lines: list[str] = []
-    gp = {label: goodput([(r["offered_rps"], r["attainment"]) for r in by.values()])
-          for label, by in rows.items()}  # fmt: skip
-    if OURS in gp and RIVAL in gp:
-        ours, rival = gp[OURS][0], gp[RIVAL][0]
-        ratio = _ratio(ours, rival)
-        # Trials (labels with what they changed) are not systems of the comparison.
-        others = [k for k in gp if k != OURS and " (" not in k]
-        top = max(others, key=lambda k: gp[k][0], default=OURS)
-        best = gp[top][0] if others else 0.0
-        ok = (not math.isnan(ratio) and ratio >= GOODPUT_AIM) and ours > best
-        if rival == 0 and ours > best:
-            ok = True
-        lines.append(
-            f"- goodput: {OURS} {gp[OURS][1]} req/s vs {RIVAL} {gp[RIVAL][1]} req/s: ratio "
-            f"{c.fmt_ratio(ratio)}; highest of the others {top} {gp[top][1]} req/s -> {_met(ok)} "
-            f"(aim: >= {GOODPUT_AIM}x {RIVAL} and the highest of all)"
+def goodputs(runs_by_scale: dict[float, list[dict[str, Any]]]) -> Goodput:
+    """Goodput of each round, from that round's run at every rate."""
+    rounds = min((len(v) for v in runs_by_scale.values()), default=0)
+    values, labels = [], []
+    for i in range(rounds):
+        value, label = goodput(
+            [(runs[i]["rate"], runs[i]["attainment"]) for runs in runs_by_scale.values()]
         )
-    # At every rate both ran (the rival is often measured only at lower rates than ours).
-    common = sorted(set(rows.get(OURS, {})) & set(rows.get(RIVAL, {})))
-    for scale in common:
-        a, b = rows[OURS][scale], rows[RIVAL][scale]
-        ratio = _ratio(a["ttft_later_p50"], b["ttft_later_p50"])
+        values.append(value)
+        labels.append(label)
+    return Goodput(tuple(values), tuple(labels))
+
+
+def ratio_verdict(ours: Goodput, theirs: Goodput, aim: float) -> tuple[str, str]:
+    """(met | MISSED | undetermined, the ratio's interval) for `ours >= aim x theirs`."""
+    if not ours.values or not theirs.values:
+        return "undetermined", "-"
+    low = min(ours.values) / max(theirs.values) if max(theirs.values) > 0 else math.inf
+    high = max(ours.values) / min(theirs.values) if min(theirs.values) > 0 else math.inf
+    interval = f"{c.fmt_ratio(low)}-{c.fmt_ratio(high)}"
+    if not ours.crossed or not theirs.crossed:
+        return "undetermined", interval + " (a goodput outside the measured rates)"
+    if low >= aim:
+        return "met", interval
+    if high < aim:
+        return "MISSED", interval
+    return "undetermined", interval
+
+
+def best_of(family: str, configs: dict[str, Config], gps: dict[str, Goodput]) -> str | None:
+    """The configuration of `family` with the highest median goodput."""
+    labels = [label for label, cfg in configs.items() if cfg.family == family]
+    return max(labels, key=lambda label: gps[label].median, default=None)
+
+
+def verdicts(
+    rows: dict[str, dict[float, dict[str, Any]]],
+    gps: dict[str, Goodput],
+    configs: dict[str, Config],
+) -> list[str]:
+    """Each aim met, missed or undetermined, with its interval over the rounds."""
+    ours = best_of(OURS, configs, gps)
+    if ours is None:
+        return []
+    lines = []
+    for family, aim in (
+        ("vllm-router P/D", PD_AIM),
+        ("aggregated", AGGREGATED_AIM),
+        (HOLDS_OFF, 1.0),
+    ):
+        rival = best_of(family, configs, gps)
+        if rival is None:
+            lines.append(f"- goodput vs {family}: not measured in this run -> undetermined")
+            continue
+        verdict, interval = ratio_verdict(gps[ours], gps[rival], aim)
         lines.append(
-            f"- later-turn TTFT p50 at {a['offered_rps']:.2f} req/s: {OURS} "
-            f"{c.fmt_ms(a['ttft_later_p50'], 0)} ms vs {RIVAL} "
-            f"{c.fmt_ms(b['ttft_later_p50'], 0)} ms: ratio {c.fmt_ratio(ratio)} -> "
-            f"{_met(not math.isnan(ratio) and ratio <= LATER_TTFT_AIM)} "
-            f"(aim: <= {LATER_TTFT_AIM})"
+            f"- goodput: {ours} {gps[ours].text()} req/s vs {rival} {gps[rival].text()} req/s: "
+            f"ratio {interval} -> {verdict} (aim: >= {aim:g}x)"
         )
-    if OURS in rows and HOLDS_OFF in rows and mid in rows[OURS] and mid in rows[HOLDS_OFF]:
-        a, h = rows[OURS][mid], rows[HOLDS_OFF][mid]
-        reuse = a["reuse_vs_lru"]
-        tpot = _ratio(a["tpot_p90"], h["tpot_p90"])
-        ok = reuse >= REUSE_AIM and not math.isnan(tpot) and tpot <= TPOT_AIM
+    within = [r for r in rows[ours].values() if r["attainment"] >= GOODPUT_ATTAINMENT]
+    if within:
+        worst = min(r["reuse_vs_lru"] for r in within)
         lines.append(
-            f"- realized reuse at {a['offered_rps']:.2f} req/s: {OURS} "
-            f"{a['prompt_tokens_reused']:.0f} tokens = {c.fmt_ratio(reuse)} of the LRU bound, "
-            f"TPOT p90 {c.fmt_ms(a['tpot_p90'], 1)} ms vs holds off "
-            f"{c.fmt_ms(h['tpot_p90'], 1)} ms: ratio {c.fmt_ratio(tpot)} -> {_met(ok)} "
-            f"(aim: reuse >= {REUSE_AIM} of the bound with TPOT p90 <= {TPOT_AIM}x holds off)"
+            f"- realized reuse at every rate within the SLO ({len(within)} of "
+            f"{len(rows[ours])}): lowest {c.fmt_ratio(worst)} of the LRU bound -> "
+            f"{'met' if worst >= REUSE_AIM else 'MISSED'} (aim: >= {REUSE_AIM:g})"
         )
+    else:
+        lines.append("- realized reuse within the SLO: no rate met the SLO -> undetermined")
+    pinned = max(r["d_pinned_unused"] for r in rows[ours].values())
+    lines.append(
+        f"- D's pool pinned by holds that end unused (mean pinned share x share of D's ended "
+        f"holds no turn used): highest over the rates {_pct(pinned)} -> "
+        f"{'met' if pinned < PINNED_UNUSED_AIM else 'MISSED'} (aim: < {PINNED_UNUSED_AIM:.0%})"
+    )
     return lines
 
 
-def _tp_groups(profile: str) -> str:
-    """What one engine of a tensor-parallel profile stands for."""
-    tp = get_profile(profile).tp
-    return f" (each a TP group of {tp} GPUs)" if tp > 1 else ""
-
-
-def _slo_met(row: dict[str, Any]) -> str:
-    """The SLO share of a row, with each repeat's when there were several."""
-    runs = row.get("attainments") or []
-    if len(runs) < 2:
-        return _pct(row["attainment"])
-    return f"{_pct(row['attainment'])} ({' / '.join(_pct(x) for x in runs)})"
+# --------------------------------------------------------------------------- report
 
 
 def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.0%}"
 
 
-def ordered(labels: Any) -> list[str]:
-    """Systems in the comparison's order (JSON sorts them), trials after their system."""
-    rank = {s.label: i for i, s in enumerate(rf.SYSTEMS)}
-    return sorted(labels, key=lambda x: (rank.get(x.split(" (")[0], len(rank)), x))
+def _slo_cell(r: dict[str, Any]) -> str:
+    runs = r.get("attainments") or []
+    text = _pct(r["attainment"])
+    if len(runs) > 1:
+        text += f" ({_pct(min(runs))}-{_pct(max(runs))})"
+    if r.get("busy_runs"):
+        text += f" [{r['busy_runs']} busy]"
+    return text
+
+
+def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for label, by in rows.items():
+        for scale in sorted(by):
+            counts = runs[label][str(scale)][0].get("routing") or {}
+            first, later = counts.get("first", {}), counts.get("later", {})
+            if not first and not later:
+                continue
+            through_p = ("prefill_affinity", "prefill_chosen")
+            lines.append(
+                f"| {label} | {by[scale]['rate']:.2f} | "
+                f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
+                f"{sum(later.get(k, 0) for k in through_p)} / {later.get('decode_only', 0)} / "
+                f"{later.get('spilled', 0)} |"
+            )
+    if not lines:
+        return []
+    return [
+        "",
+        "Routing per turn in each configuration's first round (kvrelay's "
+        "`usage.kvrelay.routing`): spilled = sent to a D off a backed-up P, decode-only = a "
+        "short follow-up on the D holding it.",
+        "",
+        "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
+        "decode-only / spilled |",
+        "|---|---:|---:|---:|",
+        *lines,
+    ]
+
+
+def rows_of(data: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
+    out: dict[str, dict[float, dict[str, Any]]] = {}
+    for label, by in data["runs"].items():
+        out[label] = {float(scale): row(runs) for scale, runs in by.items() if runs}
+    return out
+
+
+def goodputs_of(data: dict[str, Any]) -> dict[str, Goodput]:
+    return {
+        label: goodputs({float(s): runs for s, runs in by.items() if runs})
+        for label, by in data["runs"].items()
+    }
 
 
 def render(data: dict[str, Any], args: argparse.Namespace) -> str:
-    hw = data["hardware"]
-    lru = data["lru_bound"]
-    rows: dict[str, dict[float, dict[str, Any]]] = {
-        label: {float(k): v for k, v in data["rows"][label].items()}
-        for label in ordered(data["rows"])
-    }
-    scales = data["scales"]
-    mid = float(scales[len(scales) // 2])
+    hw, lru, mem = data["hardware"], data["lru_bound"], data["kv_scale"]
+    configs = {cfg.label(args.engines): cfg for cfg in args.config_list}
+    for label in data["runs"]:  # merged runs' configurations too
+        configs.setdefault(label, _config_of(label, args.engines))
+    rows, gps = rows_of(data), goodputs_of(data)
     st = data["reconstruction"]
+    link = LINKS[hw["kv_link"]]
     lines = [c.run_header(data.get("argv")), ""]
     lines.append(
-        f"Input: {tr.CITATION}, trace seconds {args.start_s:g}-{args.start_s + args.duration_s:g} "
-        f"({data['slice_requests']} requests); whole conversations sampled with probability "
-        f"{args.sample:g} (seed {args.seed}): {st['requests']} requests in "
-        f"{st['conversations']} conversations, {st['later_turns']} later turns, think time "
-        f"(arrival gap) p50 {st['think_time_arrival_gap_s_p50']:.0f} s / p90 "
-        f"{st['think_time_arrival_gap_s_p90']:.0f} s of trace time. Replayed at time scales "
-        + ", ".join(f"{s:g}x" for s in scales)
+        f"Input: {citation(Path(data['trace']))}, trace seconds {data['slice_start_s']:g}-"
+        f"{data['slice_start_s'] + data['slice_span_s']:g} ({data['slice_requests']} requests); "
+        f"whole conversations sampled with probability {args.sample:g} (seed {args.seed}): "
+        f"{st['requests']} requests in {st['conversations']} conversations, "
+        f"{st['later_turns']} later turns. Replayed at time scales "
+        + ", ".join(f"{s:g}x" for s in data["scales"])
         + " (request rates "
-        + ", ".join(f"{data['offered_rps'][str(s)]:.2f}" for s in scales)
-        + " req/s); at each scale S, think times, D's hold lease "
-        f"({hw['unscaled_lease_s']:g} s / S) and the proxy's conversation TTL and entry "
-        "safety margin are divided by S together (P's lease, which only covers the P -> D pull "
-        "of the same turn, stays unscaled)."
+        + ", ".join(f"{data['rates'][str(s)]:.2f}" for s in data["scales"])
+        + " req/s: the sample's requests over the slice's span / S); think times, D's hold "
+        f"lease ({hw['unscaled_lease_s']:g} s / S) and the proxy's conversation TTL and safety "
+        "margin are divided by S together (P's lease, which covers only the P -> D pull of "
+        "the same turn, stays unscaled)."
     )
     lines += [
         "",
-        f"Simulated hardware, the same for every system: {hw['engines']} enginesim engines"
-        f"{_tp_groups(hw['profile'])} `--cost-profile {hw['profile']} --kv-link "
-        f"{hw['kv_link']} --kv-scale {hw['kv_scale']:g}` ({hw['pool_blocks']} KV blocks of "
-        f"{hw['block_size']} tokens each, "
-        f"a prefix cache of as many blocks; KV tensors of 1 layer x 1 head x 8 so NIXL moves "
-        f"small real tensors); P/D systems split them {hw['prefill_engines']} P + "
-        f"{hw['engines'] - hw['prefill_engines']} D. kvrelay with one worker, "
+        f"Simulated hardware, the same for every configuration: {hw['engines']} enginesim "
+        f"engines `--cost-profile {hw['profile']} --kv-link {hw['kv_link']} --kv-scale "
+        f"{hw['kv_scale']:g} --enable-prefix-caching` ({hw['pool_blocks']} KV blocks of "
+        f"{hw['block_size']} tokens each; the prefix cache is the pool's free blocks, as in "
+        f"vLLM). KV transfers: {link.per_descriptor_s * 1e6:.1f} us per descriptor (vLLM 0.32's "
+        f"per-layer pages: {get_profile(hw['profile']).model.num_layers} per run of blocks), "
+        f"{link.line_rate * link.efficiency / 1e9:.0f} GB/s, {link.latency_s * 1e6:.0f} us per "
+        "transfer, an engine's loads queued on its link. Pools: "
+        + (
+            f"the sample's share of the trace's traffic ({mem['share']:g}) would be "
+            f"{mem['share']:g} of the profile's; raised to {mem['scale']:g} so the slice's "
+            f"longest request fits one engine, so the sample meets "
+            f"{mem['share'] / mem['scale']:.2f}x the cache pressure the whole trace would"
+            if mem["scale"] > mem["share"]
+            else f"{mem['scale']:g} of the profile's, the sample's share of the trace's traffic: "
+            "the cache pressure the whole trace would meet on the whole pool"
+        )
+        + ". kvrelay with one worker, "
         + (
             "conversation ids sent"
             if args.conversation_ids
             else "no conversation ids (history matching)"
         )
-        + "; holds off = D's lease "
-        f"{rf.HOLDS_OFF_LEASE_S:g} s. LRU bound: one LRU prefix cache of the fleet's "
-        f"{lru['capacity_blocks']} trace blocks (512 tokens) reuses {lru['reused_tokens']} of "
-        f"{lru['prompt_tokens']} prompt tokens "
-        f"({_pct(lru['reused_tokens'] / lru['prompt_tokens'])}) on the sample.",
+        + f"; holds off = D's lease {rf.HOLDS_OFF_LEASE_S:g} s. LRU bound: one LRU prefix "
+        f"cache of the fleet's {lru['capacity_blocks']} trace blocks (512 tokens, the same "
+        f"pools) reuses {lru['reused_tokens']} of {lru['prompt_tokens']} prompt tokens "
+        f"({_pct(lru['reused_tokens'] / max(1, lru['prompt_tokens']))}) of the sample.",
         "",
-        f"SLO for every system: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= "
-        f"{args.slo_tpot_ms:g} ms; goodput = the request rate where the share of requests "
-        f"meeting both crosses {GOODPUT_ATTAINMENT:.0%} (linear between measured rates; `>=` "
-        "when every measured rate met it, `<` when none did). Reuse = prompt tokens sent minus "
-        'those computed (`vllm:prompt_tokens_by_source{source="local_compute"}` summed over '
-        "the fleet's engines). D pinned = blocks held for remote readers over D's pool "
-        "(sampled), mean / peak. A row that pooled several runs (`--repeats`, each on a fresh "
-        "fleet) shows its SLO share over all their requests and each run's in brackets; its "
-        "token counts are per run.",
+        f"SLO for every configuration: TTFT <= {args.slo_ttft_ms:g} ms and TPOT <= "
+        f"{args.slo_tpot_ms:g} ms (vLLM's benchmark's TPOT; a request without a second token "
+        f"is judged on TTFT). {data['rounds']} interleaved rounds: each cell is the median over "
+        "rounds, SLO met with its lowest-highest, `[n busy]` = runs that started or ended with "
+        f"a 1-minute load average above {args.load_bound:g}. Reused = the engines' "
+        "`local_cache_hit + external_kv_transfer`; GPU prefill = every token the engines "
+        "computed in prefill, recomputation included; D pinned = blocks held over D's pool, "
+        "mean; unused = that times the share of D's holds that ended unused (expiry, budget, "
+        "reclaim).",
         "",
-        "| system | req/s | SLO met | TTFT p50/p90 first ms | TTFT p50/p90 later ms "
-        "| TPOT p90 ms | computed tokens | reused | vs LRU bound | D pinned mean/peak | errors |",
+        "| configuration | req/s | SLO met | TTFT p50/p90 first ms | TTFT p50/p90 later ms "
+        "| TPOT p90 ms | GPU prefill tokens | reused | vs LRU | D pinned / unused | errors |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for label, by in rows.items():
-        for scale in sorted(by):
-            r = by[scale]
+    for label in _ordered(rows):
+        for scale in sorted(rows[label]):
+            r = rows[label][scale]
             lines.append(
-                f"| {label} | {r['offered_rps']:.2f} | {_slo_met(r)} | "
+                f"| {label} | {r['rate']:.2f} | {_slo_cell(r)} | "
                 f"{c.fmt_ms(r['ttft_first_p50'], 0)} / {c.fmt_ms(r['ttft_first_p90'], 0)} | "
                 f"{c.fmt_ms(r['ttft_later_p50'], 0)} / {c.fmt_ms(r['ttft_later_p90'], 0)} | "
-                f"{c.fmt_ms(r['tpot_p90'], 1)} | {r['prompt_tokens_computed']:.0f} | "
+                f"{c.fmt_ms(r['tpot_p90'], 1)} | {r['gpu_prefill_tokens']:.0f} | "
                 f"{r['prompt_tokens_reused']:.0f} | {c.fmt_ratio(r['reuse_vs_lru'])} | "
-                f"{_pct(r['d_pinned']['mean'])} / {_pct(r['d_pinned']['max'])} | "
-                f"{r['errors']} |"
+                f"{_pct(r['d_pinned'])} / {_pct(r['d_pinned_unused'])} | {r['errors']} |"
             )
-    lines += ["", "| system | goodput req/s |", "|---|---:|"]
-    for label, by in rows.items():
-        lines.append(
-            f"| {label} | "
-            f"{goodput([(r['offered_rps'], r['attainment']) for r in by.values()])[1]} |"
-        )
-    lines += _routing_table(rows)
-    lines += ["", *verdicts(rows, mid), ""]
-    race = data.get("lease_race")
-    if race:
-        lines += [
-            f"Think time against the lease: {race['past_lease']} of the sample's "
-            f"{race['later_turns']} later turns ({_pct(race['share_past_lease'])}) arrive more "
-            f"than the lease less the safety margin ({race['lease_s']:g} - "
-            f"{race['margin_s']:g} s, trace time) after their previous turn, so D's hold for "
-            "them has expired whatever the rate (leases scale with time); only a prefix cache "
-            "can still serve them.",
-            "",
-        ]
-    load = {"before": [math.nan] * 3, "after": [math.nan] * 3, **data["load"]}
+    lines += ["", "| configuration | goodput req/s: median (per round) |", "|---|---:|"]
+    lines += [f"| {label} | {gps[label].text()} |" for label in _ordered(rows)]
+    lines += _routing_table({k: rows[k] for k in _ordered(rows)}, data["runs"])
+    families = sorted({cfg.family for cfg in configs.values()})
+    best = [f"{family}: {best_of(family, configs, gps)}" for family in families]
+    lines += ["", "Best configuration of each family in this run: " + "; ".join(best) + "."]
+    lines += ["", *verdicts(rows, gps, configs), ""]
+    load = data.get("load", {})
     lines.append(
-        f"CPU headroom: this 2-core machine was shared with other engineers' test runs during "
-        f"the measurement; load average (1 min) {load['before'][0]:.2f} before, "
-        f"{load['after'][0]:.2f} after ({load['before'][2]:.2f} / {load['after'][2]:.2f} over "
-        f"15 min); the whole comparison took {data.get('elapsed_s', math.nan) / 60:.1f} min. "
-        "Engines wait "
-        "out their modelled step times, so a CPU-starved run shows up as longer TTFT for every "
-        "system alike; compare systems within this run."
+        f"Machine: load average (1 min) {load.get('before', [math.nan])[0]:.2f} before the "
+        f"comparison, {load.get('after', [math.nan])[0]:.2f} after; it took "
+        f"{data.get('elapsed_s', math.nan) / 60:.0f} min. Engines wait out their modelled step "
+        "times, so a CPU-starved run shows as longer TTFT; the rounds interleave the "
+        "configurations so such a minute falls on different ones."
     )
     if data.get("notes"):
         lines += ["", data["notes"].strip()]
@@ -544,6 +718,20 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _config_of(label: str, engines: int) -> Config:
+    """The configuration a row's label names (a merged run's)."""
+    name, _, split = label.partition(" (")
+    system = rf.system_by_label(name)
+    if not system.disaggregated:
+        return Config(system, None)
+    return Config(system, int(split.split("P")[0]) if split else engines // 2)
+
+
+def _ordered(labels: Any) -> list[str]:
+    rank = {s.label: i for i, s in enumerate(rf.SYSTEMS)}
+    return sorted(labels, key=lambda x: (rank.get(x.split(" (")[0], len(rank)), x))
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -551,140 +739,127 @@ def plot(data: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label in ordered(data["rows"]):
-        pts = sorted(data["rows"][label].values(), key=lambda r: r["offered_rps"])
-        xs = [r["offered_rps"] for r in pts]
-        line = ax1.plot(xs, [r["ttft_later_p50"] * 1000 for r in pts], "o-", label=f"{label}")
-        ax1.plot(
-            xs, [r["ttft_first_p50"] * 1000 for r in pts], "s--", color=line[0].get_color(),
-            alpha=0.6,
-        )  # fmt: skip
-    ax1.set_title("TTFT p50 vs request rate (solid: later turns, dashed: first turns)")
+    rows = rows_of(data)
+    for label in _ordered(rows):
+        pts = [rows[label][s] for s in sorted(rows[label])]
+        xs = [r["rate"] for r in pts]
+        ax1.plot(xs, [r["attainment"] * 100 for r in pts], "o-", label=label)
+        ax2.plot(xs, [r["ttft_later_p50"] * 1000 for r in pts], "o-", label=label)
+    ax1.axhline(GOODPUT_ATTAINMENT * 100, color="grey", lw=0.8, ls="--")
+    ax1.set_title("SLO met (median over rounds)")
     ax1.set_xlabel("request rate (req/s, replay time)")
-    ax1.set_ylabel("ms")
-    ax1.set_yscale("log")
-    ax1.grid(True, alpha=0.3)
-    ax1.legend(fontsize=8)
-    for label in ordered(data["held_series"]):
-        # Repeats of a run are joined one after another: each is drawn from its own start.
-        colour = None
-        for i, series in enumerate(_runs_of(data["held_series"][label])):
-            line = ax2.plot(
-                [x["t_s"] for x in series],
-                [x["held"] / x["total"] * 100 if x["total"] else 0 for x in series],
-                label=label if i == 0 else None, color=colour, alpha=1.0 if i == 0 else 0.5,
-            )  # fmt: skip
-            colour = line[0].get_color()
-    ax2.set_title(f"D KV pool pinned by holds at {data['scales'][len(data['scales']) // 2]:g}x")
-    ax2.set_xlabel("replay time (s)")
-    ax2.set_ylabel("% of D's blocks")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
+    ax1.set_ylabel("% of requests")
+    ax2.set_title("later-turn TTFT p50")
+    ax2.set_xlabel("request rate (req/s, replay time)")
+    ax2.set_ylabel("ms")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
     save_figure(
-        fig, path, title=tr.CITATION + " replayed on simulated " + data["hardware"]["profile"]
+        fig, path, title=f"{Path(data['trace']).name} on simulated {data['hardware']['profile']}"
     )
 
 
 def section_of(args: argparse.Namespace) -> str:
-    """RESULTS.md's section for a run: one per cost profile, so each profile's comparison
-    stands beside the others instead of replacing them."""
-    if args.profile == DEFAULT_PROFILE:
-        return SECTION
-    return f"{SECTION} ({args.profile})"
+    """RESULTS.md's section for a run: one per trace and cost profile."""
+    if args.section:
+        return str(args.section)
+    name = SECTION
+    if args.trace.resolve() != replay_mod.DEFAULT_TRACE.resolve():
+        name += f" ({args.trace.stem})"
+    if args.profile != DEFAULT_PROFILE:
+        name += f" ({args.profile})"
+    return name
 
 
-def _runs_of(series: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """Split held-block samples where the replay clock starts again (the next repeat)."""
-    runs: list[list[dict[str, Any]]] = []
-    last = -math.inf
-    for x in series:
-        if not runs or x["t_s"] < last:
-            runs.append([])
-        runs[-1].append(x)
-        last = x["t_s"]
-    return runs
+def lease_race(plan: tr.Plan, lease_s: float, margin_s: float) -> dict[str, float]:
+    """Later turns whose predecessor's hold has expired by their arrival (trace time)."""
+    gaps = [
+        (t.request.timestamp_ms - plan.turns[t.predecessor].request.timestamp_ms) / 1000
+        for t in plan.turns
+        if t.predecessor is not None
+    ]
+    late = [g for g in gaps if g > lease_s - margin_s]
+    return {"later_turns": len(gaps), "past_lease": len(late), "lease_s": lease_s}
 
 
-def mid_scale(data: dict[str, Any]) -> float:
-    """The middle time scale of a run: the rate its held-blocks series and aims are read at."""
-    return float(data["scales"][len(data["scales"]) // 2])
+# --------------------------------------------------------------------------- the measurement
 
 
-def trial_suffix(args: argparse.Namespace, system: rf.System) -> str:
-    """What a trial changed from the comparison's settings (a lease, a P:D split), so its
-    rows never pass for the system's own."""
-    parts = []
-    if args.lease_s is not None:
-        parts.append(f"lease {args.lease_s:g} s")
-    if args.hold_budget is not None:
-        parts.append(f"hold budget {args.hold_budget:g}")
-    if system.front != "vllm-router" and args.prefill_engines != args.engines // 2:
-        parts.append(f"{args.prefill_engines} P + {args.engines - args.prefill_engines} D")
-    return f" ({', '.join(parts)})" if parts else ""
+def run_order(configs: list[Config], round_index: int, scale_index: int) -> list[Config]:
+    """The configurations in this round and rate's order: rotated, so no one always runs
+    first (on a warm machine) or last."""
+    k = (round_index + scale_index) % len(configs)
+    return configs[k:] + configs[:k]
 
 
 def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    hw = hardware(args)
-    requests = tr.select(tr.load_trace(args.trace), args.start_s, args.duration_s)
-    plan = tr.sample_conversations(tr.reconstruct(requests), args.sample, args.seed)
-    kept = {t.request.index for t in plan.turns}
-    sample = [r for r in requests if r.index in kept]
-    lru = tr.lru_bound(sample, hw.fleet_trace_blocks())
-    offered = {str(s): len(sample) / (args.duration_s / s) for s in args.scales}
+    work = load_workload(args)
+    mem = kv_scale(args, work)
+    hw = hardware(args, mem["scale"])
+    lru = tr.lru_bound(work.sample, hw.fleet_trace_blocks())
+    rates = {str(s): work.rate(s) for s in args.scales}
     data: dict[str, Any] = {
         "argv": argv,
-        "hardware": {
-            **vars(hw),
-            "pool_blocks": hw.pool_blocks(),
-            "block_size": hw.block_size(),
-        },
-        "slice_requests": len(requests),
-        "reconstruction": plan.stats,
+        "trace": str(args.trace),
+        "slice_start_s": work.slice_start_s,
+        "slice_span_s": work.slice_span_s,
+        "slice_requests": work.slice_requests,
+        "hardware": {**vars(hw), "pool_blocks": hw.pool_blocks(), "block_size": hw.block_size()},
+        "kv_scale": mem,
+        "reconstruction": work.plan.stats,
         "lru_bound": lru,
+        "lease_race": lease_race(
+            work.plan, hw.unscaled_lease_s, replay_mod._defaults()["entry_safety_margin_s"]
+        ),
         "scales": args.scales,
-        "offered_rps": offered,
-        "rows": {},
+        "rates": rates,
+        "rounds": args.rounds,
+        "runs": {
+            cfg.label(args.engines): {str(s): [] for s in args.scales} for cfg in args.config_list
+        },
         "held_series": {},
-        "runs": {},
         "skipped": "",
         "load": {"before": list(os.getloadavg())},
     }
-    mid = args.scales[len(args.scales) // 2]
-    print(f"{len(sample)} requests sampled; LRU bound {lru}", flush=True)
-    for system in args.system_list:
-        label = system.label + trial_suffix(args, system)
-        data["rows"][label] = {}
-        for scale in args.scales:
+    print(f"{len(work.sample)} requests sampled; pools {mem}; LRU bound {lru}", flush=True)
+    for rnd in range(args.rounds):
+        for si, scale in enumerate(args.scales):
             settings = replay_mod.scaled_settings(scale, hw.unscaled_lease_s)
-            tag = f"{system.label.split()[0][:4]}{int(scale)}"
-            repeats: list[dict[str, Any]] = []
-            try:
-                for _ in range(args.repeats):  # each on a fresh fleet: no state carried over
-                    with rf.fleet(system, hw, scale, settings, tag) as f:
-                        repeats.append(asyncio.run(run_once(f, plan, args, scale)))
-            except Exception as exc:  # a system that cannot start is reported, not fatal
-                data["skipped"] += f"{label} at {scale:g}x: {type(exc).__name__}: {exc}. "
-                print(f"{label} {scale:g}x failed: {exc}", flush=True)
-                continue
-            run = pooled(repeats, args)
-            row = derive(run, lru, offered[str(scale)])
-            data["rows"][label][str(scale)] = row
-            data["runs"][f"{label} {scale:g}"] = {
-                "summary": run["summary"],
-                "fleet_prompt_tokens": run["fleet_prompt_tokens"],
-                "frees": run["frees"],
-                "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in run["records"]],
-            }
-            if scale == mid:
-                data["held_series"][label] = run["held_series"]
-            c.write_json(args.json, data)  # a run cut short keeps what it measured
-            print(
-                f"{label:28s} {row['offered_rps']:5.2f} req/s SLO "
-                f"{_pct(row['attainment'])} TTFT later p50 {c.fmt_ms(row['ttft_later_p50'], 0)} "
-                f"ms TPOT p90 {c.fmt_ms(row['tpot_p90'], 1)} ms reuse/LRU "
-                f"{c.fmt_ratio(row['reuse_vs_lru'])} errors {row['errors']}",
-                flush=True,
-            )
+            for cfg in run_order(args.config_list, rnd, si):
+                label = cfg.label(args.engines)
+                run_hw = dataclasses.replace(hw, prefill_engines=cfg.prefill_engines or 1)
+                tag = f"{cfg.system.label.split()[0][:4]}{int(scale)}"
+                load_before = os.getloadavg()[0]
+                try:
+                    with rf.fleet(cfg.system, run_hw, scale, settings, tag) as f:
+                        run = asyncio.run(run_once(f, work.plan, args, scale))
+                except Exception as exc:  # a run that fails is reported, not fatal
+                    data["skipped"] += f"{label} at {scale:g}x round {rnd + 1}: {exc}. "
+                    print(f"{label} {scale:g}x failed: {exc}", flush=True)
+                    continue
+                load_after = os.getloadavg()[0]
+                run["load"] = {
+                    "before": load_before,
+                    "after": load_after,
+                    "busy": max(load_before, load_after) > args.load_bound,
+                }
+                derived = derive(run, lru, rates[str(scale)])
+                data["runs"][label][str(scale)].append(
+                    {**derived, "records": run["records"], "frees": run["frees"]}
+                )
+                if rnd == 0 and si == len(args.scales) // 2:
+                    data["held_series"][label] = run["held_series"]
+                c.write_json(args.json, data)  # a run cut short keeps what it measured
+                print(
+                    f"round {rnd + 1} {label:44s} {derived['rate']:5.2f} req/s SLO "
+                    f"{_pct(derived['attainment'])} TTFT later p50 "
+                    f"{c.fmt_ms(derived['ttft_later_p50'], 0)} ms reuse/LRU "
+                    f"{c.fmt_ratio(derived['reuse_vs_lru'])} load {load_before:.1f}/"
+                    f"{load_after:.1f}",
+                    flush=True,
+                )
     data["load"]["after"] = list(os.getloadavg())
     return data
 
@@ -698,17 +873,15 @@ def main(argv: list[str] | None = None) -> int:
         data = json.loads(args.json.read_text())
         for extra in args.merge:
             more = json.loads(extra.read_text())
-            for label, by in more["rows"].items():  # one trial's rates may span runs
-                data["rows"].setdefault(label, {}).update(by)
-            data["runs"].update(more["runs"])
-            if mid_scale(more) == mid_scale(data):  # the plot shows one rate's holds
-                data["held_series"].update(more["held_series"])
+            for label, by in more["runs"].items():
+                for scale, runs in by.items():
+                    data["runs"].setdefault(label, {}).setdefault(scale, []).extend(runs)
             merged = data.setdefault("merged", [])
             if c.command_line(more["argv"]) not in merged:
                 merged.append(c.command_line(more["argv"]))
         if args.notes is not None:
             data["notes"] = args.notes.read_text()
-        kept = {k: getattr(args, k) for k in ("no_results", "plot", "json")}
+        kept = {k: getattr(args, k) for k in ("no_results", "plot", "json", "section")}
         args = parse_args(data["argv"][1:])
         for k, v in kept.items():
             setattr(args, k, v)
@@ -716,11 +889,6 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         data = measure(args, argv)
         data["elapsed_s"] = time.monotonic() - started
-    if "lease_race" not in data:
-        requests = tr.select(tr.load_trace(args.trace), args.start_s, args.duration_s)
-        plan = tr.sample_conversations(tr.reconstruct(requests), args.sample, args.seed)
-        margin = replay_mod._defaults()["entry_safety_margin_s"]
-        data["lease_race"] = lease_race(plan, hardware(args).unscaled_lease_s, margin)
     c.write_json(args.json, data)
     text = render(data, args)
     plot(data, args.plot)

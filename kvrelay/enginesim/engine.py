@@ -105,6 +105,7 @@ class EngineCore:
             "generation_tokens": 0,
             "preemptions": 0,
             "prefill_chunks": 0,
+            "prefill_tokens_computed": 0,  # every chunk's tokens, recomputation included
             "reclaim_requests": 0,
             # vLLM's prompt token counters (`PromptTokenStats`): counted when a request's first
             # output is emitted, from what its first admission planned, as vLLM counts them.
@@ -393,6 +394,7 @@ class EngineCore:
         if n > 0:
             self.pool.write(req.block_ids, start, self.model.kv_for(req.hashes[start:end]))
             self.counters["prefill_chunks"] += 1
+            self.counters["prefill_tokens_computed"] += n
             self._cache_computed(req, start, end)
         req.num_computed = end
         if end < len(req.all_token_ids):

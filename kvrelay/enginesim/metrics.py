@@ -29,6 +29,9 @@ _COUNTERS = {
     "prompt_tokens_cached": "prompt tokens found in the engine's local prefix cache",
     "generation_tokens": "generated tokens",
     "preemptions": "running requests preempted for lack of blocks",
+    "prefill_tokens_computed": "prompt tokens the engine computed in prefill chunks, "
+    "recomputation after a preemption included (the GPU work; vLLM's prompt counters count "
+    "each request's first admission only)",
     "prefill_chunks": "prefill chunks computed (a prompt longer than a step's token budget "
     "takes several; recomputation after a preemption included)",
     "reclaim_requests": "times the engine asked the connector to reclaim holds",

@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,35 +125,49 @@ def test_goodput_interpolates_where_attainment_crosses_ninety_percent() -> None:
     assert tc.goodput([(2.0, 0.99), (1.0, 0.91)]) == (2.0, ">= 2.00")
 
 
-def row(rps: float, att: float, later: float, tpot: float, reuse: float) -> dict[str, Any]:
-    return {
-        "offered_rps": rps, "attainment": att, "ttft_later_p50": later, "tpot_p90": tpot,
-        "reuse_vs_lru": reuse, "prompt_tokens_reused": 1000.0,
-    }  # fmt: skip
+def _gp(*values: float, crossed: bool = True) -> tc.Goodput:
+    labels = tuple(f"{v:.2f}" if crossed else f">= {v:.2f}" for v in values)
+    return tc.Goodput(values, labels)
 
 
-def test_verdicts_print_each_aim_met_or_missed_with_its_ratio() -> None:
-    rows = {
-        tc.OURS: {1.0: row(1, 1.0, 0.1, 0.030, 0.8), 2.0: row(2, 0.95, 0.2, 0.032, 0.8)},
-        tc.RIVAL: {1.0: row(1, 0.95, 0.5, 0.03, 0.5), 2.0: row(2, 0.5, 0.5, 0.03, 0.5)},
-        tc.HOLDS_OFF: {1.0: row(1, 0.9, 0.4, 0.03, 0.1), 2.0: row(2, 0.5, 0.4, 0.030, 0.1)},
-    }
-    lines = tc.verdicts(rows, 2.0)
-    assert len(lines) == 4
-    assert "ratio" in lines[0] and "-> met" in lines[0]  # >= 2.00 against about 1.1
-    # Later-turn TTFT at each rate both systems ran.
-    assert "at 1.00 req/s" in lines[1] and "ratio 0.20 -> met" in lines[1]
-    assert "at 2.00 req/s" in lines[2] and "ratio 0.40 -> met" in lines[2]
-    assert "0.80 of the LRU bound" in lines[3] and "ratio 1.07 -> met" in lines[3]
-    rows[tc.OURS][2.0] = row(2, 0.5, 0.3, 0.040, 0.7)
-    lines = tc.verdicts(rows, 2.0)
-    assert "MISSED" in lines[0]
-    assert "ratio 0.60 -> MISSED" in lines[2]
-    assert "ratio 1.33 -> MISSED" in lines[3]
-    # A rival measured only below the middle rate is still compared where it ran.
-    del rows[tc.RIVAL][2.0]
-    lines = tc.verdicts(rows, 2.0)
-    assert len(lines) == 3 and "at 1.00 req/s" in lines[1] and "ratio 0.20 -> met" in lines[1]
+def test_a_ratio_aim_is_met_only_when_its_whole_interval_clears_it() -> None:
+    # Goodput per round on each side: the interval is the worst and best pairing.
+    assert tc.ratio_verdict(_gp(3.0, 3.3), _gp(2.0, 2.2), 1.3)[0] == "met"  # 1.36-1.65
+    assert tc.ratio_verdict(_gp(2.0, 2.2), _gp(2.0, 2.2), 1.3)[0] == "MISSED"  # 0.91-1.10
+    verdict, interval = tc.ratio_verdict(_gp(2.6, 3.0), _gp(2.0, 2.2), 1.3)
+    assert verdict == "undetermined" and interval.startswith("1.18-1.50")  # straddles 1.3
+    # A side whose curve never crossed within the measured rates ("<" or ">="): its goodput
+    # is a bound, not a value, and no aim can be judged on it, however large the ratio.
+    assert tc.ratio_verdict(_gp(5.0, 5.0, crossed=False), _gp(1.0, 1.0), 1.3)[0] == ("undetermined")
+    assert tc.ratio_verdict(_gp(3.0, 3.0), _gp(), 1.3)[0] == "undetermined"
+
+
+def _cfgs(*labels: str) -> dict[str, tc.Config]:
+    return {label: tc._config_of(label, 8) for label in labels}
+
+
+def _row(rate: float, attainment: float, reuse: float, unused: float) -> dict[str, Any]:
+    return {"rate": rate, "attainment": attainment, "reuse_vs_lru": reuse,
+            "d_pinned_unused": unused}  # fmt: skip
+
+
+def test_verdicts_judge_each_aim_against_the_best_of_each_family() -> None:
+    ours, pd1, pd2, agg = (
+        "kvrelay default (4P+4D)", "vllm-router power_of_two P/D (6P+2D)",
+        "vllm-router cache_aware P/D (4P+4D)", "aggregated cache_aware",
+    )  # fmt: skip
+    configs = _cfgs(ours, pd1, pd2, agg, "kvrelay holds off (4P+4D)")
+    gps = {ours: _gp(3.0, 3.2), pd1: _gp(2.0, 2.1), pd2: _gp(1.0, 1.1), agg: _gp(2.9, 3.0),
+           "kvrelay holds off (4P+4D)": _gp(2.0, 2.0)}  # fmt: skip
+    rows = {ours: {1.0: _row(1.0, 0.95, 0.95, 0.02), 2.0: _row(2.0, 0.5, 0.4, 0.12)}}
+    lines = tc.verdicts(rows, gps, configs)
+    # Against the best P/D router (power_of_two at 6+2), not the worst: 1.43-1.60 -> met.
+    assert pd1 in lines[0] and "-> met" in lines[0]
+    assert agg in lines[1] and "-> undetermined" in lines[1]  # 1.00-1.10 straddles 1.1
+    assert "-> met" in lines[2]  # never below holds off
+    # Reuse is judged at the rates within the SLO only; pinned-unused at the worst rate.
+    assert "(1 of 2)" in lines[3] and "0.95" in lines[3] and "-> met" in lines[3]
+    assert "12%" in lines[4] and "-> MISSED" in lines[4]
 
 
 def test_prompt_counters_read_the_engines_vllm_series() -> None:
@@ -160,10 +175,12 @@ def test_prompt_counters_read_the_engines_vllm_series() -> None:
         "vllm_prompt_local_compute": 700,
         "vllm_prompt_local_cache_hit": 200,
         "vllm_prompt_external_kv_transfer": 100,
+        "prefill_tokens_computed": 750,  # 50 recomputed after a preemption
     }
     page = parse_samples(render_metrics(lambda: snap, "m")().decode())
     got = rf.prompt_counters(page)
-    assert got == {"local_compute": 700, "local_cache_hit": 200, "external_kv_transfer": 100}
+    assert got == {"local_compute": 700, "local_cache_hit": 200, "external_kv_transfer": 100,
+                   rf.GPU_PREFILL: 750}  # fmt: skip
     assert rf.counter_delta(dict.fromkeys(got, 100.0), got)["local_compute"] == 600
     share = rf.pinned_share([(10, 100), (30, 100)])
     assert share == {"mean": 0.2, "max": 0.3}
@@ -207,16 +224,26 @@ def test_lease_race_counts_later_turns_arriving_after_the_hold_expired() -> None
     assert tc.lease_race(plan, 600.0, 5.0)["past_lease"] == 0
 
 
-def test_trial_rows_are_labelled_with_what_they_changed() -> None:
-    kv, agg = rf.system_by_label("kvrelay default"), rf.system_by_label("aggregated cache_aware")
-    assert tc.trial_suffix(tc.parse_args([]), kv) == ""
-    args = tc.parse_args(["--lease-s", "600", "--prefill-engines", "6"])
-    assert tc.trial_suffix(args, kv) == " (lease 600 s, 6 P + 2 D)"
-    assert tc.trial_suffix(args, agg) == " (lease 600 s)"  # no split when aggregated
-    budget = tc.parse_args(["--lease-s", "600", "--hold-budget", "0.3"])
-    assert tc.trial_suffix(budget, kv) == " (lease 600 s, hold budget 0.3)"
-    labels = ["kvrelay holds off", "kvrelay default (lease 600 s)", "kvrelay default"]
-    assert tc.ordered(labels) == [labels[2], labels[1], labels[0]]
+def test_configs_name_their_split_and_refuse_one_that_does_not_add_up() -> None:
+    configs = tc.parse_configs(
+        "kvrelay default@6:2,vllm-router power_of_two P/D,aggregated cache_aware", 8
+    )
+    assert [c.label(8) for c in configs] == [
+        "kvrelay default (6P+2D)", "vllm-router power_of_two P/D (4P+4D)",
+        "aggregated cache_aware",
+    ]  # fmt: skip
+    assert [c.family for c in configs] == ["kvrelay default", "vllm-router P/D", "aggregated"]
+    for bad in ("kvrelay default@5:4", "aggregated cache_aware@4:4", "kvrelay default@8:0"):
+        with pytest.raises(ValueError):
+            tc.parse_configs(bad, 8)
+    assert tc._config_of("kvrelay default (6P+2D)", 8) == configs[0]
+
+
+def test_rounds_rotate_the_order_so_no_configuration_always_runs_first() -> None:
+    configs = tc.parse_configs("kvrelay default,kvrelay holds off,aggregated cache_aware", 8)
+    firsts = {tc.run_order(configs, r, s)[0] for r in range(3) for s in range(2)}
+    assert firsts == set(configs)
+    assert sorted(tc.run_order(configs, 1, 1), key=configs.index) == configs
 
 
 def test_routing_counts_split_first_and_later_turns_and_skip_failed_ones() -> None:
@@ -234,58 +261,76 @@ def test_routing_counts_split_first_and_later_turns_and_skip_failed_ones() -> No
     }
 
 
-def _replayed(index: int, ttft_s: float, tpot_s: float) -> dict[str, Any]:
-    rec = trace_replay.Record(
+def _replayed(index: int, ttft_s: float, tpot_s: float) -> trace_replay.Record:
+    return trace_replay.Record(
         index=index, conversation=index, turn=1, predecessor=None, conversation_id=None,
         expected_prompt_tokens=100, expected_output_tokens=10, arrival_s=0.0,
         ttft_s=ttft_s, tpot_s=tpot_s, prompt_tokens=100, routing="prefill_chosen",
     )  # fmt: skip
-    return dataclasses.asdict(rec)
 
 
-def _run(records: list[dict[str, Any]], computed: float, args: Any) -> dict[str, Any]:
-    return {
-        "summary": trace_replay.summarize([trace_replay.Record(**r) for r in records], 10.0, args),
-        "fleet_prompt_tokens": {"local_compute": computed},
-        "frees": {"budget": 1.0},
-        "held_series": [{"held": 10, "total": 100}],
-        "records": records,
-    }
+def test_a_request_without_a_second_token_is_judged_on_its_ttft_and_left_out_of_tpot() -> None:
+    args = trace_replay.parse_args([])
+    records = [_replayed(0, 1.0, 0.02), _replayed(1, 1.0, math.nan), _replayed(2, 9.0, math.nan),
+               _replayed(3, 1.0, 0.5)]  # fmt: skip
+    summary = trace_replay.summarize(records, 10.0, args)
+    # Two requests have no TPOT (one output token): out of the TPOT percentile, and judged on
+    # TTFT alone: the first meets the SLO, the second misses it (9 s > 2 s).
+    assert summary["without_tpot"] == 2
+    assert summary["tpot_s_p90"] == 0.5
+    assert summary["slo_attainment"] == 0.5
 
 
-def test_repeats_pool_their_requests_and_hold_reuse_against_the_bound_once_per_run() -> None:
-    args = tc.parse_args(["--repeats", "2"])
-    assert args.repeats == 2
-    # Run one: 3 of 4 requests meet the SLO (5 s TTFT, 100 ms TPOT); run two: 1 of 4.
-    one = [_replayed(i, 1.0, 0.02) for i in range(3)] + [_replayed(3, 9.0, 0.02)]
-    two = [_replayed(i, 1.0, 0.5) for i in range(3)] + [_replayed(3, 1.0, 0.02)]
-    runs = [_run(one, 300.0, args), _run(two, 100.0, args)]
-    run = tc.pooled(runs, args)
-    assert run["attainments"] == [0.75, 0.25]
-    assert run["summary"]["slo_attainment"] == 0.5  # 4 of the 8 requests, not a single run's
-    assert run["frees"] == {"budget": 2.0}
-    lru = {"reused_tokens": 200, "prompt_tokens": 400, "capacity_blocks": 1}
-    row = tc.derive(run, lru, 1.0)
-    # Sent 800, computed 400 over two runs: 200 reused per run against a bound of 200 a run.
-    assert row["prompt_tokens_reused"] == 200 and row["reuse_vs_lru"] == 1.0
-    assert row["routing"] == {"first": {"prefill_chosen": 4}, "later": {}}
-    assert tc._slo_met(row) == "50% (75% / 25%)"
-    # One run is its own row, unchanged.
-    single = tc.derive(tc.pooled(runs[:1], args), lru, 1.0)
-    assert single["attainment"] == 0.75 and single["reuse_vs_lru"] == 0.5
-    assert tc._slo_met(single) == "75%"
-    with pytest.raises(SystemExit):
-        tc.parse_args(["--repeats", "0"])
+def test_rows_take_the_median_of_their_rounds_and_goodput_is_per_round() -> None:
+    def run(rate: float, attainment: float, busy: bool = False) -> dict[str, Any]:
+        return {"rate": rate, "attainment": attainment, "errors": 0, "ttft_first_p50": 1.0,
+                "ttft_first_p90": 1.0, "ttft_later_p50": 0.5, "ttft_later_p90": 0.5,
+                "tpot_p90": 0.02, "prompt_tokens_reused": 10.0, "gpu_prefill_tokens": 90.0,
+                "reuse_vs_lru": 0.5, "d_pinned": {"mean": 0.2}, "d_pinned_unused": 0.1,
+                "load": {"busy": busy}}  # fmt: skip
+
+    runs = {1.0: [run(1.0, 0.99), run(1.0, 0.95), run(1.0, 0.97, busy=True)],
+            2.0: [run(2.0, 0.50), run(2.0, 0.85), run(2.0, 0.70)]}  # fmt: skip
+    r = tc.row(runs[1.0])
+    assert r["attainment"] == 0.97 and r["busy_runs"] == 1
+    assert tc._slo_cell(r) == "97% (95%-99%) [1 busy]"
+    gp = tc.goodputs(runs)
+    assert len(gp.values) == 3 and gp.crossed
+    assert gp.values[0] == pytest.approx(1.0 + 0.09 / 0.49)
 
 
-def test_each_cost_profile_writes_its_own_results_section() -> None:
+def test_the_default_slice_and_the_rate_come_from_the_file(tmp_path: Any) -> None:
+    short = [req(i, 1000 * i, 600, 10, [i]) for i in range(100)]  # 99 s of trace
+    assert tc.default_slice(short) == (0.0, 100.0)
+    long = [req(i, 20_000 * i, 600, 10, [i]) for i in range(200)]  # 3980 s
+    assert tc.default_slice(long) == (600.0, 1200.0)
+    path = tmp_path / "gen.jsonl"
+    path.write_text("".join(
+        f'{{"timestamp": {1000 * i}, "input_length": 600, "output_length": 10, '
+        f'"hash_ids": [{i}, {1000 + i}]}}\n' for i in range(100)
+    ))  # fmt: skip
+    args = tc.parse_args(["--trace", str(path), "--sample", "1"])
+    work = tc.load_workload(args)
+    assert (work.slice_start_s, work.slice_span_s, len(work.sample)) == (0.0, 100.0, 100)
+    assert work.rate(10.0) == pytest.approx(10.0)  # 100 requests over 100 s, 10x faster
+    assert tc.citation(path).startswith("`") and tr.CITATION in tc.citation(
+        trace_replay.DEFAULT_TRACE
+    )
+
+
+def test_pools_are_scaled_to_the_samples_share_unless_a_request_would_not_fit() -> None:
+    args = tc.parse_args(["--sample", "0.5"])
+    work = tc.Workload(Path("x"), 0.0, 10.0, 10, tr.Plan([], 512), [req(0, 0, 1000, 10, [1, 2])])
+    assert tc.kv_scale(args, work)["scale"] == 0.5  # 1010 tokens fit in half an H100
+    huge = dataclasses.replace(work, sample=[req(0, 0, 300_000, 10, list(range(586)))])
+    got = tc.kv_scale(args, huge)
+    assert got["scale"] == got["floor"] > 0.5 and got["share"] == 0.5
+    assert tc.kv_scale(tc.parse_args(["--kv-scale", "0.3"]), work)["scale"] == 0.3
+
+
+def test_each_trace_and_cost_profile_writes_its_own_results_section(tmp_path: Any) -> None:
     assert tc.section_of(tc.parse_args([])) == "trace replay"
     tp4 = tc.parse_args(["--profile", "llama3-70b-h100-tp4"])
     assert tc.section_of(tp4) == "trace replay (llama3-70b-h100-tp4)"
-
-
-def test_held_samples_of_repeats_are_split_where_the_replay_clock_restarts() -> None:
-    series = [{"t_s": t, "held": 1, "total": 10} for t in (0.0, 1.0, 2.0, 0.5, 1.5, 0.0)]
-    runs = tc._runs_of(series)
-    assert [[x["t_s"] for x in run] for run in runs] == [[0.0, 1.0, 2.0], [0.5, 1.5], [0.0]]
-    assert tc._runs_of([]) == []
+    other = tc.parse_args(["--trace", str(tmp_path / "shared_prefix.jsonl")])
+    assert tc.section_of(other) == "trace replay (shared_prefix)"
