@@ -11,6 +11,7 @@ Who may call what: `kvrelay.proxy.http.auth`; whether now: `kvrelay.proxy.http.a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -82,9 +83,10 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 INTERNAL_ERROR = ProxyError(
-    500, "the proxy failed on this request; retry, or report it with its X-Request-Id",
+    500,
+    "the proxy failed on this request; retry, or report it with its X-Request-Id",
     code="internal_error",
-)  # fmt: skip
+)
 
 
 @web.middleware
@@ -170,8 +172,9 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         started = await _end_started_stream(client, INTERNAL_ERROR)
         if started is None:
             raise  # the errors middleware answers with a shaped 500
-        log.exception("unexpected error on %s %r after its stream started",
-                      request.method, request.path)  # fmt: skip
+        log.exception(
+            "unexpected error on %s %r after its stream started", request.method, request.path
+        )
         return started
     finally:
         await leave(slot, held, route)
@@ -299,71 +302,103 @@ def create_app(settings: Settings, kvmap: KVMap | None = None) -> web.Applicatio
 def _make_state(
     settings: Settings, injected_map: KVMap | None
 ) -> Callable[[web.Application], AsyncIterator[None]]:
+    """The app's shared state as one aiohttp cleanup context, each resource stopped by the
+    same stack that started it: a start that fails halfway stops what had started, and at
+    shutdown every stop runs, last started first, whatever an earlier one raised (each error
+    is logged with the resource's name)."""
+
     async def state(app: web.Application) -> AsyncIterator[None]:
-        secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
-        upstream = Upstream(connect_timeout=settings.connect_timeout)
-        releaser = Releaser(secret, upstream, settings.side_channel_timeout)
-        if not releaser.enabled:
-            log.warning(
-                "connector_secret is unset: the proxy cannot release held blocks or fetch "
-                "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
-            )
-        kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
-        gauge, gone = _health_gauge(settings.metrics_backend_urls)
-        prefill = Pool(
-            "prefill", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, on_leave=gone,
-            dispute_window_s=settings.engine_5xx_window_s,
-        )  # fmt: skip
-        decode = Pool(
-            "decode", settings.eject_after_failures, settings.readmit_after_successes,
-            on_health_change=gauge, on_leave=gone,
-            dispute_window_s=settings.engine_5xx_window_s,
-        )  # fmt: skip
-        for url in settings.prefill:
-            prefill.add(url)
-        for url in settings.decode:
-            decode.add(url)
-        fleet = Fleet(settings, prefill, decode, kvmap, upstream, releaser)
-        app[FLEET] = fleet
-        app[ENGINES] = fleet_engines(fleet)
-        app[MODELS] = ModelCatalog(fleet)
-        app[VERSIONS] = EngineVersions(fleet)
-        limiter = open_limiter(settings)
-        app[LIMITS] = limiter
-        await limiter.start()
-        checker = HealthChecker(
-            [prefill, decode], upstream, settings.probe_interval_s, settings.probe_timeout_s
-        )
-        app[HEALTH] = checker
-        # Engine load signals for routing (kvrelay.proxy.fleet.engine_load); off with interval 0.
-        poller = LoadPoller(
-            [prefill, decode], upstream, settings.load_poll_interval_s, settings.probe_timeout_s
-        )
-        started = time.monotonic()
-        sync = open_fleet_sync(settings, {"prefill": prefill, "decode": decode})
-        app[FLEET_SYNC] = sync
-        await sync.start()
-        discovery = await start_discovery(settings, sync)
-        kube = await start_kube_discovery(settings, sync)
-        checker.start()
-        poller.start()
-        log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
-        try:
+        async with contextlib.AsyncExitStack() as stack:
+            await _start_state(app, settings, injected_map, stack)
             yield
-        finally:
-            if kube is not None:
-                await kube.stop()
-            if discovery is not None:
-                await discovery.stop()
-            await sync.stop()
-            await checker.stop()
-            await limiter.stop()
-            await poller.stop()
-            await releaser.drain()
-            if injected_map is None:
-                await kvmap.close()
-                await releaser.drain()
-            upstream.close()
 
     return state
+
+
+def _stopping(
+    name: str, stop: Callable[[], Awaitable[None] | None]
+) -> Callable[[], Awaitable[None]]:
+    """`stop` as an exit callback that logs its failure instead of skipping the stops after."""
+
+    async def run() -> None:
+        try:
+            result = stop()
+            if result is not None:
+                await result
+        except Exception:
+            log.exception("stopping %s failed", name)
+
+    return run
+
+
+async def _start_state(
+    app: web.Application,
+    settings: Settings,
+    injected_map: KVMap | None,
+    stack: contextlib.AsyncExitStack,
+) -> None:
+    """Start every shared resource; each one's stop goes on `stack` once it has started."""
+    secret = settings.connector_secret.get_secret_value() if settings.connector_secret else None
+    upstream = Upstream(connect_timeout=settings.connect_timeout)
+    stack.push_async_callback(_stopping("the engine client", upstream.close))
+    releaser = Releaser(secret, upstream, settings.side_channel_timeout)
+    if not releaser.enabled:
+        log.warning(
+            "connector_secret is unset: the proxy cannot release held blocks or fetch "
+            "streamed requests' params (KVRELAY_CONNECTOR_SECRET)"
+        )
+    # Drained after the map closes: the map's last evictions release holds too.
+    stack.push_async_callback(_stopping("the releaser", releaser.drain))
+    kvmap = injected_map or open_map(settings.map_url, on_evict=releaser.on_evict)
+    if injected_map is None:
+        stack.push_async_callback(_stopping("the conversation map", kvmap.close))
+    gauge, gone = _health_gauge(settings.metrics_backend_urls)
+    pools = {
+        role: Pool(
+            role,
+            settings.eject_after_failures,
+            settings.readmit_after_successes,
+            on_health_change=gauge,
+            on_leave=gone,
+            dispute_window_s=settings.engine_5xx_window_s,
+        )
+        for role in ("prefill", "decode")
+    }
+    prefill, decode = pools["prefill"], pools["decode"]
+    for url in settings.prefill:
+        prefill.add(url)
+    for url in settings.decode:
+        decode.add(url)
+    fleet = Fleet(settings, prefill, decode, kvmap, upstream, releaser)
+    app[FLEET] = fleet
+    app[ENGINES] = fleet_engines(fleet)
+    app[MODELS] = ModelCatalog(fleet)
+    app[VERSIONS] = EngineVersions(fleet)
+    started = time.monotonic()
+    limiter = open_limiter(settings)
+    app[LIMITS] = limiter
+    await limiter.start()
+    stack.push_async_callback(_stopping("the tenant limiter", limiter.stop))
+    sync = open_fleet_sync(settings, pools)
+    app[FLEET_SYNC] = sync
+    await sync.start()
+    stack.push_async_callback(_stopping("the fleet sync", sync.stop))
+    discovery = await start_discovery(settings, sync)
+    if discovery is not None:
+        stack.push_async_callback(_stopping("DNS discovery", discovery.stop))
+    kube = await start_kube_discovery(settings, sync)
+    if kube is not None:
+        stack.push_async_callback(_stopping("Kubernetes discovery", kube.stop))
+    checker = HealthChecker(
+        [prefill, decode], upstream, settings.probe_interval_s, settings.probe_timeout_s
+    )
+    app[HEALTH] = checker
+    checker.start()
+    stack.push_async_callback(_stopping("the health checker", checker.stop))
+    # Engine load signals for routing (kvrelay.proxy.fleet.engine_load); off with interval 0.
+    poller = LoadPoller(
+        [prefill, decode], upstream, settings.load_poll_interval_s, settings.probe_timeout_s
+    )
+    poller.start()
+    stack.push_async_callback(_stopping("the load poller", poller.stop))
+    log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)
