@@ -360,7 +360,9 @@ def derive(run: dict[str, Any], lru: dict[str, int], rate: float) -> dict[str, A
     s = run["summary"]
     tokens = run["fleet_prompt_tokens"]
     sent = float(s["prompt_tokens"])
-    reused = tokens["local_cache_hit"] + tokens["external_kv_transfer"]
+    # What the clients sent less what the engines computed at first admission (a P/D turn's
+    # transfer from P to D is not reuse: D's "external" tokens are P's computed ones).
+    reused = max(0.0, sent - tokens["local_compute"])
     held = [(x["held"], x["total"]) for x in run["held_series"]]
     pinned = rf.pinned_share(held)
     return {
@@ -673,8 +675,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"{args.slo_tpot_ms:g} ms (vLLM's benchmark's TPOT; a request without a second token "
         f"is judged on TTFT). {data['rounds']} interleaved rounds: each cell is the median over "
         "rounds, SLO met with its lowest-highest, `[n busy]` = runs that started or ended with "
-        f"a 1-minute load average above {args.load_bound:g}. Reused = the engines' "
-        "`local_cache_hit + external_kv_transfer`; GPU prefill = every token the engines "
+        f"a 1-minute load average above {args.load_bound:g}. Reused = prompt tokens sent less "
+        'those the engines computed at first admission (`source="local_compute"`); '
+        "GPU prefill = every token the engines "
         "computed in prefill, recomputation included; D pinned = blocks held over D's pool, "
         "mean; unused = that times the share of D's holds that ended unused (expiry, budget, "
         "reclaim).",
@@ -847,7 +850,12 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 }
                 derived = derive(run, lru, rates[str(scale)])
                 data["runs"][label][str(scale)].append(
-                    {**derived, "records": run["records"], "frees": run["frees"]}
+                    {
+                        **derived,
+                        "records": run["records"],
+                        "frees": run["frees"],
+                        "fleet_prompt_tokens": run["fleet_prompt_tokens"],
+                    }
                 )
                 if rnd == 0 and si == len(args.scales) // 2:
                     data["held_series"][label] = run["held_series"]
