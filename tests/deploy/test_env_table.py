@@ -1,4 +1,5 @@
-"""README's environment-variable table equals the one generated from the settings model."""
+"""The operations guide's environment-variable table equals the one generated from the settings
+model."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ def _generator() -> ModuleType:
     return module
 
 
-def test_readme_table_is_the_generated_one() -> None:
+def test_operations_table_is_the_generated_one() -> None:
     gen = _generator()
-    readme = (REPO_ROOT / "README.md").read_text()
+    readme = (REPO_ROOT / "docs" / "OPERATIONS.md").read_text()
     assert gen.readme_table(readme) == gen.table(), "run: python scripts/gen_env_table.py --write"
 
 

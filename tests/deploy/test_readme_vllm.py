@@ -1,4 +1,5 @@
-"""The README's vLLM command lines load the real adapter with only settings it accepts."""
+"""The docs' vLLM command lines (the top README's and docs/) load the real adapter with only
+settings it accepts."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from tests.harness import REPO_ROOT
 
 
 def _readme_transfer_configs() -> list[dict[str, Any]]:
-    readme = (REPO_ROOT / "README.md").read_text()
-    found = re.findall(r"--kv-transfer-config '(.+?)'$", readme, flags=re.MULTILINE)
+    docs = [REPO_ROOT / "README.md", *sorted((REPO_ROOT / "docs").glob("*.md"))]
+    text = "\n".join(path.read_text() for path in docs)
+    found = sorted(set(re.findall(r"--kv-transfer-config '(.+?)'$", text, flags=re.MULTILINE)))
     # The shell splices the pod IP in: '..."'"${POD_IP}"'"...' is "${POD_IP}" in the JSON.
     configs = [json.loads(f.replace("'\"${POD_IP}\"'", "${POD_IP}")) for f in found]
     return [c for c in configs if c.get("kv_connector") != "NixlConnector"]
@@ -23,7 +25,7 @@ def _readme_transfer_configs() -> list[dict[str, Any]]:
 def test_deployment_section_shows_a_cuda_worker() -> None:
     configs = _readme_transfer_configs()
     cuda = [c for c in configs if c["kv_buffer_device"] == "cuda"]
-    assert len(cuda) == 1, "the Deployment section's P/D command line"
+    assert len(cuda) == 1, "the top README's P/D command line (docs/OPERATIONS.md repeats it)"
     assert cuda[0]["kv_role"] == "kv_both"
     assert cuda[0]["kv_load_failure_policy"] in ("recompute", "fail")
     assert "advertise_host" in cuda[0]["kv_connector_extra_config"]

@@ -1,6 +1,6 @@
 """Multi-turn routing: which P and which D a turn goes to, and whether it needs P at all.
 
-Policies (`routing_policy`, README "Routing policy"):
+Policies (`routing_policy`, docs/OPERATIONS.md "Routing policy"):
 - `always_p`: every turn P then D; P by least outstanding work, D by conversation affinity.
 - `affinity`: as `always_p`, but the P leg goes to the P that served the conversation's
   previous turn (kept in its map entry) while that P is usable and not overloaded: its local
