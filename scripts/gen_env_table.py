@@ -95,8 +95,8 @@ def readme_table(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the table in docs/OPERATIONS.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 when docs/OPERATIONS.md is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite the table in the doc")
+    mode.add_argument("--check", action="store_true", help="exit 1 when the doc is stale")
     args = parser.parse_args(argv)
     generated = table()
     if not (args.write or args.check):

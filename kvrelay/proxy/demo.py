@@ -115,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     env = fleet_env()
-    # The demo shows D->P reuse turn by turn: every turn through P (docs/OPERATIONS.md "Routing policy").
+    # The demo shows D->P reuse turn by turn: every turn through P (docs/OPERATIONS.md,
+    # "Routing policy").
     env.setdefault("KVRELAY_ROUTING_POLICY", "always_p")
     fleet = DevFleet(
         engine_args=("--log-level", "WARNING", "--prefill-us-per-token", "200"),

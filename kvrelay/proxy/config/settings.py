@@ -348,7 +348,8 @@ class Settings(BaseSettings):
         ge=1,
         description="In-flight requests above which D affinity yields to the least loaded D.",
     )
-    # Multi-turn routing (proxy/routing.py, proxy/engine_load.py; docs/OPERATIONS.md "Routing policy") -
+    # Multi-turn routing (fleet/routing.py, fleet/engine_load.py; docs/OPERATIONS.md "Routing
+    # policy") ---------------------------------------------------------------------------
     routing_policy: RoutingPolicy = Field(
         default="conditional",
         description=(
