@@ -59,8 +59,16 @@ REFUSED_UNVERIFIED = "unverified"  # no hashes offered and hashes are required (
 REFUSED_LOCAL = "local"  # already in this engine's prefix cache: nothing to load
 REFUSED_THRESHOLD = "threshold"  # the load would be under kv_recompute_threshold
 REFUSED_FAILED = "failed"  # the read failed, or no room for it: recomputed
-REFUSED_REASONS = frozenset({REFUSED_HASH, REFUSED_PARTIAL, REFUSED_UNVERIFIED, REFUSED_LOCAL,
-                             REFUSED_THRESHOLD, REFUSED_FAILED})  # fmt: skip
+REFUSED_REASONS = frozenset(
+    {
+        REFUSED_HASH,
+        REFUSED_PARTIAL,
+        REFUSED_UNVERIFIED,
+        REFUSED_LOCAL,
+        REFUSED_THRESHOLD,
+        REFUSED_FAILED,
+    }
+)
 # vLLM's own (0.32): set by vLLM's scheduler on params that carry `do_remote_prefill` when the
 # request finished at its first output: the request's cached prompt tokens (local + external).
 # A D given it reports it as its own `usage.prompt_tokens_details.cached_tokens`.

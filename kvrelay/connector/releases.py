@@ -79,9 +79,11 @@ class ReleaseSender:
                 return
             holder.senders += 1
         threading.Thread(
-            target=self._drain, args=(key,), name=f"{self._name}-{key[0]}:{key[1]}",
+            target=self._drain,
+            args=(key,),
+            name=f"{self._name}-{key[0]}:{key[1]}",
             daemon=True,
-        ).start()  # fmt: skip
+        ).start()
 
     def pending(self) -> int:
         """Releases queued or being sent (for tests and stats)."""
@@ -119,10 +121,13 @@ class ReleaseSender:
             try:
                 hold = item.hold
                 self._client.release(
-                    hold.remote_host, hold.remote_port, hold.remote_request_id, hold.release_token,
+                    hold.remote_host,
+                    hold.remote_port,
+                    hold.remote_request_id,
+                    hold.release_token,
                     reader_engine_id=item.reader_engine_id,
                     reader_request_id=item.reader_request_id,
-                )  # fmt: skip
+                )
             except SideChannelError as exc:
                 final = exc.status is not None or isinstance(exc, HolderNotAllowedError)
                 if final or attempt + 1 == self._attempts or self._closed:

@@ -77,11 +77,23 @@ class ConnectorScheduler:
         unknown, no budget)."""
         self.config = config
         self.counters = Counters(
-            "held", "held_blocks", "freed_by_read", "freed_by_release", "freed_by_expiry",
-            "freed_by_reclaim", "freed_by_budget", "tokens_loaded", "loads_started", "loads_failed",
-            "loads_skipped", "releases_sent", "releases_failed", "early_releases",
-            "auth_rejected", "prefix_mismatch_blocks",
-        )  # fmt: skip
+            "held",
+            "held_blocks",
+            "freed_by_read",
+            "freed_by_release",
+            "freed_by_expiry",
+            "freed_by_reclaim",
+            "freed_by_budget",
+            "tokens_loaded",
+            "loads_started",
+            "loads_failed",
+            "loads_skipped",
+            "releases_sent",
+            "releases_failed",
+            "early_releases",
+            "auth_rejected",
+            "prefix_mismatch_blocks",
+        )
         self.holds = HoldTable(
             self.counters,
             claim_timeout_s=config.claim_timeout_s,

@@ -125,9 +125,14 @@ def _parse_finished(status: int, body: bytes) -> dict[str, Any] | None:
 
 
 def _signed_request(
-    secret: bytes, allowlist: HolderAllowlist | None, host: str, port: int, method: str,
-    path: str, body: bytes,
-) -> dict[str, str]:  # fmt: skip
+    secret: bytes,
+    allowlist: HolderAllowlist | None,
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: bytes,
+) -> dict[str, str]:
     """Headers for one request, after checking the holder may be contacted at all."""
     if allowlist is not None and not allowlist.allows(host):
         raise HolderNotAllowedError(f"holder address {host!r} is not in allowed_holders")
@@ -218,9 +223,14 @@ class _Signer:
 
     def headers(self, host: str, port: int, exchange: _Exchange[Any]) -> dict[str, str]:
         return _signed_request(
-            self._secret, self._allowlist, host, port, exchange.method, exchange.path,
+            self._secret,
+            self._allowlist,
+            host,
+            port,
+            exchange.method,
+            exchange.path,
             exchange.body,
-        )  # fmt: skip
+        )
 
     def answer(
         self,
@@ -310,9 +320,16 @@ class _AiohttpCall:
         self._owns_session = session is None
 
     async def __call__(
-        self, host: str, port: int, method: str, path: str, headers: dict[str, str],
-        body: bytes, timeout_s: float, max_bytes: int,
-    ) -> tuple[int, bytes, str | None]:  # fmt: skip
+        self,
+        host: str,
+        port: int,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        timeout_s: float,
+        max_bytes: int,
+    ) -> tuple[int, bytes, str | None]:
         if self._session is None:
             self._session = aiohttp.ClientSession()
         try:
@@ -360,9 +377,15 @@ class AsyncSideChannelClient:
         headers = self._signer.headers(host, port, exchange)
         try:
             status, data, signature = await self._transport(
-                host, port, exchange.method, exchange.path, headers, exchange.body,
-                self._timeout_s, MAX_RESPONSE_BYTES,
-            )  # fmt: skip
+                host,
+                port,
+                exchange.method,
+                exchange.path,
+                headers,
+                exchange.body,
+                self._timeout_s,
+                MAX_RESPONSE_BYTES,
+            )
         except (ConnectionError, TimeoutError) as exc:
             raise _unreachable(host, port, exc) from exc
         return self._signer.answer(exchange, headers, status, data, signature)

@@ -159,9 +159,13 @@ class SideChannelServer:
         if body is None:
             return self._too_large()
         failure = verify(
-            self._secret, request.headers, request.method, request.raw_path, body,
+            self._secret,
+            request.headers,
+            request.method,
+            request.raw_path,
+            body,
             destinations=self._destinations,
-        )  # fmt: skip
+        )
         nonce = request.headers.get(HEADER_NONCE, "")
         if failure is None and not self._nonces.first_use(
             nonce, float(request.headers[HEADER_TIMESTAMP])

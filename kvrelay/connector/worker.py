@@ -171,11 +171,23 @@ class ConnectorWorker:
         self.tp_size = tp_size
         self.agent_name = f"{config.engine_id}-r{rank}-{uuid.uuid4().hex[:8]}"
         self.counters = Counters(
-            "transfers", "blocks_read", "bytes_read", "failures", "notifs_received",
-            "notifs_ignored", "freed_reported", "read_reported", "handshakes", "descs_posted",
-            "remote_agents_added", "remote_agents_removed", "reads_cancelled", "reads_stuck",
-            "handle_releases_failed", "quarantined_block_ms",
-        )  # fmt: skip
+            "transfers",
+            "blocks_read",
+            "bytes_read",
+            "failures",
+            "notifs_received",
+            "notifs_ignored",
+            "freed_reported",
+            "read_reported",
+            "handshakes",
+            "descs_posted",
+            "remote_agents_added",
+            "remote_agents_removed",
+            "reads_cancelled",
+            "reads_stuck",
+            "handle_releases_failed",
+            "quarantined_block_ms",
+        )
         self._transport: NixlTransport | None = None
         self._geometry: CacheGeometry | None = None
         self._client: SideChannelClient | None = None
@@ -377,9 +389,12 @@ class ConnectorWorker:
             claimed_at = time.monotonic()  # before the holder starts the pin: conservative
             try:
                 claim = client.claim(
-                    spec.remote_host, spec.remote_port, spec.remote_request_id,
-                    self.config.engine_id, spec.request_id,
-                )  # fmt: skip
+                    spec.remote_host,
+                    spec.remote_port,
+                    spec.remote_request_id,
+                    self.config.engine_id,
+                    spec.request_id,
+                )
             except SideChannelError as exc:
                 if _unreachable(exc):
                     self._breaker.failed(holder, DownReason.SIDE_CHANNEL)
@@ -540,9 +555,14 @@ class ConnectorWorker:
         self._check_layouts(local, remote)
         first = remote.geometries[min(remote.geometries)]
         plan: ReadPlan = plan_reads(
-            self.rank, self.tp_size, remote.tp_size, self.config.use_mla,
-            local.region_len, first.region_len, local.head_major,
-        )  # fmt: skip
+            self.rank,
+            self.tp_size,
+            remote.tp_size,
+            self.config.use_mla,
+            local.region_len,
+            first.region_len,
+            local.head_major,
+        )
         if max(spec.local_block_ids, default=0) >= local.num_blocks:
             raise LoadFailure(ConnectorErrorKind.SETUP, "local block id out of range")
         message = notif_message(spec.remote_request_id, plan.expected_per_holder_rank)
@@ -568,9 +588,13 @@ class ConnectorWorker:
             if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
                 raise LoadFailure(ConnectorErrorKind.SETUP, "remote block id out of range")
             l_descs, r_descs = build_descs(
-                local, geom, spec.local_block_ids, spec.remote_block_ids, piece,
+                local,
+                geom,
+                spec.local_block_ids,
+                spec.remote_block_ids,
+                piece,
                 self.config.coalesce,
-            )  # fmt: skip
+            )
             agent = remote.agents[piece.remote_rank]
             try:
                 read.handles.append(transport.read(agent, l_descs, r_descs, message))
@@ -599,8 +623,10 @@ class ConnectorWorker:
                         "cancelled KV read for %s still in progress after %.0fs: forgetting its "
                         "holder %s, which ends its transfers (the blocks come back once NIXL "
                         "reports them over)",
-                        rid, self.config.cancel_grace_s, read.spec.remote_engine_id,
-                    )  # fmt: skip
+                        rid,
+                        self.config.cancel_grace_s,
+                        read.spec.remote_engine_id,
+                    )
                     self._forget_remote(read.spec.remote_engine_id)
             elif "ERR" in states:
                 self._fail(rid, LoadFailure(ConnectorErrorKind.TRANSFER, "NIXL READ failed"))

@@ -43,8 +43,16 @@ from kvrelay.devtools.redis import RedisServer
 MODEL = "kvrelay-sim"
 SYSTEM = "You are a patient assistant who answers in a few words. " * 4
 TOPICS = ["rivers", "caches", "bridges", "comets", "gardens", "compilers", "tides", "owls"]
-FOLLOW_UPS = ["Why?", "And then?", "Give an example.", "Shorter, please.", "What else?",
-              "Is that always true?", "How so?", "Explain like I am five."]  # fmt: skip
+FOLLOW_UPS = [
+    "Why?",
+    "And then?",
+    "Give an example.",
+    "Shorter, please.",
+    "What else?",
+    "Is that always true?",
+    "How so?",
+    "Explain like I am five.",
+]
 
 
 # Reports of finished chaos runs, shown in pytest's terminal summary (tests/chaos/conftest.py).
@@ -108,8 +116,15 @@ class ChaosFleet:
             ("D0", "decode"),
             ("D1", "decode"),
         ):
-            engine = self.engines(name, "--role", role, "--lease-seconds", lease,
-                                  "--num-blocks", str(self.blocks_per_engine))  # fmt: skip
+            engine = self.engines(
+                name,
+                "--role",
+                role,
+                "--lease-seconds",
+                lease,
+                "--num-blocks",
+                str(self.blocks_per_engine),
+            )
             self.relays[name] = FaultProxy("127.0.0.1", engine.port).start()
         side = ",".join(
             f"{self.relays[e.name].url}=127.0.0.1:{e.side_channel_port}"
@@ -181,8 +196,10 @@ class ChaosFleet:
         try:
             wait_until(
                 lambda: all(e.pool_idle() for e in self.engines.engines),
-                within_s, interval=0.25, what="every pool idle",
-            )  # fmt: skip
+                within_s,
+                interval=0.25,
+                what="every pool idle",
+            )
         except TimeoutError:
             return self.held_blocks()
         return {}
@@ -264,9 +281,14 @@ def _parse_sse(raw: bytes) -> tuple[str, Any | None, bool]:
 
 
 def one_turn(
-    client: httpx.Client, base: str, messages: list[dict[str, Any]], max_tokens: int,
-    stream: bool, headers: dict[str, str], disconnect: bool = False,
-) -> TurnRecord:  # fmt: skip
+    client: httpx.Client,
+    base: str,
+    messages: list[dict[str, Any]],
+    max_tokens: int,
+    stream: bool,
+    headers: dict[str, str],
+    disconnect: bool = False,
+) -> TurnRecord:
     """Send one chat turn; classify what came back (never raises for server behaviour)."""
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": stream}
     record = TurnRecord([dict(m) for m in messages], max_tokens, stream, "error", at=time.time())
@@ -280,8 +302,9 @@ def one_turn(
             else:
                 record.error_kind = _error_kind(resp.status_code, payload)
         else:
-            with client.stream("POST", base + "/v1/chat/completions", json=body,
-                               headers=headers) as resp:  # fmt: skip
+            with client.stream(
+                "POST", base + "/v1/chat/completions", json=body, headers=headers
+            ) as resp:
                 if disconnect and resp.status_code == 200:
                     # Read the first bytes, then walk away: the proxy must cancel and release.
                     for _ in resp.iter_raw(1):
@@ -372,8 +395,9 @@ class LoadRunner:
             record = None
             for _attempt in range(3):
                 disconnect = stream and rng.random() < self.disconnect_rate
-                record = one_turn(client, self.base_url, messages, max_tokens, stream, headers,
-                                  disconnect)  # fmt: skip
+                record = one_turn(
+                    client, self.base_url, messages, max_tokens, stream, headers, disconnect
+                )
                 with self._lock:
                     self.records.append(record)
                 if record.outcome == "ok" or self._stop.is_set():
@@ -495,8 +519,9 @@ class Chaos:
     def _engine_fails(self, rng: random.Random) -> None:
         engine = self.fleet.engine(rng.choice(self.fleet.engine_names))
         status = rng.choice([500, 503])
-        code, _ = engine.request("/admin/faults", {"fail_next_n": rng.randint(1, 3),
-                                                   "fail_status": status})  # fmt: skip
+        code, _ = engine.request(
+            "/admin/faults", {"fail_next_n": rng.randint(1, 3), "fail_status": status}
+        )
         if code == 200:
             self.injected["engine_fail_next"] += 1
 
@@ -558,9 +583,16 @@ class Sampler:
             p50 = statistics.median(fresh) if fresh else None
             p95 = sorted(fresh)[int(0.95 * (len(fresh) - 1))] if fresh else None
             with contextlib.suppress(OSError, AssertionError):
-                self.samples.append(Sample(time.monotonic() - self.t0, self.fleet.proxy_rss(),
-                                           self.fleet.held_blocks_now(), len(records), p50,
-                                           p95))  # fmt: skip
+                self.samples.append(
+                    Sample(
+                        time.monotonic() - self.t0,
+                        self.fleet.proxy_rss(),
+                        self.fleet.held_blocks_now(),
+                        len(records),
+                        p50,
+                        p95,
+                    )
+                )
             if self._stop.wait(self.period_s):
                 return
 

@@ -29,8 +29,11 @@ CONNECTOR_SECRET = "kvrelay-test-connector-secret"
 # the process that started it, and reporting `usage.prompt_tokens_details` (off by default, as
 # in vLLM) as the proxy's deployments are told to run them.
 DEV_ENGINE_ARGS = (
-    "--log-level", "WARNING", "--exit-with-parent", "--enable-prompt-tokens-details",
-)  # fmt: skip
+    "--log-level",
+    "WARNING",
+    "--exit-with-parent",
+    "--enable-prompt-tokens-details",
+)
 
 
 def dev_env() -> dict[str, str]:
@@ -67,8 +70,15 @@ class EngineSim(ManagedServer):
         return f"127.0.0.1:{self.side_channel_port}" if self.connector else None
 
     def argv(self) -> list[str]:
-        argv = [sys.executable, "-m", self.module, "--port", str(self.port), "--engine-id",
-                self.name]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            self.module,
+            "--port",
+            str(self.port),
+            "--engine-id",
+            self.name,
+        ]
         if self.connector:
             argv += ["--side-channel-port", str(self.side_channel_port)]
         return [*argv, *self.base_args, *self.args]
@@ -76,10 +86,14 @@ class EngineSim(ManagedServer):
     def spawn(self) -> EngineSim:
         """Start the process without waiting for it (engines then start side by side)."""
         self.process = ServerProcess(
-            self.argv(), http_ready(f"{self.url}/health"),
-            env=dev_env() if self.env is None else self.env, ready_timeout=self.ready_timeout,
-            name=self.process_name or f"enginesim-{self.name}", cpus=self.cpus, port=self.port,
-        ).spawn()  # fmt: skip
+            self.argv(),
+            http_ready(f"{self.url}/health"),
+            env=dev_env() if self.env is None else self.env,
+            ready_timeout=self.ready_timeout,
+            name=self.process_name or f"enginesim-{self.name}",
+            cpus=self.cpus,
+            port=self.port,
+        ).spawn()
         return self
 
     def start(self) -> EngineSim:
@@ -90,9 +104,12 @@ class EngineSim(ManagedServer):
         return self
 
     def request(
-        self, path: str, body: Any = None, headers: dict[str, str] | None = None,
+        self,
+        path: str,
+        body: Any = None,
+        headers: dict[str, str] | None = None,
         timeout: float = 30.0,
-    ) -> tuple[int, Any]:  # fmt: skip
+    ) -> tuple[int, Any]:
         """POST JSON (GET when `body` is None); returns (status, parsed JSON body)."""
         return json_request(self.url + path, body, headers, timeout)
 

@@ -175,9 +175,10 @@ class FaultProxy:
             self._conns.add(up_writer)
             try:
                 await asyncio.gather(
-                    self._pipe(reader, up_writer), self._pipe(up_reader, writer),
+                    self._pipe(reader, up_writer),
+                    self._pipe(up_reader, writer),
                     return_exceptions=True,
-                )  # fmt: skip
+                )
             finally:
                 self._conns.discard(up_writer)
                 _close(up_writer)

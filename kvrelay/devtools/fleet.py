@@ -48,9 +48,13 @@ class DevFleet:
     def _engine(self, role: str, index: int) -> EngineSim:
         name = f"{self.name}{role[0].upper()}{index}"
         return EngineSim(
-            name, ("--role", role, *self.engine_args), base_args=self.engine_base_args,
-            env=self.env, ready_timeout=self.ready_timeout, process_name=self.name and name,
-        )  # fmt: skip
+            name,
+            ("--role", role, *self.engine_args),
+            base_args=self.engine_base_args,
+            env=self.env,
+            ready_timeout=self.ready_timeout,
+            process_name=self.name and name,
+        )
 
     @property
     def prefill_engines(self) -> list[EngineSim]:
@@ -74,11 +78,16 @@ class DevFleet:
             if self.redis_server is not None:
                 settings.setdefault("map_url", self.redis_server.url)
             self.proxy = ProxyServer(
-                self.prefill_engines, self.decode_engines, settings,
+                self.prefill_engines,
+                self.decode_engines,
+                settings,
                 port=self.proxy_port or free_port(),
-                flags=self.flags, args=self.proxy_args, env_base=self.env, name=self.proxy_name,
+                flags=self.flags,
+                args=self.proxy_args,
+                env_base=self.env,
+                name=self.proxy_name,
                 ready_timeout=self.ready_timeout,
-            )  # fmt: skip
+            )
             self.proxy.spawn("/ready")
             for process in (*(e.process for e in engines), self.proxy.process):
                 assert process is not None

@@ -190,11 +190,16 @@ class _Engine:
             if rid in self.loads:
                 cid, _view, n = self.loads.pop(rid)
                 loaded = self.sched.loaded_tokens(rid)
-                self.reply(cid, {
-                    "n": n, "loaded": loaded, "failed": rid in failed,
-                    "invalid": sorted(self.invalid_seen & set(self.req_blocks.get(rid, []))),
-                    "blocks": self.req_blocks.get(rid, []),
-                })  # fmt: skip
+                self.reply(
+                    cid,
+                    {
+                        "n": n,
+                        "loaded": loaded,
+                        "failed": rid in failed,
+                        "invalid": sorted(self.invalid_seen & set(self.req_blocks.get(rid, []))),
+                        "blocks": self.req_blocks.get(rid, []),
+                    },
+                )
 
     def reply(self, cid: int, value: Any) -> None:
         self.conn.send((cid, value))
@@ -237,10 +242,15 @@ class _Engine:
         elif cmd == "block_data":
             self.reply(cid, self.block_data(args["blocks"]))
         elif cmd == "stats":
-            self.reply(cid, {
-                "sched": self.sched.stats(), "workers": [w.stats() for w in self.workers],
-                "free_blocks": len(self.free_blocks), "total_blocks": self.spec.num_blocks,
-            })  # fmt: skip
+            self.reply(
+                cid,
+                {
+                    "sched": self.sched.stats(),
+                    "workers": [w.stats() for w in self.workers],
+                    "free_blocks": len(self.free_blocks),
+                    "total_blocks": self.spec.num_blocks,
+                },
+            )
         elif cmd == "reclaim":
             self.reply(cid, self.sched.reclaim_holds(args["num_blocks"]))
         elif cmd == "release":
@@ -261,12 +271,17 @@ class _Engine:
             self.polling = bool(args["on"])
             self.reply(cid, True)
         elif cmd == "info":
-            self.reply(cid, {
-                "port": self.sched.side_channel_port, "instance_id": self.sched.instance_id,
-                "compat_hash": self.config.compat_hash(), "pid": os.getpid(),
-                "mem_type": self.workers[0].get_handshake_metadata()["layout"]["mem_type"],
-                "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
-            })  # fmt: skip
+            self.reply(
+                cid,
+                {
+                    "port": self.sched.side_channel_port,
+                    "instance_id": self.sched.instance_id,
+                    "compat_hash": self.config.compat_hash(),
+                    "pid": os.getpid(),
+                    "mem_type": self.workers[0].get_handshake_metadata()["layout"]["mem_type"],
+                    "ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
+                },
+            )
         else:
             self.reply(cid, RuntimeError(f"unknown command {cmd}"))
 

@@ -86,13 +86,15 @@ class ProxyServer(ManagedServer):
         else:
             env = dict(self.env_base)
         if not self.flags:
-            env.update({
-                "KVRELAY_HOST": "127.0.0.1",
-                "KVRELAY_PORT": str(self.port),
-                "KVRELAY_PREFILL": ",".join(self._urls(self.prefill)),
-                "KVRELAY_DECODE": ",".join(self._urls(self.decode)),
-                "KVRELAY_SIDE_CHANNELS": ",".join(self._side_channels()),
-            })  # fmt: skip
+            env.update(
+                {
+                    "KVRELAY_HOST": "127.0.0.1",
+                    "KVRELAY_PORT": str(self.port),
+                    "KVRELAY_PREFILL": ",".join(self._urls(self.prefill)),
+                    "KVRELAY_DECODE": ",".join(self._urls(self.decode)),
+                    "KVRELAY_SIDE_CHANNELS": ",".join(self._side_channels()),
+                }
+            )
         env.update({f"KVRELAY_{k.upper()}": v for k, v in self.settings.items()})
         env.update(self.extra_env)
         return env
@@ -111,10 +113,14 @@ class ProxyServer(ManagedServer):
     def spawn(self, ready_path: str = "/health") -> ProxyServer:
         """Start the process without waiting for it (to start it beside its engines)."""
         self.process = ServerProcess(
-            self.argv(), http_ready(self.url + ready_path), env=self.env(),
-            ready_timeout=self.ready_timeout, name=self.name or f"proxy-{self.port}",
-            cwd=self.cwd, cpus=self.cpus,
-        ).spawn()  # fmt: skip
+            self.argv(),
+            http_ready(self.url + ready_path),
+            env=self.env(),
+            ready_timeout=self.ready_timeout,
+            name=self.name or f"proxy-{self.port}",
+            cwd=self.cwd,
+            cpus=self.cpus,
+        ).spawn()
         return self
 
     def start(self, ready_path: str = "/health") -> ProxyServer:

@@ -29,12 +29,17 @@ class RedisServer(ManagedServer):
             raise RuntimeError("redis-server not found: run `make redis` (Debian: redis-server)")
         argv = [
             binary,
-            "--port", str(self.port),
-            "--bind", "127.0.0.1",
-            "--save", "",
-            "--appendonly", "no",
-            "--protected-mode", "no",
-        ]  # fmt: skip
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--protected-mode",
+            "no",
+        ]
         if self.password:
             argv += ["--requirepass", self.password]
         self.process = ServerProcess(

@@ -100,13 +100,29 @@ class VLLMServer:
 
     def argv(self) -> list[str]:
         argv = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(self.model_dir), "--served-model-name", MODEL_NAME,
-            "--host", "127.0.0.1", "--port", str(self.port),
-            "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-            "--block-size", str(BLOCK_SIZE), "--enforce-eager", "--max-num-seqs", "8",
-            "--seed", "0",
-        ]  # fmt: skip
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--served-model-name",
+            MODEL_NAME,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(MAX_MODEL_LEN),
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--enforce-eager",
+            "--max-num-seqs",
+            "8",
+            "--seed",
+            "0",
+        ]
         if self.transfer_config is not None:
             argv += ["--kv-transfer-config", json.dumps(self.transfer_config)]
         return argv + self.extra_args
@@ -114,9 +130,12 @@ class VLLMServer:
     def start(self) -> VLLMServer:
         env = {**vllm_env(self.cpu), **self.extra_env}
         self.process = ServerProcess(
-            self.argv(), http_ready(f"{self.url}/health"), env=env,
-            ready_timeout=START_TIMEOUT_S, name=f"vllm-{self.name}",
-        )  # fmt: skip
+            self.argv(),
+            http_ready(f"{self.url}/health"),
+            env=env,
+            ready_timeout=START_TIMEOUT_S,
+            name=f"vllm-{self.name}",
+        )
         self.process.start()
         return self
 

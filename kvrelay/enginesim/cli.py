@@ -27,45 +27,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--engine-id", default=None, help="connector engine id (default: sim-PORT)")
     p.add_argument(
-        "--side-channel-port", type=int, default=None,
+        "--side-channel-port",
+        type=int,
+        default=None,
         help="serve the connector side channel here (0: any free port); omit for a single "
         "engine without KV transfer",
-    )  # fmt: skip
+    )
     p.add_argument("--side-channel-host", default="127.0.0.1")
     p.add_argument(
-        "--role", choices=["both", "prefill", "decode"], default="both",
+        "--role",
+        choices=["both", "prefill", "decode"],
+        default="both",
         help="a label for launch scripts: every engine's connector serves both directions",
-    )  # fmt: skip
+    )
     p.add_argument("--prefill-us-per-token", type=float, default=0.0)
     p.add_argument("--decode-us-per-step", type=float, default=0.0)
     p.add_argument(
-        "--cost-profile", choices=sorted(PROFILES), default=None,
+        "--cost-profile",
+        choices=sorted(PROFILES),
+        default=None,
         help="model a GPU's step and KV transfer times instead of the two flat knobs above; "
         "also sets the pool's block count and size and the context length (README)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--kv-link", choices=sorted(LINKS), default=DEFAULT_LINK,
+        "--kv-link",
+        choices=sorted(LINKS),
+        default=DEFAULT_LINK,
         help="the link a cost profile's KV transfers are modelled over",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--kv-scale", type=float, default=1.0,
+        "--kv-scale",
+        type=float,
+        default=1.0,
         help="with --cost-profile: the share of the profile's KV blocks this engine gets",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--enable-prefix-caching", action="store_true",
+        "--enable-prefix-caching",
+        action="store_true",
         help="vLLM's prefix caching: full blocks stay findable in the KV pool until an "
         "allocation takes them (off unless asked; vLLM 0.32 turns it on by default)",
-    )  # fmt: skip
+    )
     # Unset: 1024 blocks of 16 tokens and 4096 tokens, or what --cost-profile says.
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument(
-        "--max-num-batched-tokens", type=int, default=8192,
+        "--max-num-batched-tokens",
+        type=int,
+        default=8192,
         help="tokens one step may compute: decodes first, then prefill chunks (vLLM's flag; "
         "8192 is its online default on H100/H200)",
-    )  # fmt: skip
+    )
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=16)
@@ -73,32 +86,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-layout", choices=[x.value for x in KVLayout], default="kv_first")
     p.add_argument("--eos-period", type=int, default=64, help="~1/N chance of EOS per token")
     p.add_argument(
-        "--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction, default=False,
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="usage.prompt_tokens_details in answers (vLLM's flag of the same name)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--chat-template-first-line", default="",
+        "--chat-template-first-line",
+        default="",
         help="a line the chat template renders before the messages; {messages} is replaced by "
         "their number, so it changes every turn (as a template that prints the date does)",
-    )  # fmt: skip
+    )
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--lease-seconds", type=float, help="default: the connector's")
     p.add_argument(
-        "--hold-budget-fraction", type=float,
+        "--hold-budget-fraction",
+        type=float,
         help="share of the KV pool holds may pin (default: the connector's)",
-    )  # fmt: skip
+    )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
-        "--params-in-stream", action=argparse.BooleanOptionalAction, default=False,
+        "--params-in-stream",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="kvrelay extra: put kv_transfer_params in the last stream chunk (stock vLLM "
         "never does; by default params are only on the side channel, as with vLLM)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--exit-with-parent", action="store_true",
+        "--exit-with-parent",
+        action="store_true",
         help="stop when the parent process dies (test runs killed mid-way leave no engines)",
-    )  # fmt: skip
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 

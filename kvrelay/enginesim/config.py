@@ -61,9 +61,12 @@ class EngineConfig:
     def new_pool(self) -> BlockPool:
         """The engine's KV pool, as this config describes it (prefix caching in it or not)."""
         return BlockPool(
-            self.num_blocks, self.block_size, self.geometry, self.kv_layout,
+            self.num_blocks,
+            self.block_size,
+            self.geometry,
+            self.kv_layout,
             prefix_caching=self.enable_prefix_caching,
-        )  # fmt: skip
+        )
 
     def validate(self) -> None:
         if self.max_model_len < 2:

@@ -185,21 +185,39 @@ class CostProfile:
 
 # ----- public figures (README: "Cost profiles" names each source) ------------------------------
 H100_SXM = GPUSpec(
-    "H100 SXM5 80GB", peak_flops=989 * TB, hbm_bytes=80 * GB, hbm_bandwidth=3.35 * TB,
+    "H100 SXM5 80GB",
+    peak_flops=989 * TB,
+    hbm_bytes=80 * GB,
+    hbm_bandwidth=3.35 * TB,
     nvlink_bandwidth=450 * GB,
-)  # fmt: skip
+)
 H200_SXM = GPUSpec(
-    "H200 SXM 141GB", peak_flops=989 * TB, hbm_bytes=141 * GB, hbm_bandwidth=4.8 * TB,
+    "H200 SXM 141GB",
+    peak_flops=989 * TB,
+    hbm_bytes=141 * GB,
+    hbm_bandwidth=4.8 * TB,
     nvlink_bandwidth=450 * GB,
-)  # fmt: skip
+)
 LLAMA3_8B = ModelSpec(
-    "Llama-3.1-8B", params=8.03e9, num_layers=32, hidden_size=4096, num_heads=32,
-    num_kv_heads=8, head_dim=128, max_model_len=131072,
-)  # fmt: skip
+    "Llama-3.1-8B",
+    params=8.03e9,
+    num_layers=32,
+    hidden_size=4096,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    max_model_len=131072,
+)
 LLAMA3_70B = ModelSpec(
-    "Llama-3.1-70B", params=70.6e9, num_layers=80, hidden_size=8192, num_heads=64,
-    num_kv_heads=8, head_dim=128, max_model_len=131072,
-)  # fmt: skip
+    "Llama-3.1-70B",
+    params=70.6e9,
+    num_layers=80,
+    hidden_size=8192,
+    num_heads=64,
+    num_kv_heads=8,
+    head_dim=128,
+    max_model_len=131072,
+)
 
 # Efficiency assumptions shared by every profile (README says why these values).
 MFU = 0.5
@@ -210,9 +228,15 @@ ALLREDUCE_LATENCY_S = 10e-6
 
 def _profile(name: str, model: ModelSpec, gpu: GPUSpec, tp: int) -> CostProfile:
     return CostProfile(
-        name, model, gpu, tp, mfu=MFU, hbm_efficiency=HBM_EFFICIENCY,
-        step_overhead_s=STEP_OVERHEAD_S, allreduce_latency_s=ALLREDUCE_LATENCY_S,
-    )  # fmt: skip
+        name,
+        model,
+        gpu,
+        tp,
+        mfu=MFU,
+        hbm_efficiency=HBM_EFFICIENCY,
+        step_overhead_s=STEP_OVERHEAD_S,
+        allreduce_latency_s=ALLREDUCE_LATENCY_S,
+    )
 
 
 PROFILES: dict[str, CostProfile] = {
@@ -233,21 +257,30 @@ LINKS: dict[str, LinkSpec] = {
     # RDMA with the UCX backend, which the NIXL developers called the expected figure then).
     # The two profiles bracket it; a comparison states which it ran.
     "rdma-400g-1us": LinkSpec(
-        "rdma-400g-1us", line_rate=400e9 / 8, efficiency=0.9, latency_s=30e-6,
+        "rdma-400g-1us",
+        line_rate=400e9 / 8,
+        efficiency=0.9,
+        latency_s=30e-6,
         per_descriptor_s=1.1e-6,
     ),
     "rdma-400g-13us": LinkSpec(
-        "rdma-400g-13us", line_rate=400e9 / 8, efficiency=0.9, latency_s=30e-6,
+        "rdma-400g-13us",
+        line_rate=400e9 / 8,
+        efficiency=0.9,
+        latency_s=30e-6,
         per_descriptor_s=12.6e-6,
     ),
     # Inside one node over cuda_ipc (NVLink): this project's own H200 measurement
     # (bench/RESULTS.md, "transfer (GPU)": about 7.3 us per descriptor whatever its size, and a
     # device-to-device copy of 1.74-1.99 TB/s, which large descriptors approach).
     "cuda-ipc-h200": LinkSpec(
-        "cuda-ipc-h200", line_rate=1.99 * TB, efficiency=0.95, latency_s=30e-6,
+        "cuda-ipc-h200",
+        line_rate=1.99 * TB,
+        efficiency=0.95,
+        latency_s=30e-6,
         per_descriptor_s=7.3e-6,
     ),
-}  # fmt: skip
+}
 DEFAULT_LINK = "rdma-400g-13us"
 
 

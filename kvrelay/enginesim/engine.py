@@ -55,10 +55,14 @@ class EngineCore:
     """Block pool, waiting queue, running batch and the model, driven one step at a time."""
 
     def __init__(
-        self, config: EngineConfig, kv_host: KVHost | None = None,
-        pool: BlockPool | None = None, *, wait: Callable[[float], None] = time.sleep,
+        self,
+        config: EngineConfig,
+        kv_host: KVHost | None = None,
+        pool: BlockPool | None = None,
+        *,
+        wait: Callable[[float], None] = time.sleep,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         config.validate()
         self.config = config
         # Modelled time is waited out on the engine thread (two cores simulate a fleet);
@@ -71,9 +75,12 @@ class EngineCore:
         self.link = get_link(config.kv_link)
         self.tokenizer: Tokenizer = get_tokenizer()
         self.model = SimModel(
-            config.model, config.geometry, self.tokenizer.output_vocab(),
-            self.tokenizer.eos_id, config.eos_period,
-        )  # fmt: skip
+            config.model,
+            config.geometry,
+            self.tokenizer.output_vocab(),
+            self.tokenizer.eos_id,
+            config.eos_period,
+        )
         self.pool = pool or config.new_pool()
         self.kv: KVHost = kv_host or NoConnector()
         self.waiting: deque[SimRequest] = deque()
@@ -528,12 +535,17 @@ class EngineCore:
             params[REMOTE_PREFILL_CACHED_TOKENS] = (req.admitted_local or 0) + req.admitted_external
         self.counters["requests_finished"] += 1
         final = Output(
-            text=delta, token_ids=[token], finished=True, finish_reason=reason,
-            kv_transfer_params=params, prompt_tokens=req.num_prompt_tokens,
-            completion_tokens=req.num_output_tokens, loaded_tokens=req.loaded_tokens,
+            text=delta,
+            token_ids=[token],
+            finished=True,
+            finish_reason=reason,
+            kv_transfer_params=params,
+            prompt_tokens=req.num_prompt_tokens,
+            completion_tokens=req.num_output_tokens,
+            loaded_tokens=req.loaded_tokens,
             num_cached_tokens=req.num_cached_tokens or 0,
             cache_creation_tokens=req.cache_creation_tokens,
-        )  # fmt: skip
+        )
         self._outbox.append((req, final))
 
     def _release(self, req: SimRequest, *, hold: bool) -> dict[str, object] | None:

@@ -28,9 +28,12 @@ DEFAULT_DIMENSIONS = 16
 
 
 def add_routes(
-    app: web.Application, tokenizer: Tokenizer, model: str, max_model_len: int,
+    app: web.Application,
+    tokenizer: Tokenizer,
+    model: str,
+    max_model_len: int,
     first_line: str = "",
-) -> None:  # fmt: skip
+) -> None:
     """Register the four routes for one engine serving `model` (`first_line`: the chat
     template's, as the chat route renders it)."""
     extras = Extras(tokenizer, model, max_model_len, first_line)
@@ -117,13 +120,18 @@ class Extras:
             body = await self._body(request)
             inputs = body.get("input")
             # One string or token list, or a batch of them (as OpenAI accepts).
-            batch = inputs if isinstance(inputs, list) and inputs and all(
-                isinstance(i, str | list) for i in inputs
-            ) else [inputs]  # fmt: skip
+            batch = (
+                inputs
+                if isinstance(inputs, list)
+                and inputs
+                and all(isinstance(i, str | list) for i in inputs)
+                else [inputs]
+            )
             dims = body.get("dimensions", DEFAULT_DIMENSIONS)
             if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= 4096:
-                raise ApiError(400, "dimensions must be an integer in [1, 4096]",
-                               param="dimensions")  # fmt: skip
+                raise ApiError(
+                    400, "dimensions must be an integer in [1, 4096]", param="dimensions"
+                )
             ids = [self._ids(item, "input") for item in batch]
         except ApiError as exc:
             return _error(exc)
@@ -190,15 +198,25 @@ class Extras:
         raise ApiError(400, "input must be a string or a list of messages", param="input")
 
     def _response(
-        self, response_id: str, item_id: str, text: str, input_tokens: int, output_tokens: int,
+        self,
+        response_id: str,
+        item_id: str,
+        text: str,
+        input_tokens: int,
+        output_tokens: int,
         status: str,
-    ) -> dict[str, Any]:  # fmt: skip
+    ) -> dict[str, Any]:
         output = []
         if text:
             output.append(
-                {"type": "message", "id": item_id, "role": "assistant", "status": status,
-                 "content": [{"type": "output_text", "text": text, "annotations": []}]}
-            )  # fmt: skip
+                {
+                    "type": "message",
+                    "id": item_id,
+                    "role": "assistant",
+                    "status": status,
+                    "content": [{"type": "output_text", "text": text, "annotations": []}],
+                }
+            )
         return {
             "id": response_id,
             "object": "response",

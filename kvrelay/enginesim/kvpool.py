@@ -49,9 +49,13 @@ class BlockPool:
     allocation is all-or-nothing, freed blocks go last."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, geometry: ModelGeometry,
-        layout: KVLayout = KVLayout.KV_FIRST, prefix_caching: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        num_blocks: int,
+        block_size: int,
+        geometry: ModelGeometry,
+        layout: KVLayout = KVLayout.KV_FIRST,
+        prefix_caching: bool = False,
+    ) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks

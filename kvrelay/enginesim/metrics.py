@@ -68,15 +68,17 @@ class _SnapshotCollector:
         yield requests
         connector: dict[str, int] = snap.get("connector", {})
         yield CounterMetricFamily(
-            "enginesim_kv_transfers", "KV transfers reported by the connector",
+            "enginesim_kv_transfers",
+            "KV transfers reported by the connector",
             value=connector.get("transfers", 0),
-        )  # fmt: skip
+        )
         for key, value in sorted(connector.items()):
             if isinstance(value, int | float) and not isinstance(value, bool):
                 yield GaugeMetricFamily(
-                    f"enginesim_connector_{_NAME_OK.sub('_', key)}", f"connector stat {key}",
+                    f"enginesim_connector_{_NAME_OK.sub('_', key)}",
+                    f"connector stat {key}",
                     value=value,
-                )  # fmt: skip
+                )
 
 
 def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
@@ -84,9 +86,10 @@ def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
     total = snap.get("blocks_total", 0)
     used = 1.0 - snap.get("blocks_free", 0) / total if total else 0.0
     yield GaugeMetricFamily(
-        "vllm:num_requests_running", "requests in the running batch",
+        "vllm:num_requests_running",
+        "requests in the running batch",
         value=snap.get("requests_running", 0),
-    )  # fmt: skip
+    )
     # vLLM counts requests waiting for remote KV among the waiting ones.
     # `extra_waiting` is the busy-engine fault (`Faults.extra_waiting`).
     waiting = (
@@ -119,23 +122,26 @@ def _vllm_prompt_counters(snap: dict[str, Any], model: str) -> Iterator[Metric]:
 
     yield counter("vllm:prompt_tokens", "Number of prefill tokens processed.", "vllm_prompt_tokens")
     by_source = CounterMetricFamily(
-        "vllm:prompt_tokens_by_source", "Number of prompt tokens by source.",
+        "vllm:prompt_tokens_by_source",
+        "Number of prompt tokens by source.",
         labels=[*labels, "source"],
-    )  # fmt: skip
+    )
     for source, key in _PROMPT_SOURCES.items():
         by_source.add_metric([*values, source], snap.get(key, 0))
     yield by_source
     yield counter(
-        "vllm:prompt_tokens_cached", "Number of cached prompt tokens (local + external).",
+        "vllm:prompt_tokens_cached",
+        "Number of cached prompt tokens (local + external).",
         "vllm_prompt_tokens_cached",
-    )  # fmt: skip
+    )
     yield counter(
         "vllm:generation_tokens", "Number of generation tokens processed.", "generation_tokens"
     )
     itl = HistogramMetricFamily(
-        "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+        "vllm:inter_token_latency_seconds",
+        "Histogram of inter-token latency in seconds.",
         labels=labels,
-    )  # fmt: skip
+    )
     itl.add_metric(values, snap.get("itl_buckets") or [("+Inf", 0)], snap.get("itl_sum", 0.0))
     yield itl
 

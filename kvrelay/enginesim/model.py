@@ -71,9 +71,13 @@ class SimModel:
     """Deterministic KV and next-token functions; stateless apart from its constants."""
 
     def __init__(
-        self, name: str, geometry: ModelGeometry, output_vocab: Sequence[int], eos_id: int,
+        self,
+        name: str,
+        geometry: ModelGeometry,
+        output_vocab: Sequence[int],
+        eos_id: int,
         eos_period: int = 64,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.name = name
         self.geometry = geometry
         self.output_vocab = list(output_vocab)

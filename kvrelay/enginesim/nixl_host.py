@@ -57,8 +57,10 @@ class NixlHost:
             raise
         log.info(
             "connector %s: side channel on %s:%d",
-            self.config.engine_id, self.config.side_channel_host, self.sched.side_channel_port,
-        )  # fmt: skip
+            self.config.engine_id,
+            self.config.side_channel_host,
+            self.sched.side_channel_port,
+        )
 
     def _new_worker(self) -> ConnectorWorker:
         worker = ConnectorWorker(self.config, rank=0, tp_size=1)

@@ -25,9 +25,13 @@ class ApiError(Exception):
     """A request refused with an OpenAI-shaped error."""
 
     def __init__(
-        self, status: int, message: str, *, type_: str = "BadRequestError",
+        self,
+        status: int,
+        message: str,
+        *,
+        type_: str = "BadRequestError",
         param: str | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -93,8 +97,11 @@ def _cache_salt(body: dict[str, Any]) -> str | None:
     if salt is None:
         return None
     if not isinstance(salt, str) or not salt:
-        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.",
-                       param="cache_salt")  # fmt: skip
+        raise ApiError(
+            400,
+            "Parameter 'cache_salt' must be a non-empty string if provided.",
+            param="cache_salt",
+        )
     if len(salt) > 128 or any(c in "@/\\\x00" for c in salt):
         raise ApiError(
             400,
@@ -118,8 +125,9 @@ def _check_common(body: Any, served_model: str) -> tuple[str, bool, bool]:
         )
     temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
-        raise ApiError(400, f"temperature must be non-negative, got {temperature}.",
-                       param="temperature")  # fmt: skip
+        raise ApiError(
+            400, f"temperature must be non-negative, got {temperature}.", param="temperature"
+        )
     top_p = _number(body, "top_p")
     if top_p is not None and not 0 < top_p <= 1:
         raise ApiError(400, f"top_p must be in (0, 1], got {top_p}.", param="top_p")
@@ -141,8 +149,11 @@ def _check_common(body: Any, served_model: str) -> tuple[str, bool, bool]:
         if not isinstance(options, dict):
             raise ApiError(400, "stream_options must be an object", param="stream_options")
         if not stream:
-            raise ApiError(400, "Stream options can only be defined when `stream=True`.",
-                           param="stream_options")  # fmt: skip
+            raise ApiError(
+                400,
+                "Stream options can only be defined when `stream=True`.",
+                param="stream_options",
+            )
         include_usage = bool(options.get("include_usage", False))
     params = body.get(KV_TRANSFER_PARAMS)
     if params is not None and not isinstance(params, dict):
@@ -162,9 +173,12 @@ def _stop(body: dict[str, Any]) -> tuple[str, ...]:
 
 
 def _sampling(
-    body: dict[str, Any], max_tokens: int | None, prompt_len: int, max_model_len: int,
+    body: dict[str, Any],
+    max_tokens: int | None,
+    prompt_len: int,
+    max_model_len: int,
     default_max: int | None,
-) -> SamplingParams:  # fmt: skip
+) -> SamplingParams:
     if prompt_len == 0:
         raise ApiError(400, "The prompt is empty.", param="prompt")
     if prompt_len >= max_model_len:
@@ -175,8 +189,7 @@ def _sampling(
             param="messages" if "messages" in body else "prompt",
         )
     if max_tokens is not None and max_tokens < 1:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.",
-                       param="max_tokens")  # fmt: skip
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
     if max_tokens is None:
         max_tokens = max_model_len - prompt_len if default_max is None else default_max
         max_tokens = min(max_tokens, max_model_len - prompt_len)

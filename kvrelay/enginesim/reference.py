@@ -20,10 +20,13 @@ def _run(prompt_ids: list[int], max_tokens: int, config: EngineConfig, **samplin
     core = EngineCore(config)
     outputs: list[Output] = []
     req = SimRequest(
-        request_id="reference", client_request_id="reference", prompt_token_ids=prompt_ids,
-        sampling=SamplingParams(max_tokens=max_tokens, **sampling), kv_transfer_params=None,
+        request_id="reference",
+        client_request_id="reference",
+        prompt_token_ids=prompt_ids,
+        sampling=SamplingParams(max_tokens=max_tokens, **sampling),
+        kv_transfer_params=None,
         sink=outputs.append,
-    )  # fmt: skip
+    )
     core.add_request(req)
     run_to_completion(core, lambda: bool(outputs) and outputs[-1].finished)
     if outputs[-1].error is not None:
@@ -32,9 +35,11 @@ def _run(prompt_ids: list[int], max_tokens: int, config: EngineConfig, **samplin
 
 
 def reference_completion(
-    prompt: str | Sequence[int], max_tokens: int, config: EngineConfig | None = None,
+    prompt: str | Sequence[int],
+    max_tokens: int,
+    config: EngineConfig | None = None,
     **sampling: Any,
-) -> str:  # fmt: skip
+) -> str:
     """What a single engine answers to `/v1/completions` with this prompt."""
     config = config or EngineConfig()
     ids = get_tokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -42,9 +47,11 @@ def reference_completion(
 
 
 def reference_chat(
-    messages: Sequence[Mapping[str, Any]], max_tokens: int, config: EngineConfig | None = None,
+    messages: Sequence[Mapping[str, Any]],
+    max_tokens: int,
+    config: EngineConfig | None = None,
     **sampling: Any,
-) -> str:  # fmt: skip
+) -> str:
     """What a single engine answers to `/v1/chat/completions` with these messages."""
     config = config or EngineConfig()
     return _run(get_tokenizer().encode(render_chat(messages)), max_tokens, config, **sampling)

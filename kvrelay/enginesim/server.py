@@ -82,9 +82,12 @@ class EngineServer:
             ]
         )
         extras.add_routes(
-            self.app, self.core.tokenizer, self.config.model, self.config.max_model_len,
+            self.app,
+            self.core.tokenizer,
+            self.config.model,
+            self.config.max_model_len,
             self.config.chat_template_first_line,
-        )  # fmt: skip
+        )
 
     # ----- simple endpoints --------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -151,8 +154,9 @@ class EngineServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         first_line = self.config.chat_template_first_line
-        return await self._generate(request, functools.partial(parse_chat, first_line=first_line),
-                                    chat=True)  # fmt: skip
+        return await self._generate(
+            request, functools.partial(parse_chat, first_line=first_line), chat=True
+        )
 
     async def _json(self, request: web.Request) -> Any:
         try:
@@ -186,10 +190,13 @@ class EngineServer:
         if not params or not params.get(DO_REMOTE_PREFILL):
             return
         req = SimRequest(
-            request_id=f"rej-{client_id}-{next(self._ids):x}", client_request_id=client_id,
-            prompt_token_ids=prompt_ids, sampling=SamplingParams(max_tokens=1),
-            kv_transfer_params=params, sink=lambda _out: None,
-        )  # fmt: skip
+            request_id=f"rej-{client_id}-{next(self._ids):x}",
+            client_request_id=client_id,
+            prompt_token_ids=prompt_ids,
+            sampling=SamplingParams(max_tokens=1),
+            kv_transfer_params=params,
+            sink=lambda _out: None,
+        )
         self.runner.reject(req)
 
     async def _generate(
@@ -219,20 +226,26 @@ class EngineServer:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Output] = asyncio.Queue()
         req = SimRequest(
-            request_id=f"{client_id}-{next(self._ids):x}", client_request_id=client_id,
-            prompt_token_ids=parsed.prompt_token_ids, sampling=parsed.sampling,
-            kv_transfer_params=parsed.kv_transfer_params, cache_salt=parsed.cache_salt,
+            request_id=f"{client_id}-{next(self._ids):x}",
+            client_request_id=client_id,
+            prompt_token_ids=parsed.prompt_token_ids,
+            sampling=parsed.sampling,
+            kv_transfer_params=parsed.kv_transfer_params,
+            cache_salt=parsed.cache_salt,
             sink=self._sink(loop, outputs, parsed.stream),
-        )  # fmt: skip
+        )
         response_id = ("chatcmpl-" if chat else "cmpl-") + client_id
         finished = False
         self.runner.submit(req)
         try:
             if parsed.stream:
                 stream = web.StreamResponse(
-                    headers={**headers, "Content-Type": "text/event-stream",
-                             "Cache-Control": "no-cache"},
-                )  # fmt: skip
+                    headers={
+                        **headers,
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                    },
+                )
                 await stream.prepare(request)
                 finished = await self._stream(stream, outputs.get, parsed, response_id, chat)
                 return stream
@@ -244,8 +257,9 @@ class EngineServer:
                     finished = True
                     break
             if out.error is not None:
-                return _error(ApiError(out.error.status, out.error.message,
-                                       type_=out.error.type), headers)  # fmt: skip
+                return _error(
+                    ApiError(out.error.status, out.error.message, type_=out.error.type), headers
+                )
             return web.json_response(
                 self._full_response(response_id, chat, "".join(text), out), headers=headers
             )
@@ -303,9 +317,13 @@ class EngineServer:
         return usage
 
     async def _stream(
-        self, stream: web.StreamResponse, next_output: Callable[[], Awaitable[Output]],
-        parsed: ParsedRequest, response_id: str, chat: bool,
-    ) -> bool:  # fmt: skip
+        self,
+        stream: web.StreamResponse,
+        next_output: Callable[[], Awaitable[Output]],
+        parsed: ParsedRequest,
+        response_id: str,
+        chat: bool,
+    ) -> bool:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -325,8 +343,13 @@ class EngineServer:
             else:
                 choice["text"] = delta_text or ""
                 choice["stop_reason"] = None
-            return {"id": response_id, "object": kind, "created": created,
-                    "model": self.config.model, "choices": [choice]}  # fmt: skip
+            return {
+                "id": response_id,
+                "object": kind,
+                "created": created,
+                "model": self.config.model,
+                "choices": [choice],
+            }
 
         # vLLM sends a chat stream's role event with the request's first output, not when the
         # stream opens: nothing reaches the client while the request waits or prefills (a

@@ -45,18 +45,25 @@ def _add_setting_flag(parser: argparse.ArgumentParser, name: str, info: FieldInf
     annotation = info.annotation
     if _is_bool(annotation):
         parser.add_argument(
-            flag_name(name), dest=name, action=argparse.BooleanOptionalAction,
-            default=None, help=help_text,
-        )  # fmt: skip
+            flag_name(name),
+            dest=name,
+            action=argparse.BooleanOptionalAction,
+            default=None,
+            help=help_text,
+        )
     elif _is_list(annotation):
         parser.add_argument(
             flag_name(name), dest=name, nargs="+", default=None, metavar="VALUE", help=help_text
         )
     elif _is_dict(annotation):
         parser.add_argument(
-            flag_name(name), dest=name, nargs="+", default=None, metavar="URL=HOST:PORT",
+            flag_name(name),
+            dest=name,
+            nargs="+",
+            default=None,
+            metavar="URL=HOST:PORT",
             help=help_text,
-        )  # fmt: skip
+        )
     else:
         parser.add_argument(flag_name(name), dest=name, default=None, help=help_text)
 

@@ -74,15 +74,21 @@ def run_chat(proxy: str, p_url: str, max_tokens: int) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'turn':>4} {'prompt tok':>10} {'pulled from D':>13} {'computed on P':>13} "
-          f"{'latency ms':>10}")  # fmt: skip
+    print(
+        f"\n{'turn':>4} {'prompt tok':>10} {'pulled from D':>13} {'computed on P':>13} "
+        f"{'latency ms':>10}"
+    )
     for r in rows:
-        print(f"{r['turn']:>4} {r['prompt_tokens']:>10} {r['pulled']:>13} {r['computed']:>13} "
-              f"{r['latency_ms']:>10.1f}")  # fmt: skip
+        print(
+            f"{r['turn']:>4} {r['prompt_tokens']:>10} {r['pulled']:>13} {r['computed']:>13} "
+            f"{r['latency_ms']:>10.1f}"
+        )
     total_prompt = sum(r["prompt_tokens"] for r in rows)
     total_pulled = sum(r["pulled"] for r in rows)
-    print(f"\n{total_pulled} of {total_prompt} prompt tokens came from D's KV instead of being "
-          "recomputed on P.")  # fmt: skip
+    print(
+        f"\n{total_pulled} of {total_prompt} prompt tokens came from D's KV instead of being "
+        "recomputed on P."
+    )
 
 
 def usage_text(proxy: str) -> str:
@@ -120,10 +126,15 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("KVRELAY_ROUTING_POLICY", "always_p")
     fleet = DevFleet(
         engine_args=("--log-level", "WARNING", "--prefill-us-per-token", "200"),
-        engine_base_args=(), proxy_args=("--map-url", "memory://", "--log-level", "WARNING"),
-        proxy_port=free_port(preferred=args.port), proxy_name="proxy", flags=True, env=env,
-        name="demo-", ready_timeout=120,
-    )  # fmt: skip
+        engine_base_args=(),
+        proxy_args=("--map-url", "memory://", "--log-level", "WARNING"),
+        proxy_port=free_port(preferred=args.port),
+        proxy_name="proxy",
+        flags=True,
+        env=env,
+        name="demo-",
+        ready_timeout=120,
+    )
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -136,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  P {p_url}   D {d_url}   proxy {proxy_url}")
         rows = run_chat(proxy_url, p_url, args.max_tokens)
         for r in rows:
-            print(f"\n[turn {r['turn']}] user: {QUESTIONS[r['turn'] - 1]}\n"
-                  f"         assistant: {r['reply'][:160]!r}")  # fmt: skip
+            print(
+                f"\n[turn {r['turn']}] user: {QUESTIONS[r['turn'] - 1]}\n"
+                f"         assistant: {r['reply'][:160]!r}"
+            )
         print_table(rows)
         if args.no_serve:
             return 0

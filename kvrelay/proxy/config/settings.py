@@ -100,17 +100,42 @@ BackendList = Annotated[list[str], NoDecode]
 
 DEFAULT_PASSTHROUGH_ROUTES = ("/v1/embeddings", "/v1/responses", "/tokenize", "/detokenize")
 # Routes the proxy answers itself: a pass-through route may not shadow them.
-OWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready",
-              "/metrics", "/openapi.json", "/version")  # fmt: skip
+OWN_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/models",
+    "/health",
+    "/ready",
+    "/metrics",
+    "/openapi.json",
+    "/version",
+)
 
 
 # Headers `forward_headers` may not name: credentials (the client's key stays at the proxy),
 # hop-by-hop and body framing, and what the proxy sets on engine requests itself.
-NOT_FORWARDED_HEADERS = frozenset({
-    "authorization", "proxy-authorization", "x-admin-key", "cookie", "host", "content-length",
-    "content-type", "transfer-encoding", "connection", "keep-alive", "te", "trailer", "upgrade",
-    "x-request-id", "traceparent", "tracestate", "baggage", "accept-encoding",
-})  # fmt: skip
+NOT_FORWARDED_HEADERS = frozenset(
+    {
+        "authorization",
+        "proxy-authorization",
+        "x-admin-key",
+        "cookie",
+        "host",
+        "content-length",
+        "content-type",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "x-request-id",
+        "traceparent",
+        "tracestate",
+        "baggage",
+        "accept-encoding",
+    }
+)
 _HEADER_NAME = re.compile(r"[A-Za-z0-9!#$%&'*+.^_`|~-]+")
 
 
@@ -596,8 +621,15 @@ class Settings(BaseSettings):
     @classmethod
     def _map_url(cls, value: str) -> str:
         scheme = urlsplit(value).scheme
-        schemes = ("memory", "redis", "rediss", "redis+sentinel", "rediss+sentinel",
-                   "redis+cluster", "rediss+cluster")  # fmt: skip
+        schemes = (
+            "memory",
+            "redis",
+            "rediss",
+            "redis+sentinel",
+            "rediss+sentinel",
+            "redis+cluster",
+            "rediss+cluster",
+        )
         if scheme not in schemes:
             raise ValueError(
                 "must start with memory://, redis[s]://, redis[s]+sentinel:// or "

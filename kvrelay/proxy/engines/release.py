@@ -63,7 +63,7 @@ class Releaser:
             "kvrelay.holder": holder,
             "server.address": ref.remote_host,
             "server.port": ref.remote_port,
-        }  # fmt: skip
+        }
         with tracing.span("kvrelay.side_channel.release", kind="client", attributes=attributes):
             released = await self._release(self._client, holder, ref)
             tracing.annotate({"kvrelay.released": released})

@@ -552,18 +552,29 @@ class Upstream:
         return await self._whole("GET", base_url, path, b"", (), timeout_s, max_bytes)
 
     async def post_json(
-        self, base_url: str, path: str, body: bytes, *, timeout_s: float,
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        *,
+        timeout_s: float,
         max_bytes: int = _GET_MAX_BYTES,
-    ) -> tuple[int, bytes]:  # fmt: skip
+    ) -> tuple[int, bytes]:
         """`POST path` with a JSON body, read whole within `timeout_s`, as `get` (the prompt
         token counts, `/tokenize`)."""
         headers = (("Content-Type", "application/json"),)
         return await self._whole("POST", base_url, path, body, headers, timeout_s, max_bytes)
 
     async def _whole(
-        self, method: str, base_url: str, path: str, body: bytes,
-        headers: tuple[tuple[str, str], ...], timeout_s: float, max_bytes: int,
-    ) -> tuple[int, bytes]:  # fmt: skip
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: tuple[tuple[str, str], ...],
+        timeout_s: float,
+        max_bytes: int,
+    ) -> tuple[int, bytes]:
         async with asyncio.timeout(timeout_s):
             resp = await self.for_url(base_url).request(
                 method, path, body, headers, read_timeout=timeout_s, total_timeout=timeout_s

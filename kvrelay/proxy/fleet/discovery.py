@@ -95,8 +95,9 @@ class DnsSource:
         for record in await self._query(self.name, "SRV"):
             _priority, _weight, port, target = record.split()
             for addr in await self._addresses(target):
-                out.add(Discovered(engine_url(addr, int(port)),
-                                   side_channel_of(addr, self._side_port)))  # fmt: skip
+                out.add(
+                    Discovered(engine_url(addr, int(port)), side_channel_of(addr, self._side_port))
+                )
         return sorted(out, key=lambda d: d.url)
 
 
@@ -137,10 +138,12 @@ class DiscoveryLoop:
             if self._last.get(role) == found:
                 continue
             op = {
-                "op": "sync", "role": role, "source": self._origin,
+                "op": "sync",
+                "role": role,
+                "source": self._origin,
                 "urls": [d.url for d in found],
                 "side_channels": {d.url: d.side_channel for d in found if d.side_channel},
-            }  # fmt: skip
+            }
             try:
                 await self._sync.apply(op)
             except Exception as exc:  # the fleet record is unreachable: try again next round

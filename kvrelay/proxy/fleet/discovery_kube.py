@@ -133,10 +133,13 @@ class KubeRoleWatch:
         stream = watch.Watch()
         try:
             async with stream.stream(
-                self._scope.api.list_namespaced_endpoint_slice, self._scope.namespace,
-                label_selector=self._selector, resource_version=version,
-                allow_watch_bookmarks=True, timeout_seconds=WATCH_TIMEOUT_S,
-            ) as events:  # fmt: skip
+                self._scope.api.list_namespaced_endpoint_slice,
+                self._scope.namespace,
+                label_selector=self._selector,
+                resource_version=version,
+                allow_watch_bookmarks=True,
+                timeout_seconds=WATCH_TIMEOUT_S,
+            ) as events:
                 async for event in events:
                     obj = event["raw_object"]
                     version = obj["metadata"].get("resourceVersion") or version
@@ -159,11 +162,15 @@ class KubeRoleWatch:
         found = ready_engines(self._slices, self._scope.port_name, self._scope.side_name)
         if found == self._pushed:
             return
-        await self._scope.sync.apply({
-            "op": "sync", "role": self._role, "source": "kubernetes",
-            "urls": [d.url for d in found],
-            "side_channels": {d.url: d.side_channel for d in found if d.side_channel},
-        })  # fmt: skip
+        await self._scope.sync.apply(
+            {
+                "op": "sync",
+                "role": self._role,
+                "source": "kubernetes",
+                "urls": [d.url for d in found],
+                "side_channels": {d.url: d.side_channel for d in found if d.side_channel},
+            }
+        )
         self._pushed = found
         log.info("%s discovery (kubernetes): %d ready engines", self._role, len(found))
 

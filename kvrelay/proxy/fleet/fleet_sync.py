@@ -270,8 +270,10 @@ class RedisFleetSync:
         try:
             await self.apply(self._seed_op())
         except Exception as exc:  # Redis down at start: the static fleet, then follow later
-            log.warning("fleet record unavailable at start (%s); using the settings' fleet",
-                        type(exc).__name__)  # fmt: skip
+            log.warning(
+                "fleet record unavailable at start (%s); using the settings' fleet",
+                type(exc).__name__,
+            )
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._poll(), name="kvrelay-fleet-poll"))
         if self._use_pubsub:
@@ -343,6 +345,10 @@ def open_fleet_sync(settings: Settings, pools: dict[str, Pool]) -> FleetSync:
     client, prefix, cluster = open_redis_client(settings.map_url)
     static = {"prefill": list(settings.prefill), "decode": list(settings.decode)}
     return RedisFleetSync(
-        client, prefix, pools, static, interval=settings.fleet_sync_interval_s,
+        client,
+        prefix,
+        pools,
+        static,
+        interval=settings.fleet_sync_interval_s,
         pubsub=not cluster,  # redis-py has no asyncio cluster pub/sub: polling only
-    )  # fmt: skip
+    )

@@ -200,8 +200,11 @@ class Pool:
             backend.healthy = False
             log.warning(
                 "ejected %s engine %s after %d failures (%s)",
-                self.role, backend.url, backend.failures, reason,
-            )  # fmt: skip
+                self.role,
+                backend.url,
+                backend.failures,
+                reason,
+            )
             self._notify(backend)
 
     def record_disputed(self, backend: Backend, tenant: str, reason: str) -> None:

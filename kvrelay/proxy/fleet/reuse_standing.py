@@ -84,8 +84,16 @@ class ReuseStanding:
             log.info(
                 "%s turns of tenant %s on %s showed no cached tokens: withdrawn (a probe turn "
                 "every %gs or a %s local hit on another turn restores them)",
-                self.turn, tenant, url, self.probe_interval_s, self.role,
-            )  # fmt: skip
+                self.turn,
+                tenant,
+                url,
+                self.probe_interval_s,
+                self.role,
+            )
         else:
-            log.info("%s turns of tenant %s on %s show cached tokens again: restored",
-                     self.turn, tenant, url)  # fmt: skip
+            log.info(
+                "%s turns of tenant %s on %s show cached tokens again: restored",
+                self.turn,
+                tenant,
+                url,
+            )

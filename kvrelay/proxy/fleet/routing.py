@@ -78,8 +78,9 @@ class Spill:
         p_queued = self.p_queued_chars * prompt_tokens / max(prompt_chars, 1)
         if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
             return None
-        return Spill(self.backend, d_tokens, self.holder, self.p_queued_chars, self.d_queued,
-                     self.factor)  # fmt: skip
+        return Spill(
+            self.backend, d_tokens, self.holder, self.p_queued_chars, self.d_queued, self.factor
+        )
 
 
 @dataclass

@@ -79,8 +79,9 @@ async def _change(request: web.Request, op: str) -> tuple[Pool, str, bool, Backe
     try:
         found = await sync.apply({"op": op, "role": pool.role, "url": url, "source": "admin"})
     except Exception as exc:  # the shared record is unreachable: change nothing anywhere
-        log.warning("fleet change %s %s refused: fleet record unavailable (%s)", op, url,
-                    type(exc).__name__)  # fmt: skip
+        log.warning(
+            "fleet change %s %s refused: fleet record unavailable (%s)", op, url, type(exc).__name__
+        )
         raise ProxyError(
             503,
             "the shared fleet record is unavailable (Redis); nothing was changed, retry",

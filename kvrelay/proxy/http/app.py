@@ -158,8 +158,7 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         outcome = "client_error" if exc.status < 500 else "upstream_error"
         suspect = turn.suspect_input if turn is not None else ()
         if suspect and app[TENANTS].strike(tenant, suspect):
-            log.warning("paused an API key (tenant %s) whose requests every engine failed",
-                        tenant)  # fmt: skip
+            log.warning("paused an API key (tenant %s) whose requests every engine failed", tenant)
         started = await _end_started_stream(client, exc)
         return started or exc.response({"X-Request-Id": request_id})
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):

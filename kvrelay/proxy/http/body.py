@@ -232,8 +232,9 @@ def nesting_exceeds(value: Any, limit: int) -> bool:
     while dicts or lists:
         if depth > limit:
             return True
-        members = list(chain(chain.from_iterable(map(dict.values, dicts)),
-                             chain.from_iterable(lists)))  # fmt: skip
+        members = list(
+            chain(chain.from_iterable(map(dict.values, dicts)), chain.from_iterable(lists))
+        )
         dicts = list(compress(members, map(is_, map(type, members), repeat(dict))))
         lists = list(compress(members, map(is_, map(type, members), repeat(list))))
         depth += 1

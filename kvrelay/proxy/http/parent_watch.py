@@ -52,6 +52,8 @@ def exit_with_parent(parent_pid: int, poll_s: float = POLL_S) -> None:
         log.error("the supervisor (pid %d) is already gone: this worker stops", parent_pid)
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(
-        target=_watch, args=(parent_pid, signal.SIGTERM, poll_s), daemon=True,
+        target=_watch,
+        args=(parent_pid, signal.SIGTERM, poll_s),
+        daemon=True,
         name="kvrelay-parent-watch",
-    ).start()  # fmt: skip
+    ).start()

@@ -272,14 +272,19 @@ async def _engine_failure(
     if isinstance(data, dict) and isinstance(data.get("error"), dict):
         return web.Response(body=raw, status=resp.status, headers=headers)
     text = " ".join(raw[:300].decode("utf-8", "replace").split())
-    log.warning("pass-through %s: %s answered HTTP %d without an error object", route,
-                backend.url, resp.status)  # fmt: skip
+    log.warning(
+        "pass-through %s: %s answered HTTP %d without an error object",
+        route,
+        backend.url,
+        resp.status,
+    )
     return ProxyError(
         502,
         f"the engine {backend.name} failed on {route} (HTTP {resp.status}"
-        + (f": {text}" if text else "") + ")",
+        + (f": {text}" if text else "")
+        + ")",
         code="upstream_failed",
-    ).response({"X-Request-Id": headers["X-Request-Id"]})  # fmt: skip
+    ).response({"X-Request-Id": headers["X-Request-Id"]})
 
 
 async def _relay(
@@ -301,8 +306,7 @@ async def _relay(
         try:
             raw = await resp.read()
         except (UpstreamError, TimeoutError) as exc:
-            log.warning("pass-through %s from %s broke: %s", route, backend.url,
-                        type(exc).__name__)  # fmt: skip
+            log.warning("pass-through %s from %s broke: %s", route, backend.url, type(exc).__name__)
             raise ProxyError(
                 502,
                 f"the engine {backend.name} failed while answering {route} "
@@ -317,8 +321,13 @@ async def _relay(
         async for chunk in resp.iter_chunks():
             await out.write(chunk)
     except (UpstreamError, TimeoutError) as exc:
-        log.warning("pass-through %s from %s broke after %.1f s: %s", route, backend.url,
-                    time.monotonic() - started, type(exc).__name__)  # fmt: skip
+        log.warning(
+            "pass-through %s from %s broke after %.1f s: %s",
+            route,
+            backend.url,
+            time.monotonic() - started,
+            type(exc).__name__,
+        )
         # Headers are out: closing the connection is the only way to tell the client.
         if request.transport is not None:
             request.transport.close()

@@ -35,10 +35,11 @@ class ShapedErrorsRequestHandler(web_protocol.RequestHandler):
             detail = " ".join(str(message or "").split())[:_DETAIL_MAX]
             error = ProxyError(
                 status,
-                "malformed HTTP request" + (f" ({detail})" if detail else "")
+                "malformed HTTP request"
+                + (f" ({detail})" if detail else "")
                 + "; send a well-formed HTTP/1.1 request",
                 code="malformed_request",
-            )  # fmt: skip
+            )
         else:
             error = ProxyError(
                 status,

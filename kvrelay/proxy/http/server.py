@@ -144,8 +144,9 @@ def serve(settings: Settings) -> int:
     settings.check_runnable()
     check_map_url(settings)
     tracing.check(settings.tracing)
-    log.info("kvrelay proxy on %s:%d, settings %s", settings.host, settings.port,
-             settings.public_dict())  # fmt: skip
+    log.info(
+        "kvrelay proxy on %s:%d, settings %s", settings.host, settings.port, settings.public_dict()
+    )
     if settings.workers == 1:
         run_worker(settings, reuse_port=False)
         return 0

@@ -98,8 +98,12 @@ class Supervisor:
         log.error(
             "worker %d (pid %d) exited with %s after %.1fs; restarting it in %.1fs "
             "(the other workers keep serving)",
-            slot.index, pid, code, lived, delay,
-        )  # fmt: skip
+            slot.index,
+            pid,
+            code,
+            lived,
+            delay,
+        )
 
     def run(self) -> int:
         """Serve until signalled; returns 0 after every worker has exited."""
@@ -126,8 +130,11 @@ class Supervisor:
                         due = slot.restart_at is not None and slot.restart_at <= now
                         if slot.proc is None and due:
                             self._start(slot)
-                            log.warning("worker %d restarted (pid %s)", slot.index,
-                                        slot.proc.pid if slot.proc else None)  # fmt: skip
+                            log.warning(
+                                "worker %d restarted (pid %s)",
+                                slot.index,
+                                slot.proc.pid if slot.proc else None,
+                            )
         finally:
             os.close(self._wake_r)
             os.close(self._wake_w)

@@ -214,9 +214,13 @@ def _recording(
     # Exceptions are recorded by type only: their messages may quote what a client or an
     # engine sent (an engine's 400 can echo the input), which must not leave in a trace.
     with tracer.start_as_current_span(
-        name, context=context, kind=_kinds[kind], attributes=attributes,
-        record_exception=False, set_status_on_exception=False,
-    ) as current:  # fmt: skip
+        name,
+        context=context,
+        kind=_kinds[kind],
+        attributes=attributes,
+        record_exception=False,
+        set_status_on_exception=False,
+    ) as current:
         try:
             yield current
         except BaseException as exc:

@@ -310,8 +310,7 @@ class RedisLimiter(Limiter):
     async def _take(self, tenant: str, limit: TenantLimit) -> tuple[str, float, Slot | None]:
         slot_id = secrets.token_hex(8)
         releasing = sorted(self._releasing.get(tenant, ()))
-        args = [limit.max_inflight, limit.rps, limit.capacity, slot_id, self._lease_ms,
-                *releasing]  # fmt: skip
+        args = [limit.max_inflight, limit.rps, limit.capacity, slot_id, self._lease_ms, *releasing]
         call = asyncio.ensure_future(self._call(self._admit_script, self._keys(tenant), args))
         try:
             # Shielded: a client leaving mid-call must not lose a slot the script took.

@@ -96,11 +96,13 @@ class PromptAccount:
         prompt tokens from whichever has them."""
         if other is None:
             return self
-        best, rest = (self, other) if self.reused is not None or other.reused is None else (
-            other, self)  # fmt: skip
+        best, rest = (
+            (self, other) if self.reused is not None or other.reused is None else (other, self)
+        )
         if best.prompt_tokens is None and rest.prompt_tokens is not None:
-            return PromptAccount(rest.prompt_tokens, best.reused, best.local_hit, best.loaded,
-                                 best.refused)  # fmt: skip
+            return PromptAccount(
+                rest.prompt_tokens, best.reused, best.local_hit, best.loaded, best.refused
+            )
         return best
 
     def summary(self) -> dict[str, Any]:

@@ -115,8 +115,9 @@ class PrefillLeg:
             report.routed("prefill_affinity" if backend.url in affine else "prefill_chosen")
             return self._answer(backend, raw)
         report.fell_back("decode_only")
-        log.warning("no prefill engine answered; decode engine prefills (request %s)",
-                    report.request_id)  # fmt: skip
+        log.warning(
+            "no prefill engine answered; decode engine prefills (request %s)", report.request_id
+        )
         return None
 
     async def _post_read(self, backend: Backend, payload: bytes) -> tuple[int, bytes]:

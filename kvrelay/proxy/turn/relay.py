@@ -270,9 +270,14 @@ class Turn:
     async def _decode_leg(self) -> None:
         report = self.report
         store = Store(
-            self.fleet, report, report.store_key, self.shape.store_fingerprint,
-            previous=self.entry, prefill=self.prefill, work=self._work_estimate(),
-        )  # fmt: skip
+            self.fleet,
+            report,
+            report.store_key,
+            self.shape.store_fingerprint,
+            previous=self.entry,
+            prefill=self.prefill,
+            work=self._work_estimate(),
+        )
         answer = Answer(self.fleet, report, self.client, self.owed, store)
         self._decode = DecodeLeg(self._attempts, answer)
         holder = self.entry.url if self.entry is not None else None

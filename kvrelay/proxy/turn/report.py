@@ -226,10 +226,12 @@ class TurnReport:
         error: BaseException | None = None
         try:
             with tracing.span(
-                TURN_SPAN, kind="server", parent_headers=self.parent_headers,
+                TURN_SPAN,
+                kind="server",
+                parent_headers=self.parent_headers,
                 attributes={"kvrelay.route": self.route, "kvrelay.request_id": self.request_id},
                 finish=lambda: self._turn_attributes(error),
-            ):  # fmt: skip
+            ):
                 try:
                     yield
                 except BaseException as exc:
