@@ -42,3 +42,16 @@ def test_a_system_prompt_that_is_not_whole_blocks_is_refused() -> None:
         spw.generate(2, 2, 1000, 128, 256, 1.0, 0)
     with pytest.raises(ValueError):
         spw.generate(2, 2, 2048, 600, 256, 1.0, 0)
+
+
+def test_the_committed_workload_is_the_generators_output(tmp_path: Path) -> None:
+    # bench/workloads/shared_prefix.jsonl is what the comparison replays: regenerate it with
+    # the parameters RESULTS.md names and compare byte for byte.
+    committed = Path(spw.__file__).parent / "workloads" / "shared_prefix.jsonl"
+    out = tmp_path / "again.jsonl"
+    spw.main([
+        "--groups", "16", "--per-group", "16", "--system-tokens", "8192",
+        "--question-tokens", "256", "--output-tokens", "64", "--rate", "0.25", "--seed", "0",
+        "--out", str(out),
+    ])  # fmt: skip
+    assert out.read_bytes() == committed.read_bytes()
