@@ -56,8 +56,13 @@ def _system() -> str:
 def proxies(kvrelay_fleet: PDFleet) -> Iterator[dict[str, ProxyServer]]:
     p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
     factory = ProxyFactory()
+    # Routing that depends on nothing but the hold and the reuse seen: D's /tokenize count may
+    # take longer than the 1 s default on a loaded two-core runner, and no load reading makes a
+    # D busy, so a turn that goes through P here went there for what the tests are about.
     common = {"ready_path": "/ready", "connector_secret": vllm_servers.CONNECTOR_SECRET,
-              "side_channels": vllm_servers.side_channels_setting(p, d)}  # fmt: skip
+              "side_channels": vllm_servers.side_channels_setting(p, d),
+              "probe_timeout_s": "30", "decode_max_waiting": "1000",
+              "decode_max_kv_usage": "1"}  # fmt: skip
     short = {"conditional_max_uncached_tokens": "4096"}
     try:
         yield {
@@ -110,6 +115,17 @@ def _equals(account: dict[str, Any], split: dict[str, float], leg: str) -> None:
     assert account["computed_tokens"] == split["computed"]
     assert account["reused_tokens"] == split["local_hit"] + split["loaded"]
     assert account["prompt_tokens"] == sum(split[s] for s in SOURCES)
+
+
+def _why(metrics: dict[str, float]) -> str:
+    """The proxy's own account of how it routed: the failure message of a routing assertion."""
+    wanted = (
+        "kvrelay_reuse_total",
+        "kvrelay_routing_decisions_total",
+        "kvrelay_decode_only_checks_total",
+        "kvrelay_reuse_standing_changes_total",
+    )
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(metrics.items()) if k.startswith(wanted))
 
 
 def _counted(proxy: ProxyServer, leg: str) -> dict[str, float]:
@@ -172,6 +188,7 @@ def test_decode_only_turns_return_and_count_what_vllm_counted_on_d(
         split = counted.split(account["prompt_tokens"])
         if turn == 0:
             continue  # through P
+        assert account["prefilled_by"] == "decode", _why(ask.proxy.metrics())
         _equals(account, split, "decode")
         assert split["local_hit"] > 0 and split["loaded"] == 0  # D's own prefix cache
         reused += split["local_hit"]
@@ -228,6 +245,7 @@ def test_a_d_without_prefix_caching_loses_its_decode_only_turns(
         m = ask.proxy.metrics()
         if turn == 1:
             # The map offered the hold; D recomputed every prompt token.
+            assert account["prefilled_by"] == "decode", _why(m)
             _equals(account, split, "decode")
             assert account["reused_tokens"] == 0 and m[WITHDRAWN] == 1
         if turn == 2:
