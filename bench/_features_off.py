@@ -20,7 +20,12 @@ The features (names for `--without`):
 - `accounting`: no leg's account is read from P's or D's answer, none is counted, no
   `X-Kvrelay-*` account header is sent and the router learns nothing from the turn.
 - `spill`: the router never spills a turn to D (every turn the map cannot send straight to
-  its holder goes through P, as before the spill existed).
+  its holder goes through P, as before the spill existed): the setting
+  `prefill_spill_factor=0`, added to the proxy's command line.
+
+The others replace the proxy's own functions by name (`_replace` stops with an error when a
+name is gone, so a renamed function cannot silently price nothing): no setting switches them
+off, and none should, since no operator would run kvrelay without them.
 """
 
 from __future__ import annotations
@@ -151,7 +156,7 @@ def _finished_lookup_off() -> None:
 
 
 def _accounting_off() -> None:
-    from kvrelay.proxy.turn import PromptAccount, Turn, TurnReport
+    from kvrelay.proxy.turn import PromptAccount, Turn, TurnAccounts, TurnReport
 
     unknown = PromptAccount()
 
@@ -161,16 +166,11 @@ def _accounting_off() -> None:
     _replace(PromptAccount, "from_connector", classmethod(nothing))
     _replace(PromptAccount, "from_usage", classmethod(lambda cls, *args: unknown))
     _replace(PromptAccount, "headers", lambda self, prefilled_by: {})
-    _replace(TurnReport, "decode_usage", nothing)
-    _replace(TurnReport, "decode_reported", nothing)
-    _replace(TurnReport, "settle_accounts", lambda self: unknown)
+    _replace(TurnAccounts, "decode_usage", nothing)
+    _replace(TurnAccounts, "decode_reported", nothing)
+    _replace(TurnAccounts, "settle", lambda self: unknown)
+    _replace(TurnReport, "count_accounts", nothing)
     _replace(Turn, "_learn", nothing)
-
-
-def _spill_off() -> None:
-    from kvrelay.proxy.fleet import Router
-
-    _replace(Router, "spill", lambda self, *args: None)
 
 
 _SWITCHES: dict[str, Callable[[], None]] = {
@@ -181,7 +181,10 @@ _SWITCHES: dict[str, Callable[[], None]] = {
     "fingerprint": _fingerprint_off,
     "finished_lookup": _finished_lookup_off,
     "accounting": _accounting_off,
-    "spill": _spill_off,
+}
+# Switches a setting expresses: given to the proxy's command line, nothing replaced.
+_SETTINGS: dict[str, tuple[str, ...]] = {
+    "spill": ("--prefill-spill-factor", "0"),
 }
 
 
@@ -194,11 +197,14 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(FEATURES))
     if unknown:
         p.error(f"unknown features {unknown}; known: {', '.join(FEATURES)}")
+    rest = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
     for name in names:
-        _SWITCHES[name]()
+        if name in _SETTINGS:
+            rest = [*rest, *_SETTINGS[name]]
+        else:
+            _SWITCHES[name]()
     from kvrelay.proxy import cli
 
-    rest = args.cli[1:] if args.cli[:1] == ["--"] else args.cli
     return cli.main(rest)
 
 

@@ -194,7 +194,7 @@ def test_an_error_after_the_stream_started_ends_it_cleanly(
     try:
         wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/ready").status_code == 200, 20,
                    what="the in-process proxy to be ready")  # fmt: skip
-        monkeypatch.setattr(TurnReport, "settle_accounts", broken)
+        monkeypatch.setattr(TurnReport, "count_accounts", broken)
         stream = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                   "max_tokens": 2, "stream": True}  # fmt: skip
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:

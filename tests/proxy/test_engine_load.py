@@ -23,9 +23,12 @@ from kvrelay.proxy.fleet import (
     EngineLoad,
     LoadPoller,
     Pool,
+    Route,
     Router,
+    TokenCounter,
     fresh_load,
     load_from_metrics,
+    policy_named,
     uncached_tokens,
 )
 
@@ -120,6 +123,17 @@ async def test_poller_reads_the_engine_and_survives_failures(
         client.close()
 
 
+async def _no_count(url: str) -> int | None:
+    raise AssertionError("a plan through P asks no engine for a count")
+
+
+def _counting(tokens: int) -> TokenCounter:
+    async def count(url: str) -> int | None:
+        return tokens
+
+    return count
+
+
 def _router(**settings: object) -> tuple[Router, Pool, Pool]:
     prefill = Pool("prefill", eject_after=1, readmit_after=1)
     decode = Pool("decode", eject_after=1, readmit_after=1)
@@ -161,20 +175,20 @@ def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None
     router, prefill, _ = _router(routing_policy="affinity", prefill_overload_inflight=2)
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
     entry = _entry("http://d", "http://p1")
-    assert router.pick_prefill(entry, set()) == (p1, True)
+    previous = entry.prefill_url
+    assert router.pick_prefill(previous, set()) == (p1, True)
     assert router.pick_prefill(None, set()) == (p0, False)  # ties: the first P
     p1.inflight = 2
-    assert router.pick_prefill(entry, set()) == (p0, False)
+    assert router.pick_prefill(previous, set()) == (p0, False)
     p1.inflight, p1.load = 0, _reading(waiting=9)
-    assert router.pick_prefill(entry, set()) == (p0, False)
+    assert router.pick_prefill(previous, set()) == (p0, False)
     p1.load = None
     prefill.drain("http://p1")
-    assert router.pick_prefill(entry, set()) == (p0, False)
-    # always_p ignores the previous P.
-    plain, prefill2, _ = _router(routing_policy="always_p")
-    q0 = prefill2.add("http://p0")
-    prefill2.add("http://p1")
-    assert plain.pick_prefill(entry, set()) == (q0, False)
+    assert router.pick_prefill(previous, set()) == (p0, False)
+    # The policies: affinity and conditional prefer the previous P, always_p none.
+    for name, prefers in (("affinity", previous), ("conditional", previous), ("always_p", None)):
+        plan = asyncio.run(policy_named(name, router).plan(entry, 10, "", _no_count))
+        assert plan.through_p and plan.prefill_first == prefers, name
 
 
 def test_prefill_affinity_yields_to_a_p_whose_queue_is_shorter_by_more_than_the_turn() -> None:
@@ -183,19 +197,20 @@ def test_prefill_affinity_yields_to_a_p_whose_queue_is_shorter_by_more_than_the_
     entry = _entry("http://d", "http://p1")
     turn = 1000  # the turn's prompt characters
     p1.outstanding_work = 5000  # the previous P has queued work; p0 none
-    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    previous = entry.prefill_url
+    assert router.pick_prefill(previous, set(), turn) == (p0, False)
     p0.outstanding_work = 4000  # p0 only a turn's worth ahead: not worth losing the local hit
-    assert router.pick_prefill(entry, set(), turn) == (p1, True)
+    assert router.pick_prefill(previous, set(), turn) == (p1, True)
     p0.outstanding_work = 3999
-    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    assert router.pick_prefill(previous, set(), turn) == (p0, False)
     # Another worker's requests on p1 (its fresh reading shows more than this worker sent)
     # count at this worker's mean per request there.
     p0.outstanding_work, p1.outstanding_work, p1.inflight = 2000, 1000, 1
-    assert router.pick_prefill(entry, set(), turn) == (p1, True)
+    assert router.pick_prefill(previous, set(), turn) == (p1, True)
     p1.load = _reading(waiting=3)  # 1 running + 3 waiting: 3 more requests of 1000 characters
-    assert router.pick_prefill(entry, set(), turn) == (p0, False)
+    assert router.pick_prefill(previous, set(), turn) == (p0, False)
     # A P left out (tried already) is not a reason to yield.
-    assert router.pick_prefill(entry, {"http://p0"}, turn) == (p1, True)
+    assert router.pick_prefill(previous, {"http://p0"}, turn) == (p1, True)
 
 
 def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() -> None:
@@ -221,10 +236,19 @@ def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() ->
     d.load = None
     decode.drain("http://d")
     assert router.decode_only_tokens(entry, 1800) is None
-    for policy in ("always_p", "affinity"):
-        other, _, decode2 = _router(routing_policy=policy)
+    # Only the conditional policy plans a decode-only turn (confirmed on D's count).
+    counted = _counting(450)
+    for name, route in (
+        ("conditional", Route.DECODE_ONLY),
+        ("affinity", Route.THROUGH_P),
+        ("always_p", Route.THROUGH_P),
+    ):
+        other, _, decode2 = _router(
+            routing_policy=name, conditional_max_uncached_tokens=50, prefill_spill_factor=0
+        )
         decode2.add("http://d")
-        assert other.decode_only_tokens(entry, 1800) is None
+        plan = asyncio.run(policy_named(name, other).plan(entry, 1800, "", counted))
+        assert plan.route is route, name
 
 
 ITL_PAGE = """\

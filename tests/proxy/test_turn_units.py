@@ -29,7 +29,14 @@ from kvrelay.proxy.engines import (
     UpstreamTimeout,
 )
 from kvrelay.proxy.fleet import Fleet, Pool
-from kvrelay.proxy.turn import ClientStream, EngineAnswer, Turn, completion_shape
+from kvrelay.proxy.turn import (
+    ClientStream,
+    EngineAnswer,
+    Turn,
+    TurnContext,
+    TurnCrew,
+    completion_shape,
+)
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"
@@ -213,11 +220,11 @@ class Rig:
         self, prompt: str, request_id: str, engines: FakeEngines, client: FakeClient, **body: Any
     ) -> Turn:
         request = {"model": "m", "prompt": prompt, "max_tokens": 8, **body}
-        return Turn(
-            fleet=self.fleet, client=client, route="completions", body=request,
-            request_id=request_id, tenant=TENANT, conversation_id="conv-1",
-            shape=completion_shape(request), engines=engines,
+        ctx = TurnContext.of(
+            route="completions", body=request, request_id=request_id, tenant=TENANT,
+            shape=completion_shape(request), conversation_id="conv-1",
         )  # fmt: skip
+        return Turn(TurnCrew.of(self.fleet, engines), client, ctx)
 
     def released(self) -> list[tuple[str, str]]:
         """(holder, release token) of every release so far."""
@@ -346,7 +353,7 @@ async def test_ds_cached_tokens_are_read_only_when_d_got_no_p_params(rig: Rig) -
     assert headers["X-Kvrelay-Local-Hit-Tokens"] == headers["X-Kvrelay-Loaded-Tokens"] == "16"
     assert headers["X-Kvrelay-Refused-Blocks"] == "hash=1"
     assert headers["X-Kvrelay-Prefilled-By"] == "prefill"
-    d_account = turn.report.decode_leg.account
+    d_account = turn.accounts.decode
     assert d_account is not None and d_account.reused is None  # P's figure, not D's
     # Without P (both failed), D got no P params: its usage is its own figure.
     engines = FakeEngines({P1: [UpstreamConnectError("refused")],

@@ -3,6 +3,7 @@ bodies and pool decisions. No servers; the behaviour through real HTTP is in the
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -12,7 +13,7 @@ from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.cli import serve_parser, settings_from_args
 from kvrelay.proxy.config import Settings, SettingsError, load_settings
-from kvrelay.proxy.fleet import Pool, Router
+from kvrelay.proxy.fleet import Pool, Route, Router, policy_named
 from kvrelay.proxy.http import validate_chat
 from kvrelay.proxy.turn import (
     SSEFilter,
@@ -313,14 +314,22 @@ def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> No
     b.inflight, b.outstanding_work = 1, 1 + 32768
     a.inflight, a.outstanding_work = 2, 2 + 32768
     assert router.spill(None, 16_000) is None
-    # Nor does any D under a policy other than conditional, or with the factor at 0.
+    # Nor does any D with the factor at 0, or under a policy other than conditional.
     b.inflight, b.outstanding_work = 0, 0
     assert router.spill(None, 16_000) is not None
-    for settings in ({"routing_policy": "always_p"}, {"prefill_spill_factor": 0}):
-        other, other_p, other_d = _router(**settings)
-        other_p.add("http://p").outstanding_work = 10**9
-        other_d.add("http://a")
-        assert other.spill(None, 16_000) is None
+    other, other_p, other_d = _router(prefill_spill_factor=0)
+    other_p.add("http://p").outstanding_work = 10**9
+    other_d.add("http://a")
+    assert other.spill(None, 16_000) is None
+
+    async def count(url: str) -> int:
+        return 4000
+
+    for name, route in (("conditional", Route.SPILL), ("affinity", Route.THROUGH_P)):
+        plan = asyncio.run(policy_named(name, router).plan(None, 16_000, "", count))
+        assert plan.route is route, name
+        if route is Route.SPILL:
+            assert (plan.decode_first, plan.decode_tokens) == (b.url, 4000)
 
 
 def test_an_idle_p_keeps_its_turns_unless_the_factor_is_below_one() -> None:

@@ -1,6 +1,7 @@
 """The engines and how to choose one: pools with health and ejection, each engine's load, the
-routing policy, the fleet record shared across processes, DNS and Kubernetes discovery, the
-merged model list and the engines' versions, and `Fleet`, what every turn shares.
+routing mechanics and the policies that plan each turn with them, the fleet record shared
+across processes, DNS and Kubernetes discovery, the merged model list and the engines'
+versions, and `Fleet`, what a worker's turns share.
 """
 
 from kvrelay.proxy.fleet.discovery import (
@@ -31,6 +32,18 @@ from kvrelay.proxy.fleet.fleet_sync import (
 )
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
+from kvrelay.proxy.fleet.policies import (
+    POLICIES,
+    Affinity,
+    AlwaysP,
+    Conditional,
+    CountCheck,
+    Plan,
+    Route,
+    TokenCounter,
+    TurnPolicy,
+    policy_named,
+)
 from kvrelay.proxy.fleet.pools import (
     Backend,
     HealthChecker,
@@ -44,8 +57,13 @@ from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
 __all__ = [
+    "POLICIES",
     "STALE_INTERVALS",
+    "Affinity",
+    "AlwaysP",
     "Backend",
+    "Conditional",
+    "CountCheck",
     "Discovered",
     "DnsSource",
     "EngineLoad",
@@ -58,11 +76,15 @@ __all__ = [
     "LoadPoller",
     "LocalFleetSync",
     "ModelCatalog",
+    "Plan",
     "Pool",
     "RedisFleetSync",
     "ResolveError",
     "ReuseStanding",
+    "Route",
     "Router",
+    "TokenCounter",
+    "TurnPolicy",
     "engine_name",
     "engines_to_try",
     "fresh_load",
@@ -70,6 +92,7 @@ __all__ = [
     "make_resolver",
     "name_key",
     "open_fleet_sync",
+    "policy_named",
     "probe_health",
     "ready_engines",
     "start_discovery",

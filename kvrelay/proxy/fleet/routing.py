@@ -1,29 +1,29 @@
-"""Multi-turn routing: which P and which D a turn goes to, and whether it needs P at all.
+"""The fleet's routing mechanics: which P and which D a turn's legs go to, and the estimates
+behind skipping P. Which of them a turn uses is its policy's choice
+(`kvrelay.proxy.fleet.policies`: `always_p`, `affinity`, `conditional`).
 
-Policies (`routing_policy`, docs/OPERATIONS.md "Routing policy"):
-- `always_p`: every turn P then D; P by least outstanding work, D by conversation affinity.
-- `affinity`: as `always_p`, but the P leg goes to the P that served the conversation's
-  previous turn (kept in its map entry) while that P is usable and not overloaded: its local
-  prefix cache still has the previous prompt, so it pulls from D only the blocks beyond it.
-  Affinity yields when another P's queued prompt work is shorter by more than the whole turn:
-  that P would be done before the previous P started, and it loses only the pull of the
-  history (the holder serves it to any P).
-- `conditional`: `affinity`, and when the D that holds the conversation is not busy and the part
-  of the new prompt it does not hold is short (`conditional_max_uncached_tokens`, estimated
-  from the previous turn's characters per token), the turn goes straight to that D: D serves
-  the history from its own held blocks (a prefix-cache hit) and prefills only the rest, as
-  long as the decode-only turns in flight on that D stay within its prefill budget
-  (`conditional_max_inflight_tokens`); past it the turn goes through P.
-  A turn that would otherwise go through P (a first turn too) *spills* to a D when P is backed
-  up (`spill`): when the least loaded P's queued prompt tokens plus the turn's own exceed
+- `pick_prefill`: the least loaded P, or the P a plan prefers (the conversation's previous P,
+  whose local prefix cache still has the previous prompt) while that P is usable and not
+  overloaded. The preference yields when another P's queued prompt work is shorter by more than
+  the whole turn: that P would be done before the preferred one started, and it loses only the
+  pull of the history (the holder serves it to any P).
+- `pick_decode`: the D holding the conversation unless it is overloaded or busy, else the least
+  loaded.
+- `decode_only_tokens`: when the D that holds the conversation is not busy and the part of the
+  new prompt it does not hold is short (`conditional_max_uncached_tokens`, estimated from the
+  previous turn's characters per token), the turn can go straight to that D: D serves the
+  history from its own held blocks (a prefix-cache hit) and prefills only the rest, as long as
+  the decode-only turns in flight on that D stay within its prefill budget
+  (`conditional_max_inflight_tokens`).
+- `spill`: a turn that would otherwise go through P (a first turn too) can *spill* to a D when
+  P is backed up: when the least loaded P's queued prompt tokens plus the turn's own exceed
   `prefill_spill_factor` times what D would prefill (its decode-only tokens in flight plus the
-  turn's, only the uncached part on the holder), D prefills the turn itself, as on a short
-  follow-up, within `prefill_spill_max_inflight_tokens` of decode-only prefill on that D, and
-  never onto a D whose decodes already run slower than `prefill_spill_max_inter_token_ms`
-  (its own inter-token histogram, read with the load gauges; 0, the default, turns that check
-  off: on a P-bound fleet it moved more misses to TTFT than it saved in TPOT).
-  D's prefill capacity, idle in a P/D split whose P is the bottleneck, then takes the
-  overflow. `always_p` and `affinity` never spill.
+  turn's, only the uncached part on the holder), D prefills the turn itself, within
+  `prefill_spill_max_inflight_tokens` of decode-only prefill on that D, and never onto a D whose
+  decodes already run slower than `prefill_spill_max_inter_token_ms` (its own inter-token
+  histogram, read with the load gauges; 0, the default, turns that check off: on a P-bound
+  fleet it moved more misses to TTFT than it saved in TPOT). D's prefill capacity, idle in a
+  P/D split whose P is the bottleneck, then takes the overflow.
 
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
@@ -126,12 +126,12 @@ class Router:
     # -- P -----------------------------------------------------------------------------------
 
     def pick_prefill(
-        self, entry: KVEntry | None, exclude: set[str], work: int = 0, tenant: str = ""
+        self, preferred: str | None, exclude: set[str], work: int = 0, tenant: str = ""
     ) -> tuple[Backend | None, bool]:
-        """P for the turn, and whether it is the conversation's previous P (affinity). `work`:
-        the turn's prompt characters; affinity yields to a P whose queue is shorter by more."""
-        preferred = entry.prefill_url if entry is not None else None
-        if self.settings.routing_policy != "always_p" and preferred and preferred not in exclude:
+        """P for the turn, and whether it is `preferred` (the conversation's previous P: affinity).
+        `work`: the turn's prompt characters; the preference yields to a P whose queue is
+        shorter by more."""
+        if preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
             if backend is not None and self.affinity.admits(backend.url, tenant):
                 shorter = self._shorter_queue(backend, exclude, work)
@@ -193,13 +193,13 @@ class Router:
         """Send this turn straight to the D holding the conversation (no P, no transfer)?
 
         Returns the prompt tokens that D would then prefill itself (estimated: confirm with
-        `decode_only_fits` on D's count), or None when the turn goes through P: another policy,
-        no estimate, a holder that is unusable, overloaded or busy, too long an uncached part,
-        or a holder whose decode-only turns in flight already add up to
+        `decode_only_fits` on D's count), or None when the turn goes through P: no estimate,
+        a holder that is unusable, overloaded or busy, too long an uncached part, or a holder
+        whose decode-only turns in flight already add up to
         `conditional_max_inflight_tokens` (P then takes the turn: prefill spread over the Ps
         keeps D's decode steps short)."""
         s = self.settings
-        if s.routing_policy != "conditional" or entry is None or not entry.chars_per_token:
+        if entry is None or not entry.chars_per_token:
             return None
         self._chars_per_token.value = entry.chars_per_token
         holder = self.decode.get(entry.url)
@@ -234,7 +234,7 @@ class Router:
     def spill(self, entry: KVEntry | None, prompt_chars: int, tenant: str = "") -> Spill | None:
         """Send this turn, which would go through P, straight to a D that prefills it itself?
 
-        Yes (`conditional` only, `prefill_spill_factor` > 0) when P's time, the least loaded
+        Yes (`prefill_spill_factor` > 0) when P's time, the least loaded
         P's queued prompt tokens plus what P would compute of this turn (the part D does not
         hold when there is an entry to pull), exceeds `prefill_spill_factor` times D's, its
         decode-only tokens in flight plus what it would prefill of this turn. The D is the
@@ -247,7 +247,7 @@ class Router:
         readings already kept, so this costs a pass over the engines and nothing else. A spill
         found here is judged again on D's own count before it is taken (`Spill.counted`)."""
         s = self.settings
-        if s.routing_policy != "conditional" or s.prefill_spill_factor <= 0:
+        if s.prefill_spill_factor <= 0:
             return None
         least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT)
         if least is None:

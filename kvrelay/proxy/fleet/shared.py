@@ -1,6 +1,7 @@
-"""`Fleet`: what every turn shares (settings, engine pools and their router, the conversation
-map, the engine connections, the releaser), built once per worker process by
-`kvrelay.proxy.http.app` and handed to each `kvrelay.proxy.turn.relay.Turn`."""
+"""`Fleet`: what a worker's turns share (settings, engine pools, their router and routing
+policy, the conversation map, the engine connections, the releaser), built once per worker
+process by `kvrelay.proxy.http.app`; its turns get the parts they use through a
+`kvrelay.proxy.turn.TurnCrew`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 from kvrelay.kvcache_map import KVMap
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream, UpstreamError
+from kvrelay.proxy.fleet.policies import TurnPolicy, policy_named
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.routing import Router
 from kvrelay.proxy.telemetry import metrics
@@ -32,9 +34,11 @@ class Fleet:
     releaser: Releaser
     map_errors_logged_at: float = 0.0
     router: Router = field(init=False)
+    policy: TurnPolicy = field(init=False)  # `routing_policy`, over the router
 
     def __post_init__(self) -> None:
         self.router = Router(self.settings, self.prefill, self.decode)
+        self.policy = policy_named(self.settings.routing_policy, self.router)
 
     def map_unavailable(self, op: str, exc: Exception) -> None:
         metrics.MAP_ERRORS.labels(op).inc()

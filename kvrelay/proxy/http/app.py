@@ -51,7 +51,6 @@ from kvrelay.proxy.http.headers import forwarded_headers, header_text
 from kvrelay.proxy.http.keys import (
     BODY_BUDGET,
     CACHE_SCOPES,
-    ENGINES,
     FLEET,
     FLEET_SYNC,
     HEALTH,
@@ -59,6 +58,7 @@ from kvrelay.proxy.http.keys import (
     MODELS,
     SETTINGS,
     TENANTS,
+    TURN_CREW,
     VERSIONS,
 )
 from kvrelay.proxy.http.openapi import openapi_document
@@ -71,10 +71,11 @@ from kvrelay.proxy.turn import (
     SESSION_HEADER,
     AiohttpClient,
     Turn,
+    TurnContext,
+    TurnCrew,
     chat_shape,
     completion_shape,
     conversation_id_from,
-    fleet_engines,
     request_id_from,
     upstream_request_id,
 )
@@ -138,19 +139,19 @@ async def _completion(request: web.Request, route: str) -> web.StreamResponse:
         )
         shape = chat_shape(body) if route == "chat" else completion_shape(body)
         client = AiohttpClient(request)
-        turn = Turn(
-            fleet=fleet,
-            client=client,
+        settings = fleet.settings
+        ctx = TurnContext.of(
             route=route,
             body=body,
             request_id=upstream_request_id(request_id, supplied == request_id),
-            client_request_id=request_id,
-            forwarded=forwarded_headers(request, fleet.settings.forward_headers),
             tenant=tenant,
-            conversation_id=conversation_id,
             shape=shape,
-            engines=app[ENGINES],
+            conversation_id=conversation_id,
+            client_request_id=request_id,
+            forwarded=forwarded_headers(request, settings.forward_headers),
+            fingerprint_conversations=settings.fingerprint_conversations,
         )
+        turn = Turn(app[TURN_CREW], client, ctx)
         await turn.run()
         outcome = "ok"
         return client.response
@@ -370,7 +371,7 @@ async def _start_state(
         decode.add(url)
     fleet = Fleet(settings, prefill, decode, kvmap, upstream, releaser)
     app[FLEET] = fleet
-    app[ENGINES] = fleet_engines(fleet)
+    app[TURN_CREW] = TurnCrew.of(fleet)
     app[MODELS] = ModelCatalog(fleet)
     app[VERSIONS] = EngineVersions(fleet)
     started = time.monotonic()

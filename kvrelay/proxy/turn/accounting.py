@@ -160,3 +160,47 @@ def _refused(offered: dict[str, int]) -> tuple[tuple[str, int], ...]:
 
 
 UNKNOWN_ACCOUNT = PromptAccount()
+
+
+@dataclass(slots=True)
+class TurnAccounts:
+    """What the engines reported each leg of one turn did with its prompt, kept by the turn: its
+    learning and its next entry read them here; the turn's `TurnReport` counts and logs them.
+
+    `prefilled_by` is "prefill" once P answered with params for D, else "decode" (D prefilled
+    the prompt alone). The turn's account (`settle`) is that leg's."""
+
+    prefill: PromptAccount | None = None
+    decode: PromptAccount | None = None
+    prefilled_by: str = "decode"
+    settled: PromptAccount | None = None  # the turn's account, once settled
+
+    def prefill_answered(self, account: PromptAccount, for_decode: bool) -> None:
+        """P answered with this account; `for_decode`: with params D prefills from."""
+        self.prefill = account
+        if for_decode:
+            self.prefilled_by = "prefill"
+
+    def decode_reported(self, account: PromptAccount | None) -> None:
+        """D's connector reported its account (in D's params: its answer, its stream or its
+        side channel)."""
+        if account is not None:
+            self.decode = account.or_else(self.decode)
+
+    def decode_usage(self, usage: object) -> None:
+        """D's `usage`. Its cached tokens are D's own only when D got no P params: on a turn
+        through P they are P's figure (vLLM reports `remote_prefill_cached_tokens`)."""
+        known = self.decode
+        if known is not None and known.reused is not None and known.prompt_tokens is not None:
+            return  # D's connector gave the whole split: its usage adds nothing
+        prompt, cached = usage_figures(usage)
+        account = PromptAccount(prompt, None if self.prefilled_by == "prefill" else cached)
+        self.decode = account if known is None else known.or_else(account)
+
+    def settle(self) -> PromptAccount:
+        """The turn's account, fixed at the first call: the account of the leg that prefilled
+        the prompt, `unknown` where its engine gave no figure."""
+        if self.settled is None:
+            p = self.prefill if self.prefilled_by == "prefill" else None
+            self.settled = p or self.decode or UNKNOWN_ACCOUNT
+        return self.settled

@@ -23,8 +23,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Protocol
 
 from kvrelay.proxy.engines import Upstream, UpstreamConnectError, UpstreamError, UpstreamTimeout
-from kvrelay.proxy.fleet import Backend, Fleet, Pool, engines_to_try, probe_health
+from kvrelay.proxy.fleet import Backend, Pool, engines_to_try, probe_health
 from kvrelay.proxy.telemetry import tracing
+from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.report import TurnReport
 
 log = logging.getLogger(__name__)
@@ -107,18 +108,6 @@ class UpstreamEngines:
         return await probe_health(self._upstream, url, self._probe_timeout)
 
 
-def fleet_engines(fleet: Fleet) -> UpstreamEngines:
-    """The fleet's engine client with its settings' timeouts. It holds nothing of a turn, so a
-    worker builds it once and hands it to every `Turn` (`Turn.engines`)."""
-    settings = fleet.settings
-    return UpstreamEngines(
-        fleet.upstream,
-        settings.first_byte_timeout,
-        settings.total_timeout,
-        settings.probe_timeout_s,
-    )
-
-
 class Verdict(enum.Enum):
     """What an engine's status says about the attempt (see the module's docstring)."""
 
@@ -131,20 +120,18 @@ class Attempts:
     """The engine attempts of one turn, P's and D's: sending, judging, charging engines."""
 
     def __init__(
-        self,
-        fleet: Fleet,
-        engines: Engines,
-        report: TurnReport,
-        forwarded: tuple[tuple[str, str], ...] = (),
+        self, ctx: TurnContext, engines: Engines, report: TurnReport, retries: int
     ) -> None:
-        self.fleet = fleet
-        self.report = report
+        self.report = report  # written (attempts, latencies), never read
         self._engines = engines
-        self._path = "/v1/chat/completions" if report.route == "chat" else "/v1/completions"
+        self._tenant = ctx.tenant
+        self._tries = 1 + retries
+        self._traced = tracing.enabled()
+        self._path = "/v1/chat/completions" if ctx.route == "chat" else "/v1/completions"
         self._headers: tuple[tuple[str, str], ...] = (
             ("Content-Type", "application/json"),
-            ("X-Request-Id", report.request_id),
-            *forwarded,
+            ("X-Request-Id", ctx.request_id),
+            *ctx.forwarded,
         )
         # 5xx answers not yet judged: the engine's fault if another engine serves the request,
         # disputed (maybe the request's fault) if none does.
@@ -154,14 +141,12 @@ class Attempts:
         """The engines a leg tries, in order: `pick` chooses among those not tried yet, at most
         1 + `retries` of them; every try after the first counts as a retry."""
         # The generator itself, not a loop over it: one frame less on every leg.
-        report = self.report
-        on_try = (report.prefill_leg if role == "prefill" else report.decode_leg).attempt
-        return engines_to_try(pick, 1 + self.fleet.settings.retries, on_try)
+        return engines_to_try(pick, self._tries, self.report.on_attempt(role))
 
     async def send(self, backend: Backend, payload: bytes) -> EngineAnswer:
         """POST a leg's payload to `backend`; `LegFailure` when there is no answer to judge."""
         headers = self._headers
-        if self.report.traced:
+        if self._traced:
             carrier: dict[str, str] = {}
             tracing.inject(carrier)  # the leg's span continues on the engine (W3C traceparent)
             headers += tuple(carrier.items())
@@ -187,7 +172,7 @@ class Attempts:
         if status >= 500 or status == 429:
             self._pending_5xx.append((pool, backend, f"HTTP {status}"))
             return Verdict.REFUSED
-        pool.record_served(backend, self.report.tenant)
+        pool.record_served(backend, self._tenant)
         if status >= 400:
             return Verdict.REJECTED
         if self._pending_5xx:
@@ -206,7 +191,7 @@ class Attempts:
             if pool is served:
                 pool.record_failure(backend, reason)
             else:
-                pool.record_disputed(backend, self.report.tenant, reason)
+                pool.record_disputed(backend, self._tenant, reason)
 
     async def _charge(self, pool: Pool, backend: Backend, exc: LegFailure) -> bool:
         if not exc.timeout:

@@ -4,9 +4,11 @@ the conversation can continue, holds its blocks for the next turn.
 D is chosen by the router (`kvrelay.proxy.fleet.Router.pick_decode`: the D that holds the
 conversation unless it is overloaded or busy, else the least loaded). A failure before the
 first byte (connect error, timeout, 5xx or 429; judged in `kvrelay.proxy.turn.attempts`) makes
-the leg try another D with the same P params; the first D that answers 2xx has its answer
-relayed to the client (`kvrelay.proxy.turn.answer`). When no D could serve, the client gets a
-shaped 502/503, or 504 `decode_timeout` when every attempt timed out on a healthy engine.
+the leg try another D with the same P params; the first D that answers 2xx is `Served`: the
+turn relays its answer (`kvrelay.proxy.turn.answer`) and stores its params
+(`kvrelay.proxy.turn.store`) while the leg keeps it open. When no D could serve, the client
+gets a shaped 502/503, or 504 `decode_timeout` when every attempt timed out on a healthy
+engine.
 """
 
 from __future__ import annotations
@@ -14,44 +16,66 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend
-from kvrelay.proxy.turn.answer import Answer
+from kvrelay.proxy.fleet import Backend, Pool, Router
 from kvrelay.proxy.turn.attempts import Attempts, EngineAnswer, LegFailure, Verdict
+from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.legs import decode_body
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
 
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
+class Served:
+    """The D that answered 2xx, its open answer, and what the turn asked of it."""
+
+    backend: Backend
+    answer: EngineAnswer
+    hold: bool  # D was asked to hold its blocks for a next turn
+    start: float  # when the attempt began (`time.monotonic()`)
+    prefilled: Callable[[], None] | None  # call at a stream's first token: D's prompt is done
+
+
 class DecodeLeg:
     """One turn's D leg: its request, its retries, the error when no D serves."""
 
-    def __init__(self, attempts: Attempts, answer: Answer) -> None:
+    def __init__(
+        self,
+        attempts: Attempts,
+        pool: Pool,
+        router: Router,
+        side_channel_of: Callable[[Backend], tuple[str, int] | None],
+        first_byte_timeout: float,
+    ) -> None:
         self._attempts = attempts
-        self._answer = answer
+        self._pool = pool
+        self._router = router
+        self._side_channel_of = side_channel_of
+        self._first_byte_timeout = first_byte_timeout
         # Every D tried answered 5xx/429 and they blame the input (`Pool.blames_input`):
         # a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise.
         self.suspect_input: tuple[Backend, ...] = ()
 
-    async def run(
+    @contextlib.asynccontextmanager
+    async def serve(
         self,
-        body: dict[str, Any],
+        ctx: TurnContext,
         prefill: PrefillAnswer | None,
-        holder: str | None,
+        first: str | None,
         hold: bool,
-        decode_only_tokens: int | None,
-    ) -> None:
-        """Serve the client from D. `holder`: the D holding the conversation (affinity);
-        `hold`: ask D to hold for a next turn; `decode_only_tokens`: the tokens D prefills
-        itself on a turn that skipped P (weighed by the router against D's budget)."""
-        attempts, answer = self._attempts, self._answer
-        fleet, report = attempts.fleet, attempts.report
-        pool = fleet.decode
-        stream = body.get("stream") is True
+        decode_tokens: int | None,
+    ) -> AsyncIterator[Served]:
+        """The first D that answers 2xx, its answer open while the block runs (closed when the
+        block raises: that tells D to stop). `first`: the D to try first (the conversation's
+        holder, or a spill's D); `hold`: ask D to hold for a next turn; `decode_tokens`: the
+        tokens D prefills itself on a turn that skipped P (counted against D's budget)."""
+        attempts, pool, report = self._attempts, self._pool, self._attempts.report
+        stream, router = ctx.stream, self._router
         p_params = prefill.params if prefill is not None else None
         p_url = prefill.backend.url if prefill is not None else None
         reasons: list[str] = []
@@ -59,21 +83,21 @@ class DecodeLeg:
         slow = 0  # attempts that timed out on an engine that then passed its health probe
 
         def pick(exclude: set[str]) -> Backend | None:
-            return fleet.router.pick_decode(holder, exclude)
+            return router.pick_decode(first, exclude)
 
         for backend in attempts.tries("decode", pick):
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
-            d_hold = hold and (not stream or fleet.side_channel_of(backend) is not None)
-            payload = jsoncodec.dumps(decode_body(body, p_params, p_url, d_hold, report.tenant))
+            d_hold = hold and (not stream or self._side_channel_of(backend) is not None)
+            payload = jsoncodec.dumps(decode_body(ctx.body, p_params, p_url, d_hold, ctx.tenant))
             start = time.monotonic()
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
             # turn until its first token (what the router weighs against D's prefill budget).
-            busy = pool.busy(backend, 1 + (decode_only_tokens or 0))
+            busy = pool.busy(backend, 1 + (decode_tokens or 0))
             with busy:
                 try:
                     resp = await attempts.send(backend, payload)
-                    report.decode_leg.status = resp.status
+                    report.leg_answered("decode", resp.status)
                 except LegFailure as exc:
                     if not await attempts.failed(pool, backend, exc, start):
                         slow += 1
@@ -88,9 +112,9 @@ class DecodeLeg:
                         continue
                     if verdict is Verdict.REJECTED:
                         raise upstream_error_from_body(resp.status, await resp.read(), "decode")
-                    report.hold = d_hold
-                    prefilled = busy.prefilled if decode_only_tokens else None
-                    await answer.relay(resp, backend, d_hold, start, prefilled)
+                    report.holding(d_hold)
+                    prefilled = busy.prefilled if decode_tokens else None
+                    yield Served(backend, resp, d_hold, start, prefilled)
                     return
                 except BaseException:
                     # Closing (not pooling) the connection is what tells D to stop.
@@ -98,7 +122,7 @@ class DecodeLeg:
                     raise
                 finally:
                     resp.release()
-        if refused and len(refused) == len(reasons) and pool.blames_input(refused, report.tenant):
+        if refused and len(refused) == len(reasons) and pool.blames_input(refused, ctx.tenant):
             self.suspect_input = tuple(refused)
         raise self._no_decode(reasons, slow)
 
@@ -108,7 +132,7 @@ class DecodeLeg:
             return ProxyError(
                 504,
                 f"no decode engine answered within first_byte_timeout "
-                f"({self._attempts.fleet.settings.first_byte_timeout:g} s; {detail}); a long "
+                f"({self._first_byte_timeout:g} s; {detail}); a long "
                 'answer needs "stream": true, or a larger first_byte_timeout',
                 code="decode_timeout",
             )

@@ -1,8 +1,8 @@
 """The P leg of a turn: P prefills the prompt (pulling the old turn's KV on a reuse hit) and
 keeps its KV for D.
 
-P is chosen by the router (`kvrelay.proxy.fleet.Router.pick_prefill`: the conversation's
-previous P under `affinity`/`conditional`, else the least loaded); on a connect error, a 5xx
+P is chosen by the router (`kvrelay.proxy.fleet.Router.pick_prefill`: the P the turn's plan
+prefers, the conversation's previous P, else the least loaded); on a connect error, a 5xx
 or a timeout another P is tried (`kvrelay.proxy.turn.attempts`). When no P answers, the leg
 gives up and D prefills alone (decode-only); a 4xx means the prompt itself is bad, which the
 client is told.
@@ -25,7 +25,7 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend
+from kvrelay.proxy.fleet import Backend, Pool, Router
 from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
 from kvrelay.proxy.turn.legs import prefill_body
@@ -35,11 +35,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
 class PrefillAnswer:
-    """What P gave the turn: where it ran, its params for D, its prompt's token count."""
+    """What P gave the turn: where it ran, its params for D, its prompt's token count, what it
+    reported of the prompt, and whether it was the P the plan preferred."""
 
     backend: Backend
     params: KVTransferParams | None  # parsed once, here at the edge; None when unusable
     prompt_tokens: int | None
+    account: PromptAccount  # what P reported it did with the prompt
+    by_affinity: bool = False  # the conversation's previous P, as the plan preferred
 
 
 class _PrefillReply(BaseModel):
@@ -75,23 +78,32 @@ def read_prefill_answer(raw: bytes) -> tuple[KVTransferParams | None, Any] | Non
 class PrefillLeg:
     """One turn's P leg: its request, its retries, and reading P's answer."""
 
-    def __init__(self, attempts: Attempts) -> None:
+    def __init__(self, attempts: Attempts, pool: Pool, router: Router, request_id: str) -> None:
         self._attempts = attempts
+        self._pool = pool
+        self._router = router
+        self._request_id = request_id
 
     async def run(
-        self, body: dict[str, Any], entry: KVEntry | None, work: int, tenant: str = ""
+        self,
+        body: dict[str, Any],
+        entry: KVEntry | None,
+        prefer: str | None,
+        work: int,
+        tenant: str = "",
     ) -> PrefillAnswer | None:
-        """P's answer, or None when no P answered (D then prefills alone). `work` is the
-        prompt's weight, counted against P's outstanding work while it prefills; `tenant`'s
-        standing decides P affinity."""
-        attempts = self._attempts
-        report, pool, router = attempts.report, attempts.fleet.prefill, attempts.fleet.router
+        """P's answer, or None when no P answered (D then prefills alone). `entry`: the
+        conversation's usable entry, whose blocks P pulls; `prefer`: the P to try first (the
+        conversation's previous P); `work` is the prompt's weight, counted against P's
+        outstanding work while it prefills; `tenant`'s standing decides P affinity."""
+        attempts, pool, router = self._attempts, self._pool, self._router
+        report = attempts.report
         reuse = entry.to_kv_transfer_params() if entry is not None else None
         payload = jsoncodec.dumps(prefill_body(body, reuse))
         affine: set[str] = set()
 
         def pick(exclude: set[str]) -> Backend | None:
-            backend, by_affinity = router.pick_prefill(entry, exclude, work, tenant)
+            backend, by_affinity = router.pick_prefill(prefer, exclude, work, tenant)
             if backend is not None and by_affinity:
                 affine.add(backend.url)
             return backend
@@ -101,7 +113,7 @@ class PrefillLeg:
             try:
                 with pool.busy(backend, work):
                     status, raw = await self._post_read(backend, payload)
-                report.prefill_leg.status = status
+                report.leg_answered("prefill", status)
             except LegFailure as exc:
                 await attempts.failed(pool, backend, exc, start)
                 continue
@@ -112,11 +124,10 @@ class PrefillLeg:
                 continue
             if verdict is Verdict.REJECTED:
                 raise upstream_error_from_body(status, raw, "prefill")  # D would refuse it too
-            report.routed("prefill_affinity" if backend.url in affine else "prefill_chosen")
-            return self._answer(backend, raw)
+            return self._answer(backend, raw, backend.url in affine)
         report.fell_back("decode_only")
         log.warning(
-            "no prefill engine answered; decode engine prefills (request %s)", report.request_id
+            "no prefill engine answered; decode engine prefills (request %s)", self._request_id
         )
         return None
 
@@ -129,16 +140,14 @@ class PrefillLeg:
         finally:
             resp.release()
 
-    def _answer(self, backend: Backend, raw: bytes) -> PrefillAnswer:
-        report = self._attempts.report
+    @staticmethod
+    def _answer(backend: Backend, raw: bytes, by_affinity: bool) -> PrefillAnswer:
         answer = read_prefill_answer(raw)
         if answer is None:
-            report.prefill_answered(UNKNOWN_ACCOUNT, for_decode=False)
-            return PrefillAnswer(backend, None, None)
+            return PrefillAnswer(backend, None, None, UNKNOWN_ACCOUNT, by_affinity)
         params, usage = answer
         prompt_tokens, _ = usage_figures(usage)  # bounded: it sizes the next turn's estimate
-        report.prefill_answered(_account(params, usage), for_decode=params is not None)
-        return PrefillAnswer(backend, params, prompt_tokens)
+        return PrefillAnswer(backend, params, prompt_tokens, _account(params, usage), by_affinity)
 
 
 def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:

@@ -1,40 +1,40 @@
 """One client turn through the fleet: the hallway between its steps, each done by its own part.
 
 Order of a turn (docs/DESIGN.md §1, the proxy README's "One turn"): take the conversation's
-entry (atomic, single use) and check it (history, expiry, verifiability) → P prefills, pulling
-the old turn's KV when there is a usable entry (`prefill_leg`) → D decodes with P's params and,
-when the conversation may continue, holds its blocks (`decode_leg`) → D's answer goes to the
-client (`answer`) and D's final params become the conversation's new entry (`store`).
+entry (atomic, single use) and check it (`take`) → the routing policy plans the turn (through
+P, decode-only on the holder, or spilled to a D: `kvrelay.proxy.fleet.policies`) → P
+prefills, pulling the old turn's KV when there is a usable entry (`prefill_leg`) → D decodes
+with P's params and, when the conversation may continue, holds its blocks (`decode_leg`) → D's
+answer goes to the client but for its last bytes (`answer`) → D's final params become the
+conversation's new entry (`settle`, `store`) → the answer's last bytes → the router learns
+what the engines reused.
 
-`Turn` only sequences the steps and keeps what they hand each other. Where a leg goes is the
-router's decision (`kvrelay.proxy.fleet.Router`); how a leg tries engines and judges their
-statuses is written once (`attempts`); what the turn did is counted and reported by its
-`TurnReport` (`report`); the client is a small interface (`client`), so a turn runs without
-aiohttp in a unit test. Every way out of a turn frees what the turn made someone hold: the
-taken entry once P is done with it, P's blocks when no D took them, D's blocks when they cannot
-be stored (`Owed`, in `kvrelay.proxy.turn.owed`).
+The turn knows its request (`TurnContext`, fixed), decides (the plan, the entry, the hold, kept
+here) and reports (`TurnReport`, written and never read). Its steps get the worker's parts
+they use from the `TurnCrew`, never the fleet. Every way out of a turn frees what the turn made
+someone hold: the taken entry once P is done with it, P's blocks when no D took them, D's
+blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.turn.owed`).
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvrelay.connector.protocol import REFUSED_HASH
-from kvrelay.kvcache_map import ConversationKey, InvalidKeyError, KVEntry, MapUnavailableError
-from kvrelay.proxy.base import ProxyError
-from kvrelay.proxy.engines import prompt_tokens
-from kvrelay.proxy.fleet import Backend, Fleet
-from kvrelay.proxy.turn.answer import Answer
-from kvrelay.proxy.turn.attempts import Attempts, Engines, fleet_engines
+from kvrelay.kvcache_map import KVEntry
+from kvrelay.proxy.fleet import Backend, Plan, Route
+from kvrelay.proxy.turn.accounting import TurnAccounts
+from kvrelay.proxy.turn.answer import Answer, Relayed
+from kvrelay.proxy.turn.attempts import Attempts
 from kvrelay.proxy.turn.client import Client
-from kvrelay.proxy.turn.conversation import PromptShape, chat_store_key_id, prompt_chars
+from kvrelay.proxy.turn.context import TurnContext
+from kvrelay.proxy.turn.crew import TurnCrew
 from kvrelay.proxy.turn.decode_leg import DecodeLeg
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer, PrefillLeg
 from kvrelay.proxy.turn.report import TurnReport
+from kvrelay.proxy.turn.settle import Settle
 from kvrelay.proxy.turn.store import Store
 
 
@@ -42,69 +42,32 @@ from kvrelay.proxy.turn.store import Store
 class Turn:
     """One client request while it crosses P and D; `run` answers the client."""
 
-    fleet: Fleet
+    crew: TurnCrew
     client: Client
-    route: str  # "chat" | "completions"
-    body: dict[str, Any]
-    request_id: str  # upstream id, on both legs
-    tenant: str
-    conversation_id: str | None
-    shape: PromptShape
-    client_request_id: str = ""  # what the client sees in X-Request-Id
-    forwarded: tuple[tuple[str, str], ...] = ()  # client headers for the engines (forward_headers)
-    engines: Engines | None = None  # where the legs' requests go; None: the fleet's engine client
+    ctx: TurnContext
+    # What the turn decided, and what its steps hand each other:
     entry: KVEntry | None = None  # the conversation's entry, taken from the map and usable
-    prefill: PrefillAnswer | None = None  # P's answer; None: no P (decode-only)
-    # Conditional routing sent the turn straight to the holding D, which prefills this many
-    # (estimated) tokens itself; None: the turn goes through P.
-    decode_only_tokens: int | None = None
-    # A decode-only turn the router spilled off a backed-up P: the D it goes to.
-    spilled_to: str | None = None
+    plan: Plan | None = None  # the routing policy's plan
+    hold: bool = False  # D is asked to hold its blocks for a next turn
+    prefill: PrefillAnswer | None = None  # P's answer; None: no P (decode-only, or none answered)
+    routing: str | None = None  # the routing decision, as reported (`usage.kvrelay.routing`)
+    decode_url: str | None = None  # the D that served
+    accounts: TurnAccounts = field(default_factory=TurnAccounts)  # what the engines reported
     owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
     report: TurnReport = field(init=False)  # what happened: metrics, spans, the log line
     _attempts: Attempts = field(init=False)
     _decode: DecodeLeg | None = None
-    _work: int | None = None  # `_work_estimate`, once computed
 
     def __post_init__(self) -> None:
-        self.report = TurnReport(
-            route=self.route,
-            request_id=self.request_id,
-            client_request_id=self.client_request_id,
-            tenant=self.tenant,
-            stream=self.body.get("stream") is True,
-            parent_headers=self.client.headers,
-            lookup_key=self._lookup_key(),
-            store_key=self._store_key(),
-        )
-        engines = self.engines or fleet_engines(self.fleet)
-        self._attempts = Attempts(self.fleet, engines, self.report, self.forwarded)
+        ctx = self.ctx
+        self.report = TurnReport.of(ctx, self.client.headers, self.accounts)
+        self._attempts = Attempts(ctx, self.crew.engines, self.report, self.crew.settings.retries)
 
     @property
     def suspect_input(self) -> tuple[Backend, ...]:
         """Every D tried answered 5xx/429 and they blame the input (`Pool.blames_input`):
         a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise."""
         return self._decode.suspect_input if self._decode is not None else ()
-
-    # -- keys ----------------------------------------------------------------------------------
-
-    def _lookup_key(self) -> ConversationKey | None:
-        if self.conversation_id is not None:
-            return ConversationKey(self.tenant, self.conversation_id)
-        fingerprinting = self.route == "chat" and self.fleet.settings.fingerprint_conversations
-        if fingerprinting and self.shape.lookup_key_id is not None:
-            return ConversationKey(self.tenant, self.shape.lookup_key_id)
-        return None
-
-    def _store_key(self) -> ConversationKey | None:
-        if self.shape.store_fingerprint is None:
-            return None
-        if self.conversation_id is not None:
-            return ConversationKey(self.tenant, self.conversation_id)
-        if self.route == "chat" and self.fleet.settings.fingerprint_conversations:
-            key_id = chat_store_key_id(self.shape)
-            return ConversationKey(self.tenant, key_id) if key_id else None
-        return None
 
     # -- the turn ------------------------------------------------------------------------------
 
@@ -123,71 +86,133 @@ class Turn:
             self.owed.settle(Debt.PREFILL_BLOCKS)
 
     async def _run(self) -> None:
-        self.report.hold = self.report.store_key is not None
+        crew, ctx, report = self.crew, self.ctx, self.report
+        self.hold = ctx.store_key is not None
+        plan: Plan | None = None
         try:
-            with self.report.take_scope():
-                await self._take_entry()
-            await self._route()
-            if self.decode_only_tokens is None:
-                with self.report.leg_scope("prefill"):
-                    await self._prefill()
-                self.report.prefill_leg.ended = time.monotonic()
+            with report.take_scope():
+                taken = await crew.take.take(ctx, report, self.owed)
+            self.entry, self.hold = taken.entry, self.hold and taken.map_available
+            plan = self.plan = await crew.policy.plan(
+                self.entry, ctx.work, ctx.tenant, self._count_tokens
+            )
+            self._report_plan(plan)
+            if plan.through_p:
+                with report.leg_scope("prefill"):
+                    await self._prefill(plan)
+                report.leg_ended("prefill")
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
-            if self.decode_only_tokens is None:
+            if plan is None or plan.through_p:
                 self.owed.release(Debt.PREVIOUS_HOLD)
-        if self.decode_only_tokens is None:
-            await self._decode_leg()
-            return self._learn()
-        # Straight to the holder: D serves the history from the held blocks (its prefix-cache
-        # hit), so the old hold is given back only once D is done with this turn.
-        self.report.routed("spilled" if self.spilled_to is not None else "decode_only")
-        try:
-            await self._decode_leg()
-        finally:
-            self.owed.release(Debt.PREVIOUS_HOLD)
-        self._learn()
-
-    async def _route(self) -> None:
-        """Through P, or straight to a D: the holder for a short follow-up, or any D that is
-        quicker than P's queue (a spill, `Router.spill`). Either is estimated from the
-        prompt's characters and then confirmed on the D's own count of its tokens (a client
-        chooses its characters, not how they tokenize)."""
-        router, work, entry = self.fleet.router, self._work_estimate(), self.entry
-        if entry is not None and router.decode_only_tokens(entry, work, self.tenant) is not None:
-            counted = await self._count_tokens(entry.url)
-            uncached = None if counted is None else max(0, counted - entry.num_tokens)
-            fits = uncached is not None and router.decode_only_fits(entry, uncached)
-            self.report.decode_only_checked(counted is not None, fits)
-            if fits:
-                self.decode_only_tokens = uncached
-                return
-        spill = router.spill(entry, work, self.tenant)
-        if spill is None:
-            return
-        counted = await self._count_tokens(spill.backend.url)
-        held = entry.num_tokens if entry is not None else 0
-        spill = spill.counted(counted, held, work) if counted is not None else None
-        if spill is not None:
-            self.decode_only_tokens = spill.tokens
-            self.spilled_to = spill.backend.url
-            self.report.spilled(first=entry is None, holder=spill.holder)
+        report.holding(self.hold)
+        if plan.through_p:
+            await self._decode_step(plan)
+        else:
+            # Straight to a D: the holder serves the history from the held blocks (its
+            # prefix-cache hit), so the old hold is given back only once D is done.
+            try:
+                await self._decode_step(plan)
+            finally:
+                self.owed.release(Debt.PREVIOUS_HOLD)
+        self._learn(plan)
 
     async def _count_tokens(self, url: str) -> int | None:
-        """The prompt's tokens as the engine at `url` counts them (None: it could not say)."""
-        fleet = self.fleet
-        timeout = fleet.settings.probe_timeout_s
-        return await prompt_tokens(fleet.upstream, url, self.route, self.body, timeout)
+        """The prompt's tokens as the engine at `url` counts them (the policy's check)."""
+        return await self.crew.count_tokens(url, self.ctx.route, self.ctx.body)
 
-    def _learn(self) -> None:
+    def _report_plan(self, plan: Plan) -> None:
+        report = self.report
+        if plan.check is not None:
+            report.decode_only_checked(plan.check)
+        if plan.through_p:
+            return
+        if plan.route is Route.SPILL:
+            report.spilled(first=self.entry is None)
+            self.routing = "spilled"
+        else:
+            self.routing = "decode_only"
+        report.routed(self.routing)
+
+    async def _prefill(self, plan: Plan) -> None:
+        crew, ctx = self.crew, self.ctx
+        leg = PrefillLeg(self._attempts, crew.prefill, crew.router, ctx.request_id)
+        answer = await leg.run(ctx.body, self.entry, plan.prefill_first, ctx.work, ctx.tenant)
+        if answer is None:
+            return
+        self.prefill = answer
+        self.routing = "prefill_affinity" if answer.by_affinity else "prefill_chosen"
+        self.report.routed(self.routing)
+        self.accounts.prefill_answered(answer.account, for_decode=answer.params is not None)
+        self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
+        if answer.params is not None:
+            releaser = crew.releaser
+            release = functools.partial(releaser.release_soon_params, "prefill", answer.params)
+            self.owed.owe(Debt.PREFILL_BLOCKS, release)
+
+    async def _decode_step(self, plan: Plan) -> None:
+        """D's leg, its answer relayed, its params stored, the answer's last bytes."""
+        crew, ctx, report, settings = self.crew, self.ctx, self.report, self.crew.settings
+        store = Store(
+            crew.kvmap,
+            crew.releaser,
+            crew.map_unavailable,
+            settings,
+            report,
+            self.accounts,
+            ctx.store_key,
+            ctx.shape.store_fingerprint,
+            previous=self.entry,
+            prefill=self.prefill,
+            work=ctx.work,
+        )
+        settle = Settle(
+            store,
+            self.owed,
+            crew.releaser,
+            report,
+            crew.side_channel_of,
+            settings.side_channel_timeout,
+            ctx.request_id,
+            wait_free=crew.kvmap.in_process,
+        )
+        answer = Answer(ctx, report, self.client, self.owed, self.accounts)
+        leg = self._decode = DecodeLeg(
+            self._attempts,
+            crew.decode,
+            crew.router,
+            crew.side_channel_of,
+            settings.first_byte_timeout,
+        )
+        relayed = Relayed(streamed=ctx.stream)
+        with report.leg_scope("decode"):
+            async with leg.serve(
+                ctx, self.prefill, plan.decode_first, self.hold, plan.decode_tokens
+            ) as served:
+                self.decode_url = served.backend.url
+                if served.hold:
+                    settle.owe_hold(served.backend)
+                try:
+                    await answer.relay(served, relayed)
+                except BaseException:
+                    if relayed.streamed and relayed.complete:
+                        # The client left after D finished: the turn is complete, so D's
+                        # params are stored all the same (in the background).
+                        settle.in_background(relayed, served)
+                    raise
+                if not relayed.broken:
+                    await settle.after(relayed, served)
+                    await answer.finish(relayed, self.routing)
+        report.leg_ended("decode")
+
+    def _learn(self, plan: Plan) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
         `kvrelay.proxy.fleet.ReuseStanding`)."""
-        router, report, tenant = self.fleet.router, self.report, self.tenant
-        p, d = report.prefill_leg.account, report.decode_leg.account
-        d_url = report.decode_leg.engine
-        if self.decode_only_tokens is not None:
-            if self.spilled_to is not None and not self.report.spilled_to_holder:
+        router, tenant = self.crew.router, self.ctx.tenant
+        p, d, d_url = self.accounts.prefill, self.accounts.decode, self.decode_url
+        if not plan.through_p:
+            if plan.route is Route.SPILL and not plan.to_holder:
                 return  # a D without the history: nothing to learn about its prefix cache
             if self.entry is None or not self.entry.has_full_block:
                 return  # the held history fills no block: D had nothing it could reuse
@@ -197,93 +222,9 @@ class Turn:
         if self.prefill is not None and p is not None and p.local_hit is not None:
             # A re-rendered history (blocks refused by hash) is the prompt's doing, not P's.
             changed = any(reason == REFUSED_HASH for reason, _ in p.refused)
-            affinity = report.routing == "prefill_affinity" and not changed
+            affinity = self.prefill.by_affinity and not changed
             router.prefill_served(
                 self.prefill.backend.url, p.local_hit, affinity_turn=affinity, tenant=tenant
             )
         if d is not None and d.local_hit and d_url is not None:
             router.decode_served(d_url, d.local_hit, tenant)
-
-    async def _take_entry(self) -> None:
-        report, fleet = self.report, self.fleet
-        key = report.lookup_key
-        if key is None:
-            if self.route == "chat" or self.conversation_id is not None:
-                report.reuse_result("miss")
-            return
-        try:
-            entry = await fleet.kvmap.take(key)
-        except MapUnavailableError as exc:
-            fleet.map_unavailable("take", exc)
-            report.reuse_result("map_unavailable")
-            report.hold = False  # nowhere to store D's params: do not make D hold
-            return
-        except InvalidKeyError as exc:
-            raise ProxyError(
-                400, f"conversation id not accepted: {exc}", param="conversation_id"
-            ) from None
-        if entry is None:
-            report.reuse_result("miss")
-            return
-        refused = self._refusal(entry)
-        if refused is not None:
-            report.reuse_result(refused)
-            fleet.releaser.release_soon("decode", entry.hold_ref)
-            return
-        report.reuse_result("hit", entry.num_tokens)
-        self.entry = entry
-        release = functools.partial(fleet.releaser.release_soon, "decode", entry.hold_ref)
-        self.owed.owe(Debt.PREVIOUS_HOLD, release)
-
-    def _refusal(self, entry: KVEntry) -> str | None:
-        """Why the taken entry cannot be used (its REUSE result), or None when it can."""
-        settings = self.fleet.settings
-        if not self.shape.extends(entry.fingerprint):
-            return "refused"  # edited or different history: the blocks describe another prompt
-        if entry.expires_at - time.time() < settings.entry_safety_margin_s:
-            return "expired"
-        if entry.block_hashes is None and not settings.stock_vllm_reuse:
-            return "unverifiable"
-        if not self.fleet.router.holder_available(entry):
-            return "holder_unavailable"  # P's pull would only wait for a handshake timeout
-        return None
-
-    def _work_estimate(self) -> int:
-        # Prompt size in characters is a cheap stand-in for prefill work (no tokenizer here).
-        # Computed once: a long chat's history makes it a pass over every message.
-        if self._work is None:
-            self._work = prompt_chars(self.route, self.body) + 1
-        return self._work
-
-    async def _prefill(self) -> None:
-        prefill = PrefillLeg(self._attempts)
-        answer = await prefill.run(self.body, self.entry, self._work_estimate(), self.tenant)
-        if answer is None:
-            return
-        self.prefill = answer
-        self.owed.settle(Debt.PREVIOUS_HOLD)  # P's connector read or released it
-        if answer.params is not None:
-            releaser = self.fleet.releaser
-            release = functools.partial(releaser.release_soon_params, "prefill", answer.params)
-            self.owed.owe(Debt.PREFILL_BLOCKS, release)
-
-    async def _decode_leg(self) -> None:
-        report = self.report
-        store = Store(
-            self.fleet,
-            report,
-            report.store_key,
-            self.shape.store_fingerprint,
-            previous=self.entry,
-            prefill=self.prefill,
-            work=self._work_estimate(),
-        )
-        answer = Answer(self.fleet, report, self.client, self.owed, store)
-        self._decode = DecodeLeg(self._attempts, answer)
-        holder = self.entry.url if self.entry is not None else None
-        holder = self.spilled_to or holder
-        with report.leg_scope("decode"):
-            await self._decode.run(
-                self.body, self.prefill, holder, report.hold, self.decode_only_tokens
-            )
-        report.decode_leg.ended = time.monotonic()

@@ -1,13 +1,17 @@
 """What a turn did, counted and reported by one `TurnReport`: metrics, trace spans, log line.
 
 `kvrelay.proxy.turn.relay.Turn` tells the report what happens as it happens (the map
-lookup's result, each attempt, a retry, a fallback, the first byte, where D's params came from,
-what each engine reported it reused: `PromptAccount`, counted once the answer is settled);
-the report counts it in `/metrics` (`telemetry.metrics`), wraps the turn, the map take, the legs
-and the map put in spans (`telemetry.tracing`) and, when the turn ends, writes its summary line
-(`telemetry.logs`). Span attributes and log fields are ids, engine URLs, hashes and numbers:
-never a prompt, an answer, a key or a token. With tracing off and text logs each scope is the
-shared no-op `tracing.OFF`.
+lookup's result, the plan, each attempt, a retry, a fallback, the first byte, where D's params
+came from; the legs' accounts are the turn's `TurnAccounts`, which the report counts once the
+answer is settled); the report counts it in `/metrics` (`telemetry.metrics`), wraps the turn,
+the map take, the legs and the map put in spans (`telemetry.tracing`) and, when the turn ends,
+writes its summary line (`telemetry.logs`). Span attributes and log fields are ids, engine
+URLs, hashes and numbers: never a prompt, an answer, a key or a token. With tracing off and
+text logs each scope is the shared no-op `tracing.OFF`.
+
+The report is written, never read: nothing in the turn decides on what it holds (the turn
+keeps its own state; tests/test_structure.py keeps it so). Its methods return nothing but
+the scopes and the attempt hook they hand out.
 """
 
 from __future__ import annotations
@@ -16,14 +20,15 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.kvcache_map import ConversationKey
 from kvrelay.proxy.fleet import Backend
 from kvrelay.proxy.telemetry import logs, metrics, tracing
-from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
+from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, TurnAccounts
+from kvrelay.proxy.turn.context import TurnContext
 
 # Span names, one per step of a turn (docs/DESIGN.md §1).
 TURN_SPAN = "kvrelay.turn"
@@ -46,7 +51,6 @@ class LegRecord:
     started: float | None = None  # first attempt
     ended: float | None = None  # P: answer read; D: answer relayed
     first_byte: float | None = None  # D: first byte of the answer relayed to the client
-    account: PromptAccount | None = None  # what the engine reported it did with the prompt
 
     def attempt(self, backend: Backend, attempt: int) -> None:
         """Try `attempt` (0: the first; any other a retry, counted) of this leg begins, on
@@ -78,15 +82,15 @@ class LegRecord:
             out["kvrelay.time_to_first_byte_s"] = ttfb
         return out
 
-    def summary(self) -> dict[str, Any]:
-        """The leg in the turn's log line."""
+    def summary(self, account: PromptAccount | None) -> dict[str, Any]:
+        """The leg in the turn's log line, with what its engine reported of the prompt."""
         out: dict[str, Any] = {
             "engine": self.engine,
             "status": self.status,
             "attempts": self.attempts,
         }
-        if self.account is not None:
-            out["prompt"] = self.account.summary()
+        if account is not None:
+            out["prompt"] = account.summary()
         return out
 
 
@@ -102,22 +106,41 @@ class TurnReport:
     parent_headers: Mapping[str, str]  # the client's headers: its trace context
     lookup_key: ConversationKey | None  # the map key the turn looks up
     store_key: ConversationKey | None  # ... and stores under
+    accounts: TurnAccounts  # the turn's own record of the legs' accounts, counted at the end
     started: float = field(default_factory=time.monotonic)
     hold: bool = False  # D is asked to hold its blocks for a next turn
     reuse: str = "none"  # the map lookup's result (REUSE); "none": nothing to look up
     tokens_offered: int = 0  # on a lookup hit: the entry's tokens (an offer, not a reuse)
     routing: str | None = None  # the ROUTING decision
-    spilled_to_holder: bool = False  # a spilled turn went to the D holding its history
-    # Which leg prefilled the prompt: "prefill" once P answered with params for D, else D.
-    prefilled_by: str = "decode"
-    account: PromptAccount | None = None  # the turn's realized reuse, once settled
+    counted: bool = False  # the accounts are counted in /metrics
     # Whether spans are recorded, asked once: every scope and attempt of the turn reads it.
     traced: bool = field(default_factory=tracing.enabled)
     # `partial`, not a lambda: made in C, no Python frame on every turn.
     prefill_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "prefill"))
     decode_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "decode"))
 
+    @classmethod
+    def of(
+        cls, ctx: TurnContext, parent_headers: Mapping[str, str], accounts: TurnAccounts
+    ) -> TurnReport:
+        """The report of the turn of `ctx`; `parent_headers`: the client's (trace context)."""
+        return cls(
+            route=ctx.route,
+            request_id=ctx.request_id,
+            client_request_id=ctx.client_request_id,
+            tenant=ctx.tenant,
+            stream=ctx.stream,
+            parent_headers=parent_headers,
+            lookup_key=ctx.lookup_key,
+            store_key=ctx.store_key,
+            accounts=accounts,
+        )
+
     # -- counted as it happens -----------------------------------------------------------------
+
+    def holding(self, hold: bool) -> None:
+        """Whether D is asked to hold its blocks for a next turn (the log line's `stored_as`)."""
+        self.hold = hold
 
     def reuse_result(self, result: str, tokens: int = 0) -> None:
         """What the map lookup gave (`kvrelay_reuse_total`); on a hit, the tokens offered."""
@@ -127,8 +150,20 @@ class TurnReport:
             self.tokens_offered = tokens
             metrics.TOKENS_OFFERED.inc(tokens)
 
-    def leg(self, role: str) -> LegRecord:
+    def _leg(self, role: str) -> LegRecord:
         return self.prefill_leg if role == "prefill" else self.decode_leg
+
+    def on_attempt(self, role: str) -> Callable[[Backend, int], None]:
+        """The hook a leg calls as each attempt begins (`LegRecord.attempt`)."""
+        return self._leg(role).attempt
+
+    def leg_answered(self, role: str, status: int) -> None:
+        """The leg's engine answered with this HTTP status."""
+        self._leg(role).status = status
+
+    def leg_ended(self, role: str) -> None:
+        """P's answer is read; D's answer is relayed."""
+        self._leg(role).ended = time.monotonic()
 
     def leg_latency(self, role: str, outcome: str, start: float) -> None:
         """One attempt of a leg ended: `outcome` is "error" or the status class ("2xx")."""
@@ -140,16 +175,13 @@ class TurnReport:
         self.routing = decision
         metrics.ROUTING.labels(decision).inc()
 
-    def spilled(self, *, first: bool, holder: bool) -> None:
-        """The router sent the turn to a D off a backed-up P (`kvrelay_prefill_spilled_total`);
-        `holder`: that D holds the conversation's history."""
-        self.spilled_to_holder = holder
+    def spilled(self, *, first: bool) -> None:
+        """The router sent the turn to a D off a backed-up P (`kvrelay_prefill_spilled_total`)."""
         metrics.PREFILL_SPILLED.labels("first" if first else "later").inc()
 
-    def decode_only_checked(self, counted: bool, fits: bool) -> None:
+    def decode_only_checked(self, result: str) -> None:
         """A decode-only turn the estimate allowed was checked on D's count of the prompt:
         `kvrelay_decode_only_checks_total{result=fits|too_long|uncounted}`."""
-        result = "fits" if fits else "too_long" if counted else "uncounted"
         metrics.DECODE_ONLY_CHECKS.labels(result).inc()
 
     def fell_back(self, kind: str) -> None:
@@ -157,46 +189,22 @@ class TurnReport:
 
     # -- realized reuse (docs/ACCOUNTING.md §3) ------------------------------------------------
 
-    def prefill_answered(self, account: PromptAccount, for_decode: bool) -> None:
-        """P answered with this account; `for_decode`: with params D prefills from (else D
-        prefills the prompt alone)."""
-        self.prefill_leg.account = account
-        if for_decode:
-            self.prefilled_by = "prefill"
-
-    def decode_reported(self, account: PromptAccount | None) -> None:
-        """D's connector reported its account (in D's params: its answer, its stream or its
-        side channel)."""
-        if account is not None:
-            self.decode_leg.account = account.or_else(self.decode_leg.account)
-
-    def decode_usage(self, usage: object) -> None:
-        """D's `usage`. Its cached tokens are D's own only when D got no P params: on a turn
-        through P they are P's figure (vLLM reports `remote_prefill_cached_tokens`)."""
-        known = self.decode_leg.account
-        if known is not None and known.reused is not None and known.prompt_tokens is not None:
-            return  # D's connector gave the whole split: its usage adds nothing
-        prompt, cached = usage_figures(usage)
-        account = PromptAccount(prompt, None if self.prefilled_by == "prefill" else cached)
-        self.decode_leg.account = account if known is None else known.or_else(account)
-
-    def settle_accounts(self) -> PromptAccount:
-        """Count the legs' accounts (once) and return the turn's: the account of the leg that
+    def count_accounts(self) -> None:
+        """Count the legs' accounts and the turn's (once): the account of the leg that
         prefilled the prompt, `unknown` where its engine gave no figure."""
-        if self.account is not None:
-            return self.account
-        p, d = self.prefill_leg.account, self.decode_leg.account or UNKNOWN_ACCOUNT
-        if p is not None:
-            _count("prefill", p)
-        _count("decode", d)
-        turn = (p if self.prefilled_by == "prefill" else None) or d
+        if self.counted:
+            return
+        self.counted = True
+        accounts = self.accounts
+        turn = accounts.settle()
+        if accounts.prefill is not None:
+            _count("prefill", accounts.prefill)
+        _count("decode", accounts.decode or UNKNOWN_ACCOUNT)
         if turn.reused is not None:
-            leg = "prefill" if self.prefilled_by == "prefill" else "decode"
+            leg = accounts.prefilled_by
             metrics.TOKENS_REUSED.labels(leg).inc(turn.reused)
             if turn.prompt_tokens is not None:
                 metrics.TURN_PROMPT_TOKENS.labels(leg).inc(turn.prompt_tokens)
-        self.account = turn
-        return turn
 
     def first_byte(self) -> None:
         """The first byte of D's answer goes to the client."""
@@ -261,7 +269,7 @@ class TurnReport:
         """One leg, all its attempts (each an `attempt` event naming the engine)."""
         if not self.traced:
             return tracing.OFF
-        return tracing.span(LEG_SPANS[role], kind="client", finish=self.leg(role).attributes)
+        return tracing.span(LEG_SPANS[role], kind="client", finish=self._leg(role).attributes)
 
     # -- what is reported ----------------------------------------------------------------------
 
@@ -288,8 +296,9 @@ class TurnReport:
         conversation = conversation_hash(self.lookup_key)
         if conversation is not None:
             out["kvrelay.conversation"] = conversation
-        if self.account is not None and self.account.reused is not None:
-            out["kvrelay.tokens_reused"] = self.account.reused
+        account = self.accounts.settled
+        if account is not None and account.reused is not None:
+            out["kvrelay.tokens_reused"] = account.reused
         if p.engine is not None:
             out["kvrelay.prefill.url"] = p.engine
         if d.engine is not None:
@@ -297,7 +306,7 @@ class TurnReport:
         return out
 
     def _summary(self, error: BaseException | None) -> dict[str, Any]:
-        p, d = self.prefill_leg, self.decode_leg
+        p, d, accounts = self.prefill_leg, self.decode_leg, self.accounts
         return {
             "request_id": self.client_request_id or self.request_id,
             "upstream_request_id": self.request_id,
@@ -307,13 +316,13 @@ class TurnReport:
             "stored_as": conversation_hash(self.store_key) if self.hold else None,
             "lookup": self.reuse,
             "tokens_offered": self.tokens_offered,
-            "tokens_reused": self.account.reused if self.account is not None else None,
-            "prefilled_by": self.prefilled_by,
+            "tokens_reused": accounts.settled.reused if accounts.settled is not None else None,
+            "prefilled_by": accounts.prefilled_by,
             "stream": self.stream,
             "status": self._status(error),
             "error": type(error).__name__ if error is not None else None,
-            "prefill": p.summary(),
-            "decode": d.summary(),
+            "prefill": p.summary(accounts.prefill),
+            "decode": d.summary(accounts.decode),
             "retries": p.retries + d.retries,
             "duration_ms": {
                 "total": _ms(self.started, time.monotonic()),

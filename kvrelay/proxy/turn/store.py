@@ -1,6 +1,6 @@
-"""Step 6 of a turn: D's final params become the conversation's map entry, or D's blocks are
-released when they cannot be (not asked to hold, a stock engine without `stock_vllm_reuse`,
-params past their expiry, unusable params, the map unavailable).
+"""The map's side of step 6 of a turn: D's final params become the conversation's map entry,
+or D's blocks are released when they cannot be (not asked to hold, a stock engine without
+`stock_vllm_reuse`, params past their expiry, unusable params, the map unavailable).
 
 A put that timed out may have been stored all the same (`UnconfirmedPutError`): D's blocks stay
 held until the map says it was not (`Releaser.release_unless_stored`), so a next turn never
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,14 +19,17 @@ from kvrelay.connector.protocol import REMOTE_NUM_TOKENS, KVTransferParams
 from kvrelay.kvcache_map import (
     ConversationKey,
     KVEntry,
+    KVMap,
     MapUnavailableError,
     UnconfirmedPutError,
 )
-from kvrelay.proxy.fleet import Backend, Fleet
-from kvrelay.proxy.turn.accounting import PromptAccount
+from kvrelay.proxy.engines import Releaser
+from kvrelay.proxy.fleet import Backend
+from kvrelay.proxy.turn.accounting import PromptAccount, TurnAccounts
 from kvrelay.proxy.turn.legs import capped_num_tokens
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
 from kvrelay.proxy.turn.report import TurnReport
+from kvrelay.proxy.turn.settings import TurnSettings
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +38,12 @@ log = logging.getLogger(__name__)
 class Store:
     """Where and how one turn stores D's params."""
 
-    fleet: Fleet
-    report: TurnReport
+    kvmap: KVMap
+    releaser: Releaser
+    map_unavailable: Callable[[str, Exception], None]  # counts and logs a map error
+    settings: TurnSettings
+    report: TurnReport  # written, never read
+    accounts: TurnAccounts  # D's connector report goes here; its prompt tokens size the entry
     key: ConversationKey | None  # None: the turn cannot be continued
     fingerprint: str | None  # the prompt's, for the next turn's history check
     previous: KVEntry | None  # the entry the turn took (its routing hints carry over)
@@ -48,14 +56,14 @@ class Store:
         """Make D's params the conversation's entry, or release D's blocks if they cannot be.
         `raw` is D's params as they came (from its answer, its stream or its side channel):
         parsed here, once, into the one wire type."""
-        fleet, report = self.fleet, self.report
+        report, releaser, settings = self.report, self.releaser, self.settings
         params = KVTransferParams.from_wire_or_none(raw)
         if params is None:
             if self.key is not None and hold:
                 log.warning("decode engine %s returned unusable params", backend.url)
-                fleet.releaser.release_soon_params("decode", raw)  # reads only the hold's fields
+                releaser.release_soon_params("decode", raw)  # reads only the hold's fields
             return
-        report.decode_reported(PromptAccount.from_connector(params))
+        self.accounts.decode_reported(PromptAccount.from_connector(params))
         host, port = params.remote_host, params.remote_port
         if host is not None and port is not None:
             backend.side_channel = (host, port)  # learnt for later streams
@@ -65,15 +73,15 @@ class Store:
             if stock and params.remote_num_tokens:
                 report.hold_unsupported()
             return
-        if stock and not fleet.settings.stock_vllm_reuse:
+        if stock and not settings.stock_vllm_reuse:
             report.hold_unsupported()
             return
         expiry = params.remote_blocks_expiry_time
-        ttl = fleet.settings.conversation_ttl_s
+        ttl = settings.conversation_ttl_s
         if expiry is not None:
-            ttl = min(ttl, expiry - time.time() - fleet.settings.entry_safety_margin_s)
+            ttl = min(ttl, expiry - time.time() - settings.entry_safety_margin_s)
         if ttl <= 0:
-            fleet.releaser.release_soon_params("decode", params)
+            releaser.release_soon_params("decode", params)
             return
         prompt_tokens = self.prefill.prompt_tokens if self.prefill is not None else None
         to_store = params
@@ -88,21 +96,19 @@ class Store:
             )
         except ValueError as exc:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
-            fleet.releaser.release_soon_params("decode", params)
+            releaser.release_soon_params("decode", params)
             return
         with report.put_scope(entry.num_tokens, ttl):
             try:
-                await fleet.kvmap.put(self.key, entry, ttl)
+                await self.kvmap.put(self.key, entry, ttl)
             except UnconfirmedPutError as exc:
-                fleet.map_unavailable("put", exc)
+                self.map_unavailable("put", exc)
                 # The entry may be stored all the same: D's blocks stay held until the map
                 # says it is not (else a next turn could find an entry pointing at nothing).
-                fleet.releaser.spawn(
-                    fleet.releaser.release_unless_stored("decode", exc.settle, params)
-                )
+                releaser.spawn(releaser.release_unless_stored("decode", exc.settle, params))
             except MapUnavailableError as exc:
-                fleet.map_unavailable("put", exc)
-                fleet.releaser.release_soon_params("decode", params)
+                self.map_unavailable("put", exc)
+                releaser.release_soon_params("decode", params)
 
     def _routing_hints(self) -> dict[str, Any]:
         """What the next turn's routing needs (kvrelay.proxy.fleet.routing): this turn's P and its
@@ -116,8 +122,8 @@ class Store:
             prefill_url = prefill_url or previous.prefill_url
             if not prompt_tokens and previous.chars_per_token:
                 return {"prefill_url": prefill_url, "chars_per_token": previous.chars_per_token}
-        if prefill is None and self.report.decode_leg.account is not None:
-            prompt_tokens = self.report.decode_leg.account.prompt_tokens
+        if prefill is None and self.accounts.decode is not None:
+            prompt_tokens = self.accounts.decode.prompt_tokens
         chars_per_token = None
         if prompt_tokens:
             # Floored so that an odd prompt (no text content) cannot make the entry invalid.

@@ -1,0 +1,74 @@
+"""What a worker's turns work with: `TurnCrew`, built once per worker from its `Fleet`.
+
+A turn's steps are each given the parts they use (the take step the map, the legs their pool
+and the router, the store the map and the releaser), never the fleet: a step can be read with
+only its own collaborators in mind. This module is where the turn's room meets the fleet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.kvcache_map import KVMap
+from kvrelay.proxy.engines import Releaser, Upstream, prompt_tokens
+from kvrelay.proxy.fleet import Backend, Fleet, Pool, Router, TurnPolicy
+from kvrelay.proxy.turn.attempts import Engines, UpstreamEngines
+from kvrelay.proxy.turn.settings import TurnSettings
+from kvrelay.proxy.turn.take import Take
+
+
+@dataclass(frozen=True, slots=True)
+class TurnCrew:
+    """The parts of one worker that its turns use (see the module's docstring)."""
+
+    settings: TurnSettings
+    kvmap: KVMap
+    router: Router  # the pickers and what the fleet learns from each turn
+    policy: TurnPolicy  # `routing_policy`: each turn's plan
+    releaser: Releaser  # frees holds in the background, fetches D's finished params
+    engines: Engines  # where the legs' requests go
+    upstream: Upstream  # the worker's engine client: prompt counts on `/tokenize`
+    side_channel_of: Callable[[Backend], tuple[str, int] | None]  # an engine's side channel
+    map_unavailable: Callable[[str, Exception], None]  # counts and logs a map error
+    take: Take  # step 1: the conversation's entry from the map, checked
+
+    @classmethod
+    def of(cls, fleet: Fleet, engines: Engines | None = None) -> TurnCrew:
+        """The crew of `fleet`'s worker; `engines`: where legs go (a unit test's fake), by
+        default the fleet's engine client with the settings' timeouts."""
+        settings, upstream = fleet.settings, fleet.upstream
+        if engines is None:
+            engines = UpstreamEngines(
+                upstream,
+                settings.first_byte_timeout,
+                settings.total_timeout,
+                settings.probe_timeout_s,
+            )
+        turn_settings, kvmap, router = TurnSettings.of(settings), fleet.kvmap, fleet.router
+        releaser, map_unavailable = fleet.releaser, fleet.map_unavailable
+        return cls(
+            settings=turn_settings,
+            kvmap=kvmap,
+            router=router,
+            policy=fleet.policy,
+            releaser=releaser,
+            engines=engines,
+            upstream=upstream,
+            side_channel_of=fleet.side_channel_of,
+            map_unavailable=map_unavailable,
+            take=Take(kvmap, releaser, map_unavailable, router.holder_available, turn_settings),
+        )
+
+    @property
+    def prefill(self) -> Pool:
+        return self.router.prefill
+
+    @property
+    def decode(self) -> Pool:
+        return self.router.decode
+
+    async def count_tokens(self, url: str, route: str, body: dict[str, Any]) -> int | None:
+        """The prompt's tokens as the engine at `url` counts them (None: it could not say)."""
+        return await prompt_tokens(self.upstream, url, route, body, self.settings.probe_timeout_s)
