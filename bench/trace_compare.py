@@ -705,10 +705,15 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["", "Best configuration of each family in this run: " + "; ".join(best) + "."]
     lines += ["", *verdicts(rows, gps, configs), ""]
     load = data.get("load", {})
+    # A comparison stopped before its end kept its runs but has no "after" nor duration.
+    ended = (
+        f"{load['after'][0]:.2f} after; it took {data['elapsed_s'] / 60:.0f} min"
+        if "after" in load and "elapsed_s" in data
+        else "it was stopped before its end (the runs it finished are shown)"
+    )
     lines.append(
         f"Machine: load average (1 min) {load.get('before', [math.nan])[0]:.2f} before the "
-        f"comparison, {load.get('after', [math.nan])[0]:.2f} after; it took "
-        f"{data.get('elapsed_s', math.nan) / 60:.0f} min. Engines wait out their modelled step "
+        f"comparison, {ended}. Engines wait out their modelled step "
         "times, so a CPU-starved run shows as longer TTFT; the rounds interleave the "
         "configurations so such a minute falls on different ones."
     )
