@@ -46,6 +46,7 @@ from kvrelay.proxy.fleet.policies import (
 )
 from kvrelay.proxy.fleet.pools import (
     Backend,
+    Busy,
     HealthChecker,
     Pool,
     engines_to_try,
@@ -62,6 +63,7 @@ __all__ = [
     "Affinity",
     "AlwaysP",
     "Backend",
+    "Busy",
     "Conditional",
     "CountCheck",
     "Discovered",

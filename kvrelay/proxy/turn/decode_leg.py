@@ -16,12 +16,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend, Pool, Router
+from kvrelay.proxy.fleet import Backend, Busy, Pool, Router
 from kvrelay.proxy.turn.attempts import Attempts, EngineAnswer, LegFailure, Verdict
 from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.legs import decode_body
@@ -39,6 +39,21 @@ class Served:
     hold: bool  # D was asked to hold its blocks for a next turn
     start: float  # when the attempt began (`time.monotonic()`)
     prefilled: Callable[[], None] | None  # call at a stream's first token: D's prompt is done
+    busy: Busy  # D's count of this request, entered by the leg, left by `__exit__`
+
+    def __enter__(self) -> Served:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        """The turn is done with D's answer: a turn that raised closes the connection (not
+        pooling it is what tells D to stop), then the answer is released and D's count of the
+        request drops."""
+        try:
+            if exc_type is not None:
+                self.answer.close()
+            self.answer.release()
+        finally:
+            self.busy.__exit__(None, None, None)
 
 
 class DecodeLeg:
@@ -61,7 +76,6 @@ class DecodeLeg:
         # a strike against the key (`kvrelay.proxy.tenants`). Empty otherwise.
         self.suspect_input: tuple[Backend, ...] = ()
 
-    @contextlib.asynccontextmanager
     async def serve(
         self,
         ctx: TurnContext,
@@ -69,11 +83,14 @@ class DecodeLeg:
         first: str | None,
         hold: bool,
         decode_tokens: int | None,
-    ) -> AsyncIterator[Served]:
-        """The first D that answers 2xx, its answer open while the block runs (closed when the
-        block raises: that tells D to stop). `first`: the D to try first (the conversation's
-        holder, or a spill's D); `hold`: ask D to hold for a next turn; `decode_tokens`: the
-        tokens D prefills itself on a turn that skipped P (counted against D's budget)."""
+    ) -> Served:
+        """The first D that answers 2xx, its answer open until the turn leaves `with served:`
+        (closed when the block raises: that tells D to stop). `first`: the D to try first (the
+        conversation's holder, or a spill's D); `hold`: ask D to hold for a next turn;
+        `decode_tokens`: the tokens D prefills itself on a turn that skipped P (counted against
+        D's budget). A plain coroutine and a context-manager `Served` rather than an
+        `asynccontextmanager`: it runs on every turn, and the generator machinery costs about
+        eight calls per turn (`bench/instructions.py`)."""
         attempts, pool, report = self._attempts, self._pool, self._attempts.report
         stream, router = ctx.stream, self._router
         p_params = prefill.params if prefill is not None else None
@@ -94,7 +111,9 @@ class DecodeLeg:
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
             # turn until its first token (what the router weighs against D's prefill budget).
             busy = pool.busy(backend, 1 + (decode_tokens or 0))
-            with busy:
+            busy.__enter__()
+            served: Served | None = None  # set when D's answer is handed to the turn
+            try:
                 try:
                     resp = await attempts.send(backend, payload)
                     report.leg_answered("decode", resp.status)
@@ -114,14 +133,17 @@ class DecodeLeg:
                         raise upstream_error_from_body(resp.status, await resp.read(), "decode")
                     report.holding(d_hold)
                     prefilled = busy.prefilled if decode_tokens else None
-                    yield Served(backend, resp, d_hold, start, prefilled)
-                    return
+                    served = Served(backend, resp, d_hold, start, prefilled, busy)
+                    return served
                 except BaseException:
-                    # Closing (not pooling) the connection is what tells D to stop.
-                    resp.close()
+                    resp.close()  # closing (not pooling) the connection tells D to stop
                     raise
                 finally:
-                    resp.release()
+                    if served is None:
+                        resp.release()
+            finally:
+                if served is None:
+                    busy.__exit__(None, None, None)
         if refused and len(refused) == len(reasons) and pool.blames_input(refused, ctx.tenant):
             self.suspect_input = tuple(refused)
         raise self._no_decode(reasons, slow)

@@ -97,17 +97,18 @@ class Turn:
                 self.entry, ctx.work, ctx.tenant, self._count_tokens
             )
             self._report_plan(plan)
-            if plan.through_p:
+            through_p = plan.route is Route.THROUGH_P  # read four times: one comparison
+            if through_p:
                 with report.leg_scope("prefill"):
                     await self._prefill(plan)
                 report.leg_ended("prefill")
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
-            if plan is None or plan.through_p:
+            if plan is None or plan.route is Route.THROUGH_P:
                 self.owed.release(Debt.PREVIOUS_HOLD)
         report.holding(self.hold)
-        if plan.through_p:
+        if through_p:
             await self._decode_step(plan)
         else:
             # Straight to a D: the holder serves the history from the held blocks (its
@@ -126,7 +127,7 @@ class Turn:
         report = self.report
         if plan.check is not None:
             report.decode_only_checked(plan.check)
-        if plan.through_p:
+        if plan.route is Route.THROUGH_P:
             return
         if plan.route is Route.SPILL:
             report.spilled(first=self.entry is None)
@@ -187,9 +188,10 @@ class Turn:
         )
         relayed = Relayed(streamed=ctx.stream)
         with report.leg_scope("decode"):
-            async with leg.serve(
+            served = await leg.serve(
                 ctx, self.prefill, plan.decode_first, self.hold, plan.decode_tokens
-            ) as served:
+            )
+            with served:
                 self.decode_url = served.backend.url
                 if served.hold:
                     settle.owe_hold(served.backend)
@@ -211,7 +213,7 @@ class Turn:
         `kvrelay.proxy.fleet.ReuseStanding`)."""
         router, tenant = self.crew.router, self.ctx.tenant
         p, d, d_url = self.accounts.prefill, self.accounts.decode, self.decode_url
-        if not plan.through_p:
+        if plan.route is not Route.THROUGH_P:
             if plan.route is Route.SPILL and not plan.to_holder:
                 return  # a D without the history: nothing to learn about its prefix cache
             if self.entry is None or not self.entry.has_full_block:

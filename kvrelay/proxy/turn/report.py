@@ -150,20 +150,20 @@ class TurnReport:
             self.tokens_offered = tokens
             metrics.TOKENS_OFFERED.inc(tokens)
 
-    def _leg(self, role: str) -> LegRecord:
-        return self.prefill_leg if role == "prefill" else self.decode_leg
+    # `role` is "prefill" or "decode"; each reads its record inline (no helper): these run
+    # on every leg of every turn.
 
     def on_attempt(self, role: str) -> Callable[[Backend, int], None]:
         """The hook a leg calls as each attempt begins (`LegRecord.attempt`)."""
-        return self._leg(role).attempt
+        return (self.prefill_leg if role == "prefill" else self.decode_leg).attempt
 
     def leg_answered(self, role: str, status: int) -> None:
         """The leg's engine answered with this HTTP status."""
-        self._leg(role).status = status
+        (self.prefill_leg if role == "prefill" else self.decode_leg).status = status
 
     def leg_ended(self, role: str) -> None:
         """P's answer is read; D's answer is relayed."""
-        self._leg(role).ended = time.monotonic()
+        (self.prefill_leg if role == "prefill" else self.decode_leg).ended = time.monotonic()
 
     def leg_latency(self, role: str, outcome: str, start: float) -> None:
         """One attempt of a leg ended: `outcome` is "error" or the status class ("2xx")."""
@@ -269,7 +269,11 @@ class TurnReport:
         """One leg, all its attempts (each an `attempt` event naming the engine)."""
         if not self.traced:
             return tracing.OFF
-        return tracing.span(LEG_SPANS[role], kind="client", finish=self._leg(role).attributes)
+        return tracing.span(
+            LEG_SPANS[role],
+            kind="client",
+            finish=(self.prefill_leg if role == "prefill" else self.decode_leg).attributes,
+        )
 
     # -- what is reported ----------------------------------------------------------------------
 
