@@ -7,7 +7,10 @@ system serves from all of them.
 
 - `kvrelay`: the proxy's default policy; `kvrelay always_p`; `kvrelay holds off` (the default
   policy, D's hold lease cut to `HOLDS_OFF_LEASE_S`, so nothing D keeps for a conversation
-  outlives its turn: what holding buys is the difference to `kvrelay`);
+  outlives its turn: what holding buys is the difference to `kvrelay`); `kvrelay always hold`
+  (every turn that can continue holds: `hold_min_use` 0); `kvrelay load routing` (P by load
+  and conversation affinity, every turn holding: the default before prefix routing and
+  `hold_min_use`);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -64,6 +67,7 @@ class System:
     policy: str  # kvrelay routing_policy or vllm-router policy
     holds: bool = True  # D's holds on (kvrelay only)
     router_args: tuple[str, ...] = ()  # vllm-router tuning flags
+    proxy_settings: tuple[tuple[str, str], ...] = ()  # kvrelay settings, as environment
 
     @property
     def disaggregated(self) -> bool:
@@ -73,10 +77,19 @@ class System:
 # vllm-router's cache_aware balances load only past both thresholds (defaults 64 and 1.5).
 BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2")
 
+ALWAYS_HOLD = ("KVRELAY_HOLD_MIN_USE", "0")
+
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
+    System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
+    System(
+        "kvrelay load routing",
+        "kvrelay",
+        "default",
+        proxy_settings=(ALWAYS_HOLD, ("KVRELAY_PREFIX_ROUTING", "false")),
+    ),
     System("vllm-router cache_aware P/D", "vllm-router-pd", "cache_aware"),
     System("vllm-router cache_aware tuned P/D", "vllm-router-pd", "cache_aware", True, BALANCED),
     System("vllm-router power_of_two P/D", "vllm-router-pd", "power_of_two"),
@@ -151,8 +164,10 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
 
 
 def proxy_env(system: System, settings: dict[str, Any]) -> dict[str, str]:
-    """kvrelay's environment: the scaled TTL and safety margin, and the policy."""
+    """kvrelay's environment: the scaled TTLs and safety margin, the policy and the system's
+    own settings."""
     env = dict(settings["proxy_env"])
+    env.update(system.proxy_settings)
     if system.policy != "default":
         env["KVRELAY_ROUTING_POLICY"] = system.policy
     return env

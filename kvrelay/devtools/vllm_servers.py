@@ -177,14 +177,17 @@ def stop_all(*servers: VLLMServer) -> None:
         s.stop()
 
 
+def kvrelay_server(name: str, model_dir: Path, cpu: int) -> VLLMServer:
+    """A vLLM server with kvrelay's connector (P or D: `kv_both`), its side channel on a
+    known port."""
+    side = free_port()
+    config = kvrelay_transfer_config(side)
+    return VLLMServer(name, model_dir, cpu, config, side_channel_port=side)
+
+
 def kvrelay_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:
     """P (core 0) and D (core 1) with kvrelay's connector, side channels on known ports."""
-    servers = []
-    for name, cpu in (("P", 0), ("D", 1)):
-        side = free_port()
-        config = kvrelay_transfer_config(side)
-        servers.append(VLLMServer(name, model_dir, cpu, config, side_channel_port=side))
-    return servers[0], servers[1]
+    return kvrelay_server("P", model_dir, 0), kvrelay_server("D", model_dir, 1)
 
 
 def stock_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:

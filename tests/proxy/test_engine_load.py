@@ -176,15 +176,15 @@ def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
     entry = _entry("http://d", "http://p1")
     previous = entry.prefill_url
-    assert router.pick_prefill(previous, set()) == (p1, True)
-    assert router.pick_prefill(None, set()) == (p0, False)  # ties: the first P
+    assert router.pick_prefill(previous, set())[:2] == (p1, True)
+    assert router.pick_prefill(None, set())[:2] == (p0, False)  # ties: the first P
     p1.inflight = 2
-    assert router.pick_prefill(previous, set()) == (p0, False)
+    assert router.pick_prefill(previous, set())[:2] == (p0, False)
     p1.inflight, p1.load = 0, _reading(waiting=9)
-    assert router.pick_prefill(previous, set()) == (p0, False)
+    assert router.pick_prefill(previous, set())[:2] == (p0, False)
     p1.load = None
     prefill.drain("http://p1")
-    assert router.pick_prefill(previous, set()) == (p0, False)
+    assert router.pick_prefill(previous, set())[:2] == (p0, False)
     # The policies: affinity and conditional prefer the previous P, always_p none.
     for name, prefers in (("affinity", previous), ("conditional", previous), ("always_p", None)):
         plan = asyncio.run(policy_named(name, router).plan(entry, 10, "", _no_count))
@@ -198,19 +198,19 @@ def test_prefill_affinity_yields_to_a_p_whose_queue_is_shorter_by_more_than_the_
     turn = 1000  # the turn's prompt characters
     p1.outstanding_work = 5000  # the previous P has queued work; p0 none
     previous = entry.prefill_url
-    assert router.pick_prefill(previous, set(), turn) == (p0, False)
+    assert router.pick_prefill(previous, set(), turn)[:2] == (p0, False)
     p0.outstanding_work = 4000  # p0 only a turn's worth ahead: not worth losing the local hit
-    assert router.pick_prefill(previous, set(), turn) == (p1, True)
+    assert router.pick_prefill(previous, set(), turn)[:2] == (p1, True)
     p0.outstanding_work = 3999
-    assert router.pick_prefill(previous, set(), turn) == (p0, False)
+    assert router.pick_prefill(previous, set(), turn)[:2] == (p0, False)
     # Another worker's requests on p1 (its fresh reading shows more than this worker sent)
     # count at this worker's mean per request there.
     p0.outstanding_work, p1.outstanding_work, p1.inflight = 2000, 1000, 1
-    assert router.pick_prefill(previous, set(), turn) == (p1, True)
+    assert router.pick_prefill(previous, set(), turn)[:2] == (p1, True)
     p1.load = _reading(waiting=3)  # 1 running + 3 waiting: 3 more requests of 1000 characters
-    assert router.pick_prefill(previous, set(), turn) == (p0, False)
+    assert router.pick_prefill(previous, set(), turn)[:2] == (p0, False)
     # A P left out (tried already) is not a reason to yield.
-    assert router.pick_prefill(previous, {"http://p0"}, turn) == (p1, True)
+    assert router.pick_prefill(previous, {"http://p0"}, turn)[:2] == (p1, True)
 
 
 def test_conditional_skips_p_only_for_short_uncached_parts_on_a_free_holder() -> None:

@@ -75,13 +75,19 @@ def _p_loads(
     engines: tuple[EngineSim, EngineSim, EngineSim],
     proxy_factory: ProxyFactory,
     conversation: str,
+    **settings: Any,
 ) -> tuple[list[float], float]:
     """Run QUESTIONS with turn 1 on P1 (P0 drained), P0 back for the later turns.
 
     Returns the tokens P loaded from D per later turn, and P0's requests meanwhile."""
     p0, p1, d = engines
     proxy = proxy_factory(
-        [p0, p1], [d], ready_path="/ready", routing_policy=policy, admin_key=ADMIN_KEY
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        routing_policy=policy,
+        admin_key=ADMIN_KEY,
+        **settings,
     )
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
@@ -117,8 +123,9 @@ def test_prefill_affinity_loads_only_what_ps_own_cache_lacks(
     sticky, p0_used = _p_loads("affinity", idle, proxy_factory, "aff-1")
     assert p0_used == 0, "every later turn should go to the P that served the first"
     assert p1.metric("enginesim_prompt_tokens_cached_total") > cached_before
-    # always_p sends the later turns to the other P, whose cache does not have this history.
-    moving, p0_used = _p_loads("always_p", idle, proxy_factory, "aff-2")
+    # always_p by load alone sends the later turns to the other P, whose cache does not have
+    # this history.
+    moving, p0_used = _p_loads("always_p", idle, proxy_factory, "aff-2", prefix_routing="false")
     assert p0_used == len(QUESTIONS) - 1
     # Turn 2 is where they differ (without affinity P0 then has this history cached too):
     # the other P loads the whole history from D, the previous P only what lies beyond its
@@ -176,6 +183,51 @@ def _decisions(proxy: ProxyServer) -> dict[str, float]:
         d: m.get(f'kvrelay_routing_decisions_total{{decision="{d}"}}', 0.0)
         for d in ("decode_only", "prefill_affinity", "prefill_chosen")
     }
+
+
+@pytest.mark.parametrize("prefix_routing", [True, False])
+def test_a_request_sharing_only_the_system_prompt_goes_to_the_p_that_cached_it(
+    idle: tuple[EngineSim, EngineSim, EngineSim],
+    proxy_factory: ProxyFactory,
+    prefix_routing: bool,
+) -> None:
+    """Two unrelated requests with one system prompt: with prefix routing the second goes to
+    the P that computed the first, which serves the system prompt from its cache (its own
+    counter says so); by load alone it goes to the other, idle, P, which computes it all."""
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        admin_key=ADMIN_KEY,
+        prefix_routing=str(prefix_routing).lower(),
+    )
+    system = f"You route requests by prefix ({prefix_routing}), and say why. " * 10
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "A prefix?"}]
+    assert reply_of(post(proxy.url, "/v1/chat/completions", chat_body(first))) == (
+        reference_chat(first, 12)
+    )
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
+    before = p0.metrics(), p1.metrics()
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "Cached where?"}]
+    assert reply_of(post(proxy.url, "/v1/chat/completions", chat_body(second))) == (
+        reference_chat(second, 12)
+    )
+    after = p0.metrics(), p1.metrics()
+
+    def grew(name: str) -> list[float]:
+        return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
+
+    served = grew("enginesim_requests_total")
+    cached = grew("enginesim_prompt_tokens_cached_total")
+    if prefix_routing:
+        assert served == [0, 1]
+        assert cached[1] >= 64  # the system prompt's whole blocks, at least four of 16 tokens
+    else:
+        assert served == [1, 0]  # equal load: the first P
+        assert cached[0] == 0
+    proxy.stop()
 
 
 def test_a_busy_holder_sends_the_follow_up_through_p(

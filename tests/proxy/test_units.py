@@ -271,12 +271,12 @@ def test_pool_ejects_and_readmits_by_probe() -> None:
     router, pool, _ = _router()
     a, b = pool.add("http://a"), pool.add("http://b")
     a.outstanding_work = 10
-    assert router.pick_prefill(None, set()) == (b, False)
+    assert router.pick_prefill(None, set())[:2] == (b, False)
     pool.record_failure(b, "x")
     assert b.healthy
     pool.record_failure(b, "x")
     assert not b.healthy
-    assert router.pick_prefill(None, set()) == (a, False)
+    assert router.pick_prefill(None, set())[:2] == (a, False)
     pool.record_success(b, probe=False)
     pool.record_success(b, probe=True)
     assert not b.healthy

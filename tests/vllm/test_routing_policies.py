@@ -4,6 +4,9 @@
   lies beyond that local hit, at most the previous reply's blocks (issue 17, P affinity).
 - `conditional`: a short follow-up goes straight to the D holding the conversation; D serves
   the history from its held blocks (prefix-cache hit) and the answer equals plain vLLM's.
+- Prefix routing, with a second P: a request that shares only a system prompt with an earlier
+  one goes to the P that computed it, whose own counter shows the prefix served from its cache;
+  by load alone it goes to the idle P, which computes it all.
 """
 
 from __future__ import annotations
@@ -38,37 +41,50 @@ USER_TURNS = [
 ]
 
 
+ADMIN_KEY = "prefix-routing-admin-key"
+
+
 class CachedFleet:
-    """vLLM P and D with prefix caching (vLLM's default) and one proxy per policy."""
+    """vLLM P and D with prefix caching (vLLM's default), a second P, and proxies: one per
+    policy in front of P and D, and two in front of both Ps and D (`prefix routing`, `by
+    load`: prefix routing on and off), the second P listed first."""
 
     def __init__(
         self, prefill: vllm_servers.VLLMServer, decode: vllm_servers.VLLMServer,
-        reference: vllm_servers.VLLMServer, proxies: dict[str, ProxyServer],
+        second: vllm_servers.VLLMServer, reference: vllm_servers.VLLMServer,
+        proxies: dict[str, ProxyServer],
     ) -> None:  # fmt: skip
-        self.prefill, self.decode, self.reference, self.proxies = (
-            prefill, decode, reference, proxies
+        self.prefill, self.decode, self.second, self.reference, self.proxies = (
+            prefill, decode, second, reference, proxies
         )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[CachedFleet]:
     prefill, decode = vllm_servers.kvrelay_pair(tiny_model)
+    second = vllm_servers.kvrelay_server("P2", tiny_model, 0)
     factory = ProxyFactory()
     try:
-        vllm_servers.start_all(prefill, decode)
+        vllm_servers.start_all(prefill, decode, second)
+        side_channels = vllm_servers.side_channels_setting(prefill, decode, second)
         proxies = {
             policy: factory(
                 [prefill.url], [decode.url], ready_path="/ready",
-                connector_secret=vllm_servers.CONNECTOR_SECRET,
-                side_channels=vllm_servers.side_channels_setting(prefill, decode),
+                connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=side_channels,
                 routing_policy=policy, conditional_max_uncached_tokens="96",
             )
             for policy in ("affinity", "conditional")
         }  # fmt: skip
-        yield CachedFleet(prefill, decode, reference_launch.server(), proxies)
+        for label, on in (("prefix routing", "true"), ("by load", "false")):
+            proxies[label] = factory(
+                [second.url, prefill.url], [decode.url], ready_path="/ready",
+                connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=side_channels,
+                prefix_routing=on, admin_key=ADMIN_KEY,
+            )  # fmt: skip
+        yield CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
     finally:
         factory.close()
-        vllm_servers.stop_all(prefill, decode)
+        vllm_servers.stop_all(prefill, decode, second)
 
 
 def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
@@ -167,3 +183,43 @@ def test_conditional_serves_a_short_follow_up_on_the_holding_decode(
     status, _, _ = proxy.call("DELETE", f"/v1/conversations/{conversation}")
     assert status == 200
     wait_until(lambda: fleet.decode.metric(HELD_BLOCKS) == 0, 30, what="D to hold nothing")
+
+
+def _admin(proxy: ProxyServer, method: str, path: str, body: dict[str, Any]) -> None:
+    status, answer, _ = proxy.call(
+        method, path, body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status in (200, 201), answer
+
+
+@pytest.mark.parametrize("label", ["prefix routing", "by load"])
+def test_a_request_sharing_only_a_system_prompt_goes_to_the_p_that_cached_it(
+    cached_fleet: CachedFleet, label: str
+) -> None:
+    fleet = cached_fleet
+    proxy, p, second = fleet.proxies[label], fleet.prefill, fleet.second
+    # New to every cache (the module's other tests send SYSTEM): one system prompt, two users.
+    system = f"{SYSTEM} This fleet routes by {label}. " * 2
+    first = _body([{"role": "system", "content": system}, {"role": "user", "content": "Hello."}])
+    second_body = _body(
+        [{"role": "system", "content": system}, {"role": "user", "content": "Where from?"}]
+    )
+    # The first request goes to P (the second P drained), then both Ps are candidates again.
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": second.url})
+    out = _ask(proxy, first, f"first-{uuid.uuid4().hex[:8]}")
+    assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": second.url})
+    before = {s.name: (_settled(s, REQUESTS), _settled(s, CACHE_HITS)) for s in (p, second)}
+    out = _ask(proxy, second_body, f"second-{uuid.uuid4().hex[:8]}")
+    assert out["choices"][0]["message"]["content"] == _reference(fleet, second_body)
+    served = {s.name: _settled(s, REQUESTS) - before[s.name][0] for s in (p, second)}
+    hits = {s.name: _settled(s, CACHE_HITS) - before[s.name][1] for s in (p, second)}
+    assert out["usage"]["prompt_tokens"] > 3 * vllm_servers.BLOCK_SIZE
+    if label == "prefix routing":
+        assert served == {p.name: 1, second.name: 0}
+        # P served the system prompt's full blocks from its own cache: at least two blocks
+        # of the prompt were not recomputed (the questions differ only in their last block).
+        assert hits[p.name] >= 2 * vllm_servers.BLOCK_SIZE, hits
+    else:
+        assert served == {p.name: 0, second.name: 1}  # equal load: the first P listed
+        assert hits[second.name] == 0, hits

@@ -435,6 +435,42 @@ class Settings(BaseSettings):
             "time-per-output-token target (0: no bound; needs load_poll_interval_s)."
         ),
     )
+    prefix_routing: bool = Field(
+        default=True,
+        description=(
+            "Choose each turn's P by the prompt prefix its prefix cache is expected to hold "
+            "(an index fed by the turns this worker routed: a shared system prompt, tools, a "
+            "document, a conversation's history) weighed against its queued prompt work; off: "
+            "the least loaded P, or the conversation's previous P."
+        ),
+    )
+    prefix_index_ttl_s: float = Field(
+        default=600.0,
+        gt=0,
+        description=(
+            "prefix_routing: how long a prompt a P prefilled counts as still in its prefix "
+            "cache (the cache turns over under memory pressure; recorded again on each use)."
+        ),
+    )
+    prefix_index_max_entries: int = Field(
+        default=200_000,
+        ge=1,
+        description=(
+            "prefix_routing: prompt prefixes a worker's index keeps (about 420 bytes each), "
+            "least recently used forgotten first."
+        ),
+    )
+    hold_min_use: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description=(
+            "A tenant's turns stop asking D to hold their blocks while fewer than this share "
+            "of its recent holds were taken by a next turn (holds that pay nothing pin D's "
+            "pool); one turn in 1/hold_min_use still holds, to see when that changes (0: "
+            "always hold)."
+        ),
+    )
     reuse_probe_interval_s: float = Field(
         default=60.0,
         gt=0,

@@ -30,6 +30,7 @@ from kvrelay.proxy.fleet.fleet_sync import (
     RedisFleetSync,
     open_fleet_sync,
 )
+from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
 from kvrelay.proxy.fleet.policies import (
@@ -52,8 +53,9 @@ from kvrelay.proxy.fleet.pools import (
     engines_to_try,
     probe_health,
 )
+from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
-from kvrelay.proxy.fleet.routing import Router, uncached_tokens
+from kvrelay.proxy.fleet.routing import PrefillPick, Router, uncached_tokens
 from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
@@ -73,6 +75,7 @@ __all__ = [
     "Fleet",
     "FleetSync",
     "HealthChecker",
+    "HoldPayoff",
     "KubeRoleWatch",
     "KubeScope",
     "LoadPoller",
@@ -80,6 +83,9 @@ __all__ = [
     "ModelCatalog",
     "Plan",
     "Pool",
+    "PrefillPick",
+    "PrefixIndex",
+    "PromptPrefixes",
     "RedisFleetSync",
     "ResolveError",
     "ReuseStanding",

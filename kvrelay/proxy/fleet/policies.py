@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from kvrelay.kvcache_map import KVEntry
+from kvrelay.proxy.fleet.prefix_index import PromptPrefixes
 from kvrelay.proxy.fleet.routing import Router
 
 # The prompt's tokens as the engine at this URL counts them; None when it cannot say.
@@ -72,12 +73,18 @@ class Plan:
 
 class TurnPolicy(Protocol):
     """A routing policy: the plan for one turn, from the conversation's usable entry (None for
-    a first turn or an unusable one), the prompt's characters (+1, `work`) and the tenant."""
+    a first turn or an unusable one), the prompt's characters (+1, `work`), the tenant, and
+    the prompt's prefixes when P is chosen by what it caches (`Router.routes_by_prefix`)."""
 
     name: ClassVar[str]
 
     async def plan(
-        self, entry: KVEntry | None, work: int, tenant: str, count: TokenCounter
+        self,
+        entry: KVEntry | None,
+        work: int,
+        tenant: str,
+        count: TokenCounter,
+        prompt: PromptPrefixes | None = None,
     ) -> Plan: ...
 
 
@@ -90,7 +97,12 @@ class AlwaysP:
         self._router = router
 
     async def plan(
-        self, entry: KVEntry | None, work: int, tenant: str, count: TokenCounter
+        self,
+        entry: KVEntry | None,
+        work: int,
+        tenant: str,
+        count: TokenCounter,
+        prompt: PromptPrefixes | None = None,
     ) -> Plan:
         return Plan(Route.THROUGH_P, decode_first=entry.url if entry is not None else None)
 
@@ -101,7 +113,12 @@ class Affinity(AlwaysP):
     name: ClassVar[str] = "affinity"
 
     async def plan(
-        self, entry: KVEntry | None, work: int, tenant: str, count: TokenCounter
+        self,
+        entry: KVEntry | None,
+        work: int,
+        tenant: str,
+        count: TokenCounter,
+        prompt: PromptPrefixes | None = None,
     ) -> Plan:
         return self._through_p(entry, None)
 
@@ -120,7 +137,12 @@ class Conditional(Affinity):
     name: ClassVar[str] = "conditional"
 
     async def plan(
-        self, entry: KVEntry | None, work: int, tenant: str, count: TokenCounter
+        self,
+        entry: KVEntry | None,
+        work: int,
+        tenant: str,
+        count: TokenCounter,
+        prompt: PromptPrefixes | None = None,
     ) -> Plan:
         router = self._router
         check: CountCheck | None = None
@@ -139,7 +161,7 @@ class Conditional(Affinity):
                 )
             else:
                 check = CountCheck.TOO_LONG
-        spill = router.spill(entry, work, tenant)
+        spill = router.spill(entry, work, tenant, prompt)
         if spill is not None:
             counted = await count(spill.backend.url)
             held = entry.num_tokens if entry is not None else 0

@@ -44,16 +44,25 @@ affinity until it shows one.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet.engine_load import fresh_load
+from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.pools import Backend, Pool
+from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
+from kvrelay.proxy.telemetry import metrics
 
 # Characters per token until a conversation's entry says (English BPE tokenizers: about 4).
 _DEFAULT_CHARS_PER_TOKEN = 4.0
 _NO_P_LEFT_OUT: frozenset[str] = frozenset()
+# What a pulled token costs P against computing it: a 12k-token pull of an 8B Llama in vLLM's
+# per-layer pages is 24,000 NIXL descriptors at about 7 us each on an H200 (bench/RESULTS.md,
+# "transfer (GPU)"), about 175 ms, against about 400 ms to prefill it. So a P that caches the
+# history itself beats one that would pull it, and both beat one that recomputes it.
+PULL_COST = 0.4
 
 
 @dataclass(slots=True)
@@ -64,23 +73,41 @@ class Spill:
     backend: Backend
     tokens: int
     holder: bool  # D holds the conversation's history (its decode-only turn reuses it)
-    p_queued_chars: float  # the least loaded P's queued prompt work, in characters
+    p_queued_chars: float  # the chosen P's queued prompt work, in characters
     d_queued: int  # D's decode-only prompt tokens in flight
     factor: float  # prefill_spill_factor
+    p_cached_chars: int = 0  # the prefix that P's cache is expected to hold (prefix routing)
 
     def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
         """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
-        what the conversation's holder keeps, 0 without an entry; P's queue, kept in
-        characters, is converted at this prompt's own characters per token); None when it no
-        longer pays, and the turn goes through P."""
-        uncached = max(0, prompt_tokens - held_tokens)  # what P would compute
-        d_tokens = uncached if self.holder else prompt_tokens
-        p_queued = self.p_queued_chars * prompt_tokens / max(prompt_chars, 1)
+        what the conversation's holder keeps, 0 without an entry; P's queue and cached prefix,
+        kept in characters, are converted at this prompt's own characters per token); None
+        when it no longer pays, and the turn goes through P."""
+        per_char = prompt_tokens / max(prompt_chars, 1)
+        p_cached = round(self.p_cached_chars * per_char)
+        uncached = max(0, prompt_tokens - max(held_tokens, p_cached))  # what P would compute
+        d_tokens = max(0, prompt_tokens - held_tokens) if self.holder else prompt_tokens
+        p_queued = self.p_queued_chars * per_char
         if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
             return None
         return Spill(
-            self.backend, d_tokens, self.holder, self.p_queued_chars, self.d_queued, self.factor
+            self.backend,
+            d_tokens,
+            self.holder,
+            self.p_queued_chars,
+            self.d_queued,
+            self.factor,
+            self.p_cached_chars,
         )
+
+
+class PrefillPick(NamedTuple):
+    """The P a turn's P leg tries, whether it is the one the plan preferred (affinity), and
+    the prompt characters it is expected to compute (what its queue counts while it does)."""
+
+    backend: Backend | None
+    by_affinity: bool
+    work: int
 
 
 @dataclass
@@ -99,12 +126,22 @@ class Router:
     decode: Pool
     decode_only: ReuseStanding = field(init=False)  # Ds whose decode-only turns reuse nothing
     affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
+    prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
+    holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
 
     def __post_init__(self) -> None:
-        interval = self.settings.reuse_probe_interval_s
+        s = self.settings
+        interval = s.reuse_probe_interval_s
         object.__setattr__(self, "decode_only", ReuseStanding("decode", "decode_only", interval))
         object.__setattr__(self, "affinity", ReuseStanding("prefill", "affinity", interval))
+        prefixes = (
+            PrefixIndex(s.prefix_index_ttl_s, s.prefix_index_max_entries)
+            if s.prefix_routing
+            else None
+        )
+        object.__setattr__(self, "prefixes", prefixes)
+        object.__setattr__(self, "holds", HoldPayoff(s.hold_min_use))
 
     # -- load --------------------------------------------------------------------------------
 
@@ -125,25 +162,91 @@ class Router:
 
     # -- P -----------------------------------------------------------------------------------
 
+    @property
+    def routes_by_prefix(self) -> bool:
+        """P is chosen by the prefixes the Ps cache (`prefix_routing`, and more than one P to
+        choose from: with one, the index would cost every turn and decide nothing)."""
+        return self.prefixes is not None and len(self.prefill.backends) > 1
+
     def pick_prefill(
-        self, preferred: str | None, exclude: set[str], work: int = 0, tenant: str = ""
-    ) -> tuple[Backend | None, bool]:
-        """P for the turn, and whether it is `preferred` (the conversation's previous P: affinity).
-        `work`: the turn's prompt characters; the preference yields to a P whose queue is
-        shorter by more."""
+        self,
+        preferred: str | None,
+        exclude: set[str],
+        work: int = 0,
+        tenant: str = "",
+        prompt: PromptPrefixes | None = None,
+        held_chars: int = 0,
+    ) -> PrefillPick:
+        """P for the turn, whether it is `preferred` (the conversation's previous P: affinity),
+        and the characters it computes. `work`: the turn's prompt characters. With `prompt`
+        (`routes_by_prefix`) the P whose queued work plus what it would compute of the prompt
+        is least (`_by_prefix`); else the preference yields to a P whose queue is shorter by
+        more than the turn, and without one the least loaded P."""
+        if prompt is not None and self.prefixes is not None:
+            return self._by_prefix(self.prefixes, prompt, preferred, exclude, work, held_chars)
         if preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
             if backend is not None and self.affinity.admits(backend.url, tenant):
                 shorter = self._shorter_queue(backend, exclude, work)
-                return (backend, True) if shorter is None else (shorter, False)
+                if shorter is None:
+                    return PrefillPick(backend, True, work)
+                return PrefillPick(shorter, False, work)
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if len(candidates) <= 1:  # nothing to weigh (the load readings cost a few calls)
-            return (candidates[0] if candidates else None), False
+            return PrefillPick(candidates[0] if candidates else None, False, work)
         best = min(
             candidates,
             key=lambda b: (self.busy(b), b.outstanding_work, self._queued(b), b.inflight),
         )
-        return best, False
+        return PrefillPick(best, False, work)
+
+    def _by_prefix(
+        self,
+        index: PrefixIndex,
+        prompt: PromptPrefixes,
+        preferred: str | None,
+        exclude: set[str],
+        work: int,
+        held_chars: int,
+    ) -> PrefillPick:
+        """The P that would be done with the turn first: least queued prompt work plus the
+        prompt characters it would compute, those being the prompt less the prefix its cache
+        is expected to hold (`PrefixIndex`) and less the history any P pulls from the
+        conversation's holder (`held_chars`) beyond that prefix, which counts at `PULL_COST`.
+        Busy Ps last."""
+        candidates = [b for b in self.prefill.usable() if b.url not in exclude]
+        if not candidates:
+            return PrefillPick(None, False, work)
+        cached = index.cached_chars(prompt)
+
+        def computed(b: Backend) -> int:
+            local = cached.get(b.url, 0)
+            pulled = max(0, held_chars - local)
+            return max(1, round(work - local - pulled + PULL_COST * pulled))
+
+        best = min(
+            candidates,
+            key=lambda b: (
+                self.busy(b),
+                self._queued_work(b, work) + computed(b),
+                self._queued(b),
+                b.inflight,
+            ),
+        )
+        # Recorded as the turn is sent, not when P has answered: a request sharing the prefix
+        # that comes meanwhile queues behind it on the same P and reuses its blocks as they
+        # are computed, where on another P it would compute them all again.
+        index.record(best.url, prompt)
+        metrics.PREFIX_INDEX_ENTRIES.set(len(index))
+        hit = cached.get(best.url, 0)
+        if hit:
+            metrics.PREFIX_ROUTING.labels("cached").inc()
+            metrics.PREFIX_CACHED_CHARS.inc(hit)
+        elif any(b.url in cached for b in candidates):
+            metrics.PREFIX_ROUTING.labels("elsewhere").inc()
+        else:
+            metrics.PREFIX_ROUTING.labels("none").inc()
+        return PrefillPick(best, best.url == preferred, computed(best))
 
     # -- D -----------------------------------------------------------------------------------
 
@@ -231,7 +334,13 @@ class Router:
         in_flight = holder.outstanding_work - holder.inflight
         return in_flight + uncached <= s.conditional_max_inflight_tokens
 
-    def spill(self, entry: KVEntry | None, prompt_chars: int, tenant: str = "") -> Spill | None:
+    def spill(
+        self,
+        entry: KVEntry | None,
+        prompt_chars: int,
+        tenant: str = "",
+        prompt: PromptPrefixes | None = None,
+    ) -> Spill | None:
         """Send this turn, which would go through P, straight to a D that prefills it itself?
 
         Yes (`prefill_spill_factor` > 0) when P's time, the least loaded
@@ -245,14 +354,18 @@ class Router:
         estimated from characters (`chars_per_token` of the conversation's entry, else the
         latest one seen); the numbers are the pools' own counts and the load
         readings already kept, so this costs a pass over the engines and nothing else. A spill
-        found here is judged again on D's own count before it is taken (`Spill.counted`)."""
+        found here is judged again on D's own count before it is taken (`Spill.counted`).
+        With `prompt` (prefix routing) P's side is the P that `pick_prefill` would choose:
+        its queue, and only what it would compute beyond the prefix its cache holds."""
         s = self.settings
         if s.prefill_spill_factor <= 0:
             return None
         least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT)
         if least is None:
             return None  # no P: the P leg finds none and D prefills anyway
-        p_queued = least[1]
+        p_queued, p_cached = least[1], 0
+        if prompt is not None and self.prefixes is not None:
+            p_queued, p_cached = self._cheapest_cached(self.prefixes, prompt, prompt_chars)
         if p_queued <= 0 and s.prefill_spill_factor >= 1:
             # An idle P computes only the turn's uncached tokens; any D would compute at least
             # those (its queued work is never negative), so no factor >= 1 can spill the turn.
@@ -261,12 +374,14 @@ class Router:
         cpt = entry.chars_per_token if entry is not None else None
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
-        # With an entry P pulls the held history and computes only the rest.
+        # With an entry P pulls the held history and computes only the rest; P's own cache
+        # may hold more (prefix routing).
         uncached = (
             uncached_tokens(entry, prompt_chars)
             if entry is not None and entry.chars_per_token
             else tokens
         )
+        uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
         p_time = p_queued / cpt + uncached
         target, holder = self._spill_decode(entry, tenant)
         if target is None:
@@ -275,7 +390,24 @@ class Router:
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_tokens):
             return None
-        return Spill(target, d_tokens, holder, p_queued, d_queued, s.prefill_spill_factor)
+        return Spill(target, d_tokens, holder, p_queued, d_queued, s.prefill_spill_factor, p_cached)
+
+    def _cheapest_cached(
+        self, index: PrefixIndex, prompt: PromptPrefixes, prompt_chars: int
+    ) -> tuple[float, int]:
+        """Of the usable Ps, the least queued work plus prompt left to compute: that P's
+        queued work and the prefix its cache is expected to hold (characters)."""
+        cached = index.cached_chars(prompt)
+        best: tuple[float, float, int] | None = None
+        for b in self.prefill.backends.values():
+            if not b.usable:
+                continue
+            hit = cached.get(b.url, 0)
+            queued = self._queued_work(b, prompt_chars)
+            if best is None or queued + prompt_chars - hit < best[0]:
+                best = (queued + prompt_chars - hit, queued, hit)
+        assert best is not None  # called after `_least_queued` found a usable P
+        return best[1], best[2]
 
     def _least_queued(
         self, prompt_chars: int, exclude: set[str] | frozenset[str]

@@ -264,6 +264,34 @@ ROUTING = Labelled(
         ["decision"],
     )
 )
+PREFIX_ROUTING = Labelled(
+    Counter(
+        "kvrelay_prefix_routing_total",
+        "P choices with prefix_routing: cached (the P chosen is expected to cache a prefix of "
+        "the prompt), elsewhere (a P caches one, but another's queue made it cheaper), none "
+        "(no P is expected to cache any).",
+        ["result"],
+    )
+)
+PREFIX_CACHED_CHARS = Counter(
+    "kvrelay_prefix_cached_chars_total",
+    "Prompt characters the chosen P was expected to serve from its prefix cache "
+    "(prefix_routing's estimate; the engines' own counts are in kvrelay_tokens_reused_total).",
+)
+PREFIX_INDEX_ENTRIES = Gauge(
+    "kvrelay_prefix_index_entries",
+    "Prompt prefixes in the prefix-routing index (prefix_index_max_entries bounds it).",
+    multiprocess_mode="livesum",
+)
+HOLD_DECISIONS = Labelled(
+    Counter(
+        "kvrelay_hold_decisions_total",
+        "Whether a turn that could continue asked D to hold (hold_min_use): kept (the "
+        "tenant's holds are taken often enough), declined (they are not), probe (declined "
+        "share, held to see whether that changed).",
+        ["decision"],
+    )
+)
 PREFILL_SPILLED = Labelled(
     Counter(
         "kvrelay_prefill_spilled_total",

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.proxy.base import bad_request, jsoncodec
+from kvrelay.proxy.fleet import PromptPrefixes
 
 MAX_ID_LEN = 200
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -178,6 +179,16 @@ class PromptShape:
     _tokens: tuple[int, ...] | None = None
     # Completions: the model (a LoRA adapter is a model name) scopes text/token digests.
     _model: str = ""
+
+    def prefixes(self, scope: str, body: dict[str, Any]) -> PromptPrefixes | None:
+        """The prompt's prefixes for the P routing's index, named within `scope` (the
+        request's cache scope): a chat's message histories, a text prompt's runs of characters
+        (token-id prompts and batches: None)."""
+        if self.kind == "chat":
+            return PromptPrefixes.of_chat(scope, self._chain, body["messages"])
+        if self.kind == "text" and self._text is not None:
+            return PromptPrefixes.of_text(scope, self._model, self._text)
+        return None
 
     def extends(self, stored: str) -> bool:
         """True when this prompt strictly extends the prompt `stored` was taken from."""

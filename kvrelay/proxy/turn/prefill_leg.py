@@ -25,7 +25,7 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend, Pool, Router
+from kvrelay.proxy.fleet import Backend, Pool, PromptPrefixes, Router
 from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
 from kvrelay.proxy.turn.legs import prefill_body
@@ -91,27 +91,39 @@ class PrefillLeg:
         prefer: str | None,
         work: int,
         tenant: str = "",
+        prompt: PromptPrefixes | None = None,
     ) -> PrefillAnswer | None:
         """P's answer, or None when no P answered (D then prefills alone). `entry`: the
         conversation's usable entry, whose blocks P pulls; `prefer`: the P to try first (the
-        conversation's previous P); `work` is the prompt's weight, counted against P's
-        outstanding work while it prefills; `tenant`'s standing decides P affinity."""
+        conversation's previous P); `work` is the prompt's weight; `tenant`'s standing decides
+        P affinity; `prompt`: the prompt's prefixes when P is chosen by what it caches
+        (`Router.routes_by_prefix`). What P is expected to compute counts against its
+        outstanding work while it prefills."""
         attempts, pool, router = self._attempts, self._pool, self._router
         report = attempts.report
         reuse = entry.to_kv_transfer_params() if entry is not None else None
         payload = jsoncodec.dumps(prefill_body(body, reuse))
+        held_chars = (
+            round(entry.num_tokens * entry.chars_per_token)
+            if entry is not None and entry.chars_per_token
+            else 0
+        )
         affine: set[str] = set()
+        computes: dict[str, int] = {}  # P -> the prompt characters it is expected to compute
 
         def pick(exclude: set[str]) -> Backend | None:
-            backend, by_affinity = router.pick_prefill(prefer, exclude, work, tenant)
-            if backend is not None and by_affinity:
-                affine.add(backend.url)
+            chosen = router.pick_prefill(prefer, exclude, work, tenant, prompt, held_chars)
+            backend = chosen.backend
+            if backend is not None:
+                computes[backend.url] = chosen.work
+                if chosen.by_affinity:
+                    affine.add(backend.url)
             return backend
 
         for backend in attempts.tries("prefill", pick):
             start = time.monotonic()
             try:
-                with pool.busy(backend, work):
+                with pool.busy(backend, computes[backend.url]):
                     status, raw = await self._post_read(backend, payload)
                 report.leg_answered("prefill", status)
             except LegFailure as exc:

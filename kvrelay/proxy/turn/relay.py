@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 
 from kvrelay.connector.protocol import REFUSED_HASH
 from kvrelay.kvcache_map import KVEntry
-from kvrelay.proxy.fleet import Backend, Plan, Route
+from kvrelay.proxy.fleet import Backend, Plan, PromptPrefixes, Route
+from kvrelay.proxy.tenants import CACHE_SALT
 from kvrelay.proxy.turn.accounting import TurnAccounts
 from kvrelay.proxy.turn.answer import Answer, Relayed
 from kvrelay.proxy.turn.attempts import Attempts
@@ -57,6 +58,7 @@ class Turn:
     report: TurnReport = field(init=False)  # what happened: metrics, spans, the log line
     _attempts: Attempts = field(init=False)
     _decode: DecodeLeg | None = None
+    _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
 
     def __post_init__(self) -> None:
         ctx = self.ctx
@@ -87,14 +89,19 @@ class Turn:
 
     async def _run(self) -> None:
         crew, ctx, report = self.crew, self.ctx, self.report
-        self.hold = ctx.store_key is not None
+        holds = crew.router.holds
+        self.hold = ctx.store_key is not None and holds.worth_holding(ctx.tenant)
         plan: Plan | None = None
         try:
             with report.take_scope():
                 taken = await crew.take.take(ctx, report, self.owed)
             self.entry, self.hold = taken.entry, self.hold and taken.map_available
+            if taken.entry is not None:
+                holds.taken(ctx.tenant)
+            if crew.router.routes_by_prefix:
+                self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
             plan = self.plan = await crew.policy.plan(
-                self.entry, ctx.work, ctx.tenant, self._count_tokens
+                self.entry, ctx.work, ctx.tenant, self._count_tokens, self._prompt
             )
             self._report_plan(plan)
             through_p = plan.route is Route.THROUGH_P  # read four times: one comparison
@@ -139,7 +146,9 @@ class Turn:
     async def _prefill(self, plan: Plan) -> None:
         crew, ctx = self.crew, self.ctx
         leg = PrefillLeg(self._attempts, crew.prefill, crew.router, ctx.request_id)
-        answer = await leg.run(ctx.body, self.entry, plan.prefill_first, ctx.work, ctx.tenant)
+        answer = await leg.run(
+            ctx.body, self.entry, plan.prefill_first, ctx.work, ctx.tenant, self._prompt
+        )
         if answer is None:
             return
         self.prefill = answer
@@ -195,6 +204,7 @@ class Turn:
                 self.decode_url = served.backend.url
                 if served.hold:
                     settle.owe_hold(served.backend)
+                    crew.router.holds.made(ctx.tenant)
                 try:
                     await answer.relay(served, relayed)
                 except BaseException:

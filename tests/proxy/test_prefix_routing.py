@@ -1,0 +1,228 @@
+"""Prefix routing: the index of what each P caches, the P chosen by cached prefix against queued
+work, and holds kept only while a tenant's holds are taken."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+from kvrelay.proxy.config import Settings
+from kvrelay.proxy.fleet import HoldPayoff, Pool, PrefixIndex, PromptPrefixes, Router
+from kvrelay.proxy.fleet.hold_payoff import MIN_EVIDENCE
+from kvrelay.proxy.fleet.routing import PULL_COST
+from kvrelay.proxy.turn.conversation import chat_shape, completion_shape
+
+SYSTEM = "You are a careful assistant. " * 40  # 1160 characters shared by every request
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _chat(question: str, system: str = SYSTEM, model: str = "m") -> dict[str, object]:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+        ],
+    }
+
+
+def _prefixes(body: dict[str, object], scope: str = "salt-a") -> PromptPrefixes:
+    prefixes = chat_shape(body).prefixes(scope, body)
+    assert prefixes is not None
+    return prefixes
+
+
+def _router(**settings: object) -> tuple[Router, Pool]:
+    prefill = Pool("prefill", eject_after=2, readmit_after=2)
+    decode = Pool("decode", eject_after=1, readmit_after=1)
+    config = Settings(_env_file=None, **settings)  # type: ignore[arg-type]
+    return Router(config, prefill, decode), prefill
+
+
+# -- the prompt's prefixes ---------------------------------------------------------------------
+
+
+def test_chat_prefixes_are_message_histories_in_characters() -> None:
+    a = _prefixes(_chat("What is a block?"))
+    b = _prefixes(_chat("Why is the sky blue?"))
+    assert a.chars == (len(SYSTEM), len(SYSTEM) + len("What is a block?"))
+    assert a.total == a.chars[-1]
+    assert a.keys[0] == b.keys[0]  # the same system prompt
+    assert a.keys[1] != b.keys[1]  # different questions
+
+
+def test_prefixes_are_scoped_by_cache_salt_and_by_what_renders_the_prompt() -> None:
+    body = _chat("q")
+    assert _prefixes(body, "salt-a").keys[0] != _prefixes(body, "salt-b").keys[0]
+    other_model = _chat("q", model="other")
+    assert _prefixes(body).keys[0] != _prefixes(other_model).keys[0]
+    tools = {**body, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    assert _prefixes(body).keys[0] != _prefixes(tools).keys[0]
+
+
+def test_text_prefixes_are_runs_of_characters() -> None:
+    text = "x" * 1300
+    body = {"model": "m", "prompt": text}
+    prefixes = completion_shape(body).prefixes("", body)
+    assert prefixes is not None
+    assert prefixes.chars == (512, 1024) and prefixes.total == 1300
+    longer = {"model": "m", "prompt": text + "y" * 300}
+    more = completion_shape(longer).prefixes("", longer)
+    assert more is not None and more.keys[:2] == prefixes.keys and len(more.keys) == 3
+    edited = {"model": "m", "prompt": "z" + text[1:]}
+    changed = completion_shape(edited).prefixes("", edited)
+    assert changed is not None and set(changed.keys).isdisjoint(prefixes.keys)
+    short = {"model": "m", "prompt": "short"}
+    assert completion_shape(short).prefixes("", short) is None
+    tokens = {"model": "m", "prompt": [1, 2, 3]}
+    assert completion_shape(tokens).prefixes("", tokens) is None
+
+
+# -- the index -----------------------------------------------------------------------------------
+
+
+def test_index_answers_the_longest_cached_prefix_per_engine() -> None:
+    index = PrefixIndex(ttl_s=60)
+    first = _prefixes(_chat("What is a block?"))
+    index.record("http://p0", first)
+    index.record("http://p1", _prefixes(_chat("Something else")))
+    assert index.cached_chars(first) == {"http://p0": first.total, "http://p1": len(SYSTEM)}
+    stranger = _prefixes(_chat("q", system="Another system prompt"))
+    assert index.cached_chars(stranger) == {}
+
+
+def test_index_forgets_expired_prefixes_and_refreshes_on_record() -> None:
+    clock = Clock()
+    index = PrefixIndex(ttl_s=60, clock=clock)
+    prompt = _prefixes(_chat("q"))
+    index.record("http://p0", prompt)
+    clock.now += 59
+    assert index.cached_chars(prompt) == {"http://p0": prompt.total}
+    index.record("http://p0", prompt)  # used again: its lifetime starts over
+    clock.now += 59
+    assert index.cached_chars(prompt) == {"http://p0": prompt.total}
+    clock.now += 2
+    assert index.cached_chars(prompt) == {}
+
+
+def test_index_keeps_at_most_max_entries_least_recent_forgotten() -> None:
+    index = PrefixIndex(ttl_s=60, max_entries=4)
+    old = _prefixes(_chat("old", system="system one"))
+    index.record("http://p0", old)
+    index.record("http://p0", _prefixes(_chat("b", system="system two")))
+    assert len(index) == 4
+    index.record("http://p0", _prefixes(_chat("c", system="system three")))
+    assert len(index) == 4
+    assert index.cached_chars(old) == {}
+
+
+def test_index_entry_memory_is_within_the_stated_bound() -> None:
+    """The settings say about 420 bytes a prefix: measured with two engines per prefix, the
+    keys (made per request, kept by the index) counted."""
+    index = PrefixIndex(ttl_s=60)
+    bodies = [_chat(f"question {i}", system=f"system {i}") for i in range(2000)]
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for body in bodies:
+        prompt = _prefixes(body, scope="968b6a19b16186b7d1fe7f52067ad23f")
+        index.record("http://p0", prompt)
+        index.record("http://p1", prompt)
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert len(index) == 4000
+    assert used / len(index) < 450
+
+
+# -- the P chosen ------------------------------------------------------------------------------
+
+
+def test_p_is_the_one_caching_the_prefix_until_its_queue_outweighs_it() -> None:
+    router, prefill = _router()
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    index = router.prefixes
+    assert index is not None
+    index.record(p1.url, _prefixes(_chat("What is a block?")))
+
+    def pick(question: str, exclude: frozenset[str] = frozenset()) -> tuple[str, int, int]:
+        prompt = _prefixes(_chat(question))
+        chosen = router.pick_prefill(None, set(exclude), prompt.total + 1, prompt=prompt)
+        assert chosen.backend is not None and not chosen.by_affinity
+        return chosen.backend.url, chosen.work, prompt.total + 1
+
+    url, work, whole = pick("Why is the sky blue?")
+    assert url == p1.url and work == whole - len(SYSTEM)  # p1 computes only the question
+    p1.outstanding_work = len(SYSTEM) - 10  # queued less than the prefix saves: still p1
+    assert pick("Where do rivers go?")[0] == p1.url
+    p1.outstanding_work = len(SYSTEM) + 10  # queued more: p0 computes it all, and sooner
+    url, work, whole = pick("How far is the moon?")
+    assert url == p0.url and work == whole
+    # The choice is recorded as it is made: p0 now caches the system prompt too.
+    p0.outstanding_work = p1.outstanding_work
+    url, work, whole = pick("What is a prefix?")
+    assert work == whole - len(SYSTEM)
+    assert pick("What is a turn?", frozenset({p0.url}))[0] == p1.url
+
+
+def test_a_p_caching_the_history_beats_one_pulling_it() -> None:
+    router, prefill = _router()
+    prefill.add("http://p0")
+    p1 = prefill.add("http://p1")
+    prompt = _prefixes(_chat("q"))
+    router.prefixes.record(p1.url, prompt)  # type: ignore[union-attr]
+    held = len(SYSTEM)  # the conversation's holder serves the history to any P
+    work = prompt.total + 1
+    pick = router.pick_prefill("http://p1", set(), work, prompt=prompt, held_chars=held)
+    assert pick.backend is p1 and pick.by_affinity
+    # p0 would pull it: it costs PULL_COST of computing, which p1's queue may outweigh.
+    p1.outstanding_work = round(PULL_COST * held) + 10
+    pick = router.pick_prefill("http://p1", set(), work, prompt=prompt, held_chars=held)
+    assert pick.backend is not p1 and not pick.by_affinity
+    assert pick.work == work - held + round(PULL_COST * held)
+
+
+def test_prefix_routing_off_or_one_p_leaves_the_load_choice() -> None:
+    router, prefill = _router(prefix_routing=False)
+    assert router.prefixes is None and not router.routes_by_prefix
+    router, prefill = _router()
+    prefill.add("http://p0")
+    assert not router.routes_by_prefix  # one P: nothing to choose, no index cost per turn
+    prefill.add("http://p1")
+    assert router.routes_by_prefix
+
+
+# -- holds ---------------------------------------------------------------------------------------
+
+
+def test_holds_stop_when_none_are_taken_and_probe_to_see_a_change() -> None:
+    holds = HoldPayoff(min_use=0.1)
+    decisions = []
+    for _ in range(200):  # one-off requests: a hold each, none taken
+        hold = holds.worth_holding("t")
+        decisions.append(hold)
+        if hold:
+            holds.made("t")
+    assert all(decisions[: int(MIN_EVIDENCE)])
+    late = decisions[100:]
+    assert 5 <= sum(late) <= 15  # one turn in 1/min_use probes
+    assert holds.worth_holding("other")  # another tenant's holds are its own
+    for _ in range(100):  # conversations start continuing: the probes' holds are taken
+        if holds.worth_holding("t"):
+            holds.made("t")
+            holds.taken("t")
+    assert all(holds.worth_holding("t") for _ in range(10))
+
+
+def test_holds_that_are_taken_keep_holding() -> None:
+    holds = HoldPayoff(min_use=0.1)
+    for i in range(300):
+        assert holds.worth_holding("t")
+        holds.made("t")
+        if i % 5 == 0:  # a fifth of the holds taken: they pay
+            holds.taken("t")
+    assert HoldPayoff(min_use=0).worth_holding("t")
