@@ -81,6 +81,14 @@ class ConnectorConfig(BaseModel):
     # read from one that is still there costs one handshake.
     remote_idle_s: float = Field(default=120.0, gt=0)
     coalesce: bool = True
+    # Reads name blocks by index in descriptor lists NIXL prepared once per side (this rank's
+    # caches at registration, a holder rank's at its first read) instead of descriptors built
+    # in Python per read; whole-block reads only (a TP slice of each block is built per read).
+    prepared_reads: bool = True
+    # UCX worker threads of each rank's NIXL agent: they move a read's bytes off the engine's
+    # thread (bench/transfer_descs.py: 56 -> 6 ms of a 24,000-descriptor read on it); 0: none,
+    # UCX progresses on the engine's polls.
+    nixl_threads: int = Field(default=2, ge=0, le=64)
     # Claims and handshakes run on threads of their holder's own (at most this many per
     # holder), so a hung holder delays only loads that name it.
     claim_concurrency_per_holder: int = Field(default=2, ge=1, le=16)

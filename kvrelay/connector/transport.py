@@ -2,8 +2,15 @@
 
 The only module that talks to nixl. Progress is driven by the caller polling (`state`,
 `notifications`) — no progress thread — and every NIXL error surfaces as `TransportError`
-(NIXL's exceptions share no base class). Contiguous runs of blocks become one descriptor when
-coalescing is on and both sides' runs are adjacent in memory.
+(NIXL's exceptions share no base class).
+
+Two ways to name what a READ moves. Prepared lists (`prepare`, `read_prepared`): every
+(strip, block) of a cache is one descriptor of a list NIXL prepares once per side (this agent's
+own, and each holder's when its agent is added), handed to NIXL as one strided row per strip,
+so a read passes two arrays of indices and nothing per descriptor is built in Python; NIXL
+merges descriptors adjacent on both sides itself. Built lists (`build_descs`, `read`): the
+rows of one read made in Python, contiguous runs of blocks as one row when coalescing is on;
+what a read that moves a slice of each block (heterogeneous TP) needs.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class TransportError(ConnectorError, RuntimeError):
 
 
 XferHandle = Any
+PreparedList = Any  # nixl's prepared descriptor list handle
 
 
 def build_descs(
@@ -86,16 +94,27 @@ def build_descs(
     return np.array(rows_l, dtype=np.uint64), np.array(rows_r, dtype=np.uint64)
 
 
+def block_indices(num_strips: int, num_blocks: int, blocks: Sequence[int]) -> np.ndarray:
+    """Indices of `blocks` in every strip of a prepared list of `num_blocks` blocks per strip,
+    strip by strip (the order both sides of a read share)."""
+    base = np.arange(num_strips, dtype=np.int64)[:, None] * num_blocks
+    return (base + np.asarray(blocks, dtype=np.int64)[None, :]).ravel().astype(np.int32)
+
+
 class NixlTransport:
     """A NIXL agent with the engine's KV caches registered."""
 
-    def __init__(self, agent_name: str) -> None:
+    def __init__(self, agent_name: str, threads: int = 0) -> None:
+        """`threads`: UCX worker threads of the agent (0: UCX's own progress on the caller's
+        polls only)."""
         if nixl_agent is None or nixl_agent_config is None:
             raise TransportError("nixl is not installed (install kvrelay[connector])")
         assert torch is not None
         self.name = agent_name
         try:
-            config = nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+            config = nixl_agent_config(
+                enable_prog_thread=False, backends=["UCX"], num_threads=threads
+            )
             self._agent = nixl_agent(agent_name, config)
         except Exception as exc:  # NIXL raises assorted types
             raise TransportError(f"cannot create NIXL agent: {exc}") from exc
@@ -134,6 +153,54 @@ class NixlTransport:
             remote_descs = self._agent.get_xfer_descs(remote, self._mem_type)
             handle = self._agent.initialize_xfer(
                 "READ", local_descs, remote_descs, remote_agent, notif
+            )
+            status = self._agent.transfer(handle)
+        except Exception as exc:
+            raise TransportError(f"cannot post READ to {remote_agent}: {exc}") from exc
+        if status == "ERR":
+            kept = None if self.release(handle) else handle
+            raise TransportError(f"READ to {remote_agent} failed at post", pending_handle=kept)
+        return handle
+
+    def prepare(self, geometry: CacheGeometry, remote_agent: str | None = None) -> PreparedList:
+        """Every (strip, block) of `geometry` as one prepared descriptor list, in which strip
+        `s`'s block `b` is index `s * geometry.num_blocks + b` (`block_indices`). `remote_agent`:
+        the holder whose memory `geometry` describes; None: this agent's own caches."""
+        rows = np.array(
+            [
+                (s.base_addr, s.region_len, geometry.device_id, s.block_stride, geometry.num_blocks)
+                for s in geometry.strips
+            ],
+            dtype=np.uint64,
+        )
+        try:
+            return self._agent.prep_xfer_dlist(
+                remote_agent or "NIXL_INIT_AGENT", rows, geometry.mem_type
+            )
+        except Exception as exc:
+            raise TransportError(f"cannot prepare a descriptor list: {exc}") from exc
+
+    def drop_prepared(self, prepared: PreparedList) -> None:
+        """Free a prepared list (before its remote agent is removed)."""
+        try:
+            self._agent.release_dlist_handle(prepared)
+        except Exception as exc:  # already gone with its agent: nothing to undo
+            log.debug("release_dlist_handle failed: %s", exc)
+
+    def read_prepared(
+        self,
+        remote_agent: str,
+        local: PreparedList,
+        local_indices: np.ndarray,
+        remote: PreparedList,
+        remote_indices: np.ndarray,
+        notif: bytes,
+    ) -> XferHandle:
+        """Post a READ of the remote list's `remote_indices` into the local list's
+        `local_indices` (pairwise); the holder gets `notif` when it is done."""
+        try:
+            handle = self._agent.make_prepped_xfer(
+                "READ", local, local_indices, remote, remote_indices, notif
             )
             status = self._agent.transfer(handle)
         except Exception as exc:

@@ -62,6 +62,7 @@ from typing import Any
 import torch
 
 from kvrelay.connector.allowlist import HolderAllowlist
+from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.breaker import DownReason, Holder, HolderBreaker
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
@@ -75,8 +76,15 @@ from kvrelay.connector.sidechannel_client import (
     SideChannelError,
 )
 from kvrelay.connector.stats import Counters
-from kvrelay.connector.tp import ReadPlan, TPMismatchError, plan_reads
-from kvrelay.connector.transport import NixlTransport, TransportError, XferHandle, build_descs
+from kvrelay.connector.tp import ReadPiece, ReadPlan, TPMismatchError, plan_reads
+from kvrelay.connector.transport import (
+    NixlTransport,
+    PreparedList,
+    TransportError,
+    XferHandle,
+    block_indices,
+    build_descs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +131,8 @@ class _RemoteEngine:
     agents: dict[int, str]
     geometries: dict[int, CacheGeometry]
     last_used: float = field(default_factory=time.monotonic)
+    # Each rank's caches as a prepared descriptor list, made at its first read (`prepared_reads`)
+    lists: dict[int, PreparedList] = field(default_factory=dict)
 
 
 @dataclass
@@ -181,6 +191,7 @@ class ConnectorWorker:
             "read_reported",
             "handshakes",
             "descs_posted",
+            "reads_prepared",
             "remote_agents_added",
             "remote_agents_removed",
             "reads_cancelled",
@@ -204,6 +215,7 @@ class ConnectorWorker:
         # Snapshot of known holder instances, read by pool threads (replaced, never mutated).
         self._known_instances: dict[str, str] = {}
         self._remotes: dict[str, _RemoteEngine] = {}
+        self._local_list: PreparedList | None = None  # this rank's caches, prepared once
         self._specs: dict[str, RecvSpec] = {}
         self._reads: dict[str, _Read] = {}
         self._holding: set[str] = set()
@@ -216,9 +228,11 @@ class ConnectorWorker:
     # --- setup -----------------------------------------------------------------------------
     def register_kv_caches(self, caches: dict[str, torch.Tensor], layout: CacheLayout) -> None:
         geometry = geometry_from_tensors(caches, layout)
-        transport = NixlTransport(self.agent_name)
+        transport = NixlTransport(self.agent_name, self.config.nixl_threads)
         transport.register(list(caches.values()), geometry.mem_type)
         self._transport, self._geometry = transport, geometry
+        if self.config.prepared_reads:
+            self._local_list = transport.prepare(geometry)
 
     def get_handshake_metadata(self) -> dict[str, Any]:
         transport, geometry = self._require()
@@ -369,6 +383,11 @@ class ConnectorWorker:
                 for handle in read.handles:
                     self._transport.release(handle)
             self._reads.clear()
+            for engine_id in list(self._remotes):
+                self._forget_remote(engine_id)
+            if self._local_list is not None:
+                self._transport.drop_prepared(self._local_list)
+                self._local_list = None
             self._transport.close()
         if self._releases is not None:
             self._releases.close()
@@ -531,6 +550,8 @@ class ConnectorWorker:
         self._known_instances = known
         if remote is not None and self._transport is not None:
             self.counters.inc("remote_agents_removed")
+            for prepared in remote.lists.values():
+                self._transport.drop_prepared(prepared)
             for name in remote.agents.values():
                 self._transport.remove_remote(name)
 
@@ -587,23 +608,79 @@ class ConnectorWorker:
             geom = remote.geometries[piece.remote_rank]
             if max(spec.remote_block_ids, default=0) >= geom.num_blocks:
                 raise LoadFailure(ConnectorErrorKind.SETUP, "remote block id out of range")
-            l_descs, r_descs = build_descs(
-                local,
-                geom,
-                spec.local_block_ids,
-                spec.remote_block_ids,
-                piece,
-                self.config.coalesce,
-            )
             agent = remote.agents[piece.remote_rank]
             try:
-                read.handles.append(transport.read(agent, l_descs, r_descs, message))
+                if self._reads_prepared(local, geom, piece):
+                    moved, descs = self._post_prepared(transport, remote, piece, read)
+                else:
+                    l_descs, r_descs = build_descs(
+                        local,
+                        geom,
+                        spec.local_block_ids,
+                        spec.remote_block_ids,
+                        piece,
+                        self.config.coalesce,
+                    )
+                    read.handles.append(transport.read(agent, l_descs, r_descs, message))
+                    moved, descs = int(l_descs[:, 1].sum()), len(l_descs)
             except TransportError as exc:
                 if exc.pending_handle is not None:
                     read.handles.append(exc.pending_handle)  # kept until NIXL lets it go
                 raise
-            self.counters.inc("bytes_read", int(l_descs[:, 1].sum()))
-            self.counters.inc("descs_posted", len(l_descs))
+            self.counters.inc("bytes_read", moved)
+            self.counters.inc("descs_posted", descs)
+
+    def _reads_prepared(
+        self, local: CacheGeometry, remote: CacheGeometry, piece: ReadPiece
+    ) -> bool:
+        """Whether this piece is read through the prepared lists: they are on, NIXL merges
+        (coalescing on), and the piece is whole blocks on both sides (a slice of each block,
+        heterogeneous TP, is built per read)."""
+        return (
+            self._local_list is not None
+            and self.config.coalesce
+            and piece.length == local.region_len == remote.region_len
+        )
+
+    def _post_prepared(
+        self, transport: NixlTransport, remote: _RemoteEngine, piece: ReadPiece, read: _Read
+    ) -> tuple[int, int]:
+        """Post `piece` of `read` by block index in the prepared lists (the holder rank's made
+        at its first read); the bytes it moves and the descriptors they take once NIXL has
+        merged the runs adjacent on both sides."""
+        local, local_list = self._geometry, self._local_list
+        assert local is not None and local_list is not None
+        rank, spec = piece.remote_rank, read.spec
+        geom = remote.geometries[rank]
+        if len(local.strips) != len(geom.strips):
+            raise TransportError(
+                f"layout mismatch: {len(local.strips)} block strips here, "
+                f"{len(geom.strips)} at the holder"
+            )
+        remote_list = remote.lists.get(rank)
+        if remote_list is None:
+            remote_list = remote.lists[rank] = transport.prepare(geom, remote.agents[rank])
+        strips = len(local.strips)
+        read.handles.append(
+            transport.read_prepared(
+                remote.agents[rank],
+                local_list,
+                block_indices(strips, local.num_blocks, spec.local_block_ids),
+                remote_list,
+                block_indices(strips, geom.num_blocks, spec.remote_block_ids),
+                read.message,
+            )
+        )
+        self.counters.inc("reads_prepared")
+        blocks = len(spec.local_block_ids)
+        runs = len(block_runs(spec.local_block_ids, spec.remote_block_ids, True))
+        descs = sum(
+            runs
+            if ls.block_stride == ls.region_len and rs.block_stride == rs.region_len
+            else blocks
+            for ls, rs in zip(local.strips, geom.strips, strict=True)
+        )
+        return blocks * strips * piece.length, descs
 
     def _poll_reads(self) -> None:
         if not self._reads:

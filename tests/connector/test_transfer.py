@@ -124,6 +124,10 @@ def read_scattered_blocks(holder: nixl_peer.Peer, reader: nixl_peer.Peer, coales
     strips = 2 * 2  # 2 layers x (K, V)
     # Holder runs 3+2+1+1 (7 blocks) map onto one local run: 4 descriptors per strip.
     assert descs == (4 * strips if coalesce else 7 * strips)
+    # Coalescing on, the read named blocks in the lists prepared once (NIXL merged the runs);
+    # off, it built its descriptors.
+    prepared = after["reads_prepared"] - before["reads_prepared"]
+    assert prepared == (1 if coalesce else 0)
     wait_until(
         lambda: holder.stats()["sched"]["freed_by_read"] == freed + 1, 20, what="free by read"
     )
