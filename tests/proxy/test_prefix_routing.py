@@ -199,30 +199,64 @@ def test_prefix_routing_off_or_one_p_leaves_the_load_choice() -> None:
 # -- holds ---------------------------------------------------------------------------------------
 
 
-def test_holds_stop_when_none_are_taken_and_probe_to_see_a_change() -> None:
-    holds = HoldPayoff(min_use=0.1)
+def test_holds_stop_once_enough_have_ended_unused_and_probe_to_see_a_change() -> None:
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, ttl_s=60, clock=clock)
     decisions = []
-    for _ in range(200):  # one-off requests: a hold each, none taken
+    for i in range(300):  # one-off requests, one a second: a hold each, none taken
         hold = holds.worth_holding("t")
         decisions.append(hold)
         if hold:
-            holds.made("t")
-    assert all(decisions[: int(MIN_EVIDENCE)])
-    late = decisions[100:]
-    assert 5 <= sum(late) <= 15  # one turn in 1/min_use probes
+            holds.made("t", ("t", f"c{i}"))
+        clock.now += 1
+    # Nothing is decided before the TTL: the first minute holds, and the 16 holds that then
+    # end unused are the evidence; from there one turn in ten probes.
+    assert all(decisions[: 60 + int(MIN_EVIDENCE)])
+    late = decisions[150:]
+    assert 10 <= sum(late) <= 20
     assert holds.worth_holding("other")  # another tenant's holds are its own
-    for _ in range(100):  # conversations start continuing: the probes' holds are taken
+    for i in range(400):  # conversations start continuing: the probes' holds are taken
         if holds.worth_holding("t"):
-            holds.made("t")
-            holds.taken("t")
+            holds.made("t", ("t", f"d{i}"))
+            clock.now += 5
+            holds.taken("t", ("t", f"d{i}"))
+        clock.now += 1
     assert all(holds.worth_holding("t") for _ in range(10))
 
 
+def test_a_hold_is_not_judged_before_its_next_turn_could_come() -> None:
+    """Conversations whose next turns come late (but within the TTL) keep holding: a pending
+    hold decides nothing."""
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, ttl_s=600, clock=clock)
+    for i in range(200):  # 200 first turns in 200 s; next turns come 300 s later
+        assert holds.worth_holding("t")
+        holds.made("t", ("t", f"c{i}"))
+        clock.now += 1
+    for i in range(200):
+        if i % 4 == 0:  # a quarter of the conversations continue
+            holds.taken("t", ("t", f"c{i}"))
+        clock.now += 1
+        assert holds.worth_holding("t")
+
+
 def test_holds_that_are_taken_keep_holding() -> None:
-    holds = HoldPayoff(min_use=0.1)
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, ttl_s=10, clock=clock)
     for i in range(300):
         assert holds.worth_holding("t")
-        holds.made("t")
+        holds.made("t", ("t", f"c{i}"))
         if i % 5 == 0:  # a fifth of the holds taken: they pay
-            holds.taken("t")
-    assert HoldPayoff(min_use=0).worth_holding("t")
+            holds.taken("t", ("t", f"c{i}"))
+        clock.now += 1
+    assert HoldPayoff(min_use=0, ttl_s=10).worth_holding("t")
+
+
+def test_a_take_of_a_hold_another_worker_made_counts() -> None:
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, ttl_s=10, clock=clock)
+    for i in range(100):  # this worker's holds all end unused (their next turns went elsewhere)
+        holds.made("t", ("t", f"mine{i}"))
+        holds.taken("t", ("t", f"theirs{i}"))  # ... and it serves other workers' next turns
+        clock.now += 1
+        assert holds.worth_holding("t")

@@ -2,37 +2,49 @@
 
 A hold pins the turn's blocks in D's pool until the conversation's next turn takes them or the
 lease ends, and pinned blocks are blocks neither D's batches nor its prefix cache can use. On
-traffic that continues conversations most holds are taken; on traffic of one-off requests
-(a shared system prompt and a question, an agent's single calls) none are, and every hold is
-pool lost for nothing. So the proxy counts, per tenant, the holds its turns made and the
-entries a next turn took, each count decaying by `DECAY` per hold made (about the last 64
-holds weigh), and while fewer than `min_use` of them were taken the tenant's turns do not
-hold, except one in `1 / min_use`: those probe holds are how a change shows (a tenant whose
-conversations start continuing again takes them, and its share climbs back).
+traffic that continues conversations many holds are taken; on traffic of one-off requests (a
+shared system prompt and a question, an agent's single calls) none are, and every hold is pool
+lost for nothing. So the proxy follows, per tenant, each hold its turns made until it is
+*decided*: taken by the conversation's next turn, or past `ttl_s` (the map's conversation TTL:
+no turn can take it after that) and so unused. A hold still pending decides nothing, so
+conversations whose next turns come late are not judged before they could come. The decided
+counts decay by `DECAY` per decision (about the last 64 weigh), and while fewer than `min_use`
+of them were taken the tenant's turns do not hold, except one in `1 / min_use`: those probe
+holds are how a change shows.
 
-Counts are per worker process (each learns from its own turns) and per tenant, kept for at
-most `MAX_TENANTS` tenants, least recently seen forgotten first (a forgotten tenant holds
-again until it has shown otherwise). Decisions are counted in
-`kvrelay_hold_decisions_total{decision}`.
+Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
+`MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
+until it has shown otherwise), each following at most `MAX_PENDING` holds (the oldest dropped
+undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kvrelay.proxy.telemetry import metrics
 
-DECAY = 1 / 64  # each hold made ages the counts by this share
-MIN_EVIDENCE = 16.0  # decayed holds made before a tenant's share is trusted
-MAX_TENANTS = 65536
+DECAY = 1 / 64  # each decided hold ages the counts by this share
+MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
+MAX_TENANTS = 4096
+MAX_PENDING = 4096  # holds followed per tenant
 
 
 @dataclass(slots=True)
 class _Counts:
-    made: float = 0.0  # holds made, decayed
-    taken: float = 0.0  # of those, taken by a next turn, decayed alike
+    taken: float = 0.0  # decided holds a next turn took, decayed
+    decided: float = 0.0  # holds taken or past the TTL, decayed alike
+    # Holds not yet decided: key -> when no turn can take it any more. Made with one TTL, so
+    # insertion order is expiry order (a key made again moves to the end).
+    pending: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     since_probe: int = 0  # turns declined since the last probe hold
+
+    def decide(self, taken: bool) -> None:
+        self.decided = self.decided * (1 - DECAY) + 1
+        self.taken = self.taken * (1 - DECAY) + (1 if taken else 0)
 
 
 @dataclass
@@ -40,6 +52,8 @@ class HoldPayoff:
     """Per tenant, whether holds pay (see the module's docstring)."""
 
     min_use: float
+    ttl_s: float  # how long a hold can be taken (the conversation TTL)
+    clock: Callable[[], float] = time.monotonic
     _tenants: OrderedDict[str, _Counts] = field(default_factory=OrderedDict)
 
     def worth_holding(self, tenant: str) -> bool:
@@ -48,7 +62,10 @@ class HoldPayoff:
         if min_use <= 0:
             return True
         counts = self._tenants.get(tenant)
-        if counts is None or counts.made < MIN_EVIDENCE or counts.taken >= min_use * counts.made:
+        if counts is not None:
+            self._expire(counts)
+        trusted = counts is not None and counts.decided >= MIN_EVIDENCE
+        if counts is None or not trusted or counts.taken >= min_use * counts.decided:
             metrics.HOLD_DECISIONS.labels("kept").inc()
             return True
         counts.since_probe += 1
@@ -59,16 +76,32 @@ class HoldPayoff:
         metrics.HOLD_DECISIONS.labels("declined").inc()
         return False
 
-    def made(self, tenant: str) -> None:
-        """A turn of `tenant` left a hold on D (its entry is stored)."""
+    def made(self, tenant: str, key: Hashable) -> None:
+        """A turn of `tenant` left a hold on D, stored under `key` for the next turn."""
         counts = self._counts(tenant)
-        counts.made = counts.made * (1 - DECAY) + 1
-        counts.taken *= 1 - DECAY
+        pending = counts.pending
+        pending.pop(key, None)
+        pending[key] = self.clock() + self.ttl_s
+        if len(pending) > MAX_PENDING:
+            pending.popitem(last=False)
 
-    def taken(self, tenant: str) -> None:
-        """A turn of `tenant` took the entry a previous turn's hold left."""
+    def taken(self, tenant: str, key: Hashable) -> None:
+        """A turn of `tenant` took the entry stored under `key`: decided taken, also when
+        another worker made the hold (with several workers each sees a share of the takes
+        and of the holds; the ones it made and another's turn took expire here unused)."""
         counts = self._counts(tenant)
-        counts.taken = min(counts.taken + 1, counts.made)
+        counts.pending.pop(key, None)
+        counts.decide(taken=True)
+
+    def _expire(self, counts: _Counts) -> None:
+        """Holds past the TTL were not taken: each is decided unused."""
+        pending, now = counts.pending, self.clock()
+        while pending:
+            key, until = next(iter(pending.items()))
+            if until > now:
+                return
+            del pending[key]
+            counts.decide(taken=False)
 
     def _counts(self, tenant: str) -> _Counts:
         tenants = self._tenants

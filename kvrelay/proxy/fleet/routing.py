@@ -141,7 +141,7 @@ class Router:
             else None
         )
         object.__setattr__(self, "prefixes", prefixes)
-        object.__setattr__(self, "holds", HoldPayoff(s.hold_min_use))
+        object.__setattr__(self, "holds", HoldPayoff(s.hold_min_use, s.conversation_ttl_s))
 
     # -- load --------------------------------------------------------------------------------
 

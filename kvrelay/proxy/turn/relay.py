@@ -97,7 +97,7 @@ class Turn:
                 taken = await crew.take.take(ctx, report, self.owed)
             self.entry, self.hold = taken.entry, self.hold and taken.map_available
             if taken.entry is not None:
-                holds.taken(ctx.tenant)
+                holds.taken(ctx.tenant, ctx.lookup_key)
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
             plan = self.plan = await crew.policy.plan(
@@ -204,7 +204,7 @@ class Turn:
                 self.decode_url = served.backend.url
                 if served.hold:
                     settle.owe_hold(served.backend)
-                    crew.router.holds.made(ctx.tenant)
+                    crew.router.holds.made(ctx.tenant, ctx.store_key)
                 try:
                     await answer.relay(served, relayed)
                 except BaseException:
