@@ -60,20 +60,24 @@ def _target(conn: Connection, total_bytes: int, device: str) -> None:
     transport.close()
 
 
+def wait_done(transport: Any, handle: Any) -> None:
+    """Poll a posted READ until NIXL says it is over (at most 60 s), then release it."""
+    deadline = time.monotonic() + 60
+    while (state := transport.state(handle)) == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError("READ did not finish in 60 s")
+    transport.release(handle)
+    if state != "DONE":
+        raise RuntimeError("READ failed")
+
+
 def _run_reads(
     transport: Any, agent: str, local: np.ndarray, remote: np.ndarray, reps: int
 ) -> float:
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        handle = transport.read(agent, local, remote, b"")
-        deadline = time.monotonic() + 60
-        while (state := transport.state(handle)) == "PROC":
-            if time.monotonic() > deadline:
-                raise TimeoutError("READ did not finish in 60 s")
-        transport.release(handle)
-        if state != "DONE":
-            raise RuntimeError("READ failed")
+        wait_done(transport, transport.read(agent, local, remote, b""))
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bench import _common as c
+from bench.transfer import wait_done
 from kvrelay.devtools import with_loopback_ucx
 
 with_loopback_ucx()
@@ -83,16 +84,6 @@ def _block_ids(order: str, blocks: int, count: int, seed: int) -> list[int]:
     return [b for run in picked for b in run][:count]
 
 
-def _wait(transport: Any, handle: Any) -> None:
-    deadline = time.monotonic() + 60
-    while (state := transport.state(handle)) == "PROC":
-        if time.monotonic() > deadline:
-            raise TimeoutError("READ did not finish in 60 s")
-    transport.release(handle)
-    if state != "DONE":
-        raise RuntimeError("READ failed")
-
-
 def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
     import torch
 
@@ -136,7 +127,7 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                 l_rows, r_rows = build_descs(local, remote, local_ids, remote_ids, piece, True)
                 handle = transport.read(agent, l_rows, r_rows, b"")
                 posted = time.perf_counter()
-                _wait(transport, handle)
+                wait_done(transport, handle)
                 return posted - t0, time.perf_counter() - t0
 
             def prepared(local_ids: list[int], remote_ids: list[int]) -> tuple[float, float]:
@@ -150,7 +141,7 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                     b"",
                 )
                 posted = time.perf_counter()
-                _wait(transport, handle)
+                wait_done(transport, handle)
                 return posted - t0, time.perf_counter() - t0
 
             ways = {"built": built, "prepared": prepared}

@@ -16,7 +16,7 @@ what a read that moves a slice of each block (heterogeneous TP) needs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -148,19 +148,14 @@ class NixlTransport:
         self, remote_agent: str, local: np.ndarray, remote: np.ndarray, notif: bytes
     ) -> XferHandle:
         """Post a READ of `remote` into `local`; the holder gets `notif` when it is done."""
-        try:
-            local_descs = self._agent.get_xfer_descs(local, self._mem_type)
-            remote_descs = self._agent.get_xfer_descs(remote, self._mem_type)
-            handle = self._agent.initialize_xfer(
-                "READ", local_descs, remote_descs, remote_agent, notif
-            )
-            status = self._agent.transfer(handle)
-        except Exception as exc:
-            raise TransportError(f"cannot post READ to {remote_agent}: {exc}") from exc
-        if status == "ERR":
-            kept = None if self.release(handle) else handle
-            raise TransportError(f"READ to {remote_agent} failed at post", pending_handle=kept)
-        return handle
+        agent = self._agent
+
+        def make() -> XferHandle:
+            local_descs = agent.get_xfer_descs(local, self._mem_type)
+            remote_descs = agent.get_xfer_descs(remote, self._mem_type)
+            return agent.initialize_xfer("READ", local_descs, remote_descs, remote_agent, notif)
+
+        return self._post(remote_agent, make)
 
     def prepare(self, geometry: CacheGeometry, remote_agent: str | None = None) -> PreparedList:
         """Every (strip, block) of `geometry` as one prepared descriptor list, in which strip
@@ -198,10 +193,20 @@ class NixlTransport:
     ) -> XferHandle:
         """Post a READ of the remote list's `remote_indices` into the local list's
         `local_indices` (pairwise); the holder gets `notif` when it is done."""
-        try:
-            handle = self._agent.make_prepped_xfer(
+        agent = self._agent
+
+        def make() -> XferHandle:
+            return agent.make_prepped_xfer(
                 "READ", local, local_indices, remote, remote_indices, notif
             )
+
+        return self._post(remote_agent, make)
+
+    def _post(self, remote_agent: str, make: Callable[[], XferHandle]) -> XferHandle:
+        """Make a transfer (`make`) and post it; a post NIXL fails is released, or kept in the
+        error when NIXL will not let go of it."""
+        try:
+            handle = make()
             status = self._agent.transfer(handle)
         except Exception as exc:
             raise TransportError(f"cannot post READ to {remote_agent}: {exc}") from exc
