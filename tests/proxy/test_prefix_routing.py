@@ -6,10 +6,10 @@ from __future__ import annotations
 import tracemalloc
 
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.fleet import HoldPayoff, Pool, PrefixIndex, PromptPrefixes, Router
-from kvrelay.proxy.fleet.hold_payoff import MIN_EVIDENCE
-from kvrelay.proxy.fleet.routing import PULL_COST
-from kvrelay.proxy.turn.conversation import chat_shape, completion_shape
+from kvrelay.proxy.fleet import PULL_COST, HoldPayoff, Pool, PrefixIndex, PromptPrefixes, Router
+from kvrelay.proxy.turn import chat_shape, completion_shape
+
+MIN_EVIDENCE = 16  # decided holds before a tenant's share is trusted (fleet/hold_payoff.py)
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters shared by every request
 

@@ -55,12 +55,13 @@ from kvrelay.proxy.fleet.pools import (
 )
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
-from kvrelay.proxy.fleet.routing import PrefillPick, Router, uncached_tokens
+from kvrelay.proxy.fleet.routing import PULL_COST, PrefillPick, Router, uncached_tokens
 from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
 __all__ = [
     "POLICIES",
+    "PULL_COST",
     "STALE_INTERVALS",
     "Affinity",
     "AlwaysP",
