@@ -16,7 +16,7 @@ what a read that moves a slice of each block (heterogeneous TP) needs.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -24,7 +24,7 @@ import torch  # nixl needs torch imported first
 
 from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
-from kvrelay.connector.layout import CacheGeometry
+from kvrelay.connector.layout import CacheGeometry, Strip
 from kvrelay.connector.tp import ReadPiece
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,32 @@ XferHandle = Any
 PreparedList = Any  # nixl's prepared descriptor list handle
 
 
+def _strip_runs(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+    mergeable: bool,
+) -> Iterator[tuple[Strip, Strip, list[tuple[int, int, int]]]]:
+    """Each strip pair of a read (the layouts must have as many strips) and its runs of
+    blocks, one descriptor each: blocks adjacent on both sides merge where `mergeable` and the
+    strip's blocks lie end to end on both sides."""
+    if len(local.strips) != len(remote.strips):
+        raise TransportError(
+            f"layout mismatch: {len(local.strips)} block strips here, "
+            f"{len(remote.strips)} at the holder"
+        )
+    merged = block_runs(local_blocks, remote_blocks, mergeable)
+    single: list[tuple[int, int, int]] | None = None
+    for ls, rs in zip(local.strips, remote.strips, strict=True):
+        if ls.block_stride == ls.region_len and rs.block_stride == rs.region_len:
+            yield ls, rs, merged
+        else:
+            if single is None:
+                single = block_runs(local_blocks, remote_blocks, False)
+            yield ls, rs, single
+
+
 def build_descs(
     local: CacheGeometry,
     remote: CacheGeometry,
@@ -63,20 +89,13 @@ def build_descs(
     coalesce: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Nx3 (addr, len, dev) arrays for one read piece over every strip, same order both sides."""
-    if len(local.strips) != len(remote.strips):
-        raise TransportError(
-            f"layout mismatch: {len(local.strips)} block strips here, "
-            f"{len(remote.strips)} at the holder"
-        )
     # Whole-region pieces over adjacent blocks may merge; sliced pieces never can.
     whole = piece.length == local.region_len == remote.region_len
-    mergeable = coalesce and whole
-    runs = block_runs(local_blocks, remote_blocks, mergeable)
     rows_l: list[tuple[int, int, int]] = []
     rows_r: list[tuple[int, int, int]] = []
-    for ls, rs in zip(local.strips, remote.strips, strict=True):
-        contiguous = ls.block_stride == ls.region_len and rs.block_stride == rs.region_len
-        for lb, rb, n in runs if contiguous else block_runs(local_blocks, remote_blocks, False):
+    strips = _strip_runs(local, remote, local_blocks, remote_blocks, coalesce and whole)
+    for ls, rs, runs in strips:
+        for lb, rb, n in runs:
             rows_l.append(
                 (
                     ls.base_addr + lb * ls.block_stride + piece.local_offset,
@@ -92,6 +111,19 @@ def build_descs(
                 )
             )
     return np.array(rows_l, dtype=np.uint64), np.array(rows_r, dtype=np.uint64)
+
+
+def merged_descs(
+    local: CacheGeometry,
+    remote: CacheGeometry,
+    local_blocks: Sequence[int],
+    remote_blocks: Sequence[int],
+) -> int:
+    """The descriptors a whole-block read over a prepared list takes once NIXL has merged the
+    blocks adjacent on both sides: as many as `build_descs` would build with coalescing on.
+    Raises `TransportError` when the layouts' strips differ in number."""
+    strips = _strip_runs(local, remote, local_blocks, remote_blocks, True)
+    return sum(len(runs) for _, _, runs in strips)
 
 
 def block_indices(num_strips: int, num_blocks: int, blocks: Sequence[int]) -> np.ndarray:

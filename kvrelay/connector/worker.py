@@ -62,7 +62,6 @@ from typing import Any
 import torch
 
 from kvrelay.connector.allowlist import HolderAllowlist
-from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.breaker import DownReason, Holder, HolderBreaker
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.errors import ConnectorError, ConnectorErrorKind
@@ -84,6 +83,7 @@ from kvrelay.connector.transport import (
     XferHandle,
     block_indices,
     build_descs,
+    merged_descs,
 )
 
 log = logging.getLogger(__name__)
@@ -652,11 +652,7 @@ class ConnectorWorker:
         assert local is not None and local_list is not None
         rank, spec = piece.remote_rank, read.spec
         geom = remote.geometries[rank]
-        if len(local.strips) != len(geom.strips):
-            raise TransportError(
-                f"layout mismatch: {len(local.strips)} block strips here, "
-                f"{len(geom.strips)} at the holder"
-            )
+        descs = merged_descs(local, geom, spec.local_block_ids, spec.remote_block_ids)
         remote_list = remote.lists.get(rank)
         if remote_list is None:
             remote_list = remote.lists[rank] = transport.prepare(geom, remote.agents[rank])
@@ -672,15 +668,7 @@ class ConnectorWorker:
             )
         )
         self.counters.inc("reads_prepared")
-        blocks = len(spec.local_block_ids)
-        runs = len(block_runs(spec.local_block_ids, spec.remote_block_ids, True))
-        descs = sum(
-            runs
-            if ls.block_stride == ls.region_len and rs.block_stride == rs.region_len
-            else blocks
-            for ls, rs in zip(local.strips, geom.strips, strict=True)
-        )
-        return blocks * strips * piece.length, descs
+        return len(spec.local_block_ids) * strips * piece.length, descs
 
     def _poll_reads(self) -> None:
         if not self._reads:

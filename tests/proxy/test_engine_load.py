@@ -188,7 +188,7 @@ def test_prefill_affinity_holds_until_the_p_is_overloaded_busy_or_gone() -> None
     # The policies: affinity and conditional prefer the previous P, always_p none.
     for name, prefers in (("affinity", previous), ("conditional", previous), ("always_p", None)):
         plan = asyncio.run(policy_named(name, router).plan(entry, 10, "", _no_count))
-        assert plan.through_p and plan.prefill_first == prefers, name
+        assert plan.route is Route.THROUGH_P and plan.prefill_first == prefers, name
 
 
 def test_prefill_affinity_yields_to_a_p_whose_queue_is_shorter_by_more_than_the_turn() -> None:

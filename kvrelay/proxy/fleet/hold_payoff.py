@@ -64,8 +64,11 @@ class HoldPayoff:
         counts = self._tenants.get(tenant)
         if counts is not None:
             self._expire(counts)
-        trusted = counts is not None and counts.decided >= MIN_EVIDENCE
-        if counts is None or not trusted or counts.taken >= min_use * counts.decided:
+        if (
+            counts is None
+            or counts.decided < MIN_EVIDENCE  # too few decided holds to trust their share
+            or counts.taken >= min_use * counts.decided
+        ):
             metrics.HOLD_DECISIONS.labels("kept").inc()
             return True
         counts.since_probe += 1

@@ -66,10 +66,6 @@ class Plan:
     to_holder: bool = False  # that D holds the conversation's history (its prefix-cache hit)
     check: CountCheck | None = None  # the decode-only count check, when one was made
 
-    @property
-    def through_p(self) -> bool:
-        return self.route is Route.THROUGH_P
-
 
 class TurnPolicy(Protocol):
     """A routing policy: the plan for one turn, from the conversation's usable entry (None for

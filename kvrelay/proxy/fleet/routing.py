@@ -43,6 +43,7 @@ affinity until it shows one.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -360,12 +361,15 @@ class Router:
         s = self.settings
         if s.prefill_spill_factor <= 0:
             return None
-        least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT)
+        cached = (
+            self.prefixes.cached_chars(prompt)
+            if prompt is not None and self.prefixes is not None
+            else None
+        )
+        least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT, cached)
         if least is None:
             return None  # no P: the P leg finds none and D prefills anyway
-        p_queued, p_cached = least[1], 0
-        if prompt is not None and self.prefixes is not None:
-            p_queued, p_cached = self._cheapest_cached(self.prefixes, prompt, prompt_chars)
+        _, p_queued, p_cached = least
         if p_queued <= 0 and s.prefill_spill_factor >= 1:
             # An idle P computes only the turn's uncached tokens; any D would compute at least
             # those (its queued work is never negative), so no factor >= 1 can spill the turn.
@@ -392,34 +396,24 @@ class Router:
             return None
         return Spill(target, d_tokens, holder, p_queued, d_queued, s.prefill_spill_factor, p_cached)
 
-    def _cheapest_cached(
-        self, index: PrefixIndex, prompt: PromptPrefixes, prompt_chars: int
-    ) -> tuple[float, int]:
-        """Of the usable Ps, the least queued work plus prompt left to compute: that P's
-        queued work and the prefix its cache is expected to hold (characters)."""
-        cached = index.cached_chars(prompt)
-        best: tuple[float, float, int] | None = None
-        for b in self.prefill.backends.values():
-            if not b.usable:
-                continue
-            hit = cached.get(b.url, 0)
-            queued = self._queued_work(b, prompt_chars)
-            if best is None or queued + prompt_chars - hit < best[0]:
-                best = (queued + prompt_chars - hit, queued, hit)
-        assert best is not None  # called after `_least_queued` found a usable P
-        return best[1], best[2]
-
     def _least_queued(
-        self, prompt_chars: int, exclude: set[str] | frozenset[str]
-    ) -> tuple[Backend, float] | None:
-        """The usable P (not in `exclude`) with the least prompt work queued, and that work."""
-        least: tuple[Backend, float] | None = None
+        self,
+        prompt_chars: int,
+        exclude: set[str] | frozenset[str],
+        cached: Mapping[str, int] | None = None,
+    ) -> tuple[Backend, float, int] | None:
+        """The usable P (not in `exclude`) with the least prompt work queued, less the prefix
+        its cache is expected to hold when `cached` says (prefix routing: P URL -> characters):
+        that P, its queued work and that prefix."""
+        least: tuple[Backend, float, int] | None = None
+        best = 0.0
         for b in self.prefill.backends.values():
             if not b.usable or b.url in exclude:
                 continue
             work = self._queued_work(b, prompt_chars)
-            if least is None or work < least[1]:
-                least = (b, work)
+            hit = cached.get(b.url, 0) if cached else 0
+            if least is None or work - hit < best:
+                least, best = (b, work, hit), work - hit
         return least
 
     def _queued_work(self, p: Backend, prompt_chars: int) -> float:

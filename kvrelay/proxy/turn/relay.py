@@ -104,7 +104,7 @@ class Turn:
                 self.entry, ctx.work, ctx.tenant, self._count_tokens, self._prompt
             )
             self._report_plan(plan)
-            through_p = plan.route is Route.THROUGH_P  # read four times: one comparison
+            through_p = plan.route is Route.THROUGH_P
             if through_p:
                 with report.leg_scope("prefill"):
                     await self._prefill(plan)
