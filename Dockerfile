@@ -40,7 +40,7 @@ RUN --mount=type=secret,id=pip-cert --mount=type=secret,id=pip-conf \
     && if [ -s /run/secrets/pip-conf ]; then export PIP_CONFIG_FILE=/run/secrets/pip-conf; fi \
     && python -m venv /opt/kvrelay \
     && wheel="$(echo /wheels/kvrelay-*.whl)" \
-    && /opt/kvrelay/bin/pip install --no-compile -c /constraints.txt "${wheel}[kubernetes,otel]" \
+    && /opt/kvrelay/bin/pip install --no-compile -c /constraints.txt "${wheel}[kubernetes,otel,kv-events]" \
     && /opt/kvrelay/bin/kvrelay serve --help > /dev/null \
     && /opt/kvrelay/bin/pip uninstall --yes pip setuptools \
     && find /opt/kvrelay -depth -name __pycache__ -type d -exec rm -rf {} +

@@ -1,6 +1,6 @@
 """Pin the proxy image's dependencies: writes `deploy/proxy-constraints.txt`.
 
-The Dockerfile installs the wheel with `[kubernetes,otel]` and builds it with the
+The Dockerfile installs the wheel with `[kubernetes,otel,kv-events]` and builds it with the
 `[build-system]` requirements, both under this constraints file, so two builds resolve the same
 releases. The file records a digest of the pyproject requirements it was made from;
 `tests/deploy/test_image_lock.py` checks (offline) that it is still current.
@@ -52,7 +52,7 @@ def main() -> int:
         print("run with Python 3.11, the image's Python", file=sys.stderr)
         return 2
     build, _ = image_lock.image_requirements()
-    pins = resolve([f"{REPO_ROOT}[kubernetes,otel]", *build])
+    pins = resolve([f"{REPO_ROOT}[{','.join(image_lock.IMAGE_EXTRAS)}]", *build])
     pins.pop(image_lock.PROJECT, None)
     image_lock.LOCK_FILE.write_text(image_lock.render_lock(pins, image_lock.inputs_digest()))
     print(f"wrote {image_lock.LOCK_FILE.relative_to(REPO_ROOT)}: {len(pins)} pins")

@@ -1,10 +1,10 @@
 """The proxy image's constraints file (`deploy/proxy-constraints.txt`): what it is made from.
 
-The image installs the project's base dependencies and its `kubernetes` and `otel` extras,
-and builds the wheel with the `[build-system]` requirements; all of them are pinned by the
-constraints file. The file carries a digest of those pyproject requirements, so a check without
-network (`tests/deploy/test_image_lock.py`) can tell that pyproject changed since the file was
-made (`scripts/lock_image.py` remakes it).
+The image installs the project's base dependencies and its `kubernetes`, `otel` and
+`kv-events` extras, and builds the wheel with the `[build-system]` requirements; all of them are
+pinned by the constraints file. The file carries a digest of those pyproject requirements, so a
+check without network (`tests/deploy/test_image_lock.py`) can tell that pyproject changed since
+the file was made (`scripts/lock_image.py` remakes it).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 PYPROJECT = REPO_ROOT / "pyproject.toml"
 LOCK_FILE = REPO_ROOT / "deploy" / "proxy-constraints.txt"
 PROJECT = "kvrelay"
-IMAGE_EXTRAS = ("kubernetes", "otel")
+IMAGE_EXTRAS = ("kubernetes", "otel", "kv-events")
 DIGEST_PREFIX = "# inputs-sha256: "
 
 
@@ -41,7 +41,7 @@ def inputs_digest() -> str:
 def render_lock(pins: dict[str, str], digest: str) -> str:
     lines = [
         "# Pinned releases for the proxy image (Dockerfile): the base dependencies, the",
-        f"# {' and '.join(IMAGE_EXTRAS)} extras and the build backend, with all they pull in.",
+        f"# {', '.join(IMAGE_EXTRAS)} extras and the build backend, with all they pull in.",
         "# Made by scripts/lock_image.py from pyproject.toml; remake it when those requirements",
         "# change (tests/deploy/test_image_lock.py fails until then).",
         DIGEST_PREFIX + digest,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.engine import EngineCore
+from kvrelay.enginesim.kv_events import KVEventPublisher, parse_events_config
 from kvrelay.enginesim.kvhost import KVHost
 from kvrelay.enginesim.runner import EngineRunner
 from kvrelay.enginesim.server import EngineServer
@@ -19,6 +20,11 @@ def build_server(config: EngineConfig) -> EngineServer:
 
         kv_host = NixlHost(config, pool)
     core = EngineCore(config, kv_host, pool)
-    runner = EngineRunner(core)
+    publisher = None
+    events = parse_events_config(config.kv_events_config) if config.kv_events_config else None
+    if events is not None:
+        core.follow_cache()
+        publisher = KVEventPublisher(*events, block_size=config.block_size)
+    runner = EngineRunner(core, publisher)
     runner.start()
     return EngineServer(runner)

@@ -97,6 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="a line the chat template renders before the messages; {messages} is replaced by "
         "their number, so it changes every turn (as a template that prints the date does)",
     )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        help="vLLM's flag: a JSON object; with enable_kv_cache_events, the prefix cache's "
+        "stored and evicted blocks are published on a ZMQ PUB socket at its endpoint",
+    )
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--lease-seconds", type=float, help="default: the connector's")
@@ -160,6 +166,7 @@ _ENGINE_OPTIONS = (
     "params_in_stream",
     "enable_prompt_tokens_details",
     "chat_template_first_line",
+    "kv_events_config",
 )
 
 

@@ -57,6 +57,8 @@ class EngineConfig:
     # connector's own settings type; the KV identity fields (model, dtype, block size, layers,
     # layout) are filled in from this config when the connector starts (`nixl_host`).
     connector: ConnectorConfig | None = None
+    # vLLM's `--kv-events-config` JSON (`kvrelay.enginesim.kv_events`); None: no events.
+    kv_events_config: str | None = None
 
     def new_pool(self) -> BlockPool:
         """The engine's KV pool, as this config describes it (prefix caching in it or not)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.protocol import (
@@ -39,6 +39,7 @@ from kvrelay.connector.protocol import (
 )
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import CostProfile, get_link, get_profile
+from kvrelay.enginesim.kv_events import StoredBlock
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
@@ -82,6 +83,7 @@ class EngineCore:
             config.eos_period,
         )
         self.pool = pool or config.new_pool()
+        self._stored: list[StoredBlock] | None = None  # KV events: see `follow_cache`
         self.kv: KVHost = kv_host or NoConnector()
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
@@ -321,13 +323,35 @@ class EngineCore:
         return [(salt, hashes[(b + 1) * bs - 1]) for b in range(first, last)]
 
     def _cache_computed(self, req: SimRequest, start: int, end: int) -> None:
-        """Register the full blocks whose KV positions [start, end) just completed."""
+        """Register the full blocks whose KV positions [start, end) just completed (and, with
+        KV events on, note the newly cached ones: `take_kv_events`)."""
         if not self.pool.prefix_caching:
             return
         bs = self.pool.block_size
         first, last = start // bs, end // bs
         for b, key in zip(range(first, last), self._cache_keys(req, first, last), strict=True):
-            self.pool.cache(req.block_ids[b], key)
+            if self.pool.cache(req.block_ids[b], key) and self._stored is not None:
+                self._stored.append(
+                    StoredBlock(
+                        key,
+                        self._cache_keys(req, b - 1, b)[0] if b else None,
+                        req.all_token_ids[b * bs : (b + 1) * bs],
+                        req.cache_salt if b == 0 else None,
+                    )
+                )
+
+    def follow_cache(self) -> None:
+        """Start noting what the prefix cache stores and evicts (`take_kv_events`)."""
+        self._stored = []
+        self.pool.evicted_keys = []
+
+    def take_kv_events(self) -> tuple[list[StoredBlock], list[Hashable]]:
+        """The blocks cached and the keys evicted since the last call, in order."""
+        stored, evicted = self._stored, self.pool.evicted_keys
+        if stored is None or evicted is None:
+            return [], []
+        self._stored, self.pool.evicted_keys = [], []
+        return stored, evicted
 
     def _ask_connector(self, req: SimRequest, local_hit: int = 0) -> tuple[int, bool]:
         n_ext, is_async = self.kv.get_num_new_matched_tokens(req, local_hit)

@@ -81,6 +81,8 @@ class BlockPool:
         self._key_of: list[Hashable | None] = [None] * num_blocks
         self._cached: dict[Hashable, int] = {}  # cache key -> the block holding it
         self.evictions = 0  # cached blocks an allocation took (their KV lost)
+        # The keys of evicted blocks, for KV cache events (None: nobody follows them).
+        self.evicted_keys: list[Hashable] | None = None
 
     @property
     def num_free(self) -> int:
@@ -108,6 +110,8 @@ class BlockPool:
                 del self._cached[key]
                 self._key_of[block] = None
                 self.evictions += 1
+                if self.evicted_keys is not None:
+                    self.evicted_keys.append(key)
             self._refs[block] = 1
             out.append(block)
         return out
@@ -149,13 +153,15 @@ class BlockPool:
                 del self._free[block]
             self._refs[block] += 1
 
-    def cache(self, block: int, key: Hashable) -> None:
+    def cache(self, block: int, key: Hashable) -> bool:
         """Register a full block whose KV is final under `key` (a block already cached under
-        another key, or a key another block holds, stays as it is: the first one wins)."""
+        another key, or a key another block holds, stays as it is: the first one wins); True
+        when `key` is newly cached."""
         if not self.prefix_caching or self._key_of[block] is not None or key in self._cached:
-            return
+            return False
         self._key_of[block] = key
         self._cached[key] = block
+        return True
 
     def ref_count(self, block: int) -> int:
         return self._refs[block]

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrelay.enginesim.engine import EngineCore
+from kvrelay.enginesim.kv_events import KVEventPublisher
 from kvrelay.enginesim.request import SimRequest
 
 log = logging.getLogger(__name__)
@@ -31,8 +32,9 @@ IDLE_POLL_S = 0.01
 class EngineRunner:
     """One engine thread; every `EngineCore` call happens on it."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, events: KVEventPublisher | None = None) -> None:
         self.core = core
+        self._events = events  # KV cache events, published after each step that made some
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -77,6 +79,8 @@ class EngineRunner:
                         break
                     command()
                 self.core.step()
+                if self._events is not None:
+                    self._events.publish(*self.core.take_kv_events())
                 self._publish()
                 self.core.deliver_outputs()
                 busy = self.core.busy
@@ -95,6 +99,8 @@ class EngineRunner:
             log.exception("engine thread crashed")
         finally:
             self.core.kv.shutdown()
+            if self._events is not None:
+                self._events.close()
 
     def _ready_to_run(self) -> bool:
         # Step again at once when there is compute to do; loads and queues wait for a poll.

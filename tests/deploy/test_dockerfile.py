@@ -104,7 +104,7 @@ def test_proxy_image_installs_the_pinned_wheel_without_build_leftovers() -> None
     assert "PIP_CONSTRAINT=/constraints.txt" in build_runs  # the build backend pinned too
     venv_runs = " ".join(by_name["proxy-venv"].all("RUN"))
     assert "-c /constraints.txt" in venv_runs and "--no-compile" in venv_runs
-    assert '"${wheel}[kubernetes,otel]"' in venv_runs
+    assert '"${wheel}[kubernetes,otel,kv-events]"' in venv_runs
     assert "torch" not in venv_runs and "nixl" not in venv_runs
     assert "pip uninstall --yes pip setuptools" in venv_runs
     assert "-name __pycache__" in venv_runs

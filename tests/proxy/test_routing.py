@@ -7,14 +7,23 @@ D is busy (the follow-up goes through P) or fails a decode-only turn (the old ho
 
 from __future__ import annotations
 
+import json
+import random
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
+from kvrelay.devtools import (
+    EngineFactory,
+    EngineSim,
+    ProxyFactory,
+    ProxyServer,
+    free_port,
+    wait_until,
+)
 from kvrelay.enginesim.reference import reference_chat
-from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
+from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
 
 pytestmark = pytest.mark.nixl
 
@@ -22,6 +31,13 @@ SYSTEM = "You are a careful assistant who explains caches. Answer briefly. " * 8
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
 ADMIN_KEY = "routing-admin-key"
 CACHE = ("--enable-prefix-caching",)
+# Both Ps publish their KV cache events (vLLM's flag), on these ports.
+EVENTS_PORTS = (free_port(), free_port())
+
+
+def _events(port: int) -> tuple[str, str]:
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ("--kv-events-config", json.dumps(config))
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +46,8 @@ def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     factory = EngineFactory()
     try:
         p0, p1, d = factory.many(
-            ("P0", ["--role", "prefill", *CACHE]),
-            ("P1", ["--role", "prefill", *CACHE]),
+            ("P0", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS[0])]),
+            ("P1", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS[1])]),
             ("D", ["--role", "decode", *CACHE]),
         )
         yield p0, p1, d
@@ -305,3 +321,70 @@ def test_a_decode_only_turn_that_d_fails_gives_the_old_hold_back(
     assert answer == reference_chat(messages, 12)
     wait_until(lambda: d.metric("enginesim_requests_held") == 1, 10, what="one hold on D")
     assert proxy.call("DELETE", "/v1/conversations/fail-1")[0] == 200
+
+
+def _lookup(proxy: ProxyServer, body: dict[str, Any]) -> dict[str, int]:
+    """Per P URL, the prompt tokens its own KV events say it caches (the admin lookup)."""
+    status, answer, _ = proxy.call(
+        "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status == 200, answer
+    return {p["url"]: p["events_tokens"] for p in answer["prefill"]}
+
+
+def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    """The Ps publish their cache's stored and evicted blocks; the proxy follows them. A
+    request sharing a system prompt goes to the P whose events show it, against the list's
+    order (the routing-fed index is given no time to count); once that P's events show the
+    prompt evicted, the next such request goes to the first P, which computes it all."""
+    p0, p1, d = idle
+    endpoints = ",".join(
+        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
+    )
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", admin_key=ADMIN_KEY,
+        kv_events_endpoints=endpoints, prefix_index_ttl_s="0.001",
+    )  # fmt: skip
+    system = "You follow the engines' own cache events, block by block. " * 10
+
+    def ask(question: str) -> tuple[list[float], list[float]]:
+        """Ask via the proxy; what each P served and served from its cache meanwhile."""
+        body = chat_body(
+            [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        )
+        before = p0.metrics(), p1.metrics()
+        messages = body["messages"]
+        assert reply_of(post(proxy.url, "/v1/chat/completions", body)) == reference_chat(
+            messages, 12
+        )
+        after = p0.metrics(), p1.metrics()
+        return [
+            [a.get(n, 0.0) - b.get(n, 0.0) for a, b in zip(after, before, strict=True)]
+            for n in ("enginesim_requests_total", "enginesim_prompt_tokens_cached_total")
+        ]  # type: ignore[return-value]
+
+    probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
+    served, _ = ask("Which P has this?")
+    assert served == [0, 1]
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
+    wait_until(lambda: _lookup(proxy, probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    assert _lookup(proxy, probe)[p0.url] == 0
+    served, cached = ask("And now?")
+    assert served == [0, 1] and cached[1] >= 64
+    # Other prompts sent to P1 directly fill its pool (1024 blocks of 16 tokens), evicting
+    # the system prompt's blocks: its events say so, and the index forgets them.
+    rng = random.Random(7)
+    for _ in range(6):
+        flood = {"model": MODEL, "prompt": [rng.randrange(32, 256) for _ in range(3000)],
+                 "max_tokens": 1}  # fmt: skip
+        status, answer = p1.request("/v1/completions", flood, timeout=60)
+        assert status == 200, answer
+    wait_until(lambda: _lookup(proxy, probe)[p1.url] == 0, 10, what="P1's evicted blocks")
+    served, cached = ask("Where did it go?")
+    assert served == [1, 0] and cached == [0, 0]
+    m = proxy.metrics()
+    assert m['kvrelay_kv_events_total{kind="removed"}'] > 0
+    proxy.stop()

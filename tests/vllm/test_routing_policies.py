@@ -7,10 +7,15 @@
 - Prefix routing, with a second P: a request that shares only a system prompt with an earlier
   one goes to the P that computed it, whose own counter shows the prefix served from its cache;
   by load alone it goes to the idle P, which computes it all.
+- Prefix routing from vLLM's own KV events (both Ps publish them): the index shows a stored
+  block once P2 computed it and forgets it once P2's events say it was evicted, and the routing
+  follows: to P2 while it caches the system prompt, to the first P after.
 """
 
 from __future__ import annotations
 
+import json
+import random
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools import ProxyFactory, ProxyServer, vllm_servers
+from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, vllm_servers
 from tests.harness import wait_until
 from tests.vllm.conftest import Reference
 
@@ -42,6 +47,17 @@ USER_TURNS = [
 
 
 ADMIN_KEY = "prefix-routing-admin-key"
+# P2's KV pool, small enough for a few prompts to evict what it cached (48 blocks of 32).
+SMALL_POOL_BLOCKS = 48
+
+
+def _publish_events(server: vllm_servers.VLLMServer) -> str:
+    """Start `server` publishing its KV cache events (vLLM's flag; the wildcard endpoint binds);
+    the endpoint the proxy connects to."""
+    port = free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    server.extra_args += ["--kv-events-config", json.dumps(config)]
+    return f"tcp://127.0.0.1:{port}"
 
 
 class CachedFleet:
@@ -63,6 +79,8 @@ class CachedFleet:
 def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[CachedFleet]:
     prefill, decode = vllm_servers.kvrelay_pair(tiny_model)
     second = vllm_servers.kvrelay_server("P2", tiny_model, 0)
+    second.extra_args += ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS)]
+    endpoints = {p.url: _publish_events(p) for p in (prefill, second)}
     factory = ProxyFactory()
     try:
         vllm_servers.start_all(prefill, decode, second)
@@ -81,6 +99,14 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
                 connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=side_channels,
                 prefix_routing=on, admin_key=ADMIN_KEY,
             )  # fmt: skip
+        # P listed first; routed by the Ps' own events only (the routing-fed index's entries
+        # expire at once).
+        proxies["kv events"] = factory(
+            [prefill.url, second.url], [decode.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=side_channels,
+            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
+            kv_events_endpoints=",".join(f"{u}={e}" for u, e in endpoints.items()),
+        )  # fmt: skip
         yield CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
     finally:
         factory.close()
@@ -223,3 +249,60 @@ def test_a_request_sharing_only_a_system_prompt_goes_to_the_p_that_cached_it(
     else:
         assert served == {p.name: 0, second.name: 1}  # equal load: the first P listed
         assert hits[second.name] == 0, hits
+
+
+def _events_tokens(proxy: ProxyServer, body: dict[str, Any]) -> dict[str, int]:
+    """Per P URL, the prompt tokens its own KV events say it caches (the admin lookup)."""
+    status, answer, _ = proxy.call(
+        "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status == 200, answer
+    return {p["url"]: p["events_tokens"] for p in answer["prefill"]}
+
+
+def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
+    cached_fleet: CachedFleet,
+) -> None:
+    fleet = cached_fleet
+    proxy, p, p2 = fleet.proxies["kv events"], fleet.prefill, fleet.second
+    # New to every cache from its first block on (the module's other prompts begin with SYSTEM).
+    system = f"The index follows what each engine says it stored and evicted. {SYSTEM}" * 2
+
+    def body(user: str) -> dict[str, Any]:
+        return _body([{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+    def ask(user: str) -> tuple[dict[str, float], dict[str, float]]:
+        """Ask via the proxy; per P, requests served and prompt tokens hit in its cache."""
+        sent = body(user)
+        before = {s.name: (_settled(s, REQUESTS), _settled(s, CACHE_HITS)) for s in (p, p2)}
+        out = _ask(proxy, sent, f"events-{uuid.uuid4().hex[:8]}")
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
+        served = {s.name: _settled(s, REQUESTS) - before[s.name][0] for s in (p, p2)}
+        hits = {s.name: _settled(s, CACHE_HITS) - before[s.name][1] for s in (p, p2)}
+        return served, hits
+
+    probe, two_blocks = body("?"), 2 * vllm_servers.BLOCK_SIZE
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
+    served, _ = ask("Hello.")
+    assert served == {p.name: 0, p2.name: 1}
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p.url})
+    # A stored block appears: P2's events carried the prompt's blocks, with their tokens.
+    wait_until(lambda: _events_tokens(proxy, probe)[p2.url] >= two_blocks, 30,
+               what="P2's stored blocks in the index")  # fmt: skip
+    assert _events_tokens(proxy, probe)[p.url] == 0
+    served, hits = ask("Where from?")
+    assert served == {p.name: 0, p2.name: 1}  # against the list's order: P2 caches it
+    assert hits[p2.name] >= two_blocks, hits
+    # Prompts sent to P2 directly fill its small pool and evict the system prompt's blocks.
+    rng = random.Random(11)
+    for _ in range(4):
+        flood = {"model": vllm_servers.MODEL_NAME, "max_tokens": 1,
+                 "prompt": [rng.randrange(10, 1000) for _ in range(900)]}  # fmt: skip
+        status, out = p2.post("/v1/completions", flood)
+        assert status == 200, out
+    # An evicted block disappears: P2's BlockRemoved events reached the index.
+    wait_until(lambda: _events_tokens(proxy, probe)[p2.url] == 0, 30,
+               what="P2's evicted blocks gone from the index")  # fmt: skip
+    served, hits = ask("And now?")
+    assert served == {p.name: 1, p2.name: 0}  # nothing cached anywhere: the first P listed
+    assert hits[p.name] == 0, hits

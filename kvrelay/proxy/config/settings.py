@@ -460,6 +460,32 @@ class Settings(BaseSettings):
             "least recently used forgotten first."
         ),
     )
+    kv_events_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "prefix_routing from the engines' own KV cache events: the port each P publishes "
+            "them on (vLLM's --kv-events-config endpoint, e.g. 5557), on the host of its URL; "
+            "0: only the engines in kv_events_endpoints. Events make the index exact (what P "
+            "evicted is known); the prompt is then tokenized by a P's /tokenize for the lookup."
+        ),
+    )
+    kv_events_endpoints: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "P engine URL -> its KV events endpoint (tcp://host:port), for engines not at "
+            "kv_events_port on their own host."
+        ),
+    )
+    kv_events_max_blocks: int = Field(
+        default=2_000_000,
+        ge=1,
+        description=(
+            "(engine, block) pairs the KV-events index keeps (about 150-170 bytes each); over "
+            "it, the oldest reported blocks of the engine holding the most are forgotten."
+        ),
+    )
     hold_min_use: float = Field(
         default=0.05,
         ge=0,
@@ -593,7 +619,9 @@ class Settings(BaseSettings):
     def _lists(cls, value: Any) -> Any:
         return _split_list(value)
 
-    @field_validator("side_channels", "tenant_limits", "cache_share_groups", mode="before")
+    @field_validator(
+        "side_channels", "tenant_limits", "cache_share_groups", "kv_events_endpoints", mode="before"
+    )
     @classmethod
     def _mapping(cls, value: Any) -> Any:
         return _split_mapping(value)
@@ -612,6 +640,16 @@ class Settings(BaseSettings):
         for url, addr in value.items():
             _check_host_port(addr, f"{addr!r} for {url!r}")
             out[normalize_backend_url(url)] = addr
+        return out
+
+    @field_validator("kv_events_endpoints")
+    @classmethod
+    def _kv_events_endpoints(cls, value: dict[str, str]) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for url, endpoint in value.items():
+            if not endpoint.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"{endpoint!r} for {url!r} is not a tcp:// or ipc:// endpoint")
+            out[normalize_backend_url(url)] = endpoint
         return out
 
     @field_validator("tenant_limits")

@@ -5,7 +5,7 @@ the prompt tokens an engine counts for a request (`prompt_tokens`).
 
 from kvrelay.proxy.engines.finished_lookups import FinishedLookups
 from kvrelay.proxy.engines.release import RELEASE_ATTEMPTS, Releaser
-from kvrelay.proxy.engines.token_count import prompt_tokens
+from kvrelay.proxy.engines.token_count import prompt_token_ids, prompt_tokens
 from kvrelay.proxy.engines.upstream import (
     H1Response,
     Origin,
@@ -27,5 +27,6 @@ __all__ = [
     "UpstreamConnectError",
     "UpstreamError",
     "UpstreamTimeout",
+    "prompt_token_ids",
     "prompt_tokens",
 ]

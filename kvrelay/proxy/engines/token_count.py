@@ -38,11 +38,43 @@ async def prompt_tokens(
 ) -> int | None:
     """The prompt tokens of `body` (a chat or completions request) by the engine at `url`;
     None when it cannot say (no answer in time, an error, a batch of prompts)."""
+    given = _given_ids(route, body)
+    if given is not None:
+        return len(given)
+    answer = await _tokenize(upstream, url, route, body, timeout_s)
+    count = answer.get("count") if answer is not None else None
+    return count_or_none(count) or None  # a prompt has at least one token
+
+
+async def prompt_token_ids(
+    upstream: Upstream, url: str, route: str, body: dict[str, Any], timeout_s: float
+) -> list[int] | None:
+    """The prompt's token ids as the engine at `url` renders and tokenizes it (its chat
+    template, its tokenizer: what its prefix cache hashes); None when it cannot say."""
+    given = _given_ids(route, body)
+    if given is not None:
+        return given
+    answer = await _tokenize(upstream, url, route, body, timeout_s)
+    tokens = answer.get("tokens") if answer is not None else None
+    if isinstance(tokens, list) and tokens and all(type(t) is int for t in tokens):
+        return tokens
+    return None
+
+
+def _given_ids(route: str, body: dict[str, Any]) -> list[int] | None:
+    """A completion's prompt given as token ids: counted as it is."""
+    prompt = body.get("prompt") if route == "completions" else None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    return None
+
+
+async def _tokenize(
+    upstream: Upstream, url: str, route: str, body: dict[str, Any], timeout_s: float
+) -> dict[str, Any] | None:
+    """The engine's `/tokenize` answer for `body`'s prompt, or None."""
     if route == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return len(prompt)
-        if not isinstance(prompt, str):
+        if not isinstance(body.get("prompt"), str):
             return None
         query = {k: body[k] for k in _COMPLETION_FIELDS if k in body}
     else:
@@ -52,8 +84,8 @@ async def prompt_tokens(
         status, raw = await upstream.post_json(
             url, "/tokenize", jsoncodec.dumps(query), timeout_s=timeout_s
         )
-        count = jsoncodec.loads(raw).get("count") if status == 200 else None
-    except (UpstreamError, TimeoutError, ValueError, AttributeError) as exc:
+        answer = jsoncodec.loads(raw) if status == 200 else None
+    except (UpstreamError, TimeoutError, ValueError) as exc:
         log.debug("/tokenize of %s failed: %s", url, type(exc).__name__)
         return None
-    return count_or_none(count) or None  # a prompt has at least one token
+    return answer if isinstance(answer, dict) else None

@@ -4,6 +4,7 @@ across processes, DNS and Kubernetes discovery, the merged model list and the en
 versions, and `Fleet`, what a worker's turns share.
 """
 
+from kvrelay.proxy.fleet.block_index import BlockIndex
 from kvrelay.proxy.fleet.discovery import (
     Discovered,
     DnsSource,
@@ -31,6 +32,7 @@ from kvrelay.proxy.fleet.fleet_sync import (
     open_fleet_sync,
 )
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
+from kvrelay.proxy.fleet.kv_events import EngineEvents, KVEventsFeed, events_endpoint
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
 from kvrelay.proxy.fleet.policies import (
@@ -66,17 +68,20 @@ __all__ = [
     "Affinity",
     "AlwaysP",
     "Backend",
+    "BlockIndex",
     "Busy",
     "Conditional",
     "CountCheck",
     "Discovered",
     "DnsSource",
+    "EngineEvents",
     "EngineLoad",
     "EngineVersions",
     "Fleet",
     "FleetSync",
     "HealthChecker",
     "HoldPayoff",
+    "KVEventsFeed",
     "KubeRoleWatch",
     "KubeScope",
     "LoadPoller",
@@ -96,6 +101,7 @@ __all__ = [
     "TurnPolicy",
     "engine_name",
     "engines_to_try",
+    "events_endpoint",
     "fresh_load",
     "load_from_metrics",
     "make_resolver",

@@ -39,11 +39,19 @@ DEFAULT_MAX_ENTRIES = 200_000
 
 class PromptPrefixes(NamedTuple):
     """A prompt's prefixes, shortest first: `keys[i]` names the prefix of `chars[i]`
-    characters (within the request's cache scope); `total` is the whole prompt's size."""
+    characters (within the request's cache scope); `total` is the whole prompt's size.
+    `tokens` and `salt`: the prompt's token ids as an engine tokenized it and its
+    `cache_salt`, when the engines' KV events are followed (`kvrelay.proxy.fleet.block_index`
+    looks them up)."""
 
     keys: tuple[str, ...]
     chars: tuple[int, ...]
     total: int
+    tokens: tuple[int, ...] | None = None
+    salt: str | None = None
+
+    def with_tokens(self, tokens: Sequence[int], salt: str | None) -> PromptPrefixes:
+        return self._replace(tokens=tuple(tokens), salt=salt)
 
     @classmethod
     def of_chat(

@@ -49,6 +49,7 @@ from typing import NamedTuple
 
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
+from kvrelay.proxy.fleet.block_index import BlockIndex
 from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.pools import Backend, Pool
@@ -64,6 +65,9 @@ _NO_P_LEFT_OUT: frozenset[str] = frozenset()
 # "transfer (GPU)"), about 175 ms, against about 400 ms to prefill it. So a P that caches the
 # history itself beats one that would pull it, and both beat one that recomputes it.
 PULL_COST = 0.4
+# With KV events, how long a prompt just routed to a P counts as cached there before its
+# blocks are reported: its prefill (seconds; queued behind others, tens of seconds at most).
+KV_EVENTS_PENDING_S = 30.0
 
 
 @dataclass(slots=True)
@@ -128,6 +132,7 @@ class Router:
     decode_only: ReuseStanding = field(init=False)  # Ds whose decode-only turns reuse nothing
     affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
     prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
+    blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
     holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
 
@@ -136,12 +141,13 @@ class Router:
         interval = s.reuse_probe_interval_s
         object.__setattr__(self, "decode_only", ReuseStanding("decode", "decode_only", interval))
         object.__setattr__(self, "affinity", ReuseStanding("prefill", "affinity", interval))
-        prefixes = (
-            PrefixIndex(s.prefix_index_ttl_s, s.prefix_index_max_entries)
-            if s.prefix_routing
-            else None
-        )
+        events = s.prefix_routing and bool(s.kv_events_port or s.kv_events_endpoints)
+        # With the engines' events the routing-fed index only covers a prompt still being
+        # computed (its blocks not yet reported): what P evicted, the events say.
+        ttl = min(s.prefix_index_ttl_s, KV_EVENTS_PENDING_S) if events else s.prefix_index_ttl_s
+        prefixes = PrefixIndex(ttl, s.prefix_index_max_entries) if s.prefix_routing else None
         object.__setattr__(self, "prefixes", prefixes)
+        object.__setattr__(self, "blocks", BlockIndex(s.kv_events_max_blocks) if events else None)
         object.__setattr__(self, "holds", HoldPayoff(s.hold_min_use, s.conversation_ttl_s))
 
     # -- load --------------------------------------------------------------------------------
@@ -169,6 +175,25 @@ class Router:
         choose from: with one, the index would cost every turn and decide nothing)."""
         return self.prefixes is not None and len(self.prefill.backends) > 1
 
+    @property
+    def wants_tokens(self) -> bool:
+        """P is chosen by the engines' KV events: the prompt's token ids are looked up."""
+        return self.blocks is not None and self.routes_by_prefix
+
+    def cached_chars(self, prompt: PromptPrefixes) -> dict[str, int]:
+        """For each P expected to cache a prefix of `prompt`, that prefix in characters: the
+        longer of what the routing-fed index expects and what the P's own events reported
+        (tokens counted as the prompt's characters in proportion)."""
+        assert self.prefixes is not None
+        cached = self.prefixes.cached_chars(prompt)
+        if self.blocks is not None and prompt.tokens:
+            n = len(prompt.tokens)
+            for url, tokens in self.blocks.cached_tokens(prompt.tokens, prompt.salt).items():
+                chars = prompt.total * tokens // n
+                if chars > cached.get(url, 0):
+                    cached[url] = chars
+        return cached
+
     def pick_prefill(
         self,
         preferred: str | None,
@@ -184,7 +209,7 @@ class Router:
         is least (`_by_prefix`); else the preference yields to a P whose queue is shorter by
         more than the turn, and without one the least loaded P."""
         if prompt is not None and self.prefixes is not None:
-            return self._by_prefix(self.prefixes, prompt, preferred, exclude, work, held_chars)
+            return self._by_prefix(prompt, preferred, exclude, work, held_chars)
         if preferred and preferred not in exclude:
             backend = self._affine(self.prefill, preferred, self.settings.prefill_overload_inflight)
             if backend is not None and self.affinity.admits(backend.url, tenant):
@@ -203,7 +228,6 @@ class Router:
 
     def _by_prefix(
         self,
-        index: PrefixIndex,
         prompt: PromptPrefixes,
         preferred: str | None,
         exclude: set[str],
@@ -212,13 +236,15 @@ class Router:
     ) -> PrefillPick:
         """The P that would be done with the turn first: least queued prompt work plus the
         prompt characters it would compute, those being the prompt less the prefix its cache
-        is expected to hold (`PrefixIndex`) and less the history any P pulls from the
+        is expected to hold (`cached_chars`) and less the history any P pulls from the
         conversation's holder (`held_chars`) beyond that prefix, which counts at `PULL_COST`.
         Busy Ps last."""
+        index = self.prefixes
+        assert index is not None
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if not candidates:
             return PrefillPick(None, False, work)
-        cached = index.cached_chars(prompt)
+        cached = self.cached_chars(prompt)
 
         def computed(b: Backend) -> int:
             local = cached.get(b.url, 0)
@@ -362,9 +388,7 @@ class Router:
         if s.prefill_spill_factor <= 0:
             return None
         cached = (
-            self.prefixes.cached_chars(prompt)
-            if prompt is not None and self.prefixes is not None
-            else None
+            self.cached_chars(prompt) if prompt is not None and self.prefixes is not None else None
         )
         least = self._least_queued(prompt_chars, _NO_P_LEFT_OUT, cached)
         if least is None:

@@ -1,4 +1,5 @@
-"""Admin API: list, add, drain and remove engines at run time, behind the admin key.
+"""Admin API: list, add, drain and remove engines at run time, and ask where a prompt is
+cached (`POST /admin/prefix-cache`), behind the admin key.
 
 A sub-application mounted at `/admin` (`admin_app`). `Authorization: Bearer <admin_key>` (or
 `X-Admin-Key`, read by `kvrelay.proxy.http.auth`). Without a configured admin key the routes answer
@@ -23,7 +24,15 @@ from kvrelay.proxy.config import normalize_backend_url
 from kvrelay.proxy.fleet import Backend, Pool
 from kvrelay.proxy.http.auth import require_admin
 from kvrelay.proxy.http.body import HeldBody, read_json_object
-from kvrelay.proxy.http.keys import BODY_BUDGET, FLEET, FLEET_SYNC, SETTINGS
+from kvrelay.proxy.http.keys import (
+    BODY_BUDGET,
+    CACHE_SCOPES,
+    FLEET,
+    FLEET_SYNC,
+    SETTINGS,
+    TURN_CREW,
+)
+from kvrelay.proxy.turn import chat_shape, completion_shape
 
 log = logging.getLogger(__name__)
 
@@ -61,11 +70,17 @@ async def _target(request: web.Request) -> tuple[Pool, str]:
 
 async def list_backends(request: web.Request) -> web.StreamResponse:
     require_admin(request)
+    blocks = request.config_dict[FLEET].router.blocks
+
+    def view(b: Backend) -> dict[str, object]:
+        described = b.describe()
+        if blocks is not None and b.role == "prefill":
+            # What the engine's KV events say it caches (prefix routing's exact index).
+            described["kv_events_blocks"] = blocks.blocks_of(b.url)
+        return described
+
     return json_response(
-        {
-            role: [b.describe() for b in pool.backends.values()]
-            for role, pool in _pools(request).items()
-        }
+        {role: [view(b) for b in pool.backends.values()] for role, pool in _pools(request).items()}
     )
 
 
@@ -111,6 +126,60 @@ async def remove_backend(request: web.Request) -> web.StreamResponse:
     return json_response({"removed": backend.describe()})
 
 
+async def prefix_cache(request: web.Request) -> web.StreamResponse:
+    """Where the prompt of a chat or completions request body is cached, as this worker's
+    prefix routing sees it: per P, the prefix the routing-fed index expects (characters) and,
+    with KV events, the prefix the engine's own events reported (tokens). An operator's answer
+    to "why did this request go there". `?tenant=` names whose request it is (a tenant id,
+    `kvrelay tenant-id`; default the keyless "anonymous"): its cache scope applies as to the
+    tenant's own requests."""
+    require_admin(request)
+    crew = request.config_dict[TURN_CREW]
+    router = crew.router
+    if router.prefixes is None:
+        raise ProxyError(409, "prefix_routing is off", code="prefix_routing_off")
+    held = HeldBody(request.config_dict[BODY_BUDGET])
+    try:
+        body = await read_json_object(request, request.config_dict[SETTINGS], held)
+    finally:
+        held.release()
+    request.config_dict[CACHE_SCOPES].apply(body, request.query.get("tenant", "anonymous"))
+    messages, salt = body.get("messages"), body.get("cache_salt")
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages):
+        route, shape = "chat", chat_shape(body)
+    elif isinstance(body.get("prompt"), str):
+        route, shape = "completions", completion_shape(body)
+    else:
+        raise bad_request("send a chat (`messages`) or completions (`prompt`) request body")
+    salt = salt if isinstance(salt, str) else None
+    prompt = shape.prefixes(salt or "", body)
+    if prompt is None:
+        raise bad_request("the prompt is too short to have a prefix the index names")
+    if router.blocks is not None:
+        prompt = await crew.with_tokens(prompt, route, body)
+    expected = router.prefixes.cached_chars(prompt)
+    reported = (
+        router.blocks.cached_tokens(prompt.tokens, salt)
+        if router.blocks is not None and prompt.tokens
+        else {}
+    )
+    return json_response(
+        {
+            "prompt_chars": prompt.total,
+            "prompt_tokens": len(prompt.tokens) if prompt.tokens else None,
+            "prefill": [
+                {
+                    "name": b.name,
+                    "url": b.url,
+                    "expected_chars": expected.get(b.url, 0),
+                    "events_tokens": reported.get(b.url, 0) if router.blocks is not None else None,
+                }
+                for b in crew.prefill.backends.values()
+            ],
+        }
+    )
+
+
 def admin_app() -> web.Application:
     """The admin routes as a sub-application; `create_app` mounts it at `/admin`.
 
@@ -122,4 +191,5 @@ def admin_app() -> web.Application:
     sub.router.add_post("/backends", add_backend)
     sub.router.add_post("/backends/drain", drain_backend)
     sub.router.add_delete("/backends", remove_backend)
+    sub.router.add_post("/prefix-cache", prefix_cache)
     return sub

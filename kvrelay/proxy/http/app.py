@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -34,9 +35,11 @@ from kvrelay.proxy.fleet import (
     EngineVersions,
     Fleet,
     HealthChecker,
+    KVEventsFeed,
     LoadPoller,
     ModelCatalog,
     Pool,
+    events_endpoint,
     name_key,
     open_fleet_sync,
     start_discovery,
@@ -401,4 +404,18 @@ async def _start_state(
     )
     poller.start()
     stack.push_async_callback(_stopping("the load poller", poller.stop))
+    blocks = fleet.router.blocks
+    if blocks is not None:  # prefix routing from the engines' own KV events
+        feed = KVEventsFeed(
+            prefill,
+            blocks,
+            functools.partial(
+                events_endpoint,
+                endpoints=settings.kv_events_endpoints,
+                port=settings.kv_events_port,
+            ),
+            settings.probe_interval_s,
+        )
+        feed.start()
+        stack.push_async_callback(_stopping("the KV events feed", feed.stop))
     log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)

@@ -283,6 +283,34 @@ PREFIX_INDEX_ENTRIES = Gauge(
     "Prompt prefixes in the prefix-routing index (prefix_index_max_entries bounds it).",
     multiprocess_mode="livesum",
 )
+PREFIX_INDEX_BLOCKS = Gauge(
+    "kvrelay_prefix_index_blocks",
+    "(engine, block) pairs the engines' KV events put in the block index "
+    "(kv_events_max_blocks bounds it).",
+    multiprocess_mode="livesum",
+)
+KV_EVENTS = Labelled(
+    Counter(
+        "kvrelay_kv_events_total",
+        "KV cache events applied to the block index: stored, removed, cleared (an engine "
+        "cleared its cache), malformed (a message that could not be decoded: its engine is "
+        "forgotten).",
+        ["kind"],
+    )
+)
+KV_EVENTS_GAPS = Labelled(
+    Counter(
+        "kvrelay_kv_events_gaps_total",
+        "Breaks in an engine's event sequence after which all it had in the index was "
+        "forgotten: gap (batches missed), restart (its numbering began again).",
+        ["kind"],
+    )
+)
+KV_EVENTS_LAG = Histogram(
+    "kvrelay_kv_events_lag_seconds",
+    "From an engine's stamp on a KV event batch to its application to the block index.",
+    buckets=(0.001, 0.005, 0.02, 0.1, 0.5, 2.0, 10.0),
+)
 HOLD_DECISIONS = Labelled(
     Counter(
         "kvrelay_hold_decisions_total",

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.kvcache_map import KVMap
-from kvrelay.proxy.engines import Releaser, Upstream, prompt_tokens
-from kvrelay.proxy.fleet import Backend, Fleet, Pool, Router, TurnPolicy
+from kvrelay.proxy.engines import Releaser, Upstream, prompt_token_ids, prompt_tokens
+from kvrelay.proxy.fleet import Backend, Fleet, Pool, PromptPrefixes, Router, TurnPolicy
 from kvrelay.proxy.turn.attempts import Engines, UpstreamEngines
 from kvrelay.proxy.turn.settings import TurnSettings
 from kvrelay.proxy.turn.take import Take
@@ -72,3 +72,21 @@ class TurnCrew:
     async def count_tokens(self, url: str, route: str, body: dict[str, Any]) -> int | None:
         """The prompt's tokens as the engine at `url` counts them (None: it could not say)."""
         return await prompt_tokens(self.upstream, url, route, body, self.settings.probe_timeout_s)
+
+    async def with_tokens(
+        self, prompt: PromptPrefixes, route: str, body: dict[str, Any]
+    ) -> PromptPrefixes:
+        """`prompt` with its token ids, for the KV events' index (`Router.wants_tokens`), as
+        the least busy P tokenizes it (its template and tokenizer are what its cache hashes);
+        as it was when no P answers within the probe timeout."""
+        ps = self.prefill.usable()
+        if not ps:
+            return prompt
+        url = min(ps, key=lambda b: b.inflight).url
+        tokens = await prompt_token_ids(
+            self.upstream, url, route, body, self.settings.probe_timeout_s
+        )
+        if tokens is None:
+            return prompt
+        salt = body.get("cache_salt")
+        return prompt.with_tokens(tokens, salt if isinstance(salt, str) else None)

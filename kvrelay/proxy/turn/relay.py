@@ -100,6 +100,8 @@ class Turn:
                 holds.taken(ctx.tenant, ctx.lookup_key)
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
+                if self._prompt is not None and crew.router.wants_tokens:
+                    self._prompt = await crew.with_tokens(self._prompt, ctx.route, ctx.body)
             plan = self.plan = await crew.policy.plan(
                 self.entry, ctx.work, ctx.tenant, self._count_tokens, self._prompt
             )

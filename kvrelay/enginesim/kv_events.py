@@ -1,0 +1,111 @@
+"""enginesim's KV cache events, as vLLM publishes them: `KVEventPublisher`.
+
+With `--kv-events-config` (the JSON vLLM takes: `enable_kv_cache_events`, `publisher` "zmq",
+`endpoint`, `topic`) the engine notes every block its prefix cache newly stores and every one
+an allocation evicts (`EngineCore.follow_cache`), and after each step that changed the cache
+the runner publishes one `KVEventBatch` (`kvrelay.kv_events_wire`) on a ZMQ PUB socket,
+numbered from 0 as vLLM numbers them; as vLLM's, the socket binds a wildcard endpoint
+(`tcp://*:5557`) and connects to any other. A block is named by a 64-bit hash of its
+cache key (the prefix hash of its last token under the request's `cache_salt`), stable within
+the process as vLLM's seeded hashes are; its tokens, its parent's hash and the salt (on the
+first block) are sent as vLLM sends them, so a reader names blocks as it would vLLM's.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
+
+_MASK = (1 << 64) - 1
+
+
+class StoredBlock(NamedTuple):
+    """A block the prefix cache newly stored: its key, its parent's (None: the prompt's first
+    block), its tokens and, on a prompt's first block, the request's `cache_salt`."""
+
+    key: Hashable
+    parent: Hashable | None
+    tokens: Sequence[int]
+    salt: str | None
+
+
+def event_hash(key: Hashable) -> int:
+    """A cache key's name in the events (unsigned 64 bits, as vLLM's int block hashes)."""
+    return hash(key) & _MASK
+
+
+def parse_events_config(text: str) -> tuple[str, str] | None:
+    """(endpoint, topic) from vLLM's `--kv-events-config` JSON; None when events are off."""
+    config: dict[str, Any] = json.loads(text)
+    if not config.get("enable_kv_cache_events"):
+        return None
+    publisher = config.get("publisher", "zmq")
+    if publisher != "zmq":
+        raise ValueError(f"kv events publisher {publisher!r}: only 'zmq' is simulated")
+    return str(config.get("endpoint", "tcp://*:5557")), str(config.get("topic", ""))
+
+
+class KVEventPublisher:
+    """A ZMQ PUB socket and the sequence numbering (engine thread only: sockets are not
+    thread-safe). A slow subscriber loses messages at the high-water mark, as vLLM's."""
+
+    def __init__(self, endpoint: str, topic: str, block_size: int) -> None:
+        import zmq
+
+        from kvrelay import kv_events_wire
+
+        self._wire = kv_events_wire
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        # As vLLM: a wildcard or ipc endpoint is bound, any other one connected to.
+        if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._sock.bind(endpoint)
+        else:
+            self._sock.connect(endpoint)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._topic = topic.encode()
+        self._block_size = block_size
+        self._seq = 0
+
+    def publish(self, stored: Sequence[StoredBlock], evicted: Sequence[Hashable]) -> None:
+        """One batch for one step's changes (nothing sent when nothing changed)."""
+        if not stored and not evicted:
+            return
+        w = self._wire
+        events: list[Any] = []
+        last_key: Hashable | None = None
+        for block in stored:
+            if events and block.parent is not None and block.parent == last_key:
+                run = events[-1]  # the next block of the same prompt: one event, as vLLM's
+                run.block_hashes.append(event_hash(block.key))
+                run.token_ids.extend(block.tokens)
+                if run.extra_keys is not None:
+                    run.extra_keys.append(None)
+            else:
+                events.append(
+                    w.BlockStored(
+                        block_hashes=[event_hash(block.key)],
+                        parent_block_hash=(
+                            None if block.parent is None else event_hash(block.parent)
+                        ),
+                        token_ids=list(block.tokens),
+                        block_size=self._block_size,
+                        medium=w.GPU_MEDIUM,
+                        extra_keys=[[block.salt]] if block.salt else None,
+                    )
+                )
+            last_key = block.key
+        if evicted:
+            events.append(
+                w.BlockRemoved(block_hashes=[event_hash(k) for k in evicted], medium=w.GPU_MEDIUM)
+            )
+        batch = w.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
+        self._sock.send_multipart(w.frames(self._topic, self._seq, batch))
+        self._seq += 1
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()

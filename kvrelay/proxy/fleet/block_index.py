@@ -1,0 +1,195 @@
+"""Which engine caches which token blocks, as the engines themselves say: `BlockIndex`.
+
+vLLM started with `--kv-events-config` publishes a `BlockStored` event for every block it
+caches (the block's tokens, its hash, its parent's hash, the extra keys its hash covered: the
+request's `cache_salt` on the first block) and a `BlockRemoved` for every block it evicts
+(`kvrelay.proxy.fleet.kv_events` subscribes). This index keeps, for each engine, the blocks it
+reported and not yet removed, so a prompt's cached prefix on each engine is known exactly, where
+`PrefixIndex` only expects it from the proxy's own routing.
+
+The engines' hashes cannot be recomputed here (vLLM seeds them per process unless every engine
+shares `PYTHONHASHSEED`), so each block is named by a key of this index's own, chained over the
+blocks before it as vLLM chains its hashes: `key = hash((parent key, tokens, extra keys))`.
+An event's parent is found by the engine's hash of it, so each engine's hashes map to the keys
+they were given (`BlockRemoved` names only hashes). A prompt is looked up by its token ids
+(the engine's own `/tokenize`, so the chat template is the engine's) and its `cache_salt`,
+chained the same way. Python's tuple hash is 64 bits: two different blocks share a key about
+once in 10^12 lookups at a million blocks, and a shared key only misleads routing (each engine
+still verifies its own cache, no KV is ever taken from this index).
+
+Memory: each (engine, block) costs an entry in that engine's map and a bit in the block's
+holder mask, about 170 bytes (tests/proxy/test_kv_events.py bounds it; bench/block_index_memory.py
+measures a fleet of 64 engines caching 100,000 distinct blocks each). `max_blocks` bounds the
+pairs kept: over it, the oldest reported blocks of the engine holding the most are forgotten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+# An engine's hash of a block as its events carry it: vLLM's bytes digest or its 64-bit int.
+EngineHash = bytes | int
+
+
+def _hash_key(engine_hash: EngineHash) -> int:
+    """An engine's block hash as a small int (the digest's last 8 bytes, as vLLM's int form)."""
+    if isinstance(engine_hash, int):
+        return engine_hash
+    return int.from_bytes(engine_hash[-8:], "big")
+
+
+def block_keys(
+    tokens: Sequence[int], block_size: int, salt: str | None, parent: int = 0
+) -> list[int]:
+    """The keys of the whole blocks of `tokens` (this index's names; `salt`: the request's
+    `cache_salt`, which vLLM hashes into the first block only)."""
+    keys: list[int] = []
+    extra: tuple[Any, ...] | None = (salt,) if salt and parent == 0 else None
+    for start in range(0, len(tokens) - block_size + 1, block_size):
+        parent = hash((parent, tuple(tokens[start : start + block_size]), extra))
+        keys.append(parent)
+        extra = None
+    return keys
+
+
+class BlockIndex:
+    """The token blocks each engine reported cached and not removed (module docstring)."""
+
+    def __init__(self, max_blocks: int) -> None:
+        self._max_blocks = max_blocks
+        self._bits: dict[str, int] = {}  # engine URL -> its bit in a holder mask
+        self._free_bits: list[int] = []
+        self._by_engine: dict[str, dict[int, int]] = {}  # URL -> {engine hash: key}, oldest first
+        self._holders: dict[int, int] = {}  # key -> mask of the engines holding it
+        self._block_sizes: dict[str, int] = {}  # URL -> its block size
+        self._pairs = 0
+
+    @property
+    def pairs(self) -> int:
+        """(engine, block) entries kept: what `max_blocks` bounds."""
+        return self._pairs
+
+    def engines(self) -> list[str]:
+        return list(self._by_engine)
+
+    def blocks_of(self, url: str) -> int:
+        return len(self._by_engine.get(url, ()))
+
+    def _bit(self, url: str) -> int:
+        bit = self._bits.get(url)
+        if bit is None:
+            bit = self._free_bits.pop() if self._free_bits else len(self._bits)
+            self._bits[url] = bit
+            self._by_engine[url] = {}
+        return bit
+
+    def stored(
+        self,
+        url: str,
+        engine_hashes: Sequence[EngineHash],
+        parent: EngineHash | None,
+        tokens: Sequence[int],
+        block_size: int,
+        extra_keys: Sequence[Sequence[Any] | None] | None = None,
+    ) -> int:
+        """The engine at `url` caches these blocks (one `BlockStored`); the number recorded.
+        A block whose parent this index does not know (stored before it subscribed, or lost
+        in a gap) cannot be named and is skipped, with every block after it."""
+        mask = 1 << self._bit(url)
+        mine = self._by_engine[url]
+        self._block_sizes[url] = block_size
+        if parent is None:
+            key = 0
+        else:
+            known = mine.get(_hash_key(parent))
+            if known is None:
+                return 0
+            key = known
+        recorded = 0
+        for i, engine_hash in enumerate(engine_hashes):
+            block = tokens[i * block_size : (i + 1) * block_size]
+            if len(block) < block_size:
+                break
+            extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
+            key = hash((key, tuple(block), _extra(extra)))
+            hk = _hash_key(engine_hash)
+            old = mine.pop(hk, None)
+            if old is None:
+                self._pairs += 1
+            elif old != key:
+                self._drop(old, mask)
+            mine[hk] = key  # re-stored: now the newest
+            self._holders[key] = self._holders.get(key, 0) | mask
+            recorded += 1
+        if self._pairs > self._max_blocks:
+            self._trim()
+        return recorded
+
+    def removed(self, url: str, engine_hashes: Iterable[EngineHash]) -> None:
+        """The engine at `url` evicted these blocks (one `BlockRemoved`)."""
+        mine = self._by_engine.get(url)
+        if mine is None:
+            return
+        mask = 1 << self._bits[url]
+        for engine_hash in engine_hashes:
+            key = mine.pop(_hash_key(engine_hash), None)
+            if key is not None:
+                self._pairs -= 1
+                self._drop(key, mask)
+
+    def cleared(self, url: str) -> None:
+        """Forget every block of the engine at `url` (`AllBlocksCleared`, a gap in its events,
+        its restart, or its leaving the fleet)."""
+        mine = self._by_engine.pop(url, None)
+        bit = self._bits.pop(url, None)
+        self._block_sizes.pop(url, None)
+        if mine is None or bit is None:
+            return
+        mask = 1 << bit
+        for key in mine.values():
+            self._drop(key, mask)
+        self._pairs -= len(mine)
+        self._free_bits.append(bit)
+
+    def cached_tokens(self, tokens: Sequence[int], salt: str | None) -> dict[str, int]:
+        """For each engine caching a prefix of the prompt (`tokens`, its `cache_salt`), that
+        prefix's length in tokens (engines caching none are absent)."""
+        found: dict[str, int] = {}
+        for size in set(self._block_sizes.values()):
+            engines = [url for url, s in self._block_sizes.items() if s == size]
+            alive = 0
+            for url in engines:
+                alive |= 1 << self._bits[url]
+            for n, key in enumerate(block_keys(tokens, size, salt), start=1):
+                alive &= self._holders.get(key, 0)
+                if not alive:
+                    break
+                for url in engines:
+                    if alive >> self._bits[url] & 1:
+                        found[url] = n * size
+        return found
+
+    def _drop(self, key: int, mask: int) -> None:
+        left = self._holders.get(key, 0) & ~mask
+        if left:
+            self._holders[key] = left
+        else:
+            self._holders.pop(key, None)
+
+    def _trim(self) -> None:
+        """Over `max_blocks`: forget the oldest reported blocks of whichever engine holds the
+        most (an engine's cache turns over oldest first, and no engine crowds the others out)."""
+        while self._pairs > self._max_blocks:
+            url = max(self._by_engine, key=lambda u: len(self._by_engine[u]))
+            mine = self._by_engine[url]
+            key = mine.pop(next(iter(mine)))
+            self._pairs -= 1
+            self._drop(key, 1 << self._bits[url])
+
+
+def _extra(extra: Sequence[Any] | None) -> tuple[Any, ...] | None:
+    """An event's extra keys for a block as a prompt's lookup can rebuild them: a text-only
+    block's are at most its `cache_salt`; anything else (a LoRA name, images) is kept whole,
+    so such blocks never match a text prompt's lookup."""
+    return tuple(extra) if extra else None

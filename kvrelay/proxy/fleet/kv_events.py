@@ -1,0 +1,199 @@
+"""The engines' KV cache events, followed into the `BlockIndex`: `KVEventsFeed`.
+
+vLLM started with `--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": "tcp://*:5557"}'` publishes on a ZMQ PUB socket one message per scheduler step
+that changed its cache: three frames, the topic, an 8-byte big-endian sequence number counting
+from 0, and a msgpack `KVEventBatch` (`[ts, [event, ...], data_parallel_rank]`, each event a
+map tagged `type`: `BlockStored`, `BlockRemoved` or `AllBlocksCleared`; `vllm/distributed/
+kv_events.py`). enginesim publishes the same messages from its in-pool cache.
+
+The feed subscribes to every engine of the P pool (an engine's endpoint is `kv_events_endpoints`
+[its URL], else its host at `kv_events_port`), follows the pool as discovery changes it, and
+applies each batch to the index. ZMQ reconnects by itself; what an engine published while this
+worker was not connected is missed, so:
+- a sequence number that skips ahead (a gap) or goes back (the engine restarted) clears what
+  the index has of that engine, and it is learnt again from the events after;
+- an engine leaving the pool, or failing its health probes, is cleared the same way;
+- blocks whose parent the index never saw (cached before it subscribed) cannot be named and
+  are skipped (`BlockIndex.stored`): the index only ever under-reports a cache.
+vLLM's replay socket (which resends missed batches) is not used: a cleared engine's cache is
+relearnt within the prompts it serves next, and a replay could resend a whole buffer.
+Only blocks in GPU memory count (`medium` "GPU", or unset); offloaded tiers are not routed to.
+
+The message shapes are `kvrelay.kv_events_wire`'s. Needs `pyzmq` and `msgspec` (the
+`kv-events` extra), imported only when events are on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping
+from types import ModuleType
+from typing import Any
+from urllib.parse import urlsplit
+
+from kvrelay.proxy.base import cancel_and_wait
+from kvrelay.proxy.fleet.block_index import BlockIndex
+from kvrelay.proxy.fleet.pools import Pool
+from kvrelay.proxy.telemetry import metrics
+
+log = logging.getLogger(__name__)
+
+
+def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | None:
+    """Where the engine at `url` publishes its KV events: `endpoints[url]`, else its host at
+    `port` (0: not known, no subscription)."""
+    explicit = endpoints.get(url) or endpoints.get(url.rstrip("/"))
+    if explicit:
+        return explicit
+    if port <= 0:
+        return None
+    host = urlsplit(url).hostname
+    if not host:
+        return None
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class EngineEvents:
+    """One engine's event stream applied to the index, in order (`take`)."""
+
+    def __init__(self, url: str, index: BlockIndex) -> None:
+        self.url = url
+        self._index = index
+        from kvrelay import kv_events_wire
+
+        self._wire: ModuleType = kv_events_wire
+        self._last_seq: int | None = None
+
+    def forget(self) -> None:
+        """What the index has of this engine is no longer known to be true."""
+        self._index.cleared(self.url)
+
+    def take(self, frames: list[bytes], now: float | None = None) -> None:
+        """Apply one message (`[topic, seq, payload]`)."""
+        if len(frames) != 3:
+            metrics.KV_EVENTS.labels("malformed").inc()
+            return
+        seq = int.from_bytes(frames[1], "big", signed=True)
+        last, self._last_seq = self._last_seq, seq
+        if last is not None and seq != last + 1:
+            # Missed batches (a gap) or a publisher counting from 0 again (a restart): either
+            # way some blocks' fate is unknown, so all of this engine's are forgotten.
+            metrics.KV_EVENTS_GAPS.labels("restart" if seq <= last else "gap").inc()
+            self.forget()
+        w = self._wire
+        try:
+            batch = w.DECODER.decode(frames[2])
+        except w.DecodeError:
+            metrics.KV_EVENTS.labels("malformed").inc()
+            self.forget()
+            return
+        metrics.KV_EVENTS_LAG.observe(max(0.0, (now or time.time()) - batch.ts))
+        index, url = self._index, self.url
+        for event in batch.events:
+            if isinstance(event, w.BlockStored):
+                if event.medium not in (None, w.GPU_MEDIUM) or event.group_idx not in (None, 0):
+                    continue
+                index.stored(
+                    url,
+                    event.block_hashes,
+                    event.parent_block_hash,
+                    event.token_ids,
+                    event.block_size,
+                    event.extra_keys,
+                )
+                metrics.KV_EVENTS.labels("stored").inc()
+            elif isinstance(event, w.BlockRemoved):
+                if event.medium not in (None, w.GPU_MEDIUM) or event.group_idx not in (None, 0):
+                    continue
+                index.removed(url, event.block_hashes)
+                metrics.KV_EVENTS.labels("removed").inc()
+            else:
+                index.cleared(url)
+                metrics.KV_EVENTS.labels("cleared").inc()
+        metrics.PREFIX_INDEX_BLOCKS.set(index.pairs)
+
+
+class KVEventsFeed:
+    """Subscribes to the KV events of every engine of `pool` (module docstring), until
+    stopped; every `interval` seconds it follows the pool's membership and health."""
+
+    def __init__(
+        self,
+        pool: Pool,
+        index: BlockIndex,
+        endpoint_of: Callable[[str], str | None],
+        interval: float,
+    ) -> None:
+        self._pool = pool
+        self._index = index
+        self._endpoint_of = endpoint_of
+        self._interval = max(0.05, interval)
+        self._subscribed: dict[str, asyncio.Task[None]] = {}
+        self._streams: dict[str, EngineEvents] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._ctx: Any = None
+
+    def start(self) -> None:
+        import zmq.asyncio
+
+        self._ctx = zmq.asyncio.Context()
+        self.follow_pool()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-kv-events")
+
+    async def stop(self) -> None:
+        await cancel_and_wait([self._task, *self._subscribed.values()])
+        self._subscribed.clear()
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    def subscribed(self) -> list[str]:
+        return list(self._subscribed)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._interval)
+            try:
+                self.follow_pool()
+            except Exception:  # one bad round must not end the feed
+                log.exception("following the P pool's KV events failed")
+
+    def follow_pool(self) -> None:
+        """Subscribe to engines that joined, drop those that left, forget the unhealthy."""
+        backends = self._pool.backends
+        for url in [u for u in self._subscribed if u not in backends]:
+            self._subscribed.pop(url).cancel()
+            self._streams.pop(url).forget()
+        for url, backend in backends.items():
+            if url not in self._subscribed:
+                endpoint = self._endpoint_of(url)
+                if endpoint is None:
+                    continue
+                stream = self._streams[url] = EngineEvents(url, self._index)
+                self._subscribed[url] = asyncio.get_running_loop().create_task(
+                    self._listen(stream, endpoint), name="kvrelay-kv-events-engine"
+                )
+            elif not backend.healthy:
+                self._streams[url].forget()
+
+    async def _listen(self, stream: EngineEvents, endpoint: str) -> None:
+        import zmq
+
+        sock = self._ctx.socket(zmq.SUB)
+        try:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            log.info("following KV events of %s", stream.url)
+            while True:
+                frames = await sock.recv_multipart()
+                try:
+                    stream.take(frames)
+                except Exception:  # a batch this worker cannot apply: forget, go on
+                    log.exception("a KV event batch could not be applied")
+                    stream.forget()
+        finally:
+            sock.close(linger=0)

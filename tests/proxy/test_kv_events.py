@@ -1,0 +1,247 @@
+"""The engines' KV cache events and the block index they feed: blocks named by their tokens and
+cache salt, events applied in order, gaps and restarts forgetting an engine, the memory bound,
+vLLM's own message bytes decoded, and a real ZMQ stream from enginesim followed by the feed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import tracemalloc
+
+import pytest
+
+from kvrelay import kv_events_wire as wire
+from kvrelay.devtools import free_port
+from kvrelay.enginesim.kv_events import KVEventPublisher, StoredBlock, parse_events_config
+from kvrelay.proxy.fleet import BlockIndex, EngineEvents, KVEventsFeed, Pool, events_endpoint
+
+P0, P1 = "http://p0:8000", "http://p1:8000"
+BS = 4
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000) for _ in range(n)]
+
+
+def _store(
+    index: BlockIndex, url: str, tokens: list[int], salt: str | None = None, first: int = 0
+) -> list[int]:
+    """`url` caches the whole blocks of `tokens` (hashes: distinct per engine, as when each
+    engine seeds its own); returns the hashes."""
+    n = len(tokens) // BS
+    hashes = [hash((url, salt, tuple(tokens[: (i + 1) * BS]))) & (2**64 - 1) for i in range(n)]
+    extra = [[salt] if salt and i == 0 else None for i in range(n)] if salt else None
+    index.stored(url, hashes[first:], hashes[first - 1] if first else None,
+                 tokens[first * BS : n * BS], BS, extra[first:] if extra else None)  # fmt: skip
+    return hashes
+
+
+def test_a_prompts_cached_prefix_is_found_on_each_engine_that_reported_it() -> None:
+    index = BlockIndex(1000)
+    prompt = _tokens(40)
+    _store(index, P0, prompt[:40])
+    _store(index, P1, prompt[:16])
+    assert index.cached_tokens([*prompt, 7, 7, 7], None) == {P0: 40, P1: 16}
+    # A prompt that differs in its second block shares only the first.
+    other = [*prompt[:4], 999, *prompt[5:]]
+    assert index.cached_tokens(other, None) == {P0: 4, P1: 4}
+    assert index.cached_tokens(_tokens(40, seed=1), None) == {}
+    assert index.pairs == 14
+
+
+def test_blocks_are_scoped_by_the_cache_salt_as_the_engines_hash_them() -> None:
+    index = BlockIndex(1000)
+    prompt = _tokens(24)
+    _store(index, P0, prompt, salt="tenant-a")
+    assert index.cached_tokens(prompt, "tenant-a") == {P0: 24}
+    assert index.cached_tokens(prompt, "tenant-b") == {}
+    assert index.cached_tokens(prompt, None) == {}
+
+
+def test_a_block_added_after_the_first_chains_on_its_parent_hash() -> None:
+    index = BlockIndex(1000)
+    prompt = _tokens(32)
+    _store(index, P0, prompt[:16])  # the first 4 blocks
+    _store(index, P0, prompt, first=4)  # the rest, parent = the 4th block's hash
+    assert index.cached_tokens(prompt, None) == {P0: 32}
+    # A block whose parent the index never saw cannot be named: skipped, not guessed.
+    fresh = BlockIndex(1000)
+    _store(fresh, P0, prompt, first=4)
+    assert fresh.cached_tokens(prompt, None) == {} and fresh.pairs == 0
+
+
+def test_removed_blocks_cut_that_engines_prefix_only() -> None:
+    index = BlockIndex(1000)
+    prompt = _tokens(32)
+    hashes = _store(index, P0, prompt)
+    _store(index, P1, prompt)
+    index.removed(P0, [hashes[3]])
+    assert index.cached_tokens(prompt, None) == {P0: 12, P1: 32}
+    index.removed(P0, hashes)
+    index.removed(P0, hashes)  # removing twice is harmless
+    assert index.cached_tokens(prompt, None) == {P1: 32}
+    assert index.pairs == 8
+    index.cleared(P1)
+    assert index.cached_tokens(prompt, None) == {} and index.pairs == 0
+
+
+def test_over_max_blocks_the_largest_engines_oldest_blocks_go_first() -> None:
+    index = BlockIndex(10)
+    old, new = _tokens(24, seed=1), _tokens(24, seed=2)
+    _store(index, P0, old)  # 6 blocks
+    _store(index, P1, _tokens(8, seed=3))  # 2 blocks
+    _store(index, P0, new)  # 6 more: 14 > 10, P0's 4 oldest forgotten
+    assert index.pairs == 10
+    assert index.cached_tokens(old, None) == {}  # its first blocks are gone: nothing chains
+    assert index.cached_tokens(new, None) == {P0: 24}
+    assert index.blocks_of(P1) == 2
+
+
+def test_memory_per_engine_block_stays_under_200_bytes() -> None:
+    index = BlockIndex(10**7)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for e in range(4):
+            for p in range(100):
+                _store(index, f"http://p{e}:8000", _tokens(25 * BS, seed=e * 1000 + p))
+        used = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert index.pairs == 10_000
+    assert used / index.pairs < 200
+
+
+# vLLM 0.32's own bytes for a batch (its msgspec structs, encoded with its encoder): two blocks
+# with a salt on the first, one block chained on them with a 32-byte digest as its hash, a
+# removal and a clear.
+VLLM_BATCH = bytes.fromhex(
+    "93cb41d954fc40200000948aa474797065ab426c6f636b53746f726564ac626c6f636b5f686173686573920b"
+    "0cb1706172656e745f626c6f636b5f68617368c0a9746f6b656e5f696473dc0020000102030405060708090a"
+    "0b0c0d0e0f101112131415161718191a1b1c1d1e1faa626c6f636b5f73697a6510a76c6f72615f6964c0a66d"
+    "656469756da3475055a96c6f72615f6e616d65c0aa65787472615f6b6579739291a673616c742d61c0a96772"
+    "6f75705f6964780088a474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c4200000"
+    "00000000000000000000000000000000000000000000000000000000000db1706172656e745f626c6f636b5f"
+    "686173680ca9746f6b656e5f696473dc0010202122232425262728292a2b2c2d2e2faa626c6f636b5f73697a"
+    "6510a76c6f72615f6964c0a66d656469756da3475055a96c6f72615f6e616d65c083a474797065ac426c6f63"
+    "6b52656d6f766564ac626c6f636b5f686173686573910ba66d656469756da347505581a474797065b0416c6c"
+    "426c6f636b73436c656172656400"
+)
+
+
+def test_vllms_own_batch_bytes_decode_and_apply() -> None:
+    batch = wire.DECODER.decode(VLLM_BATCH)
+    assert [type(e).__name__ for e in batch.events] == [
+        "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared",
+    ]  # fmt: skip
+    index = BlockIndex(100)
+    stream = EngineEvents(P0, index)
+    # Without the last event (the clear) the three blocks chain: 48 tokens under the salt.
+    partial = wire.KVEventBatch(ts=batch.ts, events=batch.events[:2])
+    stream.take(list(wire.frames(b"", 0, partial)))
+    assert index.cached_tokens(list(range(48)), "salt-a") == {P0: 48}
+    stream.take([b"", (1).to_bytes(8, "big"), VLLM_BATCH])
+    assert index.pairs == 0  # the removal, then the clear
+
+
+def _batch(*events: object) -> bytes:
+    return wire.ENCODER.encode(wire.KVEventBatch(ts=0.0, events=list(events)))
+
+
+def _stored(hashes: list[int], parent: int | None, tokens: list[int]) -> wire.BlockStored:
+    return wire.BlockStored(
+        block_hashes=list(hashes), parent_block_hash=parent, token_ids=tokens, block_size=BS
+    )
+
+
+@pytest.mark.parametrize("next_seq", [7, 2], ids=["gap", "restart"])
+def test_a_break_in_the_sequence_forgets_what_the_engine_had(next_seq: int) -> None:
+    index = BlockIndex(100)
+    stream = EngineEvents(P0, index)
+    prompt = _tokens(16)
+    stream.take([b"", (2).to_bytes(8, "big"), _batch(_stored([1, 2], None, prompt[:8]))])
+    stream.take([b"", (3).to_bytes(8, "big"), _batch(_stored([3, 4], 2, prompt[8:]))])
+    assert index.cached_tokens(prompt, None) == {P0: 16}
+    # Batches 4..6 were missed (or the engine restarted and counts again): whatever they
+    # removed may still be listed, so all of it is forgotten; what follows is learnt again.
+    stream.take([b"", next_seq.to_bytes(8, "big"), _batch(_stored([9], None, prompt[:4]))])
+    assert index.cached_tokens(prompt, None) == {P0: 4}
+
+
+def test_offloaded_and_malformed_messages_are_not_taken_for_gpu_blocks() -> None:
+    index = BlockIndex(100)
+    stream = EngineEvents(P0, index)
+    prompt = _tokens(8)
+    cpu = wire.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=prompt,
+                           block_size=BS, medium="CPU")  # fmt: skip
+    stream.take([b"", (0).to_bytes(8, "big"), _batch(cpu)])
+    assert index.pairs == 0
+    stream.take([b"", (1).to_bytes(8, "big"), _batch(_stored([1, 2], None, prompt))])
+    assert index.pairs == 2
+    stream.take([b"", (2).to_bytes(8, "big"), b"\x93not msgpack"])
+    assert index.pairs == 0
+    stream.take([b"only two frames", b""])  # ignored, counted as malformed
+    assert index.pairs == 0
+
+
+def test_an_engines_endpoint_is_its_listed_one_or_its_host_at_the_port() -> None:
+    endpoints = {P0: "tcp://10.0.0.9:7000"}
+    assert events_endpoint(P0, endpoints, 5557) == "tcp://10.0.0.9:7000"
+    assert events_endpoint(P1, endpoints, 5557) == "tcp://p1:5557"
+    assert events_endpoint("http://[::1]:8000", {}, 5557) == "tcp://[::1]:5557"
+    assert events_endpoint(P1, endpoints, 0) is None
+
+
+def test_enginesim_reads_vllms_events_flag() -> None:
+    on = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:6000", "topic": "kv"})
+    assert parse_events_config(on) == ("tcp://*:6000", "kv")
+    assert parse_events_config(json.dumps({"enable_kv_cache_events": False})) is None
+    with pytest.raises(ValueError, match="only 'zmq'"):
+        parse_events_config(json.dumps({"enable_kv_cache_events": True, "publisher": "null"}))
+
+
+async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
+    """enginesim's publisher on a real ZMQ socket, the feed subscribed through the pool: what
+    it stores and evicts reaches the index; the engine leaving the pool is forgotten."""
+    port = free_port()
+    publisher = KVEventPublisher(f"tcp://*:{port}", "", BS)
+    pool = Pool("prefill", 3, 2)
+    pool.add(P0)
+    index = BlockIndex(1000)
+    feed = KVEventsFeed(pool, index, lambda url: f"tcp://127.0.0.1:{port}", 0.05)
+    prompt = _tokens(12)
+    keys = [("s", i) for i in range(3)]
+    blocks = [
+        StoredBlock(keys[i], keys[i - 1] if i else None, prompt[i * BS : (i + 1) * BS],
+                    "salt-1" if i == 0 else None)
+        for i in range(3)
+    ]  # fmt: skip
+    feed.start()
+    try:
+        # A subscriber misses what was sent before it joined (ZMQ's slow joiner), so the first
+        # block is sent until it arrives; the index then learns the rest in order.
+        async def until(check: object, what: str) -> None:
+            for _ in range(200):
+                if callable(check) and check():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"timed out waiting for {what}")
+
+        def first_arrived() -> bool:
+            publisher.publish(blocks[:1], [])
+            return index.blocks_of(P0) == 1
+
+        await until(first_arrived, "the first block")
+        publisher.publish(blocks[1:], [])
+        await until(lambda: index.blocks_of(P0) == 3, "the chained blocks")
+        assert index.cached_tokens(prompt, "salt-1") == {P0: 12}
+        publisher.publish([], [keys[1]])
+        await until(lambda: index.cached_tokens(prompt, "salt-1") == {P0: 4}, "the eviction")
+        pool.remove(P0)
+        await until(lambda: index.pairs == 0, "the engine forgotten")
+        assert feed.subscribed() == []
+    finally:
+        await feed.stop()
+        publisher.close()
