@@ -10,7 +10,8 @@ system serves from all of them.
   outlives its turn: what holding buys is the difference to `kvrelay`); `kvrelay always hold`
   (every turn that can continue holds: `hold_min_use` 0); `kvrelay load routing` (P by load
   and conversation affinity, every turn holding: the default before prefix routing and
-  `hold_min_use`);
+  `hold_min_use`); `kvrelay kv events` (the default, its P chosen by the Ps' own KV cache
+  events: each P started with `--kv-events-config`, the proxy with `kv_events_endpoints`);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -68,6 +70,7 @@ class System:
     holds: bool = True  # D's holds on (kvrelay only)
     router_args: tuple[str, ...] = ()  # vllm-router tuning flags
     proxy_settings: tuple[tuple[str, str], ...] = ()  # kvrelay settings, as environment
+    kv_events: bool = False  # the Ps publish KV cache events, the proxy follows them
 
     @property
     def disaggregated(self) -> bool:
@@ -84,6 +87,7 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
+    System("kvrelay kv events", "kvrelay", "default", kv_events=True),
     System(
         "kvrelay load routing",
         "kvrelay",
@@ -158,9 +162,24 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
         return [("both", engine_args(hw, scaled)) for _ in range(hw.engines)]
     n_p = hw.prefill_engines
     d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
-    return [("prefill", engine_args(hw, hw.unscaled_lease_s))] * n_p + [
-        ("decode", engine_args(hw, d_lease))
-    ] * (hw.engines - n_p)
+    p_args = [engine_args(hw, hw.unscaled_lease_s) for _ in range(n_p)]
+    if system.kv_events:
+        for args in p_args:
+            config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
+            args += ["--kv-events-config", json.dumps(config)]
+    return [("prefill", args) for args in p_args] + [("decode", engine_args(hw, d_lease))] * (
+        hw.engines - n_p
+    )
+
+
+def events_endpoints(prefill: Sequence[c.Engine], wanted: Sequence[list[str]]) -> str:
+    """`kv_events_endpoints` for P engines started with `wanted` flags, in the same order."""
+    pairs = []
+    for engine, args in zip(prefill, wanted, strict=True):
+        config = json.loads(args[args.index("--kv-events-config") + 1])
+        port = config["endpoint"].rsplit(":", 1)[1]
+        pairs.append(f"{engine.url}=tcp://127.0.0.1:{port}")
+    return ",".join(pairs)
 
 
 def proxy_env(system: System, settings: dict[str, Any]) -> dict[str, str]:
@@ -256,10 +275,13 @@ def fleet(
             if errors:
                 raise errors[0]
         if system.front == "kvrelay":
+            env = proxy_env(system, settings)
+            if system.kv_events:
+                p_args = [args for role, args in wanted if role == "prefill"]
+                env["KVRELAY_KV_EVENTS_ENDPOINTS"] = events_endpoints(by_role["prefill"], p_args)
             front = c.start_kvrelay(
-                f"kvrelay-{tag}", by_role["prefill"], by_role["decode"],
-                env=proxy_env(system, settings),
-            )  # fmt: skip
+                f"kvrelay-{tag}", by_role["prefill"], by_role["decode"], env=env
+            )
         elif system.front == "vllm-router-pd":
             front = c.start_vllm_router(
                 by_role["prefill"], by_role["decode"], policy=system.policy,

@@ -72,6 +72,7 @@ def _defaults() -> dict[str, float]:
         "conversation_ttl_s": default(Settings, "conversation_ttl_s"),
         "entry_safety_margin_s": default(Settings, "entry_safety_margin_s"),
         "prefix_index_ttl_s": default(Settings, "prefix_index_ttl_s"),
+        "hold_judge_s": default(Settings, "hold_judge_s"),
     }
 
 
@@ -88,6 +89,7 @@ def scaled_settings(scale: float, lease_s: float | None = None) -> dict[str, Any
             "KVRELAY_CONVERSATION_TTL_S": f"{base['conversation_ttl_s'] / scale:g}",
             "KVRELAY_ENTRY_SAFETY_MARGIN_S": f"{base['entry_safety_margin_s'] / scale:g}",
             "KVRELAY_PREFIX_INDEX_TTL_S": f"{base['prefix_index_ttl_s'] / scale:g}",
+            "KVRELAY_HOLD_JUDGE_S": f"{base['hold_judge_s'] / scale:g}",
         },
         "enginesim_args": ["--lease-seconds", f"{lease:g}"],
         "vllm_kv_connector_extra_config": {"lease_seconds": float(f"{lease:g}")},

@@ -201,7 +201,7 @@ def test_prefix_routing_off_or_one_p_leaves_the_load_choice() -> None:
 
 def test_holds_stop_once_enough_have_ended_unused_and_probe_to_see_a_change() -> None:
     clock = Clock()
-    holds = HoldPayoff(min_use=0.1, ttl_s=60, clock=clock)
+    holds = HoldPayoff(min_use=0.1, patience_s=60, ttl_s=600, clock=clock)
     decisions = []
     for i in range(300):  # one-off requests, one a second: a hold each, none taken
         hold = holds.worth_holding("t")
@@ -209,8 +209,8 @@ def test_holds_stop_once_enough_have_ended_unused_and_probe_to_see_a_change() ->
         if hold:
             holds.made("t", ("t", f"c{i}"))
         clock.now += 1
-    # Nothing is decided before the TTL: the first minute holds, and the 16 holds that then
-    # end unused are the evidence; from there one turn in ten probes.
+    # Nothing is decided within the patience: the first minute holds, and the 16 holds that
+    # then end unused are the evidence; from there one turn in ten probes.
     assert all(decisions[: 60 + int(MIN_EVIDENCE)])
     late = decisions[150:]
     assert 10 <= sum(late) <= 20
@@ -224,11 +224,11 @@ def test_holds_stop_once_enough_have_ended_unused_and_probe_to_see_a_change() ->
     assert all(holds.worth_holding("t") for _ in range(10))
 
 
-def test_a_hold_is_not_judged_before_its_next_turn_could_come() -> None:
-    """Conversations whose next turns come late (but within the TTL) keep holding: a pending
-    hold decides nothing."""
+def test_a_hold_is_not_judged_before_its_patience_is_over() -> None:
+    """Conversations whose next turns come late (but within the patience) keep holding: a
+    pending hold decides nothing."""
     clock = Clock()
-    holds = HoldPayoff(min_use=0.1, ttl_s=600, clock=clock)
+    holds = HoldPayoff(min_use=0.1, patience_s=600, ttl_s=600, clock=clock)
     for i in range(200):  # 200 first turns in 200 s; next turns come 300 s later
         assert holds.worth_holding("t")
         holds.made("t", ("t", f"c{i}"))
@@ -240,21 +240,44 @@ def test_a_hold_is_not_judged_before_its_next_turn_could_come() -> None:
         assert holds.worth_holding("t")
 
 
+def test_a_tenant_whose_next_turns_come_late_learns_to_wait_for_them() -> None:
+    """A quarter of the conversations continue five minutes later. The first holds count
+    unused after the minute's patience (no take seen yet), so the tenant stops holding but for
+    probes; the late takes of earlier holds still count and show the delay, the patience grows
+    to it, and the tenant holds again."""
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, patience_s=60, ttl_s=600, clock=clock)
+    held: set[int] = set()
+    decisions = []
+    for i in range(2000):
+        hold = holds.worth_holding("t")
+        decisions.append(hold)
+        if hold:
+            holds.made("t", ("t", i))
+            held.add(i)
+        earlier = i - 300
+        if earlier % 4 == 0 and earlier in held:  # its next turn: it takes the hold
+            holds.taken("t", ("t", earlier))
+        clock.now += 1
+    assert not all(decisions[:300])  # judged on a minute's patience before any take came
+    assert all(decisions[-300:])
+
+
 def test_holds_that_are_taken_keep_holding() -> None:
     clock = Clock()
-    holds = HoldPayoff(min_use=0.1, ttl_s=10, clock=clock)
+    holds = HoldPayoff(min_use=0.1, patience_s=10, ttl_s=600, clock=clock)
     for i in range(300):
         assert holds.worth_holding("t")
         holds.made("t", ("t", f"c{i}"))
         if i % 5 == 0:  # a fifth of the holds taken: they pay
             holds.taken("t", ("t", f"c{i}"))
         clock.now += 1
-    assert HoldPayoff(min_use=0, ttl_s=10).worth_holding("t")
+    assert HoldPayoff(min_use=0, patience_s=10, ttl_s=600).worth_holding("t")
 
 
 def test_a_take_of_a_hold_another_worker_made_counts() -> None:
     clock = Clock()
-    holds = HoldPayoff(min_use=0.1, ttl_s=10, clock=clock)
+    holds = HoldPayoff(min_use=0.1, patience_s=10, ttl_s=600, clock=clock)
     for i in range(100):  # this worker's holds all end unused (their next turns went elsewhere)
         holds.made("t", ("t", f"mine{i}"))
         holds.taken("t", ("t", f"theirs{i}"))  # ... and it serves other workers' next turns

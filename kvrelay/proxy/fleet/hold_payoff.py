@@ -5,12 +5,19 @@ lease ends, and pinned blocks are blocks neither D's batches nor its prefix cach
 traffic that continues conversations many holds are taken; on traffic of one-off requests (a
 shared system prompt and a question, an agent's single calls) none are, and every hold is pool
 lost for nothing. So the proxy follows, per tenant, each hold its turns made until it is
-*decided*: taken by the conversation's next turn, or past `ttl_s` (the map's conversation TTL:
-no turn can take it after that) and so unused. A hold still pending decides nothing, so
-conversations whose next turns come late are not judged before they could come. The decided
-counts decay by `DECAY` per decision (about the last 64 weigh), and while fewer than `min_use`
-of them were taken the tenant's turns do not hold, except one in `1 / min_use`: those probe
-holds are how a change shows.
+*decided*: taken by the conversation's next turn, or not taken within the tenant's *patience*
+and so counted unused. A take that comes later still counts as taken. A hold still pending
+decides nothing. The decided counts decay by `DECAY` per decision (about the last 64 weigh),
+and while fewer than `min_use` of them were taken the tenant's turns do not hold, except one
+in `1 / min_use`: those probe holds are how a change shows.
+
+The patience is learnt from how soon the tenant's takes come: the 90th percentile of its last
+`DELAYS_KEPT` take delays (late takes included: a judged hold's making time is kept until the
+TTL), never under `patience_s` (`hold_judge_s`, 60 s) nor over `ttl_s` (the conversation TTL:
+no take can come after it). A tenant sending only one-off requests is thus judged within a
+minute and `MIN_EVIDENCE` requests of its first, not after a whole TTL; one whose conversations
+continue minutes later waits for them once it has seen them do so (before that, its early holds
+may count unused, and its probes and late takes bring it back).
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -21,13 +28,14 @@ undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kvrelay.proxy.telemetry import metrics
 
 DECAY = 1 / 64  # each decided hold ages the counts by this share
+DELAYS_KEPT = 32  # take delays per tenant the patience is learnt from
 MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
 MAX_TENANTS = 4096
 MAX_PENDING = 4096  # holds followed per tenant
@@ -36,15 +44,26 @@ MAX_PENDING = 4096  # holds followed per tenant
 @dataclass(slots=True)
 class _Counts:
     taken: float = 0.0  # decided holds a next turn took, decayed
-    decided: float = 0.0  # holds taken or past the TTL, decayed alike
-    # Holds not yet decided: key -> when no turn can take it any more. Made with one TTL, so
-    # insertion order is expiry order (a key made again moves to the end).
+    decided: float = 0.0  # holds taken or past their patience, decayed alike
+    # Holds not yet decided: key -> when it was made, oldest first (a key made again moves to
+    # the end).
     pending: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
+    # Holds counted unused, still takeable until the TTL: key -> when made (a late take's delay).
+    judged: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
+    delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAYS_KEPT))
     since_probe: int = 0  # turns declined since the last probe hold
 
     def decide(self, taken: bool) -> None:
         self.decided = self.decided * (1 - DECAY) + 1
         self.taken = self.taken * (1 - DECAY) + (1 if taken else 0)
+
+    def patience(self, floor_s: float, ttl_s: float) -> float:
+        """How long a hold waits for its take: the 90th percentile of the recent take delays,
+        within [floor_s, ttl_s]."""
+        if not self.delays:
+            return min(floor_s, ttl_s)
+        ordered = sorted(self.delays)
+        return min(ttl_s, max(floor_s, ordered[int(0.9 * (len(ordered) - 1))]))
 
 
 @dataclass
@@ -52,7 +71,8 @@ class HoldPayoff:
     """Per tenant, whether holds pay (see the module's docstring)."""
 
     min_use: float
-    ttl_s: float  # how long a hold can be taken (the conversation TTL)
+    patience_s: float  # the least a hold waits for its take before it counts as unused
+    ttl_s: float  # the most: no turn can take a hold after the conversation TTL
     clock: Callable[[], float] = time.monotonic
     _tenants: OrderedDict[str, _Counts] = field(default_factory=OrderedDict)
 
@@ -84,27 +104,42 @@ class HoldPayoff:
         counts = self._counts(tenant)
         pending = counts.pending
         pending.pop(key, None)
-        pending[key] = self.clock() + self.ttl_s
+        pending[key] = self.clock()
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
 
     def taken(self, tenant: str, key: Hashable) -> None:
-        """A turn of `tenant` took the entry stored under `key`: decided taken, also when
-        another worker made the hold (with several workers each sees a share of the takes
-        and of the holds; the ones it made and another's turn took expire here unused)."""
+        """A turn of `tenant` took the entry stored under `key`: decided taken, also when it
+        was already counted unused (a late take) or another worker made the hold (with several
+        workers each sees a share of the takes and of the holds; the ones it made and another's
+        turn took expire here unused). Its delay, when known, teaches the tenant's patience."""
         counts = self._counts(tenant)
-        counts.pending.pop(key, None)
+        made = counts.pending.pop(key, None)
+        if made is None:
+            made = counts.judged.pop(key, None)
+        if made is not None:
+            counts.delays.append(self.clock() - made)
         counts.decide(taken=True)
 
     def _expire(self, counts: _Counts) -> None:
-        """Holds past the TTL were not taken: each is decided unused."""
-        pending, now = counts.pending, self.clock()
+        """Holds past the tenant's patience were not taken: each is decided unused (and kept
+        until the TTL, so that a late take still tells its delay)."""
+        pending, judged, now = counts.pending, counts.judged, self.clock()
+        patience = counts.patience(self.patience_s, self.ttl_s)
         while pending:
-            key, until = next(iter(pending.items()))
-            if until > now:
-                return
+            key, made = next(iter(pending.items()))
+            if now - made < patience:
+                break
             del pending[key]
             counts.decide(taken=False)
+            judged[key] = made
+            if len(judged) > MAX_PENDING:
+                judged.popitem(last=False)
+        while judged:
+            key, made = next(iter(judged.items()))
+            if now - made < self.ttl_s:
+                return
+            del judged[key]
 
     def _counts(self, tenant: str) -> _Counts:
         tenants = self._tenants

@@ -148,7 +148,8 @@ class Router:
         prefixes = PrefixIndex(ttl, s.prefix_index_max_entries) if s.prefix_routing else None
         object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "blocks", BlockIndex(s.kv_events_max_blocks) if events else None)
-        object.__setattr__(self, "holds", HoldPayoff(s.hold_min_use, s.conversation_ttl_s))
+        holds = HoldPayoff(s.hold_min_use, s.hold_judge_s, s.conversation_ttl_s)
+        object.__setattr__(self, "holds", holds)
 
     # -- load --------------------------------------------------------------------------------
 
