@@ -7,8 +7,10 @@ thread (build metadata → every rank's `start_load_kv`/`get_finished` → `upda
 the connector is only ever called from one "scheduler thread", as CONTRACTS §4 requires.
 
 Each rank's caches are made as vLLM hands them to a connector (the attention backend's logical
-shape, a permuted view where the physical order differs) and registered the way the vLLM
-adapter registers them (`prepare_caches`, then the worker), on the CPU or on a CUDA device.
+shape, a permuted view where the physical order differs; with `block_major`, one buffer of
+whole blocks and a strided view per layer into it, as vLLM's `BLHNC` layout) and registered
+the way the vLLM adapter registers them (`prepare_caches`, then the worker), on the CPU or on a
+CUDA device.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ class PeerSpec:
     num_layers: int = 2
     num_heads: int = 4
     head_dim: int = 8
-    layout: str = "split"  # split | split_hnd | joint | mla
+    layout: str = "split"  # split | split_hnd | joint | mla | block_major
     seed: int = 0
     config: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"  # where the KV caches live: "cpu" or a CUDA device ("cuda", "cuda:1")
@@ -63,6 +65,8 @@ def _physical_shape(spec: PeerSpec) -> tuple[int, ...]:
         return (nb, 2, bs, heads, hd)
     if spec.layout == "mla":  # one latent vector per token
         return (nb, bs, hd * spec.num_heads)
+    if spec.layout == "block_major":  # BLHNC: one buffer, every layer's page inside each block
+        return (nb, spec.num_layers, heads, bs, 2 * hd)
     raise ValueError(spec.layout)
 
 
@@ -108,13 +112,18 @@ class _Engine:
             gen = torch.Generator().manual_seed(
                 spec.seed * 1000 + (0 if spec.layout == "mla" else rank)
             )
-            handed = {
-                f"layer{i}": _vllm_view(
-                    torch.randn(shape, generator=gen, dtype=torch.float32).to(spec.device),
-                    spec.layout,
-                )
-                for i in range(spec.num_layers)
-            }
+            if spec.layout == "block_major":
+                # vLLM hands one strided view per layer into the shared buffer.
+                buffer = torch.randn(shape, generator=gen, dtype=torch.float32).to(spec.device)
+                handed = {f"layer{i}": buffer[:, i] for i in range(spec.num_layers)}
+            else:
+                handed = {
+                    f"layer{i}": _vllm_view(
+                        torch.randn(shape, generator=gen, dtype=torch.float32).to(spec.device),
+                        spec.layout,
+                    )
+                    for i in range(spec.num_layers)
+                }
             prepared = prepare_caches(
                 handed, spec.num_blocks, spec.block_size, heads, name=spec.layout
             )

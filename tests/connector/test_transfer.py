@@ -7,6 +7,7 @@ as an engine does. After every test the holder holds nothing and every block is 
 from __future__ import annotations
 
 import contextlib
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -387,3 +388,58 @@ def test_bidirectional_multi_turn(idle_pair: tuple[nixl_peer.Peer, nixl_peer.Pee
     assert out2["loaded"] == 2 * BS
     assert same_tp_equal(d_engine, held["remote_block_ids"][0][:2], p_engine, out2["blocks"][:2])
     wait_until(lambda: d_engine.stats()["sched"]["held"] == 0, 20, what="D freed after P's read")
+
+
+def _runs(holder_blocks: list[int], reader_blocks: list[int]) -> int:
+    """Runs of blocks adjacent on both sides (what one descriptor can move)."""
+    return 1 + sum(
+        1
+        for i in range(1, len(holder_blocks))
+        if not (
+            holder_blocks[i] == holder_blocks[i - 1] + 1
+            and reader_blocks[i] == reader_blocks[i - 1] + 1
+        )
+    )
+
+
+def test_a_block_major_cache_is_read_one_descriptor_per_run_of_blocks(peers: StartPeer) -> None:
+    """A 12k-token pull of an 8B-shaped cache in vLLM's block-major layout (32 layers, 750
+    blocks of 16 tokens; a byte per head so it fits a test): every block holds all 32 layers,
+    so the read posts one descriptor per run of blocks adjacent on both sides, where the
+    per-layer layout posts 32 per run; the bytes arrive exact."""
+
+    def spec(name: str, seed: int, layout: str) -> nixl_peer.PeerSpec:
+        return nixl_peer.PeerSpec(
+            name,
+            num_blocks=800,
+            num_layers=32,
+            num_heads=1,
+            head_dim=1,
+            layout=layout,
+            seed=seed,
+            config={"kv_layout": "8b-shaped"},
+        )
+
+    holder = peers(spec("bm-holder", 31, "block_major"))
+    reader = peers(spec("bm-reader", 32, "block_major"))
+    # The holder's blocks in runs of 8 at shuffled places, as a block table scatters them.
+    starts = list(range(0, 760, 8))
+    random.Random(5).shuffle(starts)
+    blocks = [b for s in starts for b in range(s, s + 8)][:751]
+    prompt = toks(750 * BS + 5)
+    params = hold(holder, "h-bm", prompt, blocks=blocks)
+    before = reader.stats()["workers"][0]
+    out = reader.call("load", rid="r-bm", prompt=[*prompt, 1], params=for_p(params))
+    assert out["loaded"] == 750 * BS and not out["failed"]
+    after = reader.stats()["workers"][0]
+    runs = _runs(blocks[:750], out["blocks"][:750])
+    assert after["descs_posted"] - before["descs_posted"] == runs <= 750
+    assert same_tp_equal(holder, blocks[:750], reader, out["blocks"][:750])
+    # A per-layer (K and V together) reader of the same model refuses this holder's layout.
+    per_layer = peers(spec("bm-per-layer", 33, "joint"))
+    params = hold(holder, "h-bm2", toks(2 * BS + 3))
+    out = per_layer.call("load", rid="r-bm2", prompt=[*toks(2 * BS + 3), 9], params=for_p(params))
+    assert out["loaded"] == 0
+    w = per_layer.stats()["workers"][0]
+    assert w["failures_incompatible"] == 1 and w["transfers"] == 0
+    assert_idle(holder, reader, per_layer)

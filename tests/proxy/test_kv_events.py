@@ -33,8 +33,14 @@ def _store(
     n = len(tokens) // BS
     hashes = [hash((url, salt, tuple(tokens[: (i + 1) * BS]))) & (2**64 - 1) for i in range(n)]
     extra = [[salt] if salt and i == 0 else None for i in range(n)] if salt else None
-    index.stored(url, hashes[first:], hashes[first - 1] if first else None,
-                 tokens[first * BS : n * BS], BS, extra[first:] if extra else None)  # fmt: skip
+    index.stored(
+        url,
+        hashes[first:],
+        hashes[first - 1] if first else None,
+        tokens[first * BS : n * BS],
+        BS,
+        extra[first:] if extra else None,
+    )
     return hashes
 
 
@@ -134,8 +140,11 @@ VLLM_BATCH = bytes.fromhex(
 def test_vllms_own_batch_bytes_decode_and_apply() -> None:
     batch = wire.DECODER.decode(VLLM_BATCH)
     assert [type(e).__name__ for e in batch.events] == [
-        "BlockStored", "BlockStored", "BlockRemoved", "AllBlocksCleared",
-    ]  # fmt: skip
+        "BlockStored",
+        "BlockStored",
+        "BlockRemoved",
+        "AllBlocksCleared",
+    ]
     index = BlockIndex(100)
     stream = EngineEvents(P0, index)
     # Without the last event (the clear) the three blocks chain: 48 tokens under the salt.
@@ -174,8 +183,9 @@ def test_offloaded_and_malformed_messages_are_not_taken_for_gpu_blocks() -> None
     index = BlockIndex(100)
     stream = EngineEvents(P0, index)
     prompt = _tokens(8)
-    cpu = wire.BlockStored(block_hashes=[1, 2], parent_block_hash=None, token_ids=prompt,
-                           block_size=BS, medium="CPU")  # fmt: skip
+    cpu = wire.BlockStored(
+        block_hashes=[1, 2], parent_block_hash=None, token_ids=prompt, block_size=BS, medium="CPU"
+    )
     stream.take([b"", (0).to_bytes(8, "big"), _batch(cpu)])
     assert index.pairs == 0
     stream.take([b"", (1).to_bytes(8, "big"), _batch(_stored([1, 2], None, prompt))])
@@ -214,10 +224,14 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     prompt = _tokens(12)
     keys = [("s", i) for i in range(3)]
     blocks = [
-        StoredBlock(keys[i], keys[i - 1] if i else None, prompt[i * BS : (i + 1) * BS],
-                    "salt-1" if i == 0 else None)
+        StoredBlock(
+            keys[i],
+            keys[i - 1] if i else None,
+            prompt[i * BS : (i + 1) * BS],
+            "salt-1" if i == 0 else None,
+        )
         for i in range(3)
-    ]  # fmt: skip
+    ]
     feed.start()
     try:
         # A subscriber misses what was sent before it joined (ZMQ's slow joiner), so the first

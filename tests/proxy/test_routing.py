@@ -155,9 +155,12 @@ def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
 ) -> None:
     p0, p1, d = idle
     proxy = proxy_factory(
-        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        routing_policy="conditional",
         conditional_max_uncached_tokens="120",
-    )  # fmt: skip
+    )
     p_requests = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
     d_cached = d.metric("enginesim_prompt_tokens_cached_total")
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
@@ -251,10 +254,15 @@ def test_a_busy_holder_sends_the_follow_up_through_p(
 ) -> None:
     p0, p1, d = idle
     proxy = proxy_factory(
-        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
-        conditional_max_uncached_tokens="4096", decode_max_waiting="4",
-        load_poll_interval_s="0.5", admin_key=ADMIN_KEY,
-    )  # fmt: skip
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        routing_policy="conditional",
+        conditional_max_uncached_tokens="4096",
+        decode_max_waiting="4",
+        load_poll_interval_s="0.5",
+        admin_key=ADMIN_KEY,
+    )
 
     def p_requests() -> float:
         return p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
@@ -299,9 +307,12 @@ def test_a_decode_only_turn_that_d_fails_gives_the_old_hold_back(
 ) -> None:
     p0, p1, d = idle
     proxy = proxy_factory(
-        [p0, p1], [d], ready_path="/ready", routing_policy="conditional",
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        routing_policy="conditional",
         conditional_max_uncached_tokens="4096",
-    )  # fmt: skip
+    )
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
     messages.append({"role": "user", "content": QUESTIONS[0]})
     answer = _turn(proxy, messages, "fail-1", streamed=False)
@@ -344,9 +355,13 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
         f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
     )
     proxy = proxy_factory(
-        [p0, p1], [d], ready_path="/ready", admin_key=ADMIN_KEY,
-        kv_events_endpoints=endpoints, prefix_index_ttl_s="0.001",
-    )  # fmt: skip
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        admin_key=ADMIN_KEY,
+        kv_events_endpoints=endpoints,
+        prefix_index_ttl_s="0.001",
+    )
     system = "You follow the engines' own cache events, block by block. " * 10
 
     def ask(question: str) -> tuple[list[float], list[float]]:
@@ -378,8 +393,11 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     # the system prompt's blocks: its events say so, and the index forgets them.
     rng = random.Random(7)
     for _ in range(6):
-        flood = {"model": MODEL, "prompt": [rng.randrange(32, 256) for _ in range(3000)],
-                 "max_tokens": 1}  # fmt: skip
+        flood = {
+            "model": MODEL,
+            "prompt": [rng.randrange(32, 256) for _ in range(3000)],
+            "max_tokens": 1,
+        }
         status, answer = p1.request("/v1/completions", flood, timeout=60)
         assert status == 200, answer
     wait_until(lambda: _lookup(proxy, probe)[p1.url] == 0, 10, what="P1's evicted blocks")

@@ -1,7 +1,9 @@
 """The vLLM adapter's vLLM-free helpers (run in the main suite: no vLLM needed).
 
 `kvrelay.connector.vllm.requests` recovers the client's X-Request-Id from vLLM's engine request ids;
-`kvrelay.connector.vllm.layout` finds the block dimension and memory order of vLLM's cache tensors.
+`kvrelay.connector.vllm.layout` finds the block dimension and memory order of vLLM's cache tensors
+(and a block-major buffer behind per-layer views); `kvrelay.connector.vllm.settings` says which
+layout to ask vLLM for.
 """
 
 from __future__ import annotations
@@ -11,8 +13,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvrelay.connector.vllm.layout import UnsupportedCacheError, physical_view, prepare_caches
+from kvrelay.connector.vllm.layout import (
+    BLOCK_MAJOR_NAME,
+    BLOCK_MAJOR_SUFFIX,
+    UnsupportedCacheError,
+    physical_view,
+    prepare_caches,
+)
 from kvrelay.connector.vllm.requests import client_request_id, request_view
+from kvrelay.connector.vllm.settings import required_kvcache_layout
 
 
 @pytest.mark.parametrize(
@@ -86,3 +95,51 @@ def test_strided_cache_is_refused() -> None:
 def test_missing_block_dimension_is_refused() -> None:
     with pytest.raises(UnsupportedCacheError, match="block dimension"):
         prepare_caches({"l": torch.zeros(3, 32, 64)}, 9, 32, 1, name="x")
+
+
+def _block_major(blocks: int = 6, layers: int = 3, pad: int = 0) -> torch.Tensor:
+    """vLLM's BLHNC buffer: per block, every layer's [heads, tokens, K and V] page, then `pad`."""
+    page = 2 * 4 * 8  # 2 heads x 4 tokens x 8 values
+    flat = torch.arange(blocks * (layers * page + pad), dtype=torch.float32)
+    return flat.view(blocks, layers * page + pad)
+
+
+def _layer_views(buffer: torch.Tensor, layers: int = 3) -> dict[str, torch.Tensor]:
+    """One strided view per layer into the block-major buffer, as vLLM hands them over."""
+    page = 2 * 4 * 8
+    return {
+        f"l{i}": buffer[:, i * page : (i + 1) * page].unflatten(1, (2, 4, 8)) for i in range(layers)
+    }
+
+
+@pytest.mark.parametrize("pad", [0, 16])
+def test_a_block_major_cache_is_registered_as_one_row_per_block(pad: int) -> None:
+    buffer = _block_major(pad=pad)
+    prepared = prepare_caches(_layer_views(buffer), 6, 4, 2, name="vllm-cuda")
+    assert list(prepared.tensors) == [BLOCK_MAJOR_NAME]
+    rows = prepared.tensors[BLOCK_MAJOR_NAME]
+    assert rows.shape == (6, buffer.shape[1] * 4) and rows.dtype == torch.uint8
+    assert rows.data_ptr() == buffer.data_ptr()
+    assert torch.equal(rows[4].view(torch.float32), buffer[4])  # the same memory, whole blocks
+    assert prepared.layout.block_dim == 0 and not prepared.layout.head_major
+    assert prepared.layout.name == "vllm-cuda" + BLOCK_MAJOR_SUFFIX
+
+
+def test_strided_views_that_do_not_tile_a_block_are_refused() -> None:
+    views = _layer_views(_block_major())
+    del views["l1"]  # a gap between the layers' pages: not a block-major buffer
+    with pytest.raises(UnsupportedCacheError, match="not a permutation"):
+        prepare_caches(views, 6, 4, 2, name="x")
+
+
+def _vllm_config(device: str, extra: dict[str, object]) -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_connector_extra_config=extra),
+        device_config=SimpleNamespace(device_type=device),
+    )
+
+
+def test_the_connector_asks_for_block_major_caches_except_on_the_cpu_or_when_told_not() -> None:
+    assert required_kvcache_layout(_vllm_config("cuda", {})) == "BLHNC"
+    assert required_kvcache_layout(_vllm_config("cuda", {"block_major": False})) is None
+    assert required_kvcache_layout(_vllm_config("cpu", {})) is None

@@ -71,8 +71,12 @@ class CachedFleet:
         proxies: dict[str, ProxyServer],
     ) -> None:  # fmt: skip
         self.prefill, self.decode, self.second, self.reference, self.proxies = (
-            prefill, decode, second, reference, proxies
-        )  # fmt: skip
+            prefill,
+            decode,
+            second,
+            reference,
+            proxies,
+        )
 
 
 @pytest.fixture(scope="module")
@@ -102,11 +106,15 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
         # P listed first; routed by the Ps' own events only (the routing-fed index's entries
         # expire at once).
         proxies["kv events"] = factory(
-            [prefill.url, second.url], [decode.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=side_channels,
-            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
+            [prefill.url, second.url],
+            [decode.url],
+            ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET,
+            side_channels=side_channels,
+            admin_key=ADMIN_KEY,
+            prefix_index_ttl_s="0.001",
             kv_events_endpoints=",".join(f"{u}={e}" for u, e in endpoints.items()),
-        )  # fmt: skip
+        )
         yield CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
     finally:
         factory.close()
@@ -287,8 +295,11 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     assert served == {p.name: 0, p2.name: 1}
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p.url})
     # A stored block appears: P2's events carried the prompt's blocks, with their tokens.
-    wait_until(lambda: _events_tokens(proxy, probe)[p2.url] >= two_blocks, 30,
-               what="P2's stored blocks in the index")  # fmt: skip
+    wait_until(
+        lambda: _events_tokens(proxy, probe)[p2.url] >= two_blocks,
+        30,
+        what="P2's stored blocks in the index",
+    )
     assert _events_tokens(proxy, probe)[p.url] == 0
     served, hits = ask("Where from?")
     assert served == {p.name: 0, p2.name: 1}  # against the list's order: P2 caches it
@@ -296,13 +307,19 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     # Prompts sent to P2 directly fill its small pool and evict the system prompt's blocks.
     rng = random.Random(11)
     for _ in range(4):
-        flood = {"model": vllm_servers.MODEL_NAME, "max_tokens": 1,
-                 "prompt": [rng.randrange(10, 1000) for _ in range(900)]}  # fmt: skip
+        flood = {
+            "model": vllm_servers.MODEL_NAME,
+            "max_tokens": 1,
+            "prompt": [rng.randrange(10, 1000) for _ in range(900)],
+        }
         status, out = p2.post("/v1/completions", flood)
         assert status == 200, out
     # An evicted block disappears: P2's BlockRemoved events reached the index.
-    wait_until(lambda: _events_tokens(proxy, probe)[p2.url] == 0, 30,
-               what="P2's evicted blocks gone from the index")  # fmt: skip
+    wait_until(
+        lambda: _events_tokens(proxy, probe)[p2.url] == 0,
+        30,
+        what="P2's evicted blocks gone from the index",
+    )
     served, hits = ask("And now?")
     assert served == {p.name: 1, p2.name: 0}  # nothing cached anywhere: the first P listed
     assert hits[p.name] == 0, hits

@@ -24,8 +24,12 @@ scheduler process (role SCHEDULER)            core
   has_pending_block_frees()              ->  sched.reclaim_holds(1) under block pressure
   (admission of a request that does not fit) -> sched.reclaim_holds(missing blocks)
   has_pending_push_work()                ->  sched.has_pending_work() (keep stepping)
+class
+  get_required_kvcache_layout(cfg)       ->  "BLHNC" (block-major caches) off the CPU unless
+                                             `block_major` is false (settings)
 worker process (role WORKER, one per TP rank)
   register_kv_caches(caches)             ->  ConnectorWorker.register_kv_caches(views, layout)
+                                             (a block-major buffer: one row per block)
   get_handshake_metadata()               ->  worker.get_handshake_metadata()
   start_load_kv(ctx)                     ->  worker.start_load_kv(meta)
   get_finished(ids)                      ->  worker.get_finished()
@@ -61,7 +65,7 @@ from kvrelay.connector.protocol import (
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.vllm.layout import prepare_caches
 from kvrelay.connector.vllm.requests import request_view
-from kvrelay.connector.vllm.settings import connector_config
+from kvrelay.connector.vllm.settings import connector_config, required_kvcache_layout
 from kvrelay.connector.vllm.stats import KVRelayPromMetrics, KVRelayStats, StatsDelta
 from kvrelay.connector.worker import ConnectorWorker
 
@@ -401,6 +405,11 @@ class KVRelayConnector(KVConnectorBase_V1):
         else:
             return None
         return KVRelayStats(data=data) if data is not None else None
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """Block-major caches where the engine can have them (`required_kvcache_layout`)."""
+        return required_kvcache_layout(vllm_config)
 
     @classmethod
     def build_kv_connector_stats(

@@ -31,6 +31,8 @@ EXTRA_KEYS = (
     "transfer_timeout_s",
     "cancel_grace_s",
     "coalesce",
+    "prepared_reads",
+    "nixl_threads",
     "claim_concurrency_per_holder",
     "holder_retry_s",
     "max_quarantined_blocks",
@@ -41,7 +43,24 @@ EXTRA_KEYS = (
     "release_concurrency_per_holder",
 )
 # Adapter-only keys (not ConnectorConfig fields).
-ADAPTER_KEYS: tuple[str, ...] = ()
+ADAPTER_KEYS: tuple[str, ...] = ("block_major",)
+# The block-outermost layout the connector asks vLLM for (vllm/v1/kv_cache_layout.py): every
+# block holds all layers' pages, so a read posts one NIXL descriptor per run of blocks.
+BLOCK_MAJOR_LAYOUT = "BLHNC"
+
+
+def required_kvcache_layout(vllm_config: Any) -> str | None:
+    """The KV cache layout to ask vLLM for: block-major unless `block_major` is false in the
+    connector's extra config, or the engine runs on the CPU (its attention backend reads only
+    per-layer pages, `LBHNC`). Where the attention backend accepts no block-outermost layout,
+    vLLM says so in its log and keeps a per-layer one, which the connector registers as such."""
+    kv_cfg = vllm_config.kv_transfer_config
+    extra = dict(kv_cfg.kv_connector_extra_config or {}) if kv_cfg is not None else {}
+    if not extra.get("block_major", True):
+        return None
+    if vllm_config.device_config.device_type == "cpu":
+        return None
+    return BLOCK_MAJOR_LAYOUT
 
 
 class UnsupportedConfigError(ConnectorError, ValueError):
