@@ -1,17 +1,21 @@
-"""What a READ of vLLM 0.32's KV layout costs per descriptor: built per read vs prepared once.
+"""What a READ of vLLM 0.32's KV layouts costs per descriptor: built per read, prepared once,
+and block-major.
 
 vLLM 0.32 hands a connector one tensor per layer whose block pages hold K and V together
 (`(blocks, page bytes)`): a read of B blocks of an L-layer model is L·B descriptors when no
 blocks lie end to end. A holder
 process registers such caches with its own NIXL agent (UCX, CPU memory, loopback); this process
 reads B blocks from it, scattered as a block table scatters them (`--order random`: no two
-adjacent; `runs8`: runs of 8 adjacent blocks in shuffled order), two ways, interleaved:
+adjacent; `runs8`: runs of 8 adjacent blocks in shuffled order), three ways, interleaved:
 
 - built: `transport.build_descs` makes the rows in Python, `NixlTransport.read` turns them into
   NIXL lists and posts (the connector's path before prepared lists, and still its path for a
   heterogeneous-TP slice of each block);
 - prepared: `NixlTransport.prepare` made both sides' lists once (one strided row per strip),
-  each read is two index arrays (`block_indices`) and `NixlTransport.read_prepared`.
+  each read is two index arrays (`block_indices`) and `NixlTransport.read_prepared`;
+- block-major: the same bytes in vLLM's block-outermost layout (`BLHNC`, which the connector
+  asks for off the CPU): one `(blocks, layers x page)` tensor a side, so one descriptor per
+  block (NIXL merges adjacent ones), read through prepared lists as the connector does.
 
 Reported per read: the time on the calling thread until the READ is posted (what the engine's
 step pays: the connector posts inside `get_finished()`), and until NIXL says DONE; best of
@@ -40,15 +44,26 @@ with_loopback_ucx()
 SECTION = "transfer descriptors"
 
 
-def _holder(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
-    """Child: register `layers` caches of (blocks, block_bytes), keep NIXL progressing."""
+def _caches(layers: int, blocks: int, block_bytes: int, fill: bool) -> list[Any]:
+    """`layers` per-layer caches of (blocks, block_bytes), then the block-major cache of the
+    same bytes, (blocks, layers x block_bytes)."""
     import torch
 
+    def make(shape: tuple[int, int]) -> Any:
+        if fill:
+            return torch.randint(0, 255, shape, dtype=torch.uint8)
+        return torch.zeros(shape, dtype=torch.uint8)
+
+    return [make((blocks, block_bytes)) for _ in range(layers)] + [
+        make((blocks, layers * block_bytes))
+    ]
+
+
+def _holder(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
+    """Child: register both layouts' caches (`_caches`), keep NIXL progressing."""
     from kvrelay.connector.transport import NixlTransport
 
-    caches = [
-        torch.randint(0, 255, (blocks, block_bytes), dtype=torch.uint8) for _ in range(layers)
-    ]
+    caches = _caches(layers, blocks, block_bytes, fill=True)
     transport = NixlTransport(f"descs-holder-{os.getpid()}")
     transport.register(caches, "DRAM")
     conn.send((transport.metadata(), [t.data_ptr() for t in caches]))
@@ -67,11 +82,11 @@ def _nixl_version() -> str:
         return "(version unknown)"
 
 
-def _geometry(ptrs: list[int], blocks: int, block_bytes: int) -> Any:
+def _geometry(ptrs: list[int], blocks: int, block_bytes: int, name: str) -> Any:
     from kvrelay.connector.layout import CacheGeometry, Strip
 
     strips = tuple(Strip(ptr, block_bytes, block_bytes) for ptr in ptrs)
-    return CacheGeometry(strips, blocks, "DRAM", 0, "uint8", False, "vllm-0.32-per-layer")
+    return CacheGeometry(strips, blocks, "DRAM", 0, "uint8", False, name)
 
 
 def _block_ids(order: str, blocks: int, count: int, seed: int) -> list[int]:
@@ -103,19 +118,21 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
         if not parent.poll(120):
             raise RuntimeError("holder process failed to start (see its output above)")
         metadata, remote_ptrs = parent.recv()
-        caches = [
-            torch.zeros((args.pool_blocks, args.block_bytes), dtype=torch.uint8)
-            for _ in range(args.layers)
-        ]
+        caches = _caches(args.layers, args.pool_blocks, args.block_bytes, fill=False)
         transport = NixlTransport(f"descs-reader-{os.getpid()}", threads)
         transport.register(caches, "DRAM")
         agent = transport.add_remote(metadata)
-        local = _geometry([t.data_ptr() for t in caches], args.pool_blocks, args.block_bytes)
-        remote = _geometry(remote_ptrs, holder_blocks, args.block_bytes)
+        n, bb = args.layers, args.block_bytes
+        local = _geometry([t.data_ptr() for t in caches[:n]], args.pool_blocks, bb, "per-layer")
+        remote = _geometry(remote_ptrs[:n], holder_blocks, bb, "per-layer")
+        # Block-major: one strip whose block is every layer's page.
+        bm_local = _geometry([caches[n].data_ptr()], args.pool_blocks, n * bb, "block-major")
+        bm_remote = _geometry(remote_ptrs[n:], holder_blocks, n * bb, "block-major")
         t0 = time.perf_counter()
         local_list = transport.prepare(local)
         remote_list = transport.prepare(remote, agent)
         prepare_s = time.perf_counter() - t0
+        bm_lists = transport.prepare(bm_local), transport.prepare(bm_remote, agent)
         piece = ReadPiece(0, 0, 0, args.block_bytes)
         strips = len(local.strips)
         for count in args.blocks:
@@ -144,7 +161,21 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                 wait_done(transport, handle)
                 return posted - t0, time.perf_counter() - t0
 
-            ways = {"built": built, "prepared": prepared}
+            def block_major(local_ids: list[int], remote_ids: list[int]) -> tuple[float, float]:
+                t0 = time.perf_counter()
+                handle = transport.read_prepared(
+                    agent,
+                    bm_lists[0],
+                    block_indices(1, args.pool_blocks, local_ids),
+                    bm_lists[1],
+                    block_indices(1, holder_blocks, remote_ids),
+                    b"",
+                )
+                posted = time.perf_counter()
+                wait_done(transport, handle)
+                return posted - t0, time.perf_counter() - t0
+
+            ways = {"built": built, "prepared": prepared, "block-major": block_major}
             for way in ways.values():
                 way(local_ids, remote_ids)  # warm-up: first touch of the pages, UCX wire-up
             best = {name: (float("inf"), float("inf")) for name in ways}
@@ -153,9 +184,12 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                     post_s, done_s = way(local_ids, remote_ids)
                     if done_s < best[name][1]:
                         best[name] = (post_s, done_s)
-            descs = len(build_descs(local, remote, local_ids, remote_ids, piece, True)[0])
+            per_layer = len(build_descs(local, remote, local_ids, remote_ids, piece, True)[0])
+            whole = ReadPiece(0, 0, 0, n * bb)
+            runs = len(build_descs(bm_local, bm_remote, local_ids, remote_ids, whole, True)[0])
             moved = count * strips * args.block_bytes
             for name, (post_s, done_s) in best.items():
+                descs = runs if name == "block-major" else per_layer
                 rows.append({
                     "way": name, "blocks": count, "descs": descs, "bytes": moved,
                     "post_s": post_s, "done_s": done_s,
@@ -166,11 +200,11 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                     f"{moved / done_s / 1e9:5.2f} GB/s)",
                     flush=True,
                 )
-            # Both ways read the same blocks: the last read's bytes are the holder's.
-            got = torch.stack([t[:count] for t in caches]).sum().item()
-            assert got > 0, "nothing was read"
-        transport.drop_prepared(local_list)
-        transport.drop_prepared(remote_list)
+            # Every way read the same blocks: the last reads' bytes are the holder's.
+            got = torch.stack([t[:count] for t in caches[:n]]).sum().item()
+            assert got > 0 and caches[n][:count].sum().item() > 0, "nothing was read"
+        for prepared_list in (local_list, remote_list, *bm_lists):
+            transport.drop_prepared(prepared_list)
         transport.remove_remote(agent)
         transport.close()
         rows.append({"way": "prepare once", "seconds": prepare_s})
@@ -190,6 +224,7 @@ def render(args: argparse.Namespace, rows: dict[int, list[dict[str, Any]]]) -> s
         f"UCX loopback; vLLM 0.32's per-layer layout: {args.layers} layers, each block's page "
         f"K and V together, {args.block_bytes} B (an 8B Llama's 16-token page is 64 KiB on a "
         "GPU; smaller here so the pools fit the machine), "
+        "and the same bytes block-major (one row of every layer's page per block), "
         f"holder blocks `{args.order}`, best of {args.reps} interleaved reads, one table per "
         "count of the reader's UCX worker threads (`nixl_threads`). Post = time on the calling "
         "thread until the READ is posted (what the engine's step pays); done = until NIXL "
@@ -200,17 +235,20 @@ def render(args: argparse.Namespace, rows: dict[int, list[dict[str, Any]]]) -> s
             "",
             f"UCX worker threads: {threads}",
             "",
-            "| blocks read | descriptors | built: post / done ms | prepared: post / done ms "
-            "| post, built / prepared | done, built / prepared |",
-            "|---:|---:|---:|---:|---:|---:|",
+            "| blocks read | per-layer descriptors | built: post / done ms | prepared: post / "
+            "done ms | block-major descriptors | block-major: post / done ms | us per descriptor "
+            "(built / prepared / block-major) | done, prepared / block-major |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         by = {(r["way"], r.get("blocks")): r for r in measured}
         for count in args.blocks:
-            b, p = by[("built", count)], by[("prepared", count)]
+            b, p, m = by[("built", count)], by[("prepared", count)], by[("block-major", count)]
+            per_desc = " / ".join(f"{r['done_s'] / r['descs'] * 1e6:.2f}" for r in (b, p, m))
             lines.append(
                 f"| {count} | {b['descs']} | {b['post_s'] * 1e3:.2f} / {b['done_s'] * 1e3:.2f} "
-                f"| {p['post_s'] * 1e3:.2f} / {p['done_s'] * 1e3:.2f} "
-                f"| {b['post_s'] / p['post_s']:.1f}x | {b['done_s'] / p['done_s']:.2f}x |"
+                f"| {p['post_s'] * 1e3:.2f} / {p['done_s'] * 1e3:.2f} | {m['descs']} "
+                f"| {m['post_s'] * 1e3:.2f} / {m['done_s'] * 1e3:.2f} | {per_desc} "
+                f"| {p['done_s'] / m['done_s']:.1f}x |"
             )
         prep = by[("prepare once", None)]["seconds"]
         lines += [

@@ -283,3 +283,26 @@ def test_a_take_of_a_hold_another_worker_made_counts() -> None:
         holds.taken("t", ("t", f"theirs{i}"))  # ... and it serves other workers' next turns
         clock.now += 1
         assert holds.worth_holding("t")
+
+
+def test_holds_counted_unused_are_given_back_once_the_tenant_stops_paying() -> None:
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, patience_s=60, ttl_s=600, clock=clock)
+    for i in range(100):  # one-off requests, one a second
+        if holds.worth_holding("t"):
+            holds.made("t", ("t", f"c{i}"))
+        assert holds.unpaid("paying") == []
+        clock.now += 1
+    # The holds made in the first 40 s were counted unused after their minute; the tenant's
+    # holds do not pay, so those are given back now rather than at their lease's end, once.
+    assert holds.unpaid("t") == [("t", f"c{i}") for i in range(40)]
+    assert holds.unpaid("t") == []
+    # A tenant whose holds are taken gives nothing back.
+    for i in range(100):
+        assert holds.worth_holding("p")
+        holds.made("p", ("p", f"c{i}"))
+        if i % 3 == 0:
+            holds.taken("p", ("p", f"c{i}"))
+        clock.now += 1
+    clock.now += 120
+    assert holds.worth_holding("p") and holds.unpaid("p") == []

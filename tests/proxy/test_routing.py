@@ -334,15 +334,6 @@ def test_a_decode_only_turn_that_d_fails_gives_the_old_hold_back(
     assert proxy.call("DELETE", "/v1/conversations/fail-1")[0] == 200
 
 
-def _lookup(proxy: ProxyServer, body: dict[str, Any]) -> dict[str, int]:
-    """Per P URL, the prompt tokens its own KV events say it caches (the admin lookup)."""
-    status, answer, _ = proxy.call(
-        "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-    )
-    assert status == 200, answer
-    return {p["url"]: p["events_tokens"] for p in answer["prefill"]}
-
-
 def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
 ) -> None:
@@ -385,8 +376,8 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     served, _ = ask("Which P has this?")
     assert served == [0, 1]
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
-    wait_until(lambda: _lookup(proxy, probe)[p1.url] >= 64, 10, what="P1's stored blocks")
-    assert _lookup(proxy, probe)[p0.url] == 0
+    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    assert proxy.events_cached(probe)[p0.url] == 0
     served, cached = ask("And now?")
     assert served == [0, 1] and cached[1] >= 64
     # Other prompts sent to P1 directly fill its pool (1024 blocks of 16 tokens), evicting
@@ -400,9 +391,37 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
         }
         status, answer = p1.request("/v1/completions", flood, timeout=60)
         assert status == 200, answer
-    wait_until(lambda: _lookup(proxy, probe)[p1.url] == 0, 10, what="P1's evicted blocks")
+    wait_until(lambda: proxy.events_cached(probe)[p1.url] == 0, 10, what="P1's evicted blocks")
     served, cached = ask("Where did it go?")
     assert served == [1, 0] and cached == [0, 0]
     m = proxy.metrics()
     assert m['kvrelay_kv_events_total{kind="removed"}'] > 0
     proxy.stop()
+
+
+def test_holds_that_do_not_pay_are_given_back_before_their_lease(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    """One-off requests: every hold D keeps for them ends unused. Once the tenant's holds have
+    been counted unused (a fifth of a second's patience here), the proxy stops asking for holds
+    but for probes and gives the ones already made back, instead of leaving them pinned for
+    D's lease (600 s): D's held requests fall from all of them to a few."""
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1], [d], ready_path="/ready", hold_judge_s="0.2", hold_min_use="0.5"
+    )
+    sent = [0]
+
+    def one_off() -> float:
+        sent[0] += 1
+        body = chat_body([{"role": "user", "content": f"A one-off question, number {sent[0]}."}])
+        assert reply_of(post(proxy.url, "/v1/chat/completions", body))
+        return d.metric("enginesim_requests_held")
+
+    peak = max(one_off() for _ in range(16))
+    assert peak >= 12  # the first requests all hold: nothing is judged yet
+    wait_until(lambda: one_off() <= 3, 30, interval=0.05, what="D to hold only a few")
+    assert proxy.metrics()['kvrelay_hold_decisions_total{decision="released"}'] >= peak - 3
+    proxy.stop()
+    # The proxy gives back what it still has when it stops (its map's entries are released).
+    wait_until(lambda: d.metric("enginesim_requests_held") == 0, 10, what="D to hold nothing")

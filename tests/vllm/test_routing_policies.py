@@ -259,15 +259,6 @@ def test_a_request_sharing_only_a_system_prompt_goes_to_the_p_that_cached_it(
         assert hits[second.name] == 0, hits
 
 
-def _events_tokens(proxy: ProxyServer, body: dict[str, Any]) -> dict[str, int]:
-    """Per P URL, the prompt tokens its own KV events say it caches (the admin lookup)."""
-    status, answer, _ = proxy.call(
-        "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-    )
-    assert status == 200, answer
-    return {p["url"]: p["events_tokens"] for p in answer["prefill"]}
-
-
 def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     cached_fleet: CachedFleet,
 ) -> None:
@@ -296,11 +287,11 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p.url})
     # A stored block appears: P2's events carried the prompt's blocks, with their tokens.
     wait_until(
-        lambda: _events_tokens(proxy, probe)[p2.url] >= two_blocks,
+        lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
         30,
         what="P2's stored blocks in the index",
     )
-    assert _events_tokens(proxy, probe)[p.url] == 0
+    assert proxy.events_cached(probe)[p.url] == 0
     served, hits = ask("Where from?")
     assert served == {p.name: 0, p2.name: 1}  # against the list's order: P2 caches it
     assert hits[p2.name] >= two_blocks, hits
@@ -316,7 +307,7 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
         assert status == 200, out
     # An evicted block disappears: P2's BlockRemoved events reached the index.
     wait_until(
-        lambda: _events_tokens(proxy, probe)[p2.url] == 0,
+        lambda: proxy.events_cached(probe)[p2.url] == 0,
         30,
         what="P2's evicted blocks gone from the index",
     )

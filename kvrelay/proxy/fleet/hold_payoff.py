@@ -19,6 +19,12 @@ minute and `MIN_EVIDENCE` requests of its first, not after a whole TTL; one whos
 continue minutes later waits for them once it has seen them do so (before that, its early holds
 may count unused, and its probes and late takes bring it back).
 
+Holds already made do not wait for their lease once they stop paying: while a tenant's holds
+do not pay, those counted unused are handed out by `unpaid` (each once) for the proxy to give
+back (their map entries deleted, their blocks released), so a tenant's learning period pins D
+for about its patience, not for the lease. A conversation whose next turn still came after that
+finds no history and computes it: rarer than `min_use` of them, by the tenant's own record.
+
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
 until it has shown otherwise), each following at most `MAX_PENDING` holds (the oldest dropped
@@ -84,11 +90,7 @@ class HoldPayoff:
         counts = self._tenants.get(tenant)
         if counts is not None:
             self._expire(counts)
-        if (
-            counts is None
-            or counts.decided < MIN_EVIDENCE  # too few decided holds to trust their share
-            or counts.taken >= min_use * counts.decided
-        ):
+        if counts is None or not self._declining(counts):  # unjudged, or holds that pay
             metrics.HOLD_DECISIONS.labels("kept").inc()
             return True
         counts.since_probe += 1
@@ -98,6 +100,19 @@ class HoldPayoff:
             return True
         metrics.HOLD_DECISIONS.labels("declined").inc()
         return False
+
+    def unpaid(self, tenant: str) -> list[Hashable]:
+        """The keys of `tenant`'s holds counted unused, while its holds do not pay: to give
+        back now instead of at their lease's end (each key is handed out once)."""
+        counts = self._tenants.get(tenant)
+        if counts is None or not counts.judged or not self._declining(counts):
+            return []
+        keys = list(counts.judged)
+        counts.judged.clear()
+        return keys
+
+    def _declining(self, counts: _Counts) -> bool:
+        return counts.decided >= MIN_EVIDENCE and counts.taken < self.min_use * counts.decided
 
     def made(self, tenant: str, key: Hashable) -> None:
         """A turn of `tenant` left a hold on D, stored under `key` for the next turn."""

@@ -7,13 +7,14 @@ only its own collaborators in mind. This module is where the turn's room meets t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.kvcache_map import KVMap
+from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError
 from kvrelay.proxy.engines import Releaser, Upstream, prompt_token_ids, prompt_tokens
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, PromptPrefixes, Router, TurnPolicy
+from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn.attempts import Engines, UpstreamEngines
 from kvrelay.proxy.turn.settings import TurnSettings
 from kvrelay.proxy.turn.take import Take
@@ -90,3 +91,23 @@ class TurnCrew:
             return prompt
         salt = body.get("cache_salt")
         return prompt.with_tokens(tokens, salt if isinstance(salt, str) else None)
+
+    def give_back(self, keys: Sequence[Hashable]) -> None:
+        """Release, in the background, the holds stored under `keys` (`HoldPayoff.unpaid`: holds
+        counted unused for a tenant whose holds do not pay): each map entry deleted, its
+        blocks freed on D now instead of at the lease's end."""
+        if keys:
+            self.releaser.spawn(self._give_back(keys))
+
+    async def _give_back(self, keys: Sequence[Hashable]) -> None:
+        for key in keys:
+            if not isinstance(key, ConversationKey):
+                continue
+            try:
+                entry = await self.kvmap.delete(key)
+            except MapUnavailableError as exc:
+                self.map_unavailable("delete", exc)
+                return  # the leases still end them
+            if entry is not None:  # not taken meanwhile, nor expired
+                self.releaser.release_soon("decode", entry.hold_ref)
+                metrics.HOLD_DECISIONS.labels("released").inc()

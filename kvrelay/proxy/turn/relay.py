@@ -91,6 +91,7 @@ class Turn:
         crew, ctx, report = self.crew, self.ctx, self.report
         holds = crew.router.holds
         self.hold = ctx.store_key is not None and holds.worth_holding(ctx.tenant)
+        crew.give_back(holds.unpaid(ctx.tenant))
         plan: Plan | None = None
         try:
             with report.take_scope():
