@@ -482,7 +482,7 @@ class Settings(BaseSettings):
         default=2_000_000,
         ge=1,
         description=(
-            "(engine, block) pairs the KV-events index keeps (about 150-170 bytes each); over "
+            "(engine, block) pairs the KV-events index keeps (about 200 bytes each); over "
             "it, the oldest reported blocks of the engine holding the most are forgotten."
         ),
     )

@@ -18,7 +18,7 @@ once in 10^12 lookups at a million blocks, and a shared key only misleads routin
 still verifies its own cache, no KV is ever taken from this index).
 
 Memory: each (engine, block) costs an entry in that engine's map and a bit in the block's
-holder mask, about 170 bytes (tests/proxy/test_kv_events.py bounds it; bench/block_index_memory.py
+holder mask, about 200 bytes (tests/proxy/test_kv_events.py bounds it; bench/block_index_memory.py
 measures a fleet of 64 engines caching 100,000 distinct blocks each). `max_blocks` bounds the
 pairs kept: over it, the oldest reported blocks of the engine holding the most are forgotten.
 """

@@ -179,6 +179,7 @@ class Turn:
             previous=self.entry,
             prefill=self.prefill,
             work=ctx.work,
+            on_stored=functools.partial(crew.router.holds.made, ctx.tenant, ctx.store_key),
         )
         settle = Settle(
             store,
@@ -207,7 +208,6 @@ class Turn:
                 self.decode_url = served.backend.url
                 if served.hold:
                     settle.owe_hold(served.backend)
-                    crew.router.holds.made(ctx.tenant, ctx.store_key)
                 try:
                     await answer.relay(served, relayed)
                 except BaseException:

@@ -49,6 +49,9 @@ class Store:
     previous: KVEntry | None  # the entry the turn took (its routing hints carry over)
     prefill: PrefillAnswer | None
     work: int  # the prompt's characters (+1): with P's token count, characters per token
+    # Told once the entry is in the map: from then on the next turn can take the hold
+    # (`HoldPayoff.made`: a hold's patience counts from here).
+    on_stored: Callable[[], None] | None = None
 
     async def put(
         self, raw: KVTransferParams | dict[str, Any], backend: Backend, hold: bool
@@ -101,6 +104,8 @@ class Store:
         with report.put_scope(entry.num_tokens, ttl):
             try:
                 await self.kvmap.put(self.key, entry, ttl)
+                if self.on_stored is not None:
+                    self.on_stored()
             except UnconfirmedPutError as exc:
                 self.map_unavailable("put", exc)
                 # The entry may be stored all the same: D's blocks stay held until the map
