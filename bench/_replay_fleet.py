@@ -58,6 +58,7 @@ HOLDS_OFF_LEASE_S = 0.05  # shorter than any turn's decode: D's holds end with t
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Every prompt token an engine computed in prefill, recomputation after preemption included.
 GPU_PREFILL = "prefill_tokens_computed"
+GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
 
 
 @dataclass(frozen=True)
@@ -359,6 +360,11 @@ class EngineSampler:
                         if key.startswith(prefix):
                             name = f"{role}_{key.removeprefix(prefix)}"
                             out[name] = out.get(name, 0.0) + value
+            if self.fleet.system.front == "kvrelay":
+                # Holds kvrelay gave back unused (its tenant's holds did not pay): D counts
+                # them as released, like the ones a next turn used.
+                page = await self.scrape(http, self.fleet.url)
+                out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
         return out
 
     async def run(self) -> None:

@@ -387,12 +387,14 @@ def derive(run: dict[str, Any], lru: dict[str, int], rate: float) -> dict[str, A
 
 
 def unused_share(frees: dict[str, float]) -> float:
-    """Of the holds D's engines ended, the share no turn used: lease over, hold budget or
-    block pressure (read and released holds served a pull or a decode-only turn, or were let
-    go by the proxy)."""
-    unused = sum(frees.get(f"d_{k}", 0.0) for k in ("expiry", "budget", "reclaim"))
-    used = sum(frees.get(f"d_{k}", 0.0) for k in ("read", "release"))
-    return unused / (unused + used) if unused + used else 0.0
+    """Of the holds D's engines ended, the share no turn used: lease over, hold budget, block
+    pressure, or given back unused by kvrelay (`d_given_back`, its own count; D counts those
+    among its releases). Read and other released holds served a pull or a decode-only turn,
+    or were superseded by the turn that took them."""
+    given_back = frees.get("d_given_back", 0.0)
+    unused = given_back + sum(frees.get(f"d_{k}", 0.0) for k in ("expiry", "budget", "reclaim"))
+    used = sum(frees.get(f"d_{k}", 0.0) for k in ("read", "release")) - given_back
+    return unused / (unused + used) if unused + used > 0 else 0.0
 
 
 def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
@@ -680,7 +682,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "GPU prefill = every token the engines "
         "computed in prefill, recomputation included; D pinned = blocks held over D's pool, "
         "mean; unused = that times the share of D's holds that ended unused (expiry, budget, "
-        "reclaim).",
+        "reclaim, or given back by kvrelay because its tenant's holds did not pay).",
         "",
         "| configuration | req/s | SLO met | TTFT p50/p90 first ms | TTFT p50/p90 later ms "
         "| TPOT p90 ms | GPU prefill tokens | reused | vs LRU | D pinned / unused | errors |",
