@@ -306,3 +306,33 @@ def test_holds_counted_unused_are_given_back_once_the_tenant_stops_paying() -> N
         clock.now += 1
     clock.now += 120
     assert holds.worth_holding("p") and holds.unpaid("p") == []
+
+
+def test_a_next_turn_that_finds_its_hold_given_back_still_teaches_the_tenant() -> None:
+    """As the late-takes case, with the give-back the proxy does: holds counted unused are
+    given back while the tenant declines, so their next turns find no entry. Those next turns
+    still count as takes (`missed`), with their delays: the tenant learns its conversations
+    continue five minutes later and holds again, instead of giving back every probe before its
+    take can come."""
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, patience_s=60, ttl_s=600, clock=clock)
+    held: set[int] = set()
+    given: set[int] = set()
+    decisions = []
+    for i in range(2000):
+        hold = holds.worth_holding("t")
+        given |= {key[1] for key in holds.unpaid("t") if isinstance(key, tuple)}
+        decisions.append(hold)
+        if hold:
+            holds.made("t", ("t", i))
+            held.add(i)
+        earlier = i - 300
+        if earlier % 4 == 0 and earlier in held:  # its next turn looks its hold up
+            if earlier in given:
+                holds.missed("t", ("t", earlier))
+            else:
+                holds.taken("t", ("t", earlier))
+        clock.now += 1
+    assert given  # the tenant was judged early, and its holds given back
+    assert all(decisions[-300:])
+    holds.missed("t", ("t", "never-held"))  # a lookup of nothing known changes nothing

@@ -22,8 +22,10 @@ may count unused, and its probes and late takes bring it back).
 Holds already made do not wait for their lease once they stop paying: while a tenant's holds
 do not pay, those counted unused are handed out by `unpaid` (each once) for the proxy to give
 back (their map entries deleted, their blocks released), so a tenant's learning period pins D
-for about its patience, not for the lease. A conversation whose next turn still came after that
-finds no history and computes it: rarer than `min_use` of them, by the tenant's own record.
+for about its patience, not for the lease. A conversation whose next turn still comes finds no
+history and computes it; that next turn counts as a take all the same (`missed`), with its
+delay, so a tenant judged too early on a patience shorter than its think times learns them
+and holds again.
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -56,6 +58,9 @@ class _Counts:
     pending: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     # Holds counted unused, still takeable until the TTL: key -> when made (a late take's delay).
     judged: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
+    # Holds given back (`unpaid`), until the TTL: key -> when made. A next turn that looks one
+    # up finds no entry, but its conversation did continue: that counts as a take.
+    given_back: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAYS_KEPT))
     since_probe: int = 0  # turns declined since the last probe hold
 
@@ -108,7 +113,10 @@ class HoldPayoff:
         if counts is None or not counts.judged or not self._declining(counts):
             return []
         keys = list(counts.judged)
+        counts.given_back.update(counts.judged)
         counts.judged.clear()
+        while len(counts.given_back) > MAX_PENDING:
+            counts.given_back.popitem(last=False)
         return keys
 
     def _declining(self, counts: _Counts) -> bool:
@@ -136,6 +144,18 @@ class HoldPayoff:
             counts.delays.append(self.clock() - made)
         counts.decide(taken=True)
 
+    def missed(self, tenant: str, key: Hashable) -> None:
+        """A turn of `tenant` looked up `key` and found no entry: if it was a hold given back
+        (`unpaid`), its conversation continued all the same, so it counts as taken (late) and
+        its delay teaches the patience; otherwise nothing is known of it."""
+        counts = self._tenants.get(tenant)
+        if counts is None:
+            return
+        made = counts.given_back.pop(key, None)
+        if made is not None:
+            counts.delays.append(self.clock() - made)
+            counts.decide(taken=True)
+
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept
         until the TTL, so that a late take still tells its delay)."""
@@ -150,11 +170,12 @@ class HoldPayoff:
             judged[key] = made
             if len(judged) > MAX_PENDING:
                 judged.popitem(last=False)
-        while judged:
-            key, made = next(iter(judged.items()))
-            if now - made < self.ttl_s:
-                return
-            del judged[key]
+        for kept in (judged, counts.given_back):
+            while kept:
+                key, made = next(iter(kept.items()))
+                if now - made < self.ttl_s:
+                    break
+                del kept[key]
 
     def _counts(self, tenant: str) -> _Counts:
         tenants = self._tenants

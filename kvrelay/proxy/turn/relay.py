@@ -99,6 +99,8 @@ class Turn:
             self.entry, self.hold = taken.entry, self.hold and taken.map_available
             if taken.entry is not None:
                 holds.taken(ctx.tenant, ctx.lookup_key)
+            elif ctx.lookup_key is not None:
+                holds.missed(ctx.tenant, ctx.lookup_key)
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
                 if self._prompt is not None and crew.router.wants_tokens:
