@@ -501,10 +501,10 @@ class Settings(BaseSettings):
         default=60.0,
         gt=0,
         description=(
-            "hold_min_use: the least time a hold waits for its next turn before it counts as "
-            "unused in its tenant's share (a later take still counts as taken); a tenant whose "
-            "takes come later waits as long as nine in ten of them took (at most "
-            "conversation_ttl_s). Shorter: a tenant of one-off requests stops pinning D sooner."
+            "hold_min_use: how long a hold waits for its next turn before it counts as unused, "
+            "for a tenant none of whose holds has been taken yet (once one has: "
+            "conversation_ttl_s); a later take still counts as taken. Shorter: a tenant of "
+            "one-off requests stops pinning D sooner."
         ),
     )
     reuse_probe_interval_s: float = Field(
