@@ -311,7 +311,7 @@ def test_holds_counted_unused_are_given_back_once_the_tenant_stops_paying() -> N
 def test_a_next_turn_that_finds_its_hold_given_back_still_teaches_the_tenant() -> None:
     """As the late-takes case, with the give-back the proxy does: holds counted unused are
     given back while the tenant declines, so their next turns find no entry. Those next turns
-    still count as takes (`missed`), with their delays: the tenant learns its conversations
+    still count as takes (`missed`): the tenant learns that its conversations
     continue five minutes later and holds again, instead of giving back every probe before its
     take can come."""
     clock = Clock()

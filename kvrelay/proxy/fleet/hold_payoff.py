@@ -18,15 +18,15 @@ take has come, it is `ttl_s` (the conversation TTL: no take can come later), bec
 whose conversations continue may think for minutes (the Mooncake trace's next turns come 138 s
 later at the median, 471 s at the 90th percentile) and judging its holds sooner stops holds
 that pay (measured: reuse 0.85 of the LRU bound against 0.96 holding every turn, with a
-minute's patience on that trace). `DELAYS_KEPT` take delays are kept per tenant.
+minute's patience on that trace).
 
 Holds already made do not wait for their lease once they stop paying: while a tenant's holds
 do not pay, those counted unused are handed out by `unpaid` (each once) for the proxy to give
 back (their map entries deleted, their blocks released), so a tenant's learning period pins D
 for about its patience, not for the lease. A conversation whose next turn still comes finds no
-history and computes it; that next turn counts as a take all the same (`missed`), with its
-delay, so a tenant judged too early on a patience shorter than its think times learns them
-and holds again.
+history and computes it; that next turn counts as a take all the same (`missed`), so a tenant
+judged too early on a patience shorter than its think times waits the TTL from then on and
+holds again.
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -37,14 +37,13 @@ undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from kvrelay.proxy.telemetry import metrics
 
 DECAY = 1 / 64  # each decided hold ages the counts by this share
-DELAYS_KEPT = 32  # take delays per tenant the patience is learnt from
 MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
 MAX_TENANTS = 4096
 MAX_PENDING = 4096  # holds followed per tenant
@@ -57,12 +56,12 @@ class _Counts:
     # Holds not yet decided: key -> when it was made, oldest first (a key made again moves to
     # the end).
     pending: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
-    # Holds counted unused, still takeable until the TTL: key -> when made (a late take's delay).
+    # Holds counted unused, still takeable until the TTL: key -> when made.
     judged: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     # Holds given back (`unpaid`), until the TTL: key -> when made. A next turn that looks one
     # up finds no entry, but its conversation did continue: that counts as a take.
     given_back: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
-    delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAYS_KEPT))
+    seen_take: bool = False  # one of the holds followed here was taken (late ones too)
     since_probe: int = 0  # turns declined since the last probe hold
 
     def decide(self, taken: bool) -> None:
@@ -72,7 +71,7 @@ class _Counts:
     def patience(self, floor_s: float, ttl_s: float) -> float:
         """How long a hold waits for its take: `floor_s` until the tenant has shown a take,
         then the TTL (see the module docstring)."""
-        return ttl_s if self.delays else min(floor_s, ttl_s)
+        return ttl_s if self.seen_take else min(floor_s, ttl_s)
 
 
 @dataclass
@@ -133,30 +132,25 @@ class HoldPayoff:
         """A turn of `tenant` took the entry stored under `key`: decided taken, also when it
         was already counted unused (a late take) or another worker made the hold (with several
         workers each sees a share of the takes and of the holds; the ones it made and another's
-        turn took expire here unused). Its delay, when known, teaches the tenant's patience."""
+        turn took expire here unused). A take of a hold followed here sets the tenant's
+        patience to the TTL."""
         counts = self._counts(tenant)
-        made = counts.pending.pop(key, None)
-        if made is None:
-            made = counts.judged.pop(key, None)
-        if made is not None:
-            counts.delays.append(self.clock() - made)
+        if counts.pending.pop(key, None) is not None or counts.judged.pop(key, None) is not None:
+            counts.seen_take = True
         counts.decide(taken=True)
 
     def missed(self, tenant: str, key: Hashable) -> None:
         """A turn of `tenant` looked up `key` and found no entry: if it was a hold given back
-        (`unpaid`), its conversation continued all the same, so it counts as taken (late) and
-        its delay teaches the patience; otherwise nothing is known of it."""
+        (`unpaid`), its conversation continued all the same, so it counts as taken (late), as
+        `taken` counts it; otherwise nothing is known of it."""
         counts = self._tenants.get(tenant)
-        if counts is None:
-            return
-        made = counts.given_back.pop(key, None)
-        if made is not None:
-            counts.delays.append(self.clock() - made)
+        if counts is not None and counts.given_back.pop(key, None) is not None:
+            counts.seen_take = True
             counts.decide(taken=True)
 
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept
-        until the TTL, so that a late take still tells its delay)."""
+        until the TTL, so that a late take is still known as this tenant's)."""
         pending, judged, now = counts.pending, counts.judged, self.clock()
         patience = counts.patience(self.patience_s, self.ttl_s)
         while pending:
