@@ -39,6 +39,11 @@ def _hash_key(engine_hash: EngineHash) -> int:
     return int.from_bytes(engine_hash[-8:], "big")
 
 
+def _chained(parent: int, block: Sequence[int], extra: tuple[Any, ...] | None) -> int:
+    """A block's key: its parent's key, its tokens and its extra keys, hashed together."""
+    return hash((parent, tuple(block), extra))
+
+
 def block_keys(
     tokens: Sequence[int], block_size: int, salt: str | None, parent: int = 0
 ) -> list[int]:
@@ -47,7 +52,7 @@ def block_keys(
     keys: list[int] = []
     extra: tuple[Any, ...] | None = (salt,) if salt and parent == 0 else None
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash((parent, tuple(tokens[start : start + block_size]), extra))
+        parent = _chained(parent, tokens[start : start + block_size], extra)
         keys.append(parent)
         extra = None
     return keys
@@ -112,7 +117,7 @@ class BlockIndex:
             if len(block) < block_size:
                 break
             extra = extra_keys[i] if extra_keys and i < len(extra_keys) else None
-            key = hash((key, tuple(block), _extra(extra)))
+            key = _chained(key, block, _extra(extra))
             hk = _hash_key(engine_hash)
             old = mine.pop(hk, None)
             if old is None:

@@ -56,6 +56,13 @@ def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | 
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+def _in_gpu_memory(event: Any, gpu_medium: str) -> bool:
+    """The event is about the engine's GPU prefix cache (its one attention group), not an
+    offloaded tier; `AllBlocksCleared` carries neither field and always is."""
+    medium, group = getattr(event, "medium", None), getattr(event, "group_idx", None)
+    return medium in (None, gpu_medium) and group in (None, 0)
+
+
 class EngineEvents:
     """One engine's event stream applied to the index, in order (`take`)."""
 
@@ -93,9 +100,9 @@ class EngineEvents:
         metrics.KV_EVENTS_LAG.observe(max(0.0, (now or time.time()) - batch.ts))
         index, url = self._index, self.url
         for event in batch.events:
+            if not _in_gpu_memory(event, w.GPU_MEDIUM):
+                continue
             if isinstance(event, w.BlockStored):
-                if event.medium not in (None, w.GPU_MEDIUM) or event.group_idx not in (None, 0):
-                    continue
                 index.stored(
                     url,
                     event.block_hashes,
@@ -106,8 +113,6 @@ class EngineEvents:
                 )
                 metrics.KV_EVENTS.labels("stored").inc()
             elif isinstance(event, w.BlockRemoved):
-                if event.medium not in (None, w.GPU_MEDIUM) or event.group_idx not in (None, 0):
-                    continue
                 index.removed(url, event.block_hashes)
                 metrics.KV_EVENTS.labels("removed").inc()
             else:
