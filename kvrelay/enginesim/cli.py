@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens one step may compute: decodes first, then prefill chunks (vLLM's flag; "
         "8192 is its online default on H100/H200)",
     )
+    p.add_argument(
+        "--scheduling-policy",
+        choices=["fcfs", "priority"],
+        default="fcfs",
+        help="vLLM's flag: waiting requests admitted in arrival order, or by the requests' "
+        "priority (lower first) and then arrival",
+    )
     p.add_argument("--num-layers", type=int, default=2)
     p.add_argument("--num-kv-heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=16)
@@ -157,6 +164,7 @@ _ENGINE_OPTIONS = (
     "model",
     "max_num_seqs",
     "max_num_batched_tokens",
+    "scheduling_policy",
     "prefill_us_per_token",
     "decode_us_per_step",
     "cost_profile",

@@ -28,6 +28,9 @@ class EngineConfig:
     # while the engine's decoders keep going. 8192 is what vLLM 0.32 picks for online serving
     # on an H100 or H200 (the GPUs of every cost profile); 2048 on smaller GPUs.
     max_num_batched_tokens: int = 8192
+    # vLLM's `--scheduling-policy`: "fcfs" admits waiting requests in arrival order (a
+    # request's `priority` is ignored), "priority" by (priority, arrival), lower first.
+    scheduling_policy: str = "fcfs"
     # Simulated compute: prefill sleeps this long per locally computed prompt token.
     prefill_us_per_token: float = 0.0
     # One decode step of the running batch; prefill computed in the same step adds its own
@@ -81,6 +84,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be positive")
         if self.max_num_batched_tokens < self.max_num_seqs:

@@ -128,7 +128,15 @@ class EngineCore:
     # ----- entry points (engine thread) -------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
         req.hashes = self.model.prefix_hashes(req.prompt_token_ids, 0, None)
-        self.waiting.append(req)
+        waiting = self.waiting
+        if self.config.scheduling_policy == "priority" and waiting:
+            # vLLM's priority queue: by (priority, arrival), so behind every request of the
+            # same or a lower priority value, ahead of the first with a higher one.
+            for at, queued in enumerate(waiting):
+                if queued.priority > req.priority:
+                    waiting.insert(at, req)
+                    return
+        waiting.append(req)
 
     def abort(self, request_id: str) -> None:
         """The client went away: drop the request wherever it is, freeing what it holds."""

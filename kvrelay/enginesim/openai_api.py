@@ -61,6 +61,8 @@ class ParsedRequest:
     model: str
     # vLLM's `cache_salt`: the prefix-cache scope of the request (None: the shared one).
     cache_salt: str | None = None
+    # vLLM's request `priority` (lower runs earlier under --scheduling-policy priority).
+    priority: int = 0
 
 
 def kv_params_of(body: Any) -> dict[str, Any] | None:
@@ -87,6 +89,19 @@ def _int(body: dict[str, Any], name: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ApiError(400, f"{name} must be an integer", param=name)
+    return value
+
+
+_INT64 = 2**63
+
+
+def _priority(body: dict[str, Any]) -> int:
+    """vLLM 0.32's `priority` field: an integer within int64, 0 when absent."""
+    value = _int(body, "priority")
+    if value is None:
+        return 0
+    if not -_INT64 <= value < _INT64:
+        raise ApiError(400, "priority must fit in a signed 64-bit integer", param="priority")
     return value
 
 
@@ -253,7 +268,14 @@ def parse_completion(
         body, _int(body, "max_tokens"), len(ids), max_model_len, DEFAULT_COMPLETION_MAX_TOKENS
     )
     return ParsedRequest(
-        ids, sampling, stream, include_usage, kv_params_of(body), model, _cache_salt(body)
+        ids,
+        sampling,
+        stream,
+        include_usage,
+        kv_params_of(body),
+        model,
+        _cache_salt(body),
+        _priority(body),
     )
 
 
@@ -275,5 +297,12 @@ def parse_chat(
         max_tokens = _int(body, "max_tokens")
     sampling = _sampling(body, max_tokens, len(ids), max_model_len, None)
     return ParsedRequest(
-        ids, sampling, stream, include_usage, kv_params_of(body), model, _cache_salt(body)
+        ids,
+        sampling,
+        stream,
+        include_usage,
+        kv_params_of(body),
+        model,
+        _cache_salt(body),
+        _priority(body),
     )

@@ -69,6 +69,8 @@ class SimRequest:
     sink: Callable[[Output], None]
     # vLLM's `cache_salt`: only requests with the same salt share prefix-cache blocks.
     cache_salt: str | None = None
+    # vLLM's request priority: under --scheduling-policy priority, lower is admitted first.
+    priority: int = 0
     all_token_ids: list[int] = field(init=False)
     state: ReqState = ReqState.WAITING
     block_ids: list[int] = field(default_factory=list)

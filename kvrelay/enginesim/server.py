@@ -232,6 +232,7 @@ class EngineServer:
             sampling=parsed.sampling,
             kv_transfer_params=parsed.kv_transfer_params,
             cache_salt=parsed.cache_salt,
+            priority=parsed.priority,
             sink=self._sink(loop, outputs, parsed.stream),
         )
         response_id = ("chatcmpl-" if chat else "cmpl-") + client_id

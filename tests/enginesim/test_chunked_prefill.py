@@ -364,3 +364,52 @@ def test_a_preempted_prefill_resumes_from_the_full_blocks_it_had_computed() -> N
     assert first.text == reference_completion(p1, 60, ignore_eos=True)
     assert second.text == reference_completion(p2, 10, ignore_eos=True)
     assert core.pool.num_free == 40 and not core.has_work
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_waiting_requests_are_admitted_by_priority_only_under_that_policy(policy: str) -> None:
+    """vLLM's `--scheduling-policy`: under priority a request of a lower value is admitted ahead
+    of those queued before it (same value: arrival order); under fcfs its priority is ignored.
+    A long prompt running first fills each step's budget, so the others queue meanwhile."""
+    clock = ModelledClock()
+    config = EngineConfig(
+        max_num_batched_tokens=64,
+        max_num_seqs=64,
+        scheduling_policy=policy,
+        prefill_us_per_token=100.0,  # each step takes modelled time: finishes are ordered
+    )
+    core = EngineCore(config, wait=clock.wait, clock=clock.clock)
+    sinks: dict[str, Recorder] = {}
+
+    def add(name: str, priority: int, length: int) -> None:
+        sinks[name] = Recorder(clock)
+        core.add_request(
+            SimRequest(
+                request_id=name,
+                client_request_id=name,
+                prompt_token_ids=list(range(1, length + 1)),
+                sampling=SamplingParams(max_tokens=1),
+                kv_transfer_params=None,
+                sink=sinks[name],
+                priority=priority,
+            )
+        )
+
+    add("long", 0, 256)
+    core.step()  # its first chunk: it runs, and fills every step's budget for three more
+    for name, priority in (("a", 0), ("b", 0), ("urgent", -1)):
+        add(name, priority, 63)  # a step each (with the sampled token's slot)
+    order = [r.request_id for r in core.waiting]
+    assert order == (["a", "b", "urgent"] if policy == "fcfs" else ["urgent", "a", "b"])
+    run_to_completion(core, lambda: all(s.finished for s in sinks.values()))
+    done = sorted(sinks, key=lambda name: sinks[name].times[-1])
+    assert done == (
+        ["long", "a", "b", "urgent"] if policy == "fcfs" else ["long", "urgent", "a", "b"]
+    )
+
+
+def test_the_scheduling_policy_flag_reaches_the_config_and_is_checked() -> None:
+    args = build_parser().parse_args(["--scheduling-policy", "priority"])
+    assert config_from_args(args).scheduling_policy == "priority"
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        EngineConfig(scheduling_policy="lifo").validate()

@@ -119,6 +119,8 @@ def test_stop_strings_truncate_and_finish(engine: EngineSim) -> None:
         ("/v1/completions", {"prompt": ""}, 400, "prompt"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
         ("/v1/completions", {"prompt": "x", "stream_options": {}}, 400, "stream_options"),
+        ("/v1/completions", {"prompt": "x", "priority": "high"}, 400, "priority"),
+        ("/v1/completions", {"prompt": "x", "priority": 2**63}, 400, "priority"),
         ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "bot", "content": "x"}]}, 400,
          "messages"),

@@ -186,6 +186,93 @@ def test_a_p_caching_the_history_beats_one_pulling_it() -> None:
     assert pick.work == work - held + round(PULL_COST * held)
 
 
+def _events_router(**settings: object) -> tuple[Router, Pool]:
+    """A router following KV events (an endpoint named: no feed runs in a unit test)."""
+    return _router(kv_events_endpoints='{"http://p0": "tcp://127.0.0.1:1"}', **settings)
+
+
+# The blocks' extra keys as vLLM reports them: the cache salt on the first block only.
+SALTED = [["salt-a"], *([None] * 19)]
+
+
+def _tokens_prompt(tokens: list[int], body: dict[str, object]) -> PromptPrefixes:
+    return _prefixes(body).with_tokens(tokens, "salt-a")
+
+
+def test_a_queued_p_caching_a_prefix_has_another_p_pull_it() -> None:
+    router, prefill = _events_router(prefix_pull_min_tokens=64)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    assert router.blocks is not None
+    shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16, the system prompt
+    # p1's events: those 20 blocks, chained from the root.
+    router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
+    asked = iter(range(10))
+    # A new question each time (the routing-fed index records each), a fifth of the prompt
+    # in characters as in tokens.
+    questions = [f"question {n} ".ljust(290, "x") for n in range(10)]
+    work = _prefixes(_chat(questions[0])).total + 1
+    source_chars = (work - 1) * 320 // 400
+
+    def pick() -> tuple[str, int, str | None, int]:
+        n = next(asked)
+        tokens = shared + [5000 + n] * 80  # 400 tokens
+        prompt = _tokens_prompt(tokens, _chat(questions[n]))
+        chosen = router.pick_prefill(None, set(), work, prompt=prompt)
+        assert chosen.backend is not None
+        source = chosen.source
+        return (
+            chosen.backend.url,
+            chosen.work,
+            source.backend.url if source else None,
+            source.tokens if source else 0,
+        )
+
+    # Idle: p1 serves it from its own cache, nobody pulls.
+    assert pick() == (p1.url, work - source_chars, None, 0)
+    # p1 queued more than the pull would cost p0: p0 runs the turn and pulls p1's 320 tokens.
+    p1.outstanding_work = round(PULL_COST * source_chars) + 10
+    assert pick() == (
+        p0.url,
+        work - source_chars + round(PULL_COST * source_chars),
+        p1.url,
+        320,
+    )
+    # p0 pulled it, so it caches it now: the next such turn needs no pull.
+    assert pick() == (p0.url, work - source_chars, None, 0)
+
+
+def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
+    router, prefill = _events_router(prefix_pull_min_tokens=64, reuse_probe_interval_s=60)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    assert router.blocks is not None
+    shared = list(range(1000, 1320))
+    router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
+    p1.outstanding_work = 10_000
+    prompt = _tokens_prompt(shared + [7] * 80, _chat("late"))
+    router.pin_too_slow(p1.url)
+    chosen = router.pick_prefill(None, set(), prompt.total + 1, prompt=prompt)
+    assert chosen.backend is p0 and chosen.source is None and chosen.work == prompt.total + 1
+
+
+def test_no_pull_below_the_minimum_off_or_with_a_held_history() -> None:
+    tokens = list(range(2000, 2400))
+    body = _chat("short")
+    for settings, held, stored in (
+        ({"prefix_pull_min_tokens": 321}, 0, 320),  # fewer tokens than the minimum
+        ({"prefix_pull": False}, 0, 320),  # off
+        ({}, 500, 320),  # the conversation's holder is pulled from instead
+    ):
+        router, prefill = _events_router(**settings)
+        prefill.add("http://p0")
+        p1 = prefill.add("http://p1")
+        assert router.blocks is not None
+        router.blocks.stored(p1.url, list(range(20)), None, tokens[:stored], 16, SALTED)
+        prompt = _tokens_prompt(tokens, body)
+        p1.outstanding_work = 10_000
+        chosen = router.pick_prefill(None, set(), prompt.total + 1, prompt=prompt, held_chars=held)
+        assert chosen.backend is not p1 and chosen.source is None, settings
+
+
 def test_prefix_routing_off_or_one_p_leaves_the_load_choice() -> None:
     router, prefill = _router(prefix_routing=False)
     assert router.prefixes is None and not router.routes_by_prefix

@@ -399,6 +399,87 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     proxy.stop()
 
 
+def _prefill_load(proxy: ProxyServer, url: str) -> float | None:
+    """The queue the proxy last read from the P at `url` (None: no fresh reading)."""
+    status, answer, _ = proxy.call(
+        "GET", "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+    )
+    assert status == 200, answer
+    load = next(b["load"] for b in answer["prefill"] if b["url"] == url)
+    return None if load is None or load["age_s"] > 1.0 else float(load["waiting"])
+
+
+@pytest.mark.parametrize("prefix_pull", [True, False])
+def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, prefix_pull: bool
+) -> None:
+    """P1 caches a system prompt (its events say so), then reports a long queue: the next
+    request sharing that prompt runs on P0. With prefix_pull, P1 pins the prefix (a request of
+    its own, served from its cache) and P0 loads it from P1 over NIXL instead of computing it;
+    P0's and P1's own counters show each step, the answer is the reference's, and P1 holds
+    nothing afterwards. Without it, P0 computes the whole prompt."""
+    p0, p1, d = idle
+    endpoints = ",".join(
+        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
+    )
+    proxy = proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        admin_key=ADMIN_KEY,
+        kv_events_endpoints=endpoints,
+        prefix_index_ttl_s="0.001",
+        load_poll_interval_s="0.5",
+        prefix_pull=str(prefix_pull).lower(),
+        prefix_pull_min_tokens="64",
+        prefix_pull_timeout_s="10",
+    )
+    # Unique from its first block: a block whose parent was stored before the proxy
+    # subscribed cannot be named by the index (an earlier test's prompt would be its parent).
+    system = f"{prefix_pull}: you pull prefixes from whoever caches them. " * 10
+
+    def ask(question: str) -> list[dict[str, float]]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        before = p0.metrics(), p1.metrics()
+        answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
+        assert answer == reference_chat(messages, 12)
+        after = p0.metrics(), p1.metrics()
+        return [
+            {n: a.get(n, 0.0) - b.get(n, 0.0) for n in a}
+            for a, b in zip(after, before, strict=True)
+        ]
+
+    probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
+    ask("Who computes this first?")
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
+    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    try:
+        assert p1.request("/admin/faults", {"extra_waiting": 6})[0] == 200
+        wait_until(lambda: _prefill_load(proxy, p1.url) == 6, 10, what="the proxy to read P1")
+        grew0, grew1 = ask("And who pulls it?")
+    finally:
+        p1.request("/admin/faults", {"extra_waiting": 0})
+    loaded, cached = "enginesim_prompt_tokens_loaded_total", "enginesim_prompt_tokens_cached_total"
+    m = proxy.metrics()
+    if prefix_pull:
+        # P1 served the pin from its cache; P0 loaded the prefix and computed only the rest.
+        assert grew1["enginesim_requests_total"] == 1 and grew1[cached] >= 64
+        assert grew0["enginesim_requests_total"] == 1 and grew0[loaded] >= 64
+        assert grew0[cached] == 0
+        assert m['kvrelay_prefix_pulls_total{result="pinned"}'] == 1
+        assert m['kvrelay_prefix_pulls_total{result="pulled"}'] == 1
+        assert m["kvrelay_prefix_pulled_tokens_total"] == grew0[loaded]
+        assert m['kvrelay_prefix_routing_total{result="pull"}'] == 1
+    else:
+        assert grew1["enginesim_requests_total"] == 0
+        assert grew0["enginesim_requests_total"] == 1 and grew0[loaded] == grew0[cached] == 0
+        assert m.get('kvrelay_prefix_pulls_total{result="pinned"}', 0.0) == 0
+    # The pin's hold was read (or released): nothing stays held on P1.
+    wait_until(lambda: p1.metric("enginesim_requests_held") == 0, 10, what="P1 holds nothing")
+    proxy.stop()
+
+
 def test_holds_that_do_not_pay_are_given_back_before_their_lease(
     idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
 ) -> None:

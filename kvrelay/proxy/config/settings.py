@@ -486,6 +486,38 @@ class Settings(BaseSettings):
             "it, the oldest reported blocks of the engine holding the most are forgotten."
         ),
     )
+    prefix_pull: bool = Field(
+        default=True,
+        description=(
+            "With KV events: when the P whose cache holds a prompt's prefix is not where the "
+            "turn would be done first, another P pulls that prefix from it over NIXL instead "
+            "of computing it. The holder keeps the prefix for the pull through a one-token "
+            "request of its own (a pin); its P engines should run --scheduling-policy "
+            "priority, so a pin does not wait in the holder's queue."
+        ),
+    )
+    prefix_pull_min_tokens: int = Field(
+        default=256,
+        ge=1,
+        description=(
+            "prefix_pull: the fewest prefix tokens worth a pin and a pull (fewer are computed)."
+        ),
+    )
+    prefix_pull_priority: int = Field(
+        default=-1,
+        description=(
+            "prefix_pull: the vLLM request priority of a pin (lower runs earlier under "
+            "--scheduling-policy priority; ignored under fcfs)."
+        ),
+    )
+    prefix_pull_timeout_s: float = Field(
+        default=0.5,
+        gt=0,
+        description=(
+            "prefix_pull: how long a turn waits for the holder's pin; past it the turn's P "
+            "computes the prefix, and that holder serves no pulls for reuse_probe_interval_s."
+        ),
+    )
     hold_min_use: float = Field(
         default=0.05,
         ge=0,

@@ -57,7 +57,13 @@ from kvrelay.proxy.fleet.pools import (
 )
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
-from kvrelay.proxy.fleet.routing import PULL_COST, PrefillPick, Router, uncached_tokens
+from kvrelay.proxy.fleet.routing import (
+    PULL_COST,
+    PrefillPick,
+    PrefixSource,
+    Router,
+    uncached_tokens,
+)
 from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
@@ -91,6 +97,7 @@ __all__ = [
     "Pool",
     "PrefillPick",
     "PrefixIndex",
+    "PrefixSource",
     "PromptPrefixes",
     "RedisFleetSync",
     "ResolveError",

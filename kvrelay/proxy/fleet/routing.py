@@ -43,6 +43,7 @@ affinity until it shows one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -106,13 +107,23 @@ class Spill:
         )
 
 
+class PrefixSource(NamedTuple):
+    """Another P whose cache holds a prefix of the turn's prompt, which the chosen P pulls from
+    it (`prefix_pull`): that P, and the prefix's tokens (whole blocks, as its events said)."""
+
+    backend: Backend
+    tokens: int
+
+
 class PrefillPick(NamedTuple):
-    """The P a turn's P leg tries, whether it is the one the plan preferred (affinity), and
-    the prompt characters it is expected to compute (what its queue counts while it does)."""
+    """The P a turn's P leg tries, whether it is the one the plan preferred (affinity), the
+    prompt characters it is expected to compute (what its queue counts while it does), and
+    the P it pulls a cached prefix from, if any."""
 
     backend: Backend | None
     by_affinity: bool
     work: int
+    source: PrefixSource | None = None
 
 
 @dataclass
@@ -135,6 +146,8 @@ class Router:
     blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
     holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
+    # P URL -> until when (monotonic) it serves no pulls: its pin came too late.
+    _slow_pins: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -161,6 +174,11 @@ class Router:
         s = self.settings
         return load.waiting > s.decode_max_waiting or load.kv_usage > s.decode_max_kv_usage
 
+    def _kv_full(self, backend: Backend) -> bool:
+        """The engine's fresh reading shows its KV cache past `decode_max_kv_usage`."""
+        load = fresh_load(backend, self.settings.load_poll_interval_s)
+        return load is not None and load.kv_usage > self.settings.decode_max_kv_usage
+
     def _queued(self, backend: Backend) -> float:
         """Requests the engine has, as far as this worker can tell: its own in flight, or the
         engine's running + waiting when a fresh reading says more (other workers' too)."""
@@ -181,19 +199,57 @@ class Router:
         """P is chosen by the engines' KV events: the prompt's token ids are looked up."""
         return self.blocks is not None and self.routes_by_prefix
 
-    def cached_chars(self, prompt: PromptPrefixes) -> dict[str, int]:
+    def cached_chars(
+        self, prompt: PromptPrefixes, reported: Mapping[str, int] | None = None
+    ) -> dict[str, int]:
         """For each P expected to cache a prefix of `prompt`, that prefix in characters: the
         longer of what the routing-fed index expects and what the P's own events reported
-        (tokens counted as the prompt's characters in proportion)."""
+        (`reported`, else looked up: tokens counted as the prompt's characters in
+        proportion)."""
         assert self.prefixes is not None
         cached = self.prefixes.cached_chars(prompt)
-        if self.blocks is not None and prompt.tokens:
-            n = len(prompt.tokens)
-            for url, tokens in self.blocks.cached_tokens(prompt.tokens, prompt.salt).items():
+        if reported is None:
+            reported = self.reported_tokens(prompt)
+        if reported:
+            n = len(prompt.tokens or ())
+            for url, tokens in reported.items():
                 chars = prompt.total * tokens // n
                 if chars > cached.get(url, 0):
                     cached[url] = chars
         return cached
+
+    def reported_tokens(self, prompt: PromptPrefixes) -> dict[str, int]:
+        """For each P whose KV events show a prefix of `prompt` cached, its tokens."""
+        if self.blocks is None or not prompt.tokens:
+            return {}
+        return self.blocks.cached_tokens(prompt.tokens, prompt.salt)
+
+    def pin_too_slow(self, url: str) -> None:
+        """The P at `url` did not answer a pin within `prefix_pull_timeout_s` (its queue is
+        not ordered by priority, or it is that busy): no pulls from it for
+        `reuse_probe_interval_s`."""
+        self._slow_pins[url] = time.monotonic() + self.settings.reuse_probe_interval_s
+
+    def serves_pulls(self, url: str) -> bool:
+        """The P at `url` is not resting after a late pin (`pin_too_slow`)."""
+        return self._slow_pins.get(url, 0.0) <= time.monotonic()
+
+    def _pull_source(
+        self, reported: Mapping[str, int], candidates: list[Backend]
+    ) -> PrefixSource | None:
+        """The P whose events show the longest prefix of the prompt, at least
+        `prefix_pull_min_tokens`, when it can pin it now: usable, its pins on time, its KV
+        cache not full (a long queue is no bar: the pin goes ahead of it)."""
+        s = self.settings
+        best: PrefixSource | None = None
+        for b in candidates:
+            tokens = reported.get(b.url, 0)
+            if tokens < s.prefix_pull_min_tokens or (best is not None and tokens <= best.tokens):
+                continue
+            if not self.serves_pulls(b.url) or self._kv_full(b):
+                continue
+            best = PrefixSource(b, tokens)
+        return best
 
     def pick_prefill(
         self,
@@ -239,28 +295,50 @@ class Router:
         prompt characters it would compute, those being the prompt less the prefix its cache
         is expected to hold (`cached_chars`) and less the history any P pulls from the
         conversation's holder (`held_chars`) beyond that prefix, which counts at `PULL_COST`.
-        Busy Ps last."""
+        Busy Ps last. With `prefix_pull` and no held history, a P may instead pull the longest
+        prefix another P's events show (`_pull_source`), also at `PULL_COST`: the holder
+        keeps it through a pin sent ahead of its queue (`prefix_pull_priority`), so the pull
+        waits for the chosen P's queue, not the holder's."""
         index = self.prefixes
         assert index is not None
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
         if not candidates:
             return PrefillPick(None, False, work)
-        cached = self.cached_chars(prompt)
+        reported = self.reported_tokens(prompt)
+        cached = self.cached_chars(prompt, reported)
+        source = None
+        if self.settings.prefix_pull and reported and not held_chars and len(candidates) > 1:
+            source = self._pull_source(reported, candidates)
+        source_chars = prompt.total * source.tokens // len(prompt.tokens or (1,)) if source else 0
 
         def computed(b: Backend) -> int:
             local = cached.get(b.url, 0)
             pulled = max(0, held_chars - local)
             return max(1, round(work - local - pulled + PULL_COST * pulled))
 
-        best = min(
-            candidates,
-            key=lambda b: (
-                self.busy(b),
-                self._queued_work(b, work) + computed(b),
-                self._queued(b),
-                b.inflight,
-            ),
-        )
+        def pulling(b: Backend) -> int | None:
+            """What `b` computes when it pulls the source's prefix; None when it would not
+            (it is the source, or its own cache holds as much)."""
+            local = cached.get(b.url, 0)
+            if source is None or b is source.backend or source_chars <= local:
+                return None
+            pulled = source_chars - local
+            return max(1, round(work - source_chars + PULL_COST * pulled))
+
+        def cost(b: Backend) -> tuple[bool, float, float, int]:
+            own = computed(b)
+            pull = pulling(b)
+            least = own if pull is None else min(own, pull)
+            return (self.busy(b), self._queued_work(b, work) + least, self._queued(b), b.inflight)
+
+        best = min(candidates, key=cost)
+        pull = pulling(best)
+        if pull is not None and pull < computed(best):
+            assert source is not None
+            index.record(best.url, prompt)
+            metrics.PREFIX_INDEX_ENTRIES.set(len(index))
+            metrics.PREFIX_ROUTING.labels("pull").inc()
+            return PrefillPick(best, best.url == preferred, pull, source)
         # Recorded as the turn is sent, not when P has answered: a request sharing the prefix
         # that comes meanwhile queues behind it on the same P and reuses its blocks as they
         # are computed, where on another P it would compute them all again.

@@ -268,8 +268,9 @@ PREFIX_ROUTING = Labelled(
     Counter(
         "kvrelay_prefix_routing_total",
         "P choices with prefix_routing: cached (the P chosen is expected to cache a prefix of "
-        "the prompt), elsewhere (a P caches one, but another's queue made it cheaper), none "
-        "(no P is expected to cache any).",
+        "the prompt), pull (another P's events show a longer prefix, which the chosen P pulls "
+        "from it: prefix_pull), elsewhere (a P caches one, but another's queue made it "
+        "cheaper to compute it), none (no P is expected to cache any).",
         ["result"],
     )
 )
@@ -277,6 +278,22 @@ PREFIX_CACHED_CHARS = Counter(
     "kvrelay_prefix_cached_chars_total",
     "Prompt characters the chosen P was expected to serve from its prefix cache "
     "(prefix_routing's estimate; the engines' own counts are in kvrelay_tokens_reused_total).",
+)
+PREFIX_PULLS = Labelled(
+    Counter(
+        "kvrelay_prefix_pulls_total",
+        "Prefix pulls from the P caching a prompt's prefix (prefix_pull), by what came of "
+        "them: pinned (the holder kept the prefix for the pull), pulled (the turn's P "
+        "reported loading it), not_pulled (the turn's P loaded none of it: its own cache "
+        "held it, or the blocks were refused), pin_failed (the holder answered no hold), "
+        "pin_timeout (no answer within prefix_pull_timeout_s).",
+        ["result"],
+    )
+)
+PREFIX_PULLED_TOKENS = Counter(
+    "kvrelay_prefix_pulled_tokens_total",
+    "Prompt tokens the turns' Ps reported loading from another P's pinned prefix (their "
+    "connectors' own counts).",
 )
 PREFIX_INDEX_ENTRIES = Gauge(
     "kvrelay_prefix_index_entries",

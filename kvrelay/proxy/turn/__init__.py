@@ -5,7 +5,8 @@ reused (`PromptAccount`, `TurnAccounts`).
 
 A worker's turns share a `TurnCrew` (the parts of its fleet they use). A turn talks to its
 client through `Client` (`AiohttpClient` for the proxy's server) and to engines through
-`Engines` (the worker's engine client unless a test gives it another).
+`Engines` (the worker's engine client unless a test gives it another). A turn whose prompt's
+prefix another P caches may have that P pin it for its own P to pull (`PrefixPin`).
 """
 
 from kvrelay.proxy.turn.accounting import PromptAccount, TurnAccounts
@@ -29,6 +30,7 @@ from kvrelay.proxy.turn.crew import TurnCrew
 from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.prefill_leg import read_prefill_answer
+from kvrelay.proxy.turn.prefix_pin import PrefixPin, pin_body
 from kvrelay.proxy.turn.relay import Turn
 from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.settings import TurnSettings
@@ -45,6 +47,7 @@ __all__ = [
     "Engines",
     "LegFailure",
     "Owed",
+    "PrefixPin",
     "PromptAccount",
     "SSEFilter",
     "Turn",
@@ -61,6 +64,7 @@ __all__ = [
     "completion_shape",
     "conversation_id_from",
     "decode_body",
+    "pin_body",
     "prefill_body",
     "prompt_chars",
     "read_prefill_answer",

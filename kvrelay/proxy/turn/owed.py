@@ -1,8 +1,9 @@
 """What a turn owes the engines: the holds it made (or took over) that nobody else will free.
 
-A turn takes over the previous turn's hold on D (until P's connector reads or releases it),
-makes P hold blocks for D (until D's connector reads them), and asks D to hold for the next turn
-(until D's params are stored, or handed to a task that stores them). `Owed` lists what is still
+A turn takes over the previous turn's hold on D (until P's connector reads or releases it), or
+has another P pin a cached prefix for its P to pull (the same way), makes P hold blocks for D
+(until D's connector reads them), and asks D to hold for the next turn (until D's params are
+stored, or handed to a task that stores them). `Owed` lists what is still
 owed; each debt is settled when someone else takes it on, released now when the turn moves past
 it, and everything still owed is released as a unit on any way out of the turn.
 """
@@ -18,6 +19,7 @@ class Debt(enum.StrEnum):
     Python call), and a turn looks debts up several times."""
 
     PREVIOUS_HOLD = "previous_hold"  # D's blocks of the taken entry, until P answered
+    PINNED_PREFIX = "pinned_prefix"  # another P's pin of a cached prefix, until P answered
     PREFILL_BLOCKS = "prefill_blocks"  # P's blocks for D, until D's answer is complete
     DECODE_HOLD = "decode_hold"  # D's hold for the next turn, until its params are handled
 

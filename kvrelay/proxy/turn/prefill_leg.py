@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,12 +26,16 @@ from kvrelay.connector.protocol import (
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.base import jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend, Pool, PromptPrefixes, Router
+from kvrelay.proxy.fleet import Backend, Pool, PrefixSource, PromptPrefixes, Router
 from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
 from kvrelay.proxy.turn.legs import prefill_body
 
 log = logging.getLogger(__name__)
+
+# Has a prefix's source P keep it for the turn's P to pull: its params, or None
+# (`kvrelay.proxy.turn.prefix_pin.PrefixPin.pin`).
+Pinner = Callable[[PrefixSource, Sequence[int]], Awaitable[KVTransferParams | None]]
 
 
 @dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
@@ -43,6 +48,7 @@ class PrefillAnswer:
     prompt_tokens: int | None
     account: PromptAccount  # what P reported it did with the prompt
     by_affinity: bool = False  # the conversation's previous P, as the plan preferred
+    pulled_prefix: bool = False  # P was sent another P's pinned prefix to pull
 
 
 class _PrefillReply(BaseModel):
@@ -92,17 +98,22 @@ class PrefillLeg:
         work: int,
         tenant: str = "",
         prompt: PromptPrefixes | None = None,
+        pin: Pinner | None = None,
     ) -> PrefillAnswer | None:
         """P's answer, or None when no P answered (D then prefills alone). `entry`: the
         conversation's usable entry, whose blocks P pulls; `prefer`: the P to try first (the
         conversation's previous P); `work` is the prompt's weight; `tenant`'s standing decides
         P affinity; `prompt`: the prompt's prefixes when P is chosen by what it caches
         (`Router.routes_by_prefix`). What P is expected to compute counts against its
-        outstanding work while it prefills."""
+        outstanding work while it prefills. `pin`: asks the P a pick names as a prefix's
+        source to keep it (`PrefixPin`; once per turn): the Ps tried from then on pull it,
+        the source itself excepted."""
         attempts, pool, router = self._attempts, self._pool, self._router
         report = attempts.report
         reuse = entry.to_kv_transfer_params() if entry is not None else None
-        payload = jsoncodec.dumps(prefill_body(body, reuse))
+        payload = pulled = plain = jsoncodec.dumps(prefill_body(body, reuse))
+        pinned: KVTransferParams | None = None
+        pinned_at: str | None = None  # the source asked (its URL), once asked
         held_chars = (
             round(entry.num_tokens * entry.chars_per_token)
             if entry is not None and entry.chars_per_token
@@ -110,6 +121,7 @@ class PrefillLeg:
         )
         affine: set[str] = set()
         computes: dict[str, int] = {}  # P -> the prompt characters it is expected to compute
+        sources: dict[str, PrefixSource] = {}  # P -> the P it would pull a prefix from
 
         def pick(exclude: set[str]) -> Backend | None:
             chosen = router.pick_prefill(prefer, exclude, work, tenant, prompt, held_chars)
@@ -118,9 +130,25 @@ class PrefillLeg:
                 computes[backend.url] = chosen.work
                 if chosen.by_affinity:
                     affine.add(backend.url)
+                if chosen.source is not None:
+                    sources[backend.url] = chosen.source
             return backend
 
         for backend in attempts.tries("prefill", pick):
+            source = sources.get(backend.url)
+            if (
+                source is not None
+                and pinned_at is None
+                and pin is not None
+                and prompt is not None
+                and prompt.tokens
+            ):
+                pinned_at = source.backend.url
+                pinned = await pin(source, prompt.tokens)
+                if pinned is not None:
+                    pulled = jsoncodec.dumps(prefill_body(body, pinned))
+            pulls = pinned is not None and backend.url != pinned_at
+            payload = pulled if pulls else plain  # the source serves it from its cache
             start = time.monotonic()
             try:
                 with pool.busy(backend, computes[backend.url]):
@@ -136,7 +164,7 @@ class PrefillLeg:
                 continue
             if verdict is Verdict.REJECTED:
                 raise upstream_error_from_body(status, raw, "prefill")  # D would refuse it too
-            return self._answer(backend, raw, backend.url in affine)
+            return self._answer(backend, raw, backend.url in affine, pulls)
         report.fell_back("decode_only")
         log.warning(
             "no prefill engine answered; decode engine prefills (request %s)", self._request_id
@@ -153,13 +181,14 @@ class PrefillLeg:
             resp.release()
 
     @staticmethod
-    def _answer(backend: Backend, raw: bytes, by_affinity: bool) -> PrefillAnswer:
+    def _answer(backend: Backend, raw: bytes, by_affinity: bool, pulls: bool) -> PrefillAnswer:
         answer = read_prefill_answer(raw)
         if answer is None:
-            return PrefillAnswer(backend, None, None, UNKNOWN_ACCOUNT, by_affinity)
+            return PrefillAnswer(backend, None, None, UNKNOWN_ACCOUNT, by_affinity, pulls)
         params, usage = answer
         prompt_tokens, _ = usage_figures(usage)  # bounded: it sizes the next turn's estimate
-        return PrefillAnswer(backend, params, prompt_tokens, _account(params, usage), by_affinity)
+        account = _account(params, usage)
+        return PrefillAnswer(backend, params, prompt_tokens, account, by_affinity, pulls)
 
 
 def _account(params: KVTransferParams | None, usage: object) -> PromptAccount:

@@ -19,11 +19,13 @@ blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.turn.owed`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvrelay.connector.protocol import REFUSED_HASH
+from kvrelay.connector.protocol import REFUSED_HASH, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
-from kvrelay.proxy.fleet import Backend, Plan, PromptPrefixes, Route
+from kvrelay.proxy.fleet import Backend, Plan, PrefixSource, PromptPrefixes, Route
+from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import CACHE_SALT
 from kvrelay.proxy.turn.accounting import TurnAccounts
 from kvrelay.proxy.turn.answer import Answer, Relayed
@@ -34,6 +36,7 @@ from kvrelay.proxy.turn.crew import TurnCrew
 from kvrelay.proxy.turn.decode_leg import DecodeLeg
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer, PrefillLeg
+from kvrelay.proxy.turn.prefix_pin import PrefixPin
 from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.settle import Settle
 from kvrelay.proxy.turn.store import Store
@@ -119,6 +122,7 @@ class Turn:
             # (freeing them) or released them; otherwise nobody will, so the proxy does.
             if plan is None or plan.route is Route.THROUGH_P:
                 self.owed.release(Debt.PREVIOUS_HOLD)
+            self.owed.release(Debt.PINNED_PREFIX)  # no P was sent it (or none answered)
         report.holding(self.hold)
         if through_p:
             await self._decode_step(plan)
@@ -152,10 +156,22 @@ class Turn:
         crew, ctx = self.crew, self.ctx
         leg = PrefillLeg(self._attempts, crew.prefill, crew.router, ctx.request_id)
         answer = await leg.run(
-            ctx.body, self.entry, plan.prefill_first, ctx.work, ctx.tenant, self._prompt
+            ctx.body,
+            self.entry,
+            plan.prefill_first,
+            ctx.work,
+            ctx.tenant,
+            self._prompt,
+            self._pin if crew.settings.prefix_pull else None,
         )
         if answer is None:
             return
+        if answer.pulled_prefix:
+            self.owed.settle(Debt.PINNED_PREFIX)  # P's connector read or released it
+            loaded = answer.account.loaded
+            metrics.PREFIX_PULLS.labels("pulled" if loaded else "not_pulled").inc()
+            if loaded:
+                metrics.PREFIX_PULLED_TOKENS.inc(loaded)
         self.prefill = answer
         self.routing = "prefill_affinity" if answer.by_affinity else "prefill_chosen"
         self.report.routed(self.routing)
@@ -165,6 +181,24 @@ class Turn:
             releaser = crew.releaser
             release = functools.partial(releaser.release_soon_params, "prefill", answer.params)
             self.owed.owe(Debt.PREFILL_BLOCKS, release)
+
+    async def _pin(self, source: PrefixSource, tokens: Sequence[int]) -> KVTransferParams | None:
+        """Ask `source` to keep the prompt's prefix for this turn's P to pull (`PrefixPin`);
+        the turn owes its release until a P that was sent it answers."""
+        crew, settings = self.crew, self.crew.settings
+        pinner = PrefixPin(
+            self.ctx,
+            crew.engines,
+            crew.router,
+            crew.releaser,
+            settings.prefix_pull_priority,
+            settings.prefix_pull_timeout_s,
+        )
+        params = await pinner.pin(source, tokens)
+        if params is not None:
+            release = functools.partial(crew.releaser.release_soon_params, "prefill", params)
+            self.owed.owe(Debt.PINNED_PREFIX, release)
+        return params
 
     async def _decode_step(self, plan: Plan) -> None:
         """D's leg, its answer relayed, its params stored, the answer's last bytes."""

@@ -17,6 +17,9 @@ class TurnSettings(NamedTuple):
     conversation_ttl_s: float
     entry_safety_margin_s: float
     stock_vllm_reuse: bool
+    prefix_pull: bool
+    prefix_pull_priority: int
+    prefix_pull_timeout_s: float
 
     @classmethod
     def of(cls, settings: Settings) -> TurnSettings:
