@@ -11,7 +11,9 @@ system serves from all of them.
   (every turn that can continue holds: `hold_min_use` 0); `kvrelay load routing` (P by load
   and conversation affinity, every turn holding: the default before prefix routing and
   `hold_min_use`); `kvrelay kv events` (the default, its P chosen by the Ps' own KV cache
-  events: each P started with `--kv-events-config`, the proxy with `kv_events_endpoints`);
+  events: each P started with `--kv-events-config` and `--scheduling-policy priority`, the
+  proxy with `kv_events_endpoints`; a P pulls a prefix another P caches: `prefix_pull`);
+  `kvrelay kv events no pull` (the same with `prefix_pull` off: each P computes what it lacks);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -89,6 +91,13 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
     System("kvrelay kv events", "kvrelay", "default", kv_events=True),
+    System(
+        "kvrelay kv events no pull",
+        "kvrelay",
+        "default",
+        proxy_settings=(("KVRELAY_PREFIX_PULL", "false"),),
+        kv_events=True,
+    ),
     System(
         "kvrelay load routing",
         "kvrelay",
@@ -168,6 +177,8 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
         for args in p_args:
             config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
             args += ["--kv-events-config", json.dumps(config)]
+            # kvrelay's P deployment with events: pins go ahead of the queue (prefix_pull).
+            args += ["--scheduling-policy", "priority"]
     return [("prefill", args) for args in p_args] + [("decode", engine_args(hw, d_lease))] * (
         hw.engines - n_p
     )
