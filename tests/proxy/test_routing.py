@@ -433,6 +433,9 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
         prefix_pull=str(prefix_pull).lower(),
         prefix_pull_min_tokens="64",
         prefix_pull_timeout_s="10",
+        # P1's reported queue is made up (a fault), its steps stay short: told so, the router
+        # weighs the pin's wait as one short step, not as P1's whole queue.
+        prefill_step_tokens="64",
     )
     # Unique from its first block: a block whose parent was stored before the proxy
     # subscribed cannot be named by the index (an earlier test's prompt would be its parent).

@@ -135,6 +135,8 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
             load_poll_interval_s="0.1",
             prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
             prefix_pull_timeout_s="20",
+            # P2 is kept busy decoding (a token a step): a pin waits one short step there.
+            prefill_step_tokens=str(2 * vllm_servers.BLOCK_SIZE),
         )
         yield CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
     finally:

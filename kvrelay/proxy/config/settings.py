@@ -503,6 +503,15 @@ class Settings(BaseSettings):
             "prefix_pull: the fewest prefix tokens worth a pin and a pull (fewer are computed)."
         ),
     )
+    prefill_step_tokens: int = Field(
+        default=8192,
+        ge=1,
+        description=(
+            "prefix_pull: the prompt tokens one P engine step computes (its vLLM "
+            "--max-num-batched-tokens; 8192 is vLLM's online default on H100/H200). A pin waits "
+            "at most for the holder's current step, so a pull is weighed with that wait."
+        ),
+    )
     prefix_pull_priority: int = Field(
         default=-1,
         description=(

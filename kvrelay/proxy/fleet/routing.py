@@ -296,9 +296,9 @@ class Router:
         is expected to hold (`cached_chars`) and less the history any P pulls from the
         conversation's holder (`held_chars`) beyond that prefix, which counts at `PULL_COST`.
         Busy Ps last. With `prefix_pull` and no held history, a P may instead pull the longest
-        prefix another P's events show (`_pull_source`), also at `PULL_COST`: the holder
-        keeps it through a pin sent ahead of its queue (`prefix_pull_priority`), so the pull
-        waits for the chosen P's queue, not the holder's."""
+        prefix another P's events show (`_pull_source`), also at `PULL_COST`, after the
+        holder's pin: sent ahead of the holder's queue (`prefix_pull_priority`), it waits at
+        most for the holder's current step (`prefill_step_tokens`), counted as work."""
         index = self.prefixes
         assert index is not None
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
@@ -309,7 +309,14 @@ class Router:
         source = None
         if self.settings.prefix_pull and reported and not held_chars and len(candidates) > 1:
             source = self._pull_source(reported, candidates)
-        source_chars = prompt.total * source.tokens // len(prompt.tokens or (1,)) if source else 0
+        source_chars = pin_wait = 0
+        if source is not None:
+            per_token = prompt.total / len(prompt.tokens or (1,))
+            source_chars = round(source.tokens * per_token)
+            # The pin is admitted ahead of the holder's queue but after its current step: at
+            # most one step's prompt tokens, at most the work the holder has queued.
+            step = self.settings.prefill_step_tokens * per_token
+            pin_wait = round(min(self._queued_work(source.backend, work), step))
 
         def computed(b: Backend) -> int:
             local = cached.get(b.url, 0)
@@ -323,7 +330,7 @@ class Router:
             if source is None or b is source.backend or source_chars <= local:
                 return None
             pulled = source_chars - local
-            return max(1, round(work - source_chars + PULL_COST * pulled))
+            return max(1, round(work - source_chars + PULL_COST * pulled)) + pin_wait
 
         def cost(b: Backend) -> tuple[bool, float, float, int]:
             own = computed(b)
