@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tracemalloc
 
+import pytest
+
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import PULL_COST, HoldPayoff, Pool, PrefixIndex, PromptPrefixes, Router
 from kvrelay.proxy.turn import chat_shape, completion_shape
@@ -199,55 +201,55 @@ def _tokens_prompt(tokens: list[int], body: dict[str, object]) -> PromptPrefixes
     return _prefixes(body).with_tokens(tokens, "salt-a")
 
 
-def test_a_queued_p_caching_a_prefix_has_another_p_pull_it() -> None:
+@pytest.mark.parametrize(("step_tokens", "pulls"), [(32, True), (8192, False)])
+def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pulls: bool) -> None:
     """A pin waits for the holder's current step at most (`prefill_step_tokens`): with steps
     shorter than the holder's queue, the pull costs that step, PULL_COST of the prefix and the
     rest; with steps as long as the queue, waiting for the pin is waiting for the holder."""
-    for step_tokens, pulls in ((32, True), (8192, False)):
-        router, prefill = _events_router(prefix_pull_min_tokens=64, prefill_step_tokens=step_tokens)
-        p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
-        assert router.blocks is not None
-        shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16, the system prompt
-        # p1's events: those 20 blocks, chained from the root.
-        router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
-        asked = iter(range(10))
-        # A new question each time (the routing-fed index records each), a fifth of the
-        # prompt in characters as in tokens.
-        questions = [f"question {n} ".ljust(290, "x") for n in range(10)]
-        total = _prefixes(_chat(questions[0])).total
-        work, per_token = total + 1, total / 400
-        source_chars = round(320 * per_token)
+    router, prefill = _events_router(prefix_pull_min_tokens=64, prefill_step_tokens=step_tokens)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    assert router.blocks is not None
+    shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16, the system prompt
+    # p1's events: those 20 blocks, chained from the root.
+    router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
+    asked = iter(range(10))
+    # A new question each time (the routing-fed index records each), a fifth of the
+    # prompt in characters as in tokens.
+    questions = [f"question {n} ".ljust(290, "x") for n in range(10)]
+    total = _prefixes(_chat(questions[0])).total
+    work, per_token = total + 1, total / 400
+    source_chars = round(320 * per_token)
 
-        def pick() -> tuple[str, int, str | None, int]:
-            n = next(asked)
-            tokens = shared + [5000 + n] * 80  # 400 tokens
-            prompt = _tokens_prompt(tokens, _chat(questions[n]))
-            chosen = router.pick_prefill(None, set(), work, prompt=prompt)
-            assert chosen.backend is not None
-            source = chosen.source
-            return (
-                chosen.backend.url,
-                chosen.work,
-                source.backend.url if source else None,
-                source.tokens if source else 0,
-            )
+    def pick() -> tuple[str, int, str | None, int]:
+        n = next(asked)
+        tokens = shared + [5000 + n] * 80  # 400 tokens
+        prompt = _tokens_prompt(tokens, _chat(questions[n]))
+        chosen = router.pick_prefill(None, set(), work, prompt=prompt)
+        assert chosen.backend is not None
+        source = chosen.source
+        return (
+            chosen.backend.url,
+            chosen.work,
+            source.backend.url if source else None,
+            source.tokens if source else 0,
+        )
 
-        # Idle: p1 serves it from its own cache, nobody pulls.
-        assert pick() == (p1.url, work - source_chars, None, 0)
-        # p1 backed up by three such prefixes: another P runs the turn.
-        p1.outstanding_work = 3 * source_chars
-        if pulls:
-            pin_wait = round(step_tokens * per_token)
-            assert pick() == (
-                p0.url,
-                work - source_chars + round(PULL_COST * source_chars) + pin_wait,
-                p1.url,
-                320,
-            )
-            # p0 pulled it, so it caches it now: the next such turn needs no pull.
-            assert pick() == (p0.url, work - source_chars, None, 0)
-        else:
-            assert pick() == (p0.url, work, None, 0)
+    # Idle: p1 serves it from its own cache, nobody pulls.
+    assert pick() == (p1.url, work - source_chars, None, 0)
+    # p1 backed up by three such prefixes: another P runs the turn.
+    p1.outstanding_work = 3 * source_chars
+    if pulls:
+        pin_wait = round(step_tokens * per_token)
+        assert pick() == (
+            p0.url,
+            work - source_chars + round(PULL_COST * source_chars) + pin_wait,
+            p1.url,
+            320,
+        )
+        # p0 pulled it, so it caches it now: the next such turn needs no pull.
+        assert pick() == (p0.url, work - source_chars, None, 0)
+    else:
+        assert pick() == (p0.url, work, None, 0)
 
 
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
