@@ -61,6 +61,9 @@ PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Every prompt token an engine computed in prefill, recomputation after preemption included.
 GPU_PREFILL = "prefill_tokens_computed"
 GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
+PULLS = "kvrelay_prefix_pulls_total"
+PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
+PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
 
 
 @dataclass(frozen=True)
@@ -376,6 +379,10 @@ class EngineSampler:
                 # them as released, like the ones a next turn used.
                 page = await self.scrape(http, self.fleet.url)
                 out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
+                # Prefix pulls (prefix_pull): what came of the pins, the tokens the Ps loaded.
+                for result in PULL_RESULTS:
+                    out[f"pulls_{result}"] = page.get(f'{PULLS}{{result="{result}"}}', 0.0)
+                out["pulled_tokens"] = page.get(PULLED_TOKENS, 0.0)
         return out
 
     async def run(self) -> None:

@@ -585,11 +585,17 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
             if not first and not later:
                 continue
             through_p = ("prefill_affinity", "prefill_chosen")
+            frees = runs[label][str(scale)][0].get("frees") or {}
+            pulls = (
+                f"{frees.get('pulls_pulled', 0):.0f} / {frees.get('pulls_not_pulled', 0):.0f} / "
+                f"{frees.get('pulls_pin_timeout', 0) + frees.get('pulls_pin_failed', 0):.0f} "
+                f"({frees.get('pulled_tokens', 0):.0f})"
+            )
             lines.append(
                 f"| {label} | {by[scale]['rate']:.2f} | "
                 f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
                 f"{sum(later.get(k, 0) for k in through_p)} / {later.get('decode_only', 0)} / "
-                f"{later.get('spilled', 0)} |"
+                f"{later.get('spilled', 0)} | {pulls} |"
             )
     if not lines:
         return []
@@ -597,11 +603,13 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         "",
         "Routing per turn in each configuration's first round (kvrelay's "
         "`usage.kvrelay.routing`): spilled = sent to a D off a backed-up P, decode-only = a "
-        "short follow-up on the D holding it.",
+        "short follow-up on the D holding it. Prefix pulls (kvrelay's "
+        "`kvrelay_prefix_pulls_total`): pulled / pinned but not loaded / pin late or failed, "
+        "and the tokens the Ps reported loading from the pins.",
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
-        "decode-only / spilled |",
-        "|---|---:|---:|---:|",
+        "decode-only / spilled | prefix pulls (tokens) |",
+        "|---|---:|---:|---:|---:|",
         *lines,
     ]
 

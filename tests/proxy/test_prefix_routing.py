@@ -8,7 +8,15 @@ import tracemalloc
 import pytest
 
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.fleet import PULL_COST, HoldPayoff, Pool, PrefixIndex, PromptPrefixes, Router
+from kvrelay.proxy.fleet import (
+    PIN_WAIT_SHARE,
+    PULL_COST,
+    HoldPayoff,
+    Pool,
+    PrefixIndex,
+    PromptPrefixes,
+    Router,
+)
 from kvrelay.proxy.turn import chat_shape, completion_shape
 
 MIN_EVIDENCE = 16  # decided holds before a tenant's share is trusted (fleet/hold_payoff.py)
@@ -239,7 +247,7 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
     # p1 backed up by three such prefixes: another P runs the turn.
     p1.outstanding_work = 3 * source_chars
     if pulls:
-        pin_wait = round(step_tokens * per_token)
+        pin_wait = round(PIN_WAIT_SHARE * step_tokens * per_token)
         assert pick() == (
             p0.url,
             work - source_chars + round(PULL_COST * source_chars) + pin_wait,

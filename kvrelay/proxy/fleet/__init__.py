@@ -58,6 +58,7 @@ from kvrelay.proxy.fleet.pools import (
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 from kvrelay.proxy.fleet.routing import (
+    PIN_WAIT_SHARE,
     PULL_COST,
     PrefillPick,
     PrefixSource,
@@ -68,6 +69,7 @@ from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
 __all__ = [
+    "PIN_WAIT_SHARE",
     "POLICIES",
     "PULL_COST",
     "STALE_INTERVALS",

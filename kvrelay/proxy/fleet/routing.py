@@ -66,6 +66,8 @@ _NO_P_LEFT_OUT: frozenset[str] = frozenset()
 # "transfer (GPU)"), about 175 ms, against about 400 ms to prefill it. So a P that caches the
 # history itself beats one that would pull it, and both beat one that recomputes it.
 PULL_COST = 0.4
+# A pin waits for the rest of the holder's current step: half of it, on average.
+PIN_WAIT_SHARE = 0.5
 # With KV events, how long a prompt just routed to a P counts as cached there before its
 # blocks are reported: its prefill (seconds; queued behind others, tens of seconds at most).
 KV_EVENTS_PENDING_S = 30.0
@@ -297,8 +299,9 @@ class Router:
         conversation's holder (`held_chars`) beyond that prefix, which counts at `PULL_COST`.
         Busy Ps last. With `prefix_pull` and no held history, a P may instead pull the longest
         prefix another P's events show (`_pull_source`), also at `PULL_COST`, after the
-        holder's pin: sent ahead of the holder's queue (`prefix_pull_priority`), it waits at
-        most for the holder's current step (`prefill_step_tokens`), counted as work."""
+        holder's pin: sent ahead of the holder's queue (`prefix_pull_priority`), it waits for
+        the rest of the holder's current step (`prefill_step_tokens`; `PIN_WAIT_SHARE` of it),
+        counted as work."""
         index = self.prefixes
         assert index is not None
         candidates = [b for b in self.prefill.usable() if b.url not in exclude]
@@ -313,10 +316,11 @@ class Router:
         if source is not None:
             per_token = prompt.total / len(prompt.tokens or (1,))
             source_chars = round(source.tokens * per_token)
-            # The pin is admitted ahead of the holder's queue but after its current step: at
-            # most one step's prompt tokens, at most the work the holder has queued.
+            # The pin is admitted ahead of the holder's queue but after its current step: a
+            # step of at most `prefill_step_tokens`, at most the work the holder has queued,
+            # which a pin arriving at a random moment finds half done on average.
             step = self.settings.prefill_step_tokens * per_token
-            pin_wait = round(min(self._queued_work(source.backend, work), step))
+            pin_wait = round(PIN_WAIT_SHARE * min(self._queued_work(source.backend, work), step))
 
         def computed(b: Backend) -> int:
             local = cached.get(b.url, 0)
