@@ -14,6 +14,7 @@ system serves from all of them.
   events: each P started with `--kv-events-config` and `--scheduling-policy priority`, the
   proxy with `kv_events_endpoints`; a P pulls a prefix another P caches: `prefix_pull`);
   `kvrelay kv events no pull` (the same with `prefix_pull` off: each P computes what it lacks);
+  `kvrelay kv events holds off` (the same with D's holds off, as `kvrelay holds off`);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -94,6 +95,7 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
     System("kvrelay kv events", "kvrelay", "default", kv_events=True),
+    System("kvrelay kv events holds off", "kvrelay", "default", holds=False, kv_events=True),
     System(
         "kvrelay kv events no pull",
         "kvrelay",
