@@ -191,6 +191,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--notes", type=Path, help="with --render-only: Markdown appended")
     p.add_argument(
+        "--ours",
+        default=OURS,
+        help="the system the aims judge (its best split), e.g. 'kvrelay kv events'",
+    )
+    p.add_argument(
+        "--holds-off",
+        default=HOLDS_OFF,
+        help="the holds-off variant --ours is held against, e.g. 'kvrelay kv events holds off'",
+    )
+    p.add_argument(
         "--render-only",
         action="store_true",
         help="rewrite the section and plot from --json's earlier run (its own flags)",
@@ -520,16 +530,19 @@ def verdicts(
     rows: dict[str, dict[float, dict[str, Any]]],
     gps: dict[str, Goodput],
     configs: dict[str, Config],
+    ours_family: str = OURS,
+    holds_off: str = HOLDS_OFF,
 ) -> list[str]:
-    """Each aim met, missed or undetermined, with its interval over the rounds."""
-    ours = best_of(OURS, configs, gps)
+    """Each aim met, missed or undetermined, with its interval over the rounds, for the best
+    configuration of `ours_family` (against `holds_off` for the holds aim)."""
+    ours = best_of(ours_family, configs, gps)
     if ours is None:
         return []
     lines = []
     for family, aim in (
         ("vllm-router P/D", PD_AIM),
         ("aggregated", AGGREGATED_AIM),
-        (HOLDS_OFF, 1.0),
+        (holds_off, 1.0),
     ):
         rival = best_of(family, configs, gps)
         if rival is None:
@@ -713,7 +726,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     families = sorted({cfg.family for cfg in configs.values()})
     best = [f"{family}: {best_of(family, configs, gps)}" for family in families]
     lines += ["", "Best configuration of each family in this run: " + "; ".join(best) + "."]
-    lines += ["", *verdicts(rows, gps, configs), ""]
+    lines += ["", *verdicts(rows, gps, configs, args.ours, args.holds_off), ""]
     load = data.get("load", {})
     # A comparison stopped before its end kept its runs but has no "after" nor duration.
     ended = (
@@ -909,7 +922,10 @@ def main(argv: list[str] | None = None) -> int:
                 merged.append(c.command_line(more["argv"]))
         if args.notes is not None:
             data["notes"] = args.notes.read_text()
-        kept = {k: getattr(args, k) for k in ("no_results", "plot", "json", "section")}
+        kept = {
+            k: getattr(args, k)
+            for k in ("no_results", "plot", "json", "section", "ours", "holds_off")
+        }
         args = parse_args(data["argv"][1:])
         for k, v in kept.items():
             setattr(args, k, v)

@@ -15,7 +15,12 @@ adjacent; `runs8`: runs of 8 adjacent blocks in shuffled order), three ways, int
   each read is two index arrays (`block_indices`) and `NixlTransport.read_prepared`;
 - block-major: the same bytes in vLLM's block-outermost layout (`BLHNC`, which the connector
   asks for off the CPU): one `(blocks, layers x page)` tensor a side, so one descriptor per
-  block (NIXL merges adjacent ones), read through prepared lists as the connector does.
+  block (NIXL merges adjacent ones), read through prepared lists as the connector does;
+- staged: where the layout stays per-layer, the holder gathers the blocks into a staging
+  region of its own (one `index_select` per layer: one kernel on a GPU), the reader reads that
+  region (one descriptor per layer) into its staging region and scatters it into its pages
+  (one `index_copy_` per layer). Its time is gather + read + scatter, the gather timed in the
+  holder process (asked over a pipe, whose round trip is not counted).
 
 Reported per read: the time on the calling thread until the READ is posted (what the engine's
 step pays: the connector posts inside `get_finished()`), and until NIXL says DONE; best of
@@ -59,17 +64,38 @@ def _caches(layers: int, blocks: int, block_bytes: int, fill: bool) -> list[Any]
     ]
 
 
-def _holder(conn: Connection, layers: int, blocks: int, block_bytes: int) -> None:
-    """Child: register both layouts' caches (`_caches`), keep NIXL progressing."""
+def _staging(layers: int, blocks: int, block_bytes: int) -> Any:
+    """A staging region: per layer, `blocks` pages end to end."""
+    import torch
+
+    return torch.zeros((layers, blocks, block_bytes), dtype=torch.uint8)
+
+
+def _holder(conn: Connection, layers: int, blocks: int, block_bytes: int, staged: int) -> None:
+    """Child: register both layouts' caches (`_caches`) and a staging region of `staged`
+    blocks a layer, keep NIXL progressing; on ("gather", block ids) copy those blocks of each
+    layer into the staging region and answer the seconds it took; on "stop", stop."""
+    import torch
+
     from kvrelay.connector.transport import NixlTransport
 
+    torch.set_num_threads(1)
     caches = _caches(layers, blocks, block_bytes, fill=True)
+    staging = _staging(layers, staged, block_bytes)
     transport = NixlTransport(f"descs-holder-{os.getpid()}")
-    transport.register(caches, "DRAM")
-    conn.send((transport.metadata(), [t.data_ptr() for t in caches]))
-    while not conn.poll(0.0005):
-        transport.notifications()
-    conn.recv()
+    transport.register([*caches, staging], "DRAM")
+    conn.send((transport.metadata(), [t.data_ptr() for t in [*caches, staging]]))
+    while True:
+        while not conn.poll(0.0005):
+            transport.notifications()
+        message = conn.recv()
+        if message == "stop":
+            break
+        ids = torch.tensor(message[1], dtype=torch.long)
+        t0 = time.perf_counter()
+        for layer in range(layers):
+            torch.index_select(caches[layer], 0, ids, out=staging[layer, : len(ids)])
+        conn.send(time.perf_counter() - t0)
     transport.close()
 
 
@@ -109,8 +135,11 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     holder_blocks = 2 * args.pool_blocks
+    staged = max(args.blocks)
     proc = ctx.Process(
-        target=_holder, args=(child, args.layers, holder_blocks, args.block_bytes), daemon=True
+        target=_holder,
+        args=(child, args.layers, holder_blocks, args.block_bytes, staged),
+        daemon=True,
     )
     proc.start()
     rows: list[dict[str, Any]] = []
@@ -119,10 +148,19 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
             raise RuntimeError("holder process failed to start (see its output above)")
         metadata, remote_ptrs = parent.recv()
         caches = _caches(args.layers, args.pool_blocks, args.block_bytes, fill=False)
+        staging = _staging(args.layers, staged, args.block_bytes)
         transport = NixlTransport(f"descs-reader-{os.getpid()}", threads)
-        transport.register(caches, "DRAM")
+        transport.register([*caches, staging], "DRAM")
         agent = transport.add_remote(metadata)
         n, bb = args.layers, args.block_bytes
+        # The staging regions: per layer, one strip of `staged` pages (the last pointer).
+        st_local = _geometry(
+            [staging[layer].data_ptr() for layer in range(n)], staged, bb, "staging"
+        )
+        st_remote = _geometry(
+            [remote_ptrs[n + 1] + layer * staged * bb for layer in range(n)], staged, bb, "staging"
+        )
+        st_lists = transport.prepare(st_local), transport.prepare(st_remote, agent)
         local = _geometry([t.data_ptr() for t in caches[:n]], args.pool_blocks, bb, "per-layer")
         remote = _geometry(remote_ptrs[:n], holder_blocks, bb, "per-layer")
         # Block-major: one strip whose block is every layer's page.
@@ -135,6 +173,8 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
         bm_lists = transport.prepare(bm_local), transport.prepare(bm_remote, agent)
         piece = ReadPiece(0, 0, 0, args.block_bytes)
         strips = len(local.strips)
+        gathered: list[float] = []  # the staged way's gather (holder) and scatter seconds
+        scattered: list[float] = []
         for count in args.blocks:
             local_ids = list(range(count))
             remote_ids = _block_ids(args.order, holder_blocks, count, count)
@@ -175,24 +215,60 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
                 wait_done(transport, handle)
                 return posted - t0, time.perf_counter() - t0
 
-            ways = {"built": built, "prepared": prepared, "block-major": block_major}
+            def staged_way(local_ids: list[int], remote_ids: list[int]) -> tuple[float, float]:
+                parent.send(("gather", remote_ids))
+                gathered.append(parent.recv())
+                t0 = time.perf_counter()
+                count = len(remote_ids)
+                whole = list(range(count))  # the staged pages, end to end: one run a layer
+                handle = transport.read_prepared(
+                    agent,
+                    st_lists[0],
+                    block_indices(n, staged, whole),
+                    st_lists[1],
+                    block_indices(n, staged, whole),
+                    b"",
+                )
+                posted = time.perf_counter()
+                wait_done(transport, handle)
+                read = time.perf_counter()
+                index = torch.tensor(local_ids, dtype=torch.long)
+                for layer in range(n):
+                    caches[layer].index_copy_(0, index, staging[layer, :count])
+                scattered.append(time.perf_counter() - read)
+                done = time.perf_counter() - t0 + gathered[-1]
+                return posted - t0 + gathered[-1], done
+
+            ways = {
+                "built": built,
+                "prepared": prepared,
+                "block-major": block_major,
+                "staged": staged_way,
+            }
             for way in ways.values():
                 way(local_ids, remote_ids)  # warm-up: first touch of the pages, UCX wire-up
             best = {name: (float("inf"), float("inf")) for name in ways}
+            staged_best = (0.0, 0.0)  # (gather, scatter) of the staged way's best read
+            gathered.clear()
+            scattered.clear()
             for _ in range(args.reps):  # interleaved: both ways see the same background load
                 for name, way in ways.items():
                     post_s, done_s = way(local_ids, remote_ids)
                     if done_s < best[name][1]:
                         best[name] = (post_s, done_s)
+                        if name == "staged":
+                            staged_best = (gathered[-1], scattered[-1])
             per_layer = len(build_descs(local, remote, local_ids, remote_ids, piece, True)[0])
             whole = ReadPiece(0, 0, 0, n * bb)
             runs = len(build_descs(bm_local, bm_remote, local_ids, remote_ids, whole, True)[0])
             moved = count * strips * args.block_bytes
             for name, (post_s, done_s) in best.items():
-                descs = runs if name == "block-major" else per_layer
+                descs = {"block-major": runs, "staged": n}.get(name, per_layer)
                 rows.append({
                     "way": name, "blocks": count, "descs": descs, "bytes": moved,
                     "post_s": post_s, "done_s": done_s,
+                    **({"gather_s": staged_best[0], "scatter_s": staged_best[1]}
+                       if name == "staged" else {}),
                 })  # fmt: skip
                 print(
                     f"{name:9s} blocks {count:5d} descs {descs:6d} post {post_s * 1e3:7.2f} ms "
@@ -203,7 +279,7 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
             # Every way read the same blocks: the last reads' bytes are the holder's.
             got = torch.stack([t[:count] for t in caches[:n]]).sum().item()
             assert got > 0 and caches[n][:count].sum().item() > 0, "nothing was read"
-        for prepared_list in (local_list, remote_list, *bm_lists):
+        for prepared_list in (local_list, remote_list, *bm_lists, *st_lists):
             transport.drop_prepared(prepared_list)
         transport.remove_remote(agent)
         transport.close()
@@ -237,18 +313,23 @@ def render(args: argparse.Namespace, rows: dict[int, list[dict[str, Any]]]) -> s
             "",
             "| blocks read | per-layer descriptors | built: post / done ms | prepared: post / "
             "done ms | block-major descriptors | block-major: post / done ms | us per descriptor "
-            "(built / prepared / block-major) | done, prepared / block-major |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "(built / prepared / block-major) | done, prepared / block-major | staged: gather + "
+            "read + scatter = done ms | done, prepared / staged |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         by = {(r["way"], r.get("blocks")): r for r in measured}
         for count in args.blocks:
             b, p, m = by[("built", count)], by[("prepared", count)], by[("block-major", count)]
+            st = by[("staged", count)]
+            read_s = st["done_s"] - st["gather_s"] - st["scatter_s"]
             per_desc = " / ".join(f"{r['done_s'] / r['descs'] * 1e6:.2f}" for r in (b, p, m))
             lines.append(
                 f"| {count} | {b['descs']} | {b['post_s'] * 1e3:.2f} / {b['done_s'] * 1e3:.2f} "
                 f"| {p['post_s'] * 1e3:.2f} / {p['done_s'] * 1e3:.2f} | {m['descs']} "
                 f"| {m['post_s'] * 1e3:.2f} / {m['done_s'] * 1e3:.2f} | {per_desc} "
-                f"| {p['done_s'] / m['done_s']:.1f}x |"
+                f"| {p['done_s'] / m['done_s']:.1f}x | {st['gather_s'] * 1e3:.2f} + "
+                f"{read_s * 1e3:.2f} + {st['scatter_s'] * 1e3:.2f} = {st['done_s'] * 1e3:.2f} "
+                f"| {p['done_s'] / st['done_s']:.1f}x |"
             )
         prep = by[("prepare once", None)]["seconds"]
         lines += [

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import tracemalloc
 
 import pytest
@@ -14,7 +15,14 @@ import pytest
 from kvrelay import kv_events_wire as wire
 from kvrelay.devtools import free_port
 from kvrelay.enginesim.kv_events import KVEventPublisher, StoredBlock, parse_events_config
-from kvrelay.proxy.fleet import BlockIndex, EngineEvents, KVEventsFeed, Pool, events_endpoint
+from kvrelay.proxy.fleet import (
+    EXPECT_S,
+    BlockIndex,
+    EngineEvents,
+    KVEventsFeed,
+    Pool,
+    events_endpoint,
+)
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
 BS = 4
@@ -91,6 +99,32 @@ def test_removed_blocks_cut_that_engines_prefix_only() -> None:
     assert index.pairs == 8
     index.cleared(P1)
     assert index.cached_tokens(prompt, None) == {} and index.pairs == 0
+
+
+def test_a_prefix_cached_before_the_index_followed_is_named_by_a_prompt_routed_there() -> None:
+    index = BlockIndex(1000)
+    system = _tokens(16, seed=5)  # 4 blocks the engine cached before this index followed it
+    prompt = system + _tokens(12, seed=6)
+    # Alone, the blocks stored after that prefix cannot be named: their parent is unknown.
+    _store(index, P0, prompt, salt="s", first=4)
+    assert index.cached_tokens(prompt, "s") == {} and index.adopted == 0
+    # A prompt just routed to P0 names it: the event's first block lies at its block 4.
+    index.expect(P0, prompt, "s")
+    hashes = _store(index, P0, prompt, salt="s", first=4)
+    assert index.cached_tokens(prompt, "s") == {P0: 28} and index.adopted == 1
+    other = system + _tokens(8, seed=7)
+    assert index.cached_tokens(other, "s") == {P0: 16}  # the shared prefix, for any prompt
+    # The parent's eviction is seen (the event carried its hash); its ancestors' would not be:
+    # they stay until the engine's next clear, gap or trim (over-reported, never read).
+    index.removed(P0, [hashes[3]])
+    assert index.cached_tokens(other, "s") == {P0: 12}
+    index.cleared(P0)
+    assert index.pairs == 0
+    # An expectation too old, or for another engine, names nothing.
+    index.expect(P1, prompt, "s", now=time.monotonic() - EXPECT_S - 1)
+    index.expect(P0, prompt, "s")
+    _store(index, P1, prompt, salt="s", first=4)
+    assert index.cached_tokens(prompt, "s") == {}
 
 
 def test_over_max_blocks_the_largest_engines_oldest_blocks_go_first() -> None:

@@ -399,6 +399,47 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     proxy.stop()
 
 
+def test_a_prefix_cached_before_the_proxy_followed_the_events_is_learnt_on_first_use(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    """A proxy restarted after P1 cached a system prompt: P1 never stores those blocks again, so
+    its events name only the blocks after them, whose parent the new proxy never saw. The first
+    request on that prompt the proxy routes to P1 names the prefix (its tokens, at a block
+    boundary), and the index has the whole prompt from then on."""
+    p0, p1, d = idle
+    system = "Cached before this proxy subscribed, learnt on first use. " * 10
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Before."}]
+    before = proxy_factory([p1], [d], ready_path="/ready")
+    assert reply_of(post(before.url, "/v1/chat/completions", chat_body(messages))) == (
+        reference_chat(messages, 12)
+    )
+    before.stop()
+    endpoints = ",".join(
+        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
+    )
+    proxy = proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        admin_key=ADMIN_KEY,
+        kv_events_endpoints=endpoints,
+        prefix_index_ttl_s="0.001",
+    )
+    probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+    assert proxy.events_cached(probe)[p1.url] == 0  # cached, but not that this proxy knows
+    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
+    cached_before = p1.metric("enginesim_prompt_tokens_cached_total")
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "After."}]
+    assert reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages))) == (
+        reference_chat(messages, 12)
+    )
+    assert p1.metric("enginesim_prompt_tokens_cached_total") - cached_before >= 64
+    # P1 stored only the blocks after the system prompt; the request named their parent.
+    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="the adopted prefix")
+    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
+    proxy.stop()
+
+
 def _prefill_load(proxy: ProxyServer, url: str) -> float | None:
     """The queue the proxy last read from the P at `url` (None: no fresh reading)."""
     status, answer, _ = proxy.call(

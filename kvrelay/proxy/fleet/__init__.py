@@ -4,7 +4,7 @@ across processes, DNS and Kubernetes discovery, the merged model list and the en
 versions, and `Fleet`, what a worker's turns share.
 """
 
-from kvrelay.proxy.fleet.block_index import BlockIndex
+from kvrelay.proxy.fleet.block_index import EXPECT_S, BlockIndex
 from kvrelay.proxy.fleet.discovery import (
     Discovered,
     DnsSource,
@@ -69,6 +69,7 @@ from kvrelay.proxy.fleet.shared import Fleet
 from kvrelay.proxy.fleet.versions import EngineVersions
 
 __all__ = [
+    "EXPECT_S",
     "PIN_WAIT_SHARE",
     "POLICIES",
     "PULL_COST",

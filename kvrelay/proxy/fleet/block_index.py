@@ -17,6 +17,15 @@ chained the same way. Python's tuple hash is 64 bits: two different blocks share
 once in 10^12 lookups at a million blocks, and a shared key only misleads routing (each engine
 still verifies its own cache, no KV is ever taken from this index).
 
+A block whose parent the index never saw (the engine cached the prefix before this worker
+subscribed, or in a gap) cannot be named from the event alone. A prompt the worker just routed
+to that engine can name it (`expect`): when the event's first block lies in that prompt at a
+block boundary, the prefix before it is adopted, keyed from the prompt's tokens. The adopted
+blocks before the parent have no engine hash here, so their eviction is not seen: they may be
+over-reported until the engine's next clear, gap or trim (a wrong guess costs routing, or a pin
+that computes; the connector verifies every read). Expected prompts are kept `EXPECT_S` and at
+most `EXPECT_MAX` per engine, 8 bytes a token (64 engines x 32 prompts of 8k tokens: 128 MB).
+
 Memory: each (engine, block) costs an entry in that engine's map and a bit in the block's
 holder mask, about 200 bytes (tests/proxy/test_kv_events.py bounds it; bench/block_index_memory.py
 measures a fleet of 64 engines caching 100,000 distinct blocks each). `max_blocks` bounds the
@@ -25,11 +34,22 @@ pairs kept: over it, the oldest reported blocks of the engine holding the most a
 
 from __future__ import annotations
 
+import time
+from array import array
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 # An engine's hash of a block as its events carry it: vLLM's bytes digest or its 64-bit int.
 EngineHash = bytes | int
+# How long a prompt routed to an engine may name a prefix its events leave unnamed, and how
+# many such prompts are kept per engine.
+EXPECT_S = 10.0
+EXPECT_MAX = 32
+# Adopted blocks have no engine hash here: each is kept under a made-up one, past any 64-bit
+# hash an event can carry.
+_ADOPTED = 1 << 65
+_U64 = (1 << 64) - 1
 
 
 def _hash_key(engine_hash: EngineHash) -> int:
@@ -68,7 +88,11 @@ class BlockIndex:
         self._by_engine: dict[str, dict[int, int]] = {}  # URL -> {engine hash: key}, oldest first
         self._holders: dict[int, int] = {}  # key -> mask of the engines holding it
         self._block_sizes: dict[str, int] = {}  # URL -> its block size
+        # URL -> prompts just routed there: (when, token ids as int64 bytes, cache_salt),
+        # oldest first (bytes: a block is found in a prompt by one search in C).
+        self._expected: dict[str, deque[tuple[float, bytes, str | None]]] = {}
         self._pairs = 0
+        self.adopted = 0  # prefixes named from an expected prompt (`expect`)
 
     @property
     def pairs(self) -> int:
@@ -109,7 +133,9 @@ class BlockIndex:
         else:
             known = mine.get(_hash_key(parent))
             if known is None:
-                return 0
+                known = self._adopt(url, parent, tokens[:block_size], block_size)
+                if known is None:
+                    return 0
             key = known
         recorded = 0
         for i, engine_hash in enumerate(engine_hashes):
@@ -130,6 +156,53 @@ class BlockIndex:
         if self._pairs > self._max_blocks:
             self._trim()
         return recorded
+
+    def expect(
+        self, url: str, tokens: Sequence[int], salt: str | None, now: float | None = None
+    ) -> None:
+        """A prompt (its token ids and `cache_salt`) was just routed to the engine at `url`:
+        the blocks it stores after a prefix it cached before this index followed it name that
+        prefix through this prompt (module docstring)."""
+        queue = self._expected.get(url)
+        if queue is None:
+            queue = self._expected[url] = deque(maxlen=EXPECT_MAX)
+        raw = array("q", tokens).tobytes()
+        queue.append((time.monotonic() if now is None else now, raw, salt))
+
+    def _adopt(
+        self, url: str, parent: EngineHash, first: Sequence[int], block_size: int
+    ) -> int | None:
+        """The key of `parent` (a hash the engine at `url` never reported) named through a
+        prompt routed there whose block after it holds `first`; that prompt's blocks up to the
+        parent are recorded as cached there. None when no expected prompt names it."""
+        queue = self._expected.get(url)
+        if not queue or len(first) < block_size:
+            return None
+        now = time.monotonic()
+        while queue and now - queue[0][0] > EXPECT_S:
+            queue.popleft()
+        wanted = array("q", first).tobytes()
+        stride = 8 * block_size  # a block's bytes
+        for _, raw, salt in reversed(queue):
+            at = raw.find(wanted, stride)
+            while at > 0 and at % stride:  # only at a block boundary, past the first block
+                at = raw.find(wanted, at + 1)
+            if at <= 0:
+                continue
+            tokens = array("q")
+            tokens.frombytes(raw[:at])
+            keys = block_keys(tokens, block_size, salt)
+            mine, mask = self._by_engine[url], 1 << self._bits[url]
+            named = [(_ADOPTED + (k & _U64), k) for k in keys[:-1]]
+            named.append((_hash_key(parent), keys[-1]))
+            for hk, key in named:
+                if mine.pop(hk, None) is None:
+                    self._pairs += 1
+                mine[hk] = key
+                self._holders[key] = self._holders.get(key, 0) | mask
+            self.adopted += 1
+            return keys[-1]
+        return None
 
     def removed(self, url: str, engine_hashes: Iterable[EngineHash]) -> None:
         """The engine at `url` evicted these blocks (one `BlockRemoved`)."""

@@ -343,6 +343,10 @@ class Router:
             return (self.busy(b), self._queued_work(b, work) + least, self._queued(b), b.inflight)
 
         best = min(candidates, key=cost)
+        if self.blocks is not None and prompt.tokens:
+            # Its blocks stored after a prefix `best` cached before this worker followed it
+            # name that prefix through this prompt (`BlockIndex.expect`).
+            self.blocks.expect(best.url, prompt.tokens, prompt.salt)
         pull = pulling(best)
         if pull is not None and pull < computed(best):
             assert source is not None
