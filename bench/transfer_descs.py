@@ -165,7 +165,7 @@ def measure(args: argparse.Namespace, threads: int) -> list[dict[str, Any]]:
         remote = _geometry(remote_ptrs[:n], holder_blocks, bb, "per-layer")
         # Block-major: one strip whose block is every layer's page.
         bm_local = _geometry([caches[n].data_ptr()], args.pool_blocks, n * bb, "block-major")
-        bm_remote = _geometry(remote_ptrs[n:], holder_blocks, n * bb, "block-major")
+        bm_remote = _geometry(remote_ptrs[n : n + 1], holder_blocks, n * bb, "block-major")
         t0 = time.perf_counter()
         local_list = transport.prepare(local)
         remote_list = transport.prepare(remote, agent)
