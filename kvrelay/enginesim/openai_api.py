@@ -256,6 +256,28 @@ def _prompt_ids(prompt: Any, tokenizer: Tokenizer) -> list[int]:
     )
 
 
+def _parsed(
+    body: dict[str, Any],
+    ids: list[int],
+    sampling: SamplingParams,
+    stream: bool,
+    include_usage: bool,
+    model: str,
+) -> ParsedRequest:
+    """A validated request: its tokens and sampling, and the body's fields every route reads
+    the same way (connector params, `cache_salt`, `priority`)."""
+    return ParsedRequest(
+        ids,
+        sampling,
+        stream,
+        include_usage,
+        kv_params_of(body),
+        model,
+        _cache_salt(body),
+        _priority(body),
+    )
+
+
 def parse_completion(
     body: Any, tokenizer: Tokenizer, served_model: str, max_model_len: int
 ) -> ParsedRequest:
@@ -267,16 +289,7 @@ def parse_completion(
     sampling = _sampling(
         body, _int(body, "max_tokens"), len(ids), max_model_len, DEFAULT_COMPLETION_MAX_TOKENS
     )
-    return ParsedRequest(
-        ids,
-        sampling,
-        stream,
-        include_usage,
-        kv_params_of(body),
-        model,
-        _cache_salt(body),
-        _priority(body),
-    )
+    return _parsed(body, ids, sampling, stream, include_usage, model)
 
 
 def parse_chat(
@@ -296,13 +309,4 @@ def parse_chat(
     if max_tokens is None:
         max_tokens = _int(body, "max_tokens")
     sampling = _sampling(body, max_tokens, len(ids), max_model_len, None)
-    return ParsedRequest(
-        ids,
-        sampling,
-        stream,
-        include_usage,
-        kv_params_of(body),
-        model,
-        _cache_salt(body),
-        _priority(body),
-    )
+    return _parsed(body, ids, sampling, stream, include_usage, model)

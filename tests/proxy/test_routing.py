@@ -67,6 +67,26 @@ def idle(
         engine.wait_idle(15)
 
 
+def _events_proxy(
+    proxy_factory: ProxyFactory, engines: tuple[EngineSim, EngineSim, EngineSim], **settings: str
+) -> ProxyServer:
+    """A proxy in front of the module's engines that follows both Ps' KV events, its
+    routing-fed index's entries expiring at once (the events alone say what each P caches)."""
+    p0, p1, d = engines
+    endpoints = ",".join(
+        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
+    )
+    return proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        admin_key=ADMIN_KEY,
+        kv_events_endpoints=endpoints,
+        prefix_index_ttl_s="0.001",
+        **settings,
+    )
+
+
 def _turn(
     proxy: ProxyServer, messages: list[dict[str, Any]], conversation: str, streamed: bool
 ) -> str:
@@ -341,18 +361,8 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     request sharing a system prompt goes to the P whose events show it, against the list's
     order (the routing-fed index is given no time to count); once that P's events show the
     prompt evicted, the next such request goes to the first P, which computes it all."""
-    p0, p1, d = idle
-    endpoints = ",".join(
-        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
-    )
-    proxy = proxy_factory(
-        [p0, p1],
-        [d],
-        ready_path="/ready",
-        admin_key=ADMIN_KEY,
-        kv_events_endpoints=endpoints,
-        prefix_index_ttl_s="0.001",
-    )
+    p0, p1, _ = idle
+    proxy = _events_proxy(proxy_factory, idle)
     system = "You follow the engines' own cache events, block by block. " * 10
 
     def ask(question: str) -> tuple[list[float], list[float]]:
@@ -414,17 +424,7 @@ def test_a_prefix_cached_before_the_proxy_followed_the_events_is_learnt_on_first
         reference_chat(messages, 12)
     )
     before.stop()
-    endpoints = ",".join(
-        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
-    )
-    proxy = proxy_factory(
-        [p0, p1],
-        [d],
-        ready_path="/ready",
-        admin_key=ADMIN_KEY,
-        kv_events_endpoints=endpoints,
-        prefix_index_ttl_s="0.001",
-    )
+    proxy = _events_proxy(proxy_factory, idle)
     probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
     assert proxy.events_cached(probe)[p1.url] == 0  # cached, but not that this proxy knows
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
@@ -459,17 +459,10 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     its own, served from its cache) and P0 loads it from P1 over NIXL instead of computing it;
     P0's and P1's own counters show each step, the answer is the reference's, and P1 holds
     nothing afterwards. Without it, P0 computes the whole prompt."""
-    p0, p1, d = idle
-    endpoints = ",".join(
-        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
-    )
-    proxy = proxy_factory(
-        [p0, p1],
-        [d],
-        ready_path="/ready",
-        admin_key=ADMIN_KEY,
-        kv_events_endpoints=endpoints,
-        prefix_index_ttl_s="0.001",
+    p0, p1, _ = idle
+    proxy = _events_proxy(
+        proxy_factory,
+        idle,
         load_poll_interval_s="0.5",
         prefix_pull=str(prefix_pull).lower(),
         prefix_pull_min_tokens="64",

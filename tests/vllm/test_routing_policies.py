@@ -14,6 +14,8 @@
   next request sharing that prompt runs on P, which loads the prefix from P2 (pinned by a
   request of the proxy's, served from P2's cache) instead of computing it; vLLM's counters
   show P2's cache hit and P's load, the answer is plain vLLM's, and P2 holds nothing after.
+- A proxy started after P2 cached a system prompt learns it on the first request it routes
+  there (vLLM's events name only the blocks after it; the routed prompt names their parent).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any
 import pytest
 
 from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, vllm_servers
+from kvrelay.proxy.tenants import CacheScopes
+from kvrelay.proxy.turn import tenant_of
 from tests.harness import wait_until
 from tests.vllm.conftest import Reference
 
@@ -69,6 +73,9 @@ class CachedFleet:
     """vLLM P and D with prefix caching (vLLM's default), a second P, and proxies: one per
     policy in front of P and D, and two in front of both Ps and D (`prefix routing`, `by
     load`: prefix routing on and off), the second P listed first."""
+
+    events_endpoints = ""  # both Ps' KV events, as kv_events_endpoints
+    side_channels = ""  # every engine's side channel, as side_channels
 
     def __init__(
         self, prefill: vllm_servers.VLLMServer, decode: vllm_servers.VLLMServer,
@@ -138,7 +145,10 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
             # P2 is kept busy decoding (a token a step): a pin waits one short step there.
             prefill_step_tokens=str(2 * vllm_servers.BLOCK_SIZE),
         )
-        yield CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
+        fleet = CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
+        fleet.events_endpoints = ",".join(f"{u}={e}" for u, e in endpoints.items())
+        fleet.side_channels = side_channels
+        yield fleet
     finally:
         factory.close()
         vllm_servers.stop_all(prefill, decode, second)
@@ -151,6 +161,10 @@ def _body(messages: list[dict[str, str]]) -> dict[str, Any]:
         "max_tokens": 24,
         "temperature": 0,
     }
+
+
+def _with_system(system: str, user: str) -> dict[str, Any]:
+    return _body([{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
 def _ask(proxy: ProxyServer, body: dict[str, Any], conversation: str) -> dict[str, Any]:
@@ -291,7 +305,7 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     system = f"The index follows what each engine says it stored and evicted. {SYSTEM}" * 2
 
     def body(user: str) -> dict[str, Any]:
-        return _body([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        return _with_system(system, user)
 
     def ask(user: str) -> tuple[dict[str, float], dict[str, float]]:
         """Ask via the proxy; per P, requests served and prompt tokens hit in its cache."""
@@ -358,7 +372,7 @@ def test_a_prefix_cached_on_a_busy_p_is_pulled_by_the_p_that_runs_the_turn(
     system = f"Pulled from whoever has it, never computed twice. {SYSTEM}" * 2
 
     def body(user: str) -> dict[str, Any]:
-        return _body([{"role": "system", "content": system}, {"role": "user", "content": user}])
+        return _with_system(system, user)
 
     probe, two_blocks = body("?"), 2 * vllm_servers.BLOCK_SIZE
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
@@ -420,3 +434,45 @@ def test_a_prefix_cached_on_a_busy_p_is_pulled_by_the_p_that_runs_the_turn(
     assert m["kvrelay_prefix_pulled_tokens_total"] == grew[p.name][TOKENS_LOADED]
     # The pin's hold was read, which freed it: P2 holds nothing.
     wait_until(lambda: p2.metric(HELD_BLOCKS) == 0, 30, what="P2 to hold nothing")
+
+
+def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_use(
+    cached_fleet: CachedFleet,
+) -> None:
+    """P2 cached a system prompt before this proxy started: vLLM never stores those blocks
+    again while they stay cached, so its events name only the blocks after them, whose parent
+    the proxy never saw. The first request on that prompt it routes to P2 names the prefix, and
+    the index has the whole system prompt on P2 from then on."""
+    fleet = cached_fleet
+    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    system = f"Learnt on first use by a proxy that came later. {SYSTEM}" * 2
+    # P2 computes it as the proxy would send it: the anonymous tenant's cache_salt.
+    early = _with_system(system, "Before the proxy.") | {"max_tokens": 1}
+    CacheScopes(isolate=True, share_groups={}).apply(early, tenant_of(None))
+    status, out = p2.post("/v1/chat/completions", early)
+    assert status == 200, out
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url, p2.url], [d.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
+            kv_events_endpoints=fleet.events_endpoints,
+        )  # fmt: skip
+        probe, two_blocks = _with_system(system, "?"), 2 * vllm_servers.BLOCK_SIZE
+        assert proxy.events_cached(probe)[p2.url] == 0  # cached, not that this proxy knows
+        _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
+        hits = _settled(p2, CACHE_HITS)
+        # Long enough to fill whole blocks after the cached prefix: vLLM stores (and reports)
+        # only full blocks, and those are what name their parent.
+        sent = _with_system(system, "After the proxy, " + "tell me about the blocks. " * 12)
+        out = _ask(proxy, sent, f"adopt-{uuid.uuid4().hex[:8]}")
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
+        assert _settled(p2, CACHE_HITS) - hits >= two_blocks  # P2 had it cached
+        wait_until(
+            lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
+            30,
+            what="the prefix named through the routed prompt",
+        )
+    finally:
+        factory.close()
