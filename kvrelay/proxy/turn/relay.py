@@ -19,6 +19,7 @@ blocks when they cannot be stored (`Owed`, in `kvrelay.proxy.turn.owed`).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -40,6 +41,8 @@ from kvrelay.proxy.turn.prefix_pin import PrefixPin
 from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.settle import Settle
 from kvrelay.proxy.turn.store import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -172,6 +175,13 @@ class Turn:
             metrics.PREFIX_PULLS.labels("pulled" if loaded else "not_pulled").inc()
             if loaded:
                 metrics.PREFIX_PULLED_TOKENS.inc(loaded)
+            else:
+                log.info(
+                    "P %s loaded none of the pinned prefix (local hit %s, refused %s)",
+                    answer.backend.url,
+                    answer.account.local_hit,
+                    dict(answer.account.refused),
+                )
         self.prefill = answer
         self.routing = "prefill_affinity" if answer.by_affinity else "prefill_chosen"
         self.report.routed(self.routing)
