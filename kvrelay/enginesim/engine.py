@@ -83,7 +83,8 @@ class EngineCore:
             config.eos_period,
         )
         self.pool = pool or config.new_pool()
-        self._stored: list[StoredBlock] | None = None  # KV events: see `follow_cache`
+        # KV events, in order (see `follow_cache`): blocks cached and the keys of those evicted.
+        self._stored: list[StoredBlock | Hashable] | None = None
         self.kv: KVHost = kv_host or NoConnector()
         self.waiting: deque[SimRequest] = deque()
         self.loading: dict[str, SimRequest] = {}
@@ -349,17 +350,21 @@ class EngineCore:
                 )
 
     def follow_cache(self) -> None:
-        """Start noting what the prefix cache stores and evicts (`take_kv_events`)."""
+        """Start noting what the prefix cache stores and evicts (`take_kv_events`): one list,
+        the pool appending the keys it evicts where this engine appends the blocks it caches,
+        so the two stay in the order they happened."""
         self._stored = []
-        self.pool.evicted_keys = []
+        self.pool.evicted_keys = self._stored
 
-    def take_kv_events(self) -> tuple[list[StoredBlock], list[Hashable]]:
-        """The blocks cached and the keys evicted since the last call, in order."""
-        stored, evicted = self._stored, self.pool.evicted_keys
-        if stored is None or evicted is None:
-            return [], []
-        self._stored, self.pool.evicted_keys = [], []
-        return stored, evicted
+    def take_kv_events(self) -> list[StoredBlock | Hashable]:
+        """Since the last call, in order: a `StoredBlock` for each block cached, the key of
+        each block evicted."""
+        changes = self._stored
+        if changes is None:
+            return []
+        self._stored = []
+        self.pool.evicted_keys = self._stored
+        return list(changes)
 
     def _ask_connector(self, req: SimRequest, local_hit: int = 0) -> tuple[int, bool]:
         n_ext, is_async = self.kv.get_num_new_matched_tokens(req, local_hit)

@@ -70,15 +70,32 @@ class KVEventPublisher:
         self._block_size = block_size
         self._seq = 0
 
-    def publish(self, stored: Sequence[StoredBlock], evicted: Sequence[Hashable]) -> None:
-        """One batch for one step's changes (nothing sent when nothing changed)."""
-        if not stored and not evicted:
+    def publish(self, changes: Sequence[StoredBlock | Hashable]) -> None:
+        """One batch for one step's changes, in the order they happened: a `StoredBlock` for
+        each block cached, the key of each block evicted (nothing sent when nothing changed).
+        The order matters: a key evicted and then cached again in one step is cached."""
+        if not changes:
             return
         w = self._wire
         events: list[Any] = []
         last_key: Hashable | None = None
-        for block in stored:
-            if events and block.parent is not None and block.parent == last_key:
+        for change in changes:
+            if not isinstance(change, StoredBlock):
+                last_key = None
+                if events and isinstance(events[-1], w.BlockRemoved):
+                    events[-1].block_hashes.append(event_hash(change))
+                else:
+                    events.append(
+                        w.BlockRemoved(block_hashes=[event_hash(change)], medium=w.GPU_MEDIUM)
+                    )
+                continue
+            block = change
+            if (
+                events
+                and isinstance(events[-1], w.BlockStored)
+                and block.parent is not None
+                and block.parent == last_key
+            ):
                 run = events[-1]  # the next block of the same prompt: one event, as vLLM's
                 run.block_hashes.append(event_hash(block.key))
                 run.token_ids.extend(block.tokens)
@@ -98,10 +115,6 @@ class KVEventPublisher:
                     )
                 )
             last_key = block.key
-        if evicted:
-            events.append(
-                w.BlockRemoved(block_hashes=[event_hash(k) for k in evicted], medium=w.GPU_MEDIUM)
-            )
         batch = w.KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
         self._sock.send_multipart(w.frames(self._topic, self._seq, batch))
         self._seq += 1

@@ -81,7 +81,8 @@ class BlockPool:
         self._key_of: list[Hashable | None] = [None] * num_blocks
         self._cached: dict[Hashable, int] = {}  # cache key -> the block holding it
         self.evictions = 0  # cached blocks an allocation took (their KV lost)
-        # The keys of evicted blocks, for KV cache events (None: nobody follows them).
+        # The keys of evicted blocks, for KV cache events (None: nobody follows them); the
+        # engine hands its own list of changes here, so evictions and stores keep their order.
         self.evicted_keys: list[Hashable] | None = None
 
     @property

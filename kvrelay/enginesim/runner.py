@@ -80,7 +80,7 @@ class EngineRunner:
                     command()
                 self.core.step()
                 if self._events is not None:
-                    self._events.publish(*self.core.take_kv_events())
+                    self._events.publish(self.core.take_kv_events())
                 self._publish()
                 self.core.deliver_outputs()
                 busy = self.core.busy

@@ -278,15 +278,21 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
             raise AssertionError(f"timed out waiting for {what}")
 
         def first_arrived() -> bool:
-            publisher.publish(blocks[:1], [])
+            publisher.publish(blocks[:1])
             return index.blocks_of(P0) == 1
 
         await until(first_arrived, "the first block")
-        publisher.publish(blocks[1:], [])
+        publisher.publish(blocks[1:])
         await until(lambda: index.blocks_of(P0) == 3, "the chained blocks")
         assert index.cached_tokens(prompt, "salt-1") == {P0: 12}
-        publisher.publish([], [keys[1]])
+        publisher.publish([keys[1]])
         await until(lambda: index.cached_tokens(prompt, "salt-1") == {P0: 4}, "the eviction")
+        # One step's changes in the order they happened: blocks 1 and 2 stored again, then
+        # block 2 evicted, then stored once more; what the index keeps is the last word.
+        publisher.publish([blocks[1], blocks[2], keys[2], blocks[2]])
+        await until(lambda: index.cached_tokens(prompt, "salt-1") == {P0: 12}, "the re-store")
+        publisher.publish([blocks[1], keys[1]])  # stored, then evicted in the same step
+        await until(lambda: index.cached_tokens(prompt, "salt-1") == {P0: 4}, "the last eviction")
         pool.remove(P0)
         await until(lambda: index.pairs == 0, "the engine forgotten")
         assert feed.subscribed() == []
