@@ -103,7 +103,8 @@ class EngineEvents:
             if not _in_gpu_memory(event, w.GPU_MEDIUM):
                 continue
             if isinstance(event, w.BlockStored):
-                index.stored(
+                adopted = index.adopted
+                recorded = index.stored(
                     url,
                     event.block_hashes,
                     event.parent_block_hash,
@@ -111,7 +112,13 @@ class EngineEvents:
                     event.block_size,
                     event.extra_keys,
                 )
-                metrics.KV_EVENTS.labels("stored").inc()
+                if index.adopted != adopted:
+                    kind = "adopted"  # its parent named through a prompt routed there
+                elif recorded:
+                    kind = "stored"
+                else:
+                    kind = "orphaned"  # its parent unknown, no routed prompt names it
+                metrics.KV_EVENTS.labels(kind).inc()
             elif isinstance(event, w.BlockRemoved):
                 index.removed(url, event.block_hashes)
                 metrics.KV_EVENTS.labels("removed").inc()

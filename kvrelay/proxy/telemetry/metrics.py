@@ -309,8 +309,10 @@ PREFIX_INDEX_BLOCKS = Gauge(
 KV_EVENTS = Labelled(
     Counter(
         "kvrelay_kv_events_total",
-        "KV cache events applied to the block index: stored, removed, cleared (an engine "
-        "cleared its cache), malformed (a message that could not be decoded: its engine is "
+        "KV cache events applied to the block index: stored, adopted (stored after a prefix "
+        "the index had not seen, named through a prompt routed to that engine), orphaned "
+        "(stored after a prefix nothing named: skipped), removed, cleared (an engine cleared "
+        "its cache), malformed (a message that could not be decoded: its engine is "
         "forgotten).",
         ["kind"],
     )
