@@ -45,11 +45,13 @@ class Engines:
         if go:
             self.go.set()
         self.sent: list[tuple[str, str, dict[str, Any], dict[str, str]]] = []
+        self.asked = asyncio.Event()
 
     async def post(
         self, url: str, path: str, payload: bytes, headers: tuple[tuple[str, str], ...]
     ) -> Any:
         self.sent.append((url, path, json.loads(payload), dict(headers)))
+        self.asked.set()
         await self.go.wait()
         if isinstance(self.answer, Exception):
             raise self.answer
@@ -134,5 +136,19 @@ async def test_a_late_pin_is_given_up_released_when_it_answers_and_its_holder_re
     assert not router.serves_pulls(HOLDER)  # no pulls from it for a while
     engines.go.set()  # it answers after all: nobody will read it, so it is released
     await asyncio.wait_for(released.any.wait(), 5)  # spawned when the late answer is read
+    await released.drain()
+    assert released.tokens == ["pin-token"]
+
+
+async def test_a_pin_whose_turn_ends_while_waiting_is_released_when_it_answers() -> None:
+    engines, released = Engines(Answer(200, {"kv_transfer_params": PARAMS}), go=False), Released()
+    pin, _, holder = _pin(engines, released)
+    waiting = asyncio.ensure_future(pin.pin(PrefixSource(holder, 3), [1, 2, 3]))
+    await asyncio.wait_for(engines.asked.wait(), 5)  # the pin is on its way to the holder
+    waiting.cancel()  # the client left
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    engines.go.set()  # the holder answers after all: nobody will read it, so it is released
+    await asyncio.wait_for(released.any.wait(), 5)
     await released.drain()
     assert released.tokens == ["pin-token"]

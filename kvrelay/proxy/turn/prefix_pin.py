@@ -101,6 +101,10 @@ class PrefixPin:
             self._router.pin_too_slow(url)
             task.add_done_callback(self._release_late)
             return None
+        except BaseException:
+            # The turn ended while waiting (its client left): nobody will read the hold.
+            task.add_done_callback(self._release_late)
+            raise
         if params is None:
             metrics.PREFIX_PULLS.labels("pin_failed").inc()
             return None
