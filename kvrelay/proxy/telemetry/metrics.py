@@ -295,6 +295,15 @@ PREFIX_PULLED_TOKENS = Counter(
     "Prompt tokens the turns' Ps reported loading from another P's pinned prefix (their "
     "connectors' own counts).",
 )
+PROMPT_TOKENIZE = Labelled(
+    Counter(
+        "kvrelay_prompt_tokenize_total",
+        "Prompts tokenized for the KV events' index before routing: ok (a P's /tokenize "
+        "answered, or the prompt was token ids), failed (no P answered within probe_timeout_s: "
+        "the turn was routed without the Ps' events).",
+        ["result"],
+    )
+)
 PREFIX_INDEX_ENTRIES = Gauge(
     "kvrelay_prefix_index_entries",
     "Prompt prefixes in the prefix-routing index (prefix_index_max_entries bounds it).",

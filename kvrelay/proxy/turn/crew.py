@@ -78,15 +78,18 @@ class TurnCrew:
         self, prompt: PromptPrefixes, route: str, body: dict[str, Any]
     ) -> PromptPrefixes:
         """`prompt` with its token ids, for the KV events' index (`Router.wants_tokens`), as
-        the least busy P tokenizes it (its template and tokenizer are what its cache hashes);
-        as it was when no P answers within the probe timeout."""
-        ps = self.prefill.usable()
-        if not ps:
+        the least busy P tokenizes it (its template and tokenizer are what its cache hashes;
+        busy as routing weighs it, the engines' load readings included: a P busy computing
+        answers its `/tokenize` late); as it was when no P answers within the probe timeout
+        (`kvrelay_prompt_tokenize_total{result="failed"}`: that turn is routed blind to the
+        Ps' events)."""
+        least = self.router.least_loaded(self.prefill, set())
+        if least is None:
             return prompt
-        url = min(ps, key=lambda b: b.inflight).url
         tokens = await prompt_token_ids(
-            self.upstream, url, route, body, self.settings.probe_timeout_s
+            self.upstream, least.url, route, body, self.settings.probe_timeout_s
         )
+        metrics.PROMPT_TOKENIZE.labels("failed" if tokens is None else "ok").inc()
         if tokens is None:
             return prompt
         salt = body.get("cache_salt")
