@@ -35,13 +35,13 @@ with_loopback_ucx()
 KIB = 1024
 
 
-def _on_gpu(device: str) -> bool:
+def on_gpu(device: str) -> bool:
     """Whether `--device` names a CUDA device ("cuda", "cuda:0")."""
     return device.startswith("cuda")
 
 
-def _mem_type(device: str) -> str:
-    return "VRAM" if _on_gpu(device) else "DRAM"
+def mem_type(device: str) -> str:
+    return "VRAM" if on_gpu(device) else "DRAM"
 
 
 def _target(conn: Connection, total_bytes: int, device: str) -> None:
@@ -52,7 +52,7 @@ def _target(conn: Connection, total_bytes: int, device: str) -> None:
 
     buf = torch.randint(0, 255, (total_bytes,), dtype=torch.uint8).to(device)
     transport = NixlTransport(f"bench-target-{os.getpid()}")
-    transport.register([buf], _mem_type(device))
+    transport.register([buf], mem_type(device))
     conn.send((transport.metadata(), buf.data_ptr(), int(buf.sum())))
     while not conn.poll(0):
         transport.notifications()  # progress for reads that need the target's side
@@ -82,14 +82,14 @@ def _run_reads(
     return best
 
 
-class _Copy:
+class Copy:
     """The baseline: one contiguous copy of the same bytes, on the device the blocks live on."""
 
     def __init__(self, total: int, device: str) -> None:
         import torch
 
         self.torch = torch
-        self.cuda = _on_gpu(device)
+        self.cuda = on_gpu(device)
         if self.cuda:
             self.src = torch.randint(0, 255, (total,), dtype=torch.uint8, device=device)
             self.dst = torch.empty_like(self.src)
@@ -133,12 +133,12 @@ def bandwidth(
                 raise RuntimeError("target process failed to start (see its output above)")
         metadata, remote_base, checksum = parent.recv()
         local_buf = torch.zeros(total, dtype=torch.uint8, device=device)
-        mem_type = _mem_type(device)
+        memory = mem_type(device)
         device_id = local_buf.device.index or 0
         transport = NixlTransport(f"bench-reader-{os.getpid()}")
-        transport.register([local_buf], mem_type)
+        transport.register([local_buf], memory)
         agent = transport.add_remote(metadata)
-        copy = _Copy(total, device)
+        copy = Copy(total, device)
         for size_kib in sizes_kib:
             bs = size_kib * KIB
             nblocks = total // bs
@@ -149,11 +149,11 @@ def bandwidth(
             remote_ids = [b for i in order for b in runs[i]]
             local_ids = list(range(nblocks))
             geom_l = CacheGeometry(
-                (Strip(local_buf.data_ptr(), bs, bs),), nblocks, mem_type, device_id, "uint8",
+                (Strip(local_buf.data_ptr(), bs, bs),), nblocks, memory, device_id, "uint8",
                 False, "bench",
             )  # fmt: skip
             geom_r = CacheGeometry(
-                (Strip(remote_base, bs, bs),), nblocks, mem_type, device_id, "uint8", False,
+                (Strip(remote_base, bs, bs),), nblocks, memory, device_id, "uint8", False,
                 "bench",
             )  # fmt: skip
             descs = {
@@ -283,7 +283,7 @@ def _descriptor_cost(rows: list[dict[str, Any]]) -> str:
 def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespace) -> str:
     ucx = ", ".join(f"{k}=`{v}`" for k, v in sorted(os.environ.items()) if k.startswith("UCX_"))
     ucx += ". "
-    if _on_gpu(args.device):
+    if on_gpu(args.device):
         what = (
             f"GPU: {gpu_description()}.  \n{ucx}NIXL READ (UCX, both buffers in the one GPU's "
             "memory, two processes, no progress thread) of "
@@ -320,7 +320,7 @@ def render(rows: list[dict[str, Any]], rej: list[float], args: argparse.Namespac
             f"{load} on {os.cpu_count()} cores. "
             + (
                 _descriptor_cost(rows)
-                if _on_gpu(args.device)
+                if on_gpu(args.device)
                 else "UCX serves these reads with CMA zero-copy (`process_vm_readv`; "
                 "`UCX_PROTO_INFO=y` shows `remote memory read by ucp_get* ... cma/memory`), TCP "
                 "only carries wire-up and notifications; the target process keeps polling for "
@@ -356,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.total_mib, args.reps, args.rejections = 16, 2, 5
-    on_gpu = _on_gpu(args.device)
-    with_loopback_ucx(cuda=on_gpu)  # before the target and the peers are spawned
+    gpu = on_gpu(args.device)
+    with_loopback_ucx(cuda=gpu)  # before the target and the peers are spawned
     rows = bandwidth(args.sizes_kib, args.total_mib, args.reps, args.run_len, args.device)
     rej = rejection_to_free(args.rejections, args.device) if args.rejections > 0 else []
     if rej:
@@ -367,9 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         {"bandwidth": rows, "rejection_to_free_s": rej, "total_mib": args.total_mib},
     )
     if not args.no_results:
-        c.update_results_section(
-            "transfer (GPU)" if on_gpu else "transfer", render(rows, rej, args)
-        )
+        c.update_results_section("transfer (GPU)" if gpu else "transfer", render(rows, rej, args))
     return 0
 
 

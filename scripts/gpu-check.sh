@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks: NIXL reads between two engine processes whose KV caches live in one CUDA
-# device's memory (the `gpu` tests) and the GPU section of bench/transfer.py.
+# device's memory (the `gpu` tests) and the GPU sections of bench/transfer.py and
+# bench/transfer_descs.py.
 #
 #   scripts/gpu-check.sh wheels DIR   on a machine with network: download into DIR (`.whl` in
 #                                     the tree is git-ignored) the wheels a GPU machine without
@@ -9,9 +10,13 @@
 #                                     versions); GPU_PYTHON picks the Python version (3.12)
 #   scripts/gpu-check.sh run [DIR]    on the GPU machine, from the repository root: install DIR's
 #                                     wheels (if given) beside the machine's own torch, run the
-#                                     `gpu` tests, then `bench.transfer --device cuda` (writes
-#                                     `## transfer (GPU)` in bench/RESULTS.md). With OUT set, the
-#                                     logs, the bench's JSON and RESULTS.md are copied there.
+#                                     `gpu` tests, `bench.transfer --device cuda` (writes
+#                                     `## transfer (GPU)` in bench/RESULTS.md), then
+#                                     `bench.transfer_descs --device cuda` for an 8B- and a
+#                                     70B-TP4-shaped pull (per-layer built and prepared,
+#                                     block-major, staged, against a device copy: `## transfer
+#                                     descriptors (GPU, MODEL)`). With OUT set, the logs, the
+#                                     benches' JSON and RESULTS.md are copied there.
 #
 # The machine must have torch built for CUDA 13 (nixl-cu13) and a CUDA device; the run stops at
 # once, saying so, where either is missing.
@@ -87,6 +92,12 @@ PY
     --total-mib "${GPU_TOTAL_MIB:-1024}" \
     --reps "${GPU_REPS:-5}" --rejections "${GPU_REJECTIONS:-20}" \
     --json bench/.work/transfer-gpu.json 2>&1 | tee ${out:+"$out/gpu-bench.log"} || rc=1
+  # A 12k-token pull is 750 blocks of 16 tokens; UCX worker threads as the connector's default.
+  local model
+  for model in 8b 70b-tp4; do
+    "$py" -m bench.transfer_descs --device cuda --model "$model" --blocks 16 128 750 \
+      --threads 2 --reps "${GPU_REPS:-5}" 2>&1 | tee ${out:+"$out/gpu-descs-$model.log"} || rc=1
+  done
   if [ -n "$out" ]; then
     cp bench/RESULTS.md "$out/RESULTS.md"
     cp bench/.work/transfer-gpu.json "$out/" 2>/dev/null || true
@@ -97,5 +108,5 @@ PY
 case "${1:-}" in
   wheels) fetch_wheels "${2:?usage: scripts/gpu-check.sh wheels DIR}" ;;
   run) run_checks "${2:-}" ;;
-  *) sed -n '2,17p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
 esac
