@@ -260,6 +260,42 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
         assert pick() == (p0.url, work, None, 0)
 
 
+@pytest.mark.parametrize("prefix_pull", [True, False])
+def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pull: bool) -> None:
+    """Both Ps backed up: the turn spills to D. With prefix_pull, D is to pull the prefix that
+    p1's events show (pinned there) and prefill only the rest: its work is the rest, PULL_COST
+    of the prefix and the pin's wait (half of p1's step); D's own count confirms it."""
+    router, prefill = _events_router(
+        prefix_pull=prefix_pull, prefix_pull_min_tokens=64, prefill_step_tokens=32
+    )
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    router.decode.add("http://d0")
+    assert router.blocks is not None
+    shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16
+    router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + [9] * 80, _chat("spilled".ljust(290, "x")))
+    work = prompt.total + 1
+    p0.outstanding_work = p1.outstanding_work = 50 * work
+    spill = router.spill(None, work, "", prompt)
+    assert spill is not None and spill.backend.url == "http://d0" and not spill.holder
+    estimated = round(work / 4)  # no entry yet: 4 characters a token
+    pin_wait = PIN_WAIT_SHARE * 32  # p1's queue is longer than its step
+    if prefix_pull:
+        assert spill.source is not None and spill.source.backend is p1
+        assert spill.source.tokens == 320
+        assert spill.tokens == round(estimated - 320 + PULL_COST * 320 + pin_wait)
+    else:
+        assert spill.source is None and spill.tokens == estimated
+    # D counts 400 tokens: the spill still pays, its work counted again.
+    counted = spill.counted(400, 0, work)
+    assert counted is not None
+    if prefix_pull:
+        assert counted.source is spill.source
+        assert counted.tokens == round(400 - 320 + PULL_COST * 320 + pin_wait)
+    else:
+        assert counted.source is None and counted.tokens == 400
+
+
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
     router, prefill = _events_router(prefix_pull_min_tokens=64, reuse_probe_interval_s=60)
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")

@@ -517,6 +517,84 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     proxy.stop()
 
 
+@pytest.mark.parametrize("prefix_pull", [True, False])
+def test_a_spilled_turn_pulls_the_prefix_from_the_p_caching_it(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, prefix_pull: bool
+) -> None:
+    """P1 caches a system prompt (its events say so), then both Ps report long queues: the
+    next request sharing that prompt spills to D. With prefix_pull, P1 pins the prefix and D
+    loads it from P1 over NIXL, computing only the rest; without it, D computes the whole
+    prompt. The engines' own counters show each step, the answer is the reference's, and P1
+    holds nothing afterwards."""
+    p0, p1, d = idle
+    proxy = _events_proxy(
+        proxy_factory,
+        idle,
+        routing_policy="conditional",
+        # One cache scope: the request sent to P1 itself below (no salt) is the proxy's too.
+        cache_isolation="shared",
+        load_poll_interval_s="0.5",
+        prefix_pull=str(prefix_pull).lower(),
+        prefix_pull_min_tokens="64",
+        prefix_pull_timeout_s="10",
+        # The Ps' reported queues are made up (a fault), their steps stay short: the router
+        # weighs the pin's wait as one short step.
+        prefill_step_tokens="64",
+    )
+    # Unique from its first block (see the test above).
+    system = f"{prefix_pull}: a spilled turn pulls what a P caches. " * 10
+
+    def ask(question: str) -> list[dict[str, float]]:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        before = p0.metrics(), p1.metrics(), d.metrics()
+        answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
+        assert answer == reference_chat(messages, 12)
+        after = p0.metrics(), p1.metrics(), d.metrics()
+        return [
+            {n: a.get(n, 0.0) - b.get(n, 0.0) for n in a}
+            for a, b in zip(after, before, strict=True)
+        ]
+
+    probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+    # Sent to P1 itself: through the proxy, D would load the prompt from P1 and cache it too,
+    # and a spill to D would find it in D's own cache (nothing to pull).
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Who first?"}]
+    reply_of(post(p1.url, "/v1/chat/completions", chat_body(first)))
+    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    spilled = 'kvrelay_routing_decisions_total{decision="spilled"}'
+    spills = proxy.metrics().get(spilled, 0.0)
+    try:
+        for p in (p0, p1):
+            assert p.request("/admin/faults", {"extra_waiting": 6})[0] == 200
+        for p in (p0, p1):
+            wait_until(
+                lambda p=p: _prefill_load(proxy, p.url) == 6, 10, what="the proxy to read the Ps"
+            )
+        grew0, grew1, grew_d = ask("And who pulls it?")
+    finally:
+        for p in (p0, p1):
+            p.request("/admin/faults", {"extra_waiting": 0})
+    loaded, cached = "enginesim_prompt_tokens_loaded_total", "enginesim_prompt_tokens_cached_total"
+    m = proxy.metrics()
+    seen = {k: v for k, v in m.items() if "prefix" in k or "routing" in k}, grew1, grew_d
+    assert m.get(spilled, 0.0) == spills + 1, seen
+    assert grew0["enginesim_requests_total"] == 0, seen
+    if prefix_pull:
+        # P1 served the pin from its cache; D loaded the prefix and computed only the rest.
+        assert grew1["enginesim_requests_total"] == 1 and grew1[cached] >= 64, seen
+        assert grew_d["enginesim_requests_total"] == 1 and grew_d[loaded] >= 64, seen
+        assert m['kvrelay_prefix_pulls_total{result="pinned"}'] == 1, seen
+        assert m['kvrelay_prefix_pulls_total{result="pulled"}'] == 1, seen
+        assert m["kvrelay_prefix_pulled_tokens_total"] == grew_d[loaded], seen
+    else:
+        assert grew1["enginesim_requests_total"] == 0, seen
+        assert grew_d["enginesim_requests_total"] == 1 and grew_d[loaded] == 0, seen
+        assert m.get('kvrelay_prefix_pulls_total{result="pinned"}', 0.0) == 0, seen
+    # The pin's hold was read (or released): nothing stays held on P1.
+    wait_until(lambda: p1.metric("enginesim_requests_held") == 0, 10, what="P1 holds nothing")
+    proxy.stop()
+
+
 def test_holds_that_do_not_pay_are_given_back_before_their_lease(
     idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
 ) -> None:

@@ -30,7 +30,7 @@ from typing import ClassVar, Protocol
 
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.fleet.prefix_index import PromptPrefixes
-from kvrelay.proxy.fleet.routing import Router
+from kvrelay.proxy.fleet.routing import PrefixSource, Router
 
 # The prompt's tokens as the engine at this URL counts them; None when it cannot say.
 TokenCounter = Callable[[str], Awaitable[int | None]]
@@ -62,9 +62,10 @@ class Plan:
     route: Route
     prefill_first: str | None = None  # P to try first: the conversation's previous P
     decode_first: str | None = None  # D to try first: the holder, or the D a spill goes to
-    decode_tokens: int | None = None  # prompt tokens D prefills itself; None through P
+    decode_tokens: int | None = None  # D's own prefill work, in tokens; None through P
     to_holder: bool = False  # that D holds the conversation's history (its prefix-cache hit)
     check: CountCheck | None = None  # the decode-only count check, when one was made
+    pull_from: PrefixSource | None = None  # a spill: the P whose cached prefix D pulls
 
 
 class TurnPolicy(Protocol):
@@ -169,6 +170,7 @@ class Conditional(Affinity):
                     decode_tokens=confirmed.tokens,
                     to_holder=confirmed.holder,
                     check=check,
+                    pull_from=confirmed.source,
                 )
         return self._through_p(entry, check)
 

@@ -85,6 +85,10 @@ class Spill:
     d_queued: int  # D's decode-only prompt tokens in flight
     factor: float  # prefill_spill_factor
     p_cached_chars: int = 0  # the prefix that P's cache is expected to hold (prefix routing)
+    # `prefix_pull`: the P whose events show the longest prefix, which D pulls (pinned there)
+    # instead of computing it, and the wait for its pin, in tokens of the holder's work.
+    source: PrefixSource | None = None
+    pin_wait_tokens: float = 0.0
 
     def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
         """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
@@ -95,6 +99,14 @@ class Spill:
         p_cached = round(self.p_cached_chars * per_char)
         uncached = max(0, prompt_tokens - max(held_tokens, p_cached))  # what P would compute
         d_tokens = max(0, prompt_tokens - held_tokens) if self.holder else prompt_tokens
+        source = self.source
+        if source is not None:
+            pulled = with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens)
+            uncached = min(uncached, pulled)  # P would pull it too (`Router._by_prefix`)
+            if pulled < d_tokens:
+                d_tokens = pulled
+            else:
+                source = None
         p_queued = self.p_queued_chars * per_char
         if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
             return None
@@ -106,7 +118,16 @@ class Spill:
             self.d_queued,
             self.factor,
             self.p_cached_chars,
+            source,
+            self.pin_wait_tokens,
         )
+
+
+def with_pull(prompt_tokens: int, prefix_tokens: int, pin_wait_tokens: float) -> int:
+    """The work, in tokens, of a prompt whose first `prefix_tokens` are pulled from a pin:
+    the rest computed, the pulled part at `PULL_COST`, and the pin's wait."""
+    pulled = min(prefix_tokens, max(0, prompt_tokens - 1))  # the last token is computed
+    return max(1, round(prompt_tokens - pulled + PULL_COST * pulled + pin_wait_tokens))
 
 
 class PrefixSource(NamedTuple):
@@ -504,15 +525,55 @@ class Router:
             else tokens
         )
         uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
-        p_time = p_queued / cpt + uncached
         target, holder = self._spill_decode(entry, tenant)
         if target is None:
             return None
         d_tokens = uncached if holder else tokens
+        source, pin_wait = None, 0.0
+        if not holder and prompt is not None:
+            # A D without the history may pull the prompt's prefix from the P caching it,
+            # as a P would (`_by_prefix`): both sides then count the pull.
+            source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
+            if source is not None:
+                pulled = with_pull(tokens, source.tokens, pin_wait)
+                uncached = min(uncached, pulled)
+                if pulled < d_tokens:
+                    d_tokens = pulled
+                else:
+                    source = None
+        p_time = p_queued / cpt + uncached
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_tokens):
             return None
-        return Spill(target, d_tokens, holder, p_queued, d_queued, s.prefill_spill_factor, p_cached)
+        return Spill(
+            target,
+            d_tokens,
+            holder,
+            p_queued,
+            d_queued,
+            s.prefill_spill_factor,
+            p_cached,
+            source,
+            pin_wait,
+        )
+
+    def _spill_source(
+        self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int
+    ) -> tuple[PrefixSource | None, float]:
+        """With `prefix_pull` and the Ps' events, the P a spilled turn's D would pull the
+        prompt's prefix from (`_pull_source`), and the pin's wait there in tokens (as
+        `_by_prefix` counts it: `PIN_WAIT_SHARE` of the rest of the holder's step)."""
+        if not self.settings.prefix_pull:
+            return None, 0.0
+        reported = self.reported_tokens(prompt)
+        if not reported:
+            return None, 0.0
+        source = self._pull_source(reported, self.prefill.usable())
+        if source is None:
+            return None, 0.0
+        queued = self._queued_work(source.backend, prompt_chars) / chars_per_token
+        step = float(self.settings.prefill_step_tokens)
+        return source, PIN_WAIT_SHARE * min(queued, step)
 
     def _least_queued(
         self,

@@ -19,13 +19,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet import Backend, Busy, Pool, Router
 from kvrelay.proxy.turn.attempts import Attempts, EngineAnswer, LegFailure, Verdict
 from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.legs import decode_body
-from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
 
 log = logging.getLogger(__name__)
 
@@ -79,22 +79,23 @@ class DecodeLeg:
     async def serve(
         self,
         ctx: TurnContext,
-        prefill: PrefillAnswer | None,
+        p_params: KVTransferParams | None,
+        p_url: str | None,
         first: str | None,
         hold: bool,
         decode_tokens: int | None,
     ) -> Served:
         """The first D that answers 2xx, its answer open until the turn leaves `with served:`
-        (closed when the block raises: that tells D to stop). `first`: the D to try first (the
-        conversation's holder, or a spill's D); `hold`: ask D to hold for a next turn;
-        `decode_tokens`: the tokens D prefills itself on a turn that skipped P (counted against
-        D's budget). A plain coroutine and a context-manager `Served` rather than an
-        `asynccontextmanager`: it runs on every turn, and the generator machinery costs about
-        eight calls per turn (`bench/instructions.py`)."""
+        (closed when the block raises: that tells D to stop). `p_params`: the blocks D reads
+        from the P at `p_url` (P's prefill, or on a spill a prefix pinned there; None: D
+        prefills alone); `first`: the D to try first (the conversation's holder, or a spill's
+        D); `hold`: ask D to hold for a next turn; `decode_tokens`: D's own prefill work on a
+        turn that skipped P (counted against D's budget). A plain coroutine and a
+        context-manager `Served` rather than an `asynccontextmanager`: it runs on every turn,
+        and the generator machinery costs about eight calls per turn (`bench/instructions.py`).
+        """
         attempts, pool, report = self._attempts, self._pool, self._attempts.report
         stream, router = ctx.stream, self._router
-        p_params = prefill.params if prefill is not None else None
-        p_url = prefill.backend.url if prefill is not None else None
         reasons: list[str] = []
         refused: list[Backend] = []  # the engines that answered 5xx/429
         slow = 0  # attempts that timed out on an engine that then passed its health probe

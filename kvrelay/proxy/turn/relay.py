@@ -28,7 +28,7 @@ from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.fleet import Backend, Plan, PrefixSource, PromptPrefixes, Route
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import CACHE_SALT
-from kvrelay.proxy.turn.accounting import TurnAccounts
+from kvrelay.proxy.turn.accounting import PromptAccount, TurnAccounts
 from kvrelay.proxy.turn.answer import Answer, Relayed
 from kvrelay.proxy.turn.attempts import Attempts
 from kvrelay.proxy.turn.client import Client
@@ -65,6 +65,7 @@ class Turn:
     _attempts: Attempts = field(init=False)
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
+    _d_pulls: bool = False  # a spill's D was sent a prefix pinned on a P
 
     def __post_init__(self) -> None:
         ctx = self.ctx
@@ -88,10 +89,11 @@ class Turn:
                 self._attempts.judge_5xx(served=None)  # 5xx answers no engine made up for
                 self.owed.release_all()
                 raise
-            # D's answer is complete, so P's blocks need no call from here: D's connector
-            # either read them (the read frees them) or released them itself (skipped or
-            # failed load).
+            # D's answer is complete, so P's blocks (or a spill's pinned prefix) need no call
+            # from here: D's connector either read them (the read frees them) or released them
+            # itself (skipped or failed load).
             self.owed.settle(Debt.PREFILL_BLOCKS)
+            self.owed.settle(Debt.PINNED_PREFIX)
 
     async def _run(self) -> None:
         crew, ctx, report = self.crew, self.ctx, self.report
@@ -136,6 +138,8 @@ class Turn:
                 await self._decode_step(plan)
             finally:
                 self.owed.release(Debt.PREVIOUS_HOLD)
+        if self._d_pulls and self.accounts.decode is not None and self.decode_url is not None:
+            _count_pull("D", self.decode_url, self.accounts.decode)
         self._learn(plan)
 
     async def _count_tokens(self, url: str) -> int | None:
@@ -171,17 +175,7 @@ class Turn:
             return
         if answer.pulled_prefix:
             self.owed.settle(Debt.PINNED_PREFIX)  # P's connector read or released it
-            loaded = answer.account.loaded
-            metrics.PREFIX_PULLS.labels("pulled" if loaded else "not_pulled").inc()
-            if loaded:
-                metrics.PREFIX_PULLED_TOKENS.inc(loaded)
-            else:
-                log.info(
-                    "P %s loaded none of the pinned prefix (local hit %s, refused %s)",
-                    answer.backend.url,
-                    answer.account.local_hit,
-                    dict(answer.account.refused),
-                )
+            _count_pull("P", answer.backend.url, answer.account)
         self.prefill = answer
         self.routing = "prefill_affinity" if answer.by_affinity else "prefill_chosen"
         self.report.routed(self.routing)
@@ -213,6 +207,15 @@ class Turn:
     async def _decode_step(self, plan: Plan) -> None:
         """D's leg, its answer relayed, its params stored, the answer's last bytes."""
         crew, ctx, report, settings = self.crew, self.ctx, self.report, self.crew.settings
+        p_params = p_url = None
+        if self.prefill is not None:
+            p_params, p_url = self.prefill.params, self.prefill.backend.url
+        elif plan.pull_from is not None and self._prompt is not None and self._prompt.tokens:
+            # A spill whose D pulls the prompt's prefix from the P caching it: pinned there,
+            # owed until D's answer is complete (D's connector reads or releases it).
+            p_params = await self._pin(plan.pull_from, self._prompt.tokens)
+            p_url = plan.pull_from.backend.url if p_params is not None else None
+            self._d_pulls = p_params is not None
         store = Store(
             crew.kvmap,
             crew.releaser,
@@ -248,7 +251,7 @@ class Turn:
         relayed = Relayed(streamed=ctx.stream)
         with report.leg_scope("decode"):
             served = await leg.serve(
-                ctx, self.prefill, plan.decode_first, self.hold, plan.decode_tokens
+                ctx, p_params, p_url, plan.decode_first, self.hold, plan.decode_tokens
             )
             with served:
                 self.decode_url = served.backend.url
@@ -289,3 +292,20 @@ class Turn:
             )
         if d is not None and d.local_hit and d_url is not None:
             router.decode_served(d_url, d.local_hit, tenant)
+
+
+def _count_pull(role: str, url: str, account: PromptAccount) -> None:
+    """What the engine that was sent a pinned prefix (`role` P or D, at `url`) loaded of it,
+    as its connector reported (`kvrelay_prefix_pulls_total{result=pulled|not_pulled}`)."""
+    loaded = account.loaded
+    metrics.PREFIX_PULLS.labels("pulled" if loaded else "not_pulled").inc()
+    if loaded:
+        metrics.PREFIX_PULLED_TOKENS.inc(loaded)
+    else:
+        log.info(
+            "%s %s loaded none of the pinned prefix (local hit %s, refused %s)",
+            role,
+            url,
+            account.local_hit,
+            dict(account.refused),
+        )
