@@ -278,7 +278,7 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
     p0.outstanding_work = p1.outstanding_work = 50 * work
     spill = router.spill(None, work, "", prompt)
     assert spill is not None and spill.backend.url == "http://d0" and not spill.holder
-    estimated = round(work / 4)  # no entry yet: 4 characters a token
+    estimated = round(work * 400 / prompt.total)  # the prompt's own characters a token
     pin_wait = PIN_WAIT_SHARE * 32  # p1's queue is longer than its step
     if prefix_pull:
         assert spill.source is not None and spill.source.backend is p1
@@ -294,6 +294,13 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
         assert counted.tokens == round(400 - 320 + PULL_COST * 320 + pin_wait)
     else:
         assert counted.source is None and counted.tokens == 400
+    # d0 decoded a turn sharing the system prompt: its own cache is expected to hold it, so
+    # a spill there pulls nothing and counts only the rest.
+    router.decoded("http://d0", _tokens_prompt(shared + [8] * 80, _chat("decoded".ljust(290))))
+    again = router.spill(None, work, "", prompt)
+    assert again is not None and again.source is None
+    d_cached = round(len(SYSTEM) * 400 / prompt.total)
+    assert again.d_cached_chars == len(SYSTEM) and again.tokens == estimated - d_cached
 
 
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:

@@ -450,6 +450,21 @@ def _prefill_load(proxy: ProxyServer, url: str) -> float | None:
     return None if load is None or load["age_s"] > 1.0 else float(load["waiting"])
 
 
+def _asked(
+    proxy: ProxyServer, engines: tuple[EngineSim, ...], system: str, question: str
+) -> list[dict[str, float]]:
+    """Ask `question` under `system` through the proxy (the answer checked against the
+    reference); what each of `engines`' counters grew meanwhile."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    before = [e.metrics() for e in engines]
+    answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
+    assert answer == reference_chat(messages, 12)
+    after = [e.metrics() for e in engines]
+    return [
+        {n: a.get(n, 0.0) - b.get(n, 0.0) for n in a} for a, b in zip(after, before, strict=True)
+    ]
+
+
 @pytest.mark.parametrize("prefix_pull", [True, False])
 def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, prefix_pull: bool
@@ -476,15 +491,7 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     system = f"{prefix_pull}: you pull prefixes from whoever caches them. " * 10
 
     def ask(question: str) -> list[dict[str, float]]:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        before = p0.metrics(), p1.metrics()
-        answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
-        assert answer == reference_chat(messages, 12)
-        after = p0.metrics(), p1.metrics()
-        return [
-            {n: a.get(n, 0.0) - b.get(n, 0.0) for n in a}
-            for a, b in zip(after, before, strict=True)
-        ]
+        return _asked(proxy, (p0, p1), system, question)
 
     probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
@@ -545,15 +552,7 @@ def test_a_spilled_turn_pulls_the_prefix_from_the_p_caching_it(
     system = f"{prefix_pull}: a spilled turn pulls what a P caches. " * 10
 
     def ask(question: str) -> list[dict[str, float]]:
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        before = p0.metrics(), p1.metrics(), d.metrics()
-        answer = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
-        assert answer == reference_chat(messages, 12)
-        after = p0.metrics(), p1.metrics(), d.metrics()
-        return [
-            {n: a.get(n, 0.0) - b.get(n, 0.0) for n in a}
-            for a, b in zip(after, before, strict=True)
-        ]
+        return _asked(proxy, (p0, p1, d), system, question)
 
     probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
     # Sent to P1 itself: through the proxy, D would load the prompt from P1 and cache it too,

@@ -89,6 +89,7 @@ class Spill:
     # instead of computing it, and the wait for its pin, in tokens of the holder's work.
     source: PrefixSource | None = None
     pin_wait_tokens: float = 0.0
+    d_cached_chars: int = 0  # the prefix D's own cache is expected to hold (it decoded it)
 
     def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
         """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
@@ -98,11 +99,14 @@ class Spill:
         per_char = prompt_tokens / max(prompt_chars, 1)
         p_cached = round(self.p_cached_chars * per_char)
         uncached = max(0, prompt_tokens - max(held_tokens, p_cached))  # what P would compute
-        d_tokens = max(0, prompt_tokens - held_tokens) if self.holder else prompt_tokens
+        d_cached = round(self.d_cached_chars * per_char)
+        d_tokens = prompt_tokens - (held_tokens if self.holder else min(d_cached, prompt_tokens))
+        d_tokens = max(0, d_tokens)
         source = self.source
         if source is not None:
-            pulled = with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens)
-            uncached = min(uncached, pulled)  # P would pull it too (`Router._by_prefix`)
+            pulled = with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens, d_cached)
+            # P would pull it too (`Router._by_prefix`).
+            uncached = min(uncached, with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens))
             if pulled < d_tokens:
                 d_tokens = pulled
             else:
@@ -120,14 +124,20 @@ class Spill:
             self.p_cached_chars,
             source,
             self.pin_wait_tokens,
+            self.d_cached_chars,
         )
 
 
-def with_pull(prompt_tokens: int, prefix_tokens: int, pin_wait_tokens: float) -> int:
-    """The work, in tokens, of a prompt whose first `prefix_tokens` are pulled from a pin:
-    the rest computed, the pulled part at `PULL_COST`, and the pin's wait."""
-    pulled = min(prefix_tokens, max(0, prompt_tokens - 1))  # the last token is computed
-    return max(1, round(prompt_tokens - pulled + PULL_COST * pulled + pin_wait_tokens))
+def with_pull(
+    prompt_tokens: int, prefix_tokens: int, pin_wait_tokens: float, local_tokens: int = 0
+) -> int:
+    """The work, in tokens, of a prompt whose first `prefix_tokens` are pulled from a pin by an
+    engine whose own cache holds its first `local_tokens`: the rest computed, the pulled part
+    beyond the local one at `PULL_COST`, and the pin's wait."""
+    prefix = min(prefix_tokens, max(0, prompt_tokens - 1))  # the last token is computed
+    local = min(max(0, local_tokens), prefix)
+    pulled = prefix - local
+    return max(1, round(prompt_tokens - prefix + PULL_COST * pulled + pin_wait_tokens))
 
 
 class PrefixSource(NamedTuple):
@@ -240,6 +250,13 @@ class Router:
                 if chars > cached.get(url, 0):
                     cached[url] = chars
         return cached
+
+    def decoded(self, url: str, prompt: PromptPrefixes) -> None:
+        """The D at `url` decoded a turn of `prompt`, whose whole prompt it read or computed:
+        its prefix cache is expected to hold it (D publishes no events the proxy follows), in
+        the routing-fed index, for a spill's choice (`spill`)."""
+        if self.prefixes is not None:
+            self.prefixes.record(url, prompt)
 
     def reported_tokens(self, prompt: PromptPrefixes) -> dict[str, int]:
         """For each P whose KV events show a prefix of `prompt` cached, its tokens."""
@@ -515,6 +532,8 @@ class Router:
             # Said here, before the pass over the D pool: the common case at low load.
             return None
         cpt = entry.chars_per_token if entry is not None else None
+        if prompt is not None and prompt.tokens:  # tokenized for the Ps' events: exact
+            cpt = prompt.total / len(prompt.tokens)
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
         # With an entry P pulls the held history and computes only the rest; P's own cache
@@ -528,15 +547,18 @@ class Router:
         target, holder = self._spill_decode(entry, tenant)
         if target is None:
             return None
-        d_tokens = uncached if holder else tokens
+        # D's own cache: the prompts of the turns it decoded (it read or computed them whole).
+        d_cached_chars = cached.get(target.url, 0) if cached and not holder else 0
+        d_cached = min(tokens, round(d_cached_chars / cpt))
+        d_tokens = uncached if holder else tokens - d_cached
         source, pin_wait = None, 0.0
         if not holder and prompt is not None:
             # A D without the history may pull the prompt's prefix from the P caching it,
             # as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
             if source is not None:
-                pulled = with_pull(tokens, source.tokens, pin_wait)
-                uncached = min(uncached, pulled)
+                pulled = with_pull(tokens, source.tokens, pin_wait, d_cached)
+                uncached = min(uncached, with_pull(tokens, source.tokens, pin_wait))
                 if pulled < d_tokens:
                     d_tokens = pulled
                 else:
@@ -555,6 +577,7 @@ class Router:
             p_cached,
             source,
             pin_wait,
+            d_cached_chars,
         )
 
     def _spill_source(

@@ -275,6 +275,8 @@ class Turn:
         `kvrelay.proxy.fleet.ReuseStanding`)."""
         router, tenant = self.crew.router, self.ctx.tenant
         p, d, d_url = self.accounts.prefill, self.accounts.decode, self.decode_url
+        if self._prompt is not None and d_url is not None:
+            router.decoded(d_url, self._prompt)  # D read or computed the whole prompt
         if plan.route is not Route.THROUGH_P:
             if plan.route is Route.SPILL and not plan.to_holder:
                 return  # a D without the history: nothing to learn about its prefix cache
