@@ -10,10 +10,6 @@
 - Prefix routing from vLLM's own KV events (both Ps publish them): the index shows a stored
   block once P2 computed it and forgets it once P2's events say it was evicted, and the routing
   follows: to P2 while it caches the system prompt, to the first P after.
-- Prefix pulls: while P2, which caches a system prompt, is busy decoding a long request, the
-  next request sharing that prompt runs on P, which loads the prefix from P2 (pinned by a
-  request of the proxy's, served from P2's cache) instead of computing it; vLLM's counters
-  show P2's cache hit and P's load, the answer is plain vLLM's, and P2 holds nothing after.
 - A proxy started after P2 cached a system prompt learns it on the first request it routes
   there (vLLM's events name only the blocks after it; the routed prompt names their parent).
 """
@@ -24,7 +20,6 @@ import json
 import random
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -128,27 +123,6 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
             admin_key=ADMIN_KEY,
             prefix_index_ttl_s="0.001",
             kv_events_endpoints=",".join(f"{u}={e}" for u, e in endpoints.items()),
-        )
-        # The same, reading the Ps' load often and pulling prefixes from whoever caches them.
-        proxies["prefix pull"] = factory(
-            [prefill.url, second.url],
-            [decode.url],
-            ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET,
-            side_channels=side_channels,
-            admin_key=ADMIN_KEY,
-            prefix_index_ttl_s="0.001",
-            kv_events_endpoints=",".join(f"{u}={e}" for u, e in endpoints.items()),
-            # A reading is acted on for 3 intervals: long enough for a busy machine's poller
-            # to keep P2's reading fresh between the test's look and the turn's routing. A P
-            # decoding on both of this machine's cores may answer a scrape or a `/tokenize` in
-            # over a second: the probes wait longer here.
-            load_poll_interval_s="1.0",
-            probe_timeout_s="10",
-            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
-            prefix_pull_timeout_s="20",
-            # P2 is kept busy decoding (a token a step): a pin waits one short step there.
-            prefill_step_tokens=str(2 * vllm_servers.BLOCK_SIZE),
         )
         fleet = CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
         fleet.events_endpoints = ",".join(f"{u}={e}" for u, e in endpoints.items())
@@ -356,91 +330,6 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     served, hits = ask("And now?")
     assert served == {p.name: 1, p2.name: 0}  # nothing cached anywhere: the first P listed
     assert hits[p.name] == 0, hits
-
-
-def _load(proxy: ProxyServer, url: str) -> dict[str, Any] | None:
-    """The proxy's fresh reading of the P at `url` (None: none fresh)."""
-    status, answer, _ = proxy.call(
-        "GET", "/admin/backends", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
-    )
-    assert status == 200, answer
-    load = next(b["load"] for b in answer["prefill"] if b["url"] == url)
-    return None if load is None or load["age_s"] > 2.0 else dict(load)
-
-
-def test_a_prefix_cached_on_a_busy_p_is_pulled_by_the_p_that_runs_the_turn(
-    cached_fleet: CachedFleet,
-) -> None:
-    fleet = cached_fleet
-    proxy, p, p2 = fleet.proxies["prefix pull"], fleet.prefill, fleet.second
-    # New to every cache from its first block on.
-    system = f"Pulled from whoever has it, never computed twice. {SYSTEM}" * 2
-
-    def body(user: str) -> dict[str, Any]:
-        return _with_system(system, user)
-
-    probe, two_blocks = body("?"), 2 * vllm_servers.BLOCK_SIZE
-    _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
-    first = body("Hello.")
-    out = _ask(proxy, first, f"pull-{uuid.uuid4().hex[:8]}")
-    assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
-    _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p.url})
-    wait_until(
-        lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
-        30,
-        what="P2's stored blocks in the index",
-    )
-    cached = proxy.events_cached(probe)[p2.url]
-    # P2 decodes a long request sent to it directly: the proxy's reading shows it running, so
-    # P2's queue outweighs what its cache saves, and the turn goes to P.
-    long = {
-        "model": vllm_servers.MODEL_NAME,
-        "prompt": "Count the blocks one by one:",
-        "max_tokens": 950,
-        "min_tokens": 950,
-        "temperature": 0,
-    }
-    before = {
-        s.name: {n: _settled(s, n) for n in (REQUESTS, CACHE_HITS, TOKENS_LOADED)} for s in (p, p2)
-    }
-    with ThreadPoolExecutor(1) as pool:
-        # The tiny model decodes in 3-6 s here; a request that ends before the proxy read it
-        # running is followed by another (each counted below).
-        tries = 0
-        while True:
-            tries += 1
-            busy = pool.submit(p2.post, "/v1/completions", long)
-
-            def seen_running(busy: Future[Any] = busy) -> bool:
-                return (_load(proxy, p2.url) or {}).get("running", 0) >= 1 or busy.done()
-
-            wait_until(seen_running, 30, what="the proxy to read P2 running")
-            if not busy.done():
-                break
-            assert tries < 3, "every long request ended before the proxy read P2 running"
-        sent = body("Who pulls it?")
-        out = _ask(proxy, sent, f"pull-{uuid.uuid4().hex[:8]}")
-        assert busy.result()[0] == 200
-    assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
-    grew = {
-        s.name: {
-            n: _settled(s, n) - before[s.name][n] for n in (REQUESTS, CACHE_HITS, TOKENS_LOADED)
-        }
-        for s in (p, p2)
-    }
-    m = proxy.metrics()
-    seen = {k: v for k, v in m.items() if "prefix" in k or "routing" in k}, grew, tries
-    # The turn's prompt was tokenized (a turn routed blind to the events would not pull).
-    assert m.get('kvrelay_prompt_tokenize_total{result="failed"}', 0) == 0, seen
-    # P2 served the pin from its cache; P ran the turn, loading the cached prefix's blocks
-    # from P2 (its connector's counter) and computing the rest.
-    assert grew[p2.name][CACHE_HITS] >= cached - vllm_servers.BLOCK_SIZE, seen
-    assert grew[p.name][REQUESTS] == 1, seen
-    assert grew[p.name][TOKENS_LOADED] >= cached - vllm_servers.BLOCK_SIZE, seen
-    assert m['kvrelay_prefix_pulls_total{result="pulled"}'] == 1, seen
-    assert m["kvrelay_prefix_pulled_tokens_total"] == grew[p.name][TOKENS_LOADED], seen
-    # The pin's hold was read, which freed it: P2 holds nothing.
-    wait_until(lambda: p2.metric(HELD_BLOCKS) == 0, 30, what="P2 to hold nothing")
 
 
 def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_use(
