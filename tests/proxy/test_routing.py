@@ -450,6 +450,19 @@ def _prefill_load(proxy: ProxyServer, url: str) -> float | None:
     return None if load is None or load["age_s"] > 1.0 else float(load["waiting"])
 
 
+def _pull_settings(prefix_pull: bool) -> dict[str, str]:
+    """The proxy of the prefix-pull tests: P loads read often, pins given 10 s, and the Ps'
+    steps short: their reported queues are made up (a fault), so the router is told to weigh
+    a pin's wait as one short step, not as the whole queue."""
+    return {
+        "load_poll_interval_s": "0.5",
+        "prefix_pull": str(prefix_pull).lower(),
+        "prefix_pull_min_tokens": "64",
+        "prefix_pull_timeout_s": "10",
+        "prefill_step_tokens": "64",
+    }
+
+
 def _asked(
     proxy: ProxyServer, engines: tuple[EngineSim, ...], system: str, question: str
 ) -> list[dict[str, float]]:
@@ -475,17 +488,7 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     P0's and P1's own counters show each step, the answer is the reference's, and P1 holds
     nothing afterwards. Without it, P0 computes the whole prompt."""
     p0, p1, _ = idle
-    proxy = _events_proxy(
-        proxy_factory,
-        idle,
-        load_poll_interval_s="0.5",
-        prefix_pull=str(prefix_pull).lower(),
-        prefix_pull_min_tokens="64",
-        prefix_pull_timeout_s="10",
-        # P1's reported queue is made up (a fault), its steps stay short: told so, the router
-        # weighs the pin's wait as one short step, not as P1's whole queue.
-        prefill_step_tokens="64",
-    )
+    proxy = _events_proxy(proxy_factory, idle, **_pull_settings(prefix_pull))
     # Unique from its first block: a block whose parent was stored before the proxy
     # subscribed cannot be named by the index (an earlier test's prompt would be its parent).
     system = f"{prefix_pull}: you pull prefixes from whoever caches them. " * 10
@@ -540,13 +543,7 @@ def test_a_spilled_turn_pulls_the_prefix_from_the_p_caching_it(
         routing_policy="conditional",
         # One cache scope: the request sent to P1 itself below (no salt) is the proxy's too.
         cache_isolation="shared",
-        load_poll_interval_s="0.5",
-        prefix_pull=str(prefix_pull).lower(),
-        prefix_pull_min_tokens="64",
-        prefix_pull_timeout_s="10",
-        # The Ps' reported queues are made up (a fault), their steps stay short: the router
-        # weighs the pin's wait as one short step.
-        prefill_step_tokens="64",
+        **_pull_settings(prefix_pull),
     )
     # Unique from its first block (see the test above).
     system = f"{prefix_pull}: a spilled turn pulls what a P caches. " * 10
