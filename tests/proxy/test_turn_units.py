@@ -464,3 +464,106 @@ async def test_an_unavailable_map_serves_without_reuse_and_asks_d_for_no_hold(
     assert client.json_status == 200 and client.json_body == {"choices": [{"text": "hi"}]}
     await rig.releaser.drain()
     assert rig.released() == []
+
+
+# -- a spilled turn that pulls a prefix pinned on a P ---------------------------------------------
+
+SPILL_SYSTEM = "You pull what another engine caches. " * 16  # 592: a text prefix is 512
+PIN_TOKENS = list(range(3000, 3096))  # the prefix as P2's events report it: 6 blocks of 16
+
+
+class FakeTokenizer(Upstream):
+    """The fleet's engine client where only `/tokenize` is asked (by `TurnCrew.with_tokens`):
+    the system prompt's tokens, then the rest of the prompt's."""
+
+    async def post_json(
+        self, base_url: str, path: str, body: bytes, *, timeout_s: float
+    ) -> tuple[int, bytes]:
+        assert path == "/tokenize", path
+        return 200, json.dumps({"tokens": PIN_TOKENS + [7] * 24, "count": 120}).encode()
+
+
+def pin_params() -> dict[str, Any]:
+    """P2's answer to the pin: its cached prefix's blocks, held for a reader."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p2-engine",
+        "remote_request_id": "pin", "remote_host": "10.0.0.3", "remote_port": 5800,
+        "remote_block_ids": [[20, 21, 22, 23, 24, 25]], "remote_num_tokens": 96,
+        "remote_block_hashes": ["0123456789abcdef"] * 6, "release_token": "pin-token",
+    }  # fmt: skip
+
+
+async def _spill_rig() -> tuple[Fleet, FakeReleaser, MemoryMap]:
+    """Both Ps backed up, P2's events showing the system prompt's blocks: a turn spills to a D,
+    which is to pull the prefix pinned on P2."""
+    settings = Settings(
+        _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1,
+        routing_policy="conditional", kv_events_endpoints=f'{{"{P2}": "tcp://127.0.0.1:1"}}',
+        prefix_pull_min_tokens=64, prefill_step_tokens=16,
+    )  # fmt: skip
+    prefill = Pool("prefill", eject_after=3, readmit_after=1)
+    decode = Pool("decode", eject_after=3, readmit_after=1)
+    for url in (P1, P2):
+        prefill.add(url).outstanding_work = 100_000
+    for url in (D1, D2):
+        decode.add(url)
+    releaser, kvmap = FakeReleaser(), MemoryMap()
+    fleet = Fleet(settings, prefill, decode, kvmap, FakeTokenizer(connect_timeout=1.0), releaser)
+    assert fleet.router.blocks is not None
+    fleet.router.blocks.stored(P2, list(range(6)), None, PIN_TOKENS, 16, [None] * 6)
+    return fleet, releaser, kvmap
+
+
+def _spill_turn(fleet: Fleet, engines: FakeEngines, client: FakeClient) -> Turn:
+    request = {"model": "m", "prompt": SPILL_SYSTEM + "Which engine pulls?", "max_tokens": 8}
+    ctx = TurnContext.of(
+        route="completions", body=request, request_id="r1", tenant=TENANT,
+        shape=completion_shape(request),
+    )  # fmt: skip
+    return Turn(TurnCrew.of(fleet, engines), client, ctx)
+
+
+async def test_a_spilled_turn_has_its_d_read_the_prefix_pinned_on_a_p() -> None:
+    fleet, releaser, kvmap = await _spill_rig()
+    pin = FakeAnswer(200, json.dumps({"kv_transfer_params": pin_params()}).encode())
+    engines = FakeEngines({P2: [pin], D1: [decode_ok("r1")], D2: [decode_ok("r1")]})
+    client = FakeClient()
+    turn = _spill_turn(fleet, engines, client)
+    try:
+        await turn.run()
+        assert turn.routing == "spilled" and client.json_status == 200
+        assert engines.bodies(P1) == []  # no P leg
+        (pinned,) = engines.bodies(P2)
+        assert pinned["prompt"] == PIN_TOKENS and pinned["max_tokens"] == 1
+        d_body = next(b for u, b in engines.sent if u in (D1, D2))
+        sent = d_body["kv_transfer_params"]
+        assert sent["do_remote_prefill"] is True and sent["remote_url"] == P2
+        assert sent["release_token"] == "pin-token" and sent["remote_block_ids"] == [
+            [20, 21, 22, 23, 24, 25]
+        ]
+        # D's answer is complete: its connector read (or released) the pin, not the proxy.
+        await releaser.drain()
+        assert [ref.release_token for _, ref in releaser.released if ref] == []
+    finally:
+        await releaser.drain()
+        await kvmap.close()
+
+
+async def test_a_spilled_turn_no_d_serves_gives_the_pinned_prefix_back() -> None:
+    fleet, releaser, kvmap = await _spill_rig()
+    pin = FakeAnswer(200, json.dumps({"kv_transfer_params": pin_params()}).encode())
+    engines = FakeEngines(
+        {P2: [pin], D1: [FakeAnswer(503, b"busy")], D2: [FakeAnswer(503, b"busy")]}
+    )
+    turn = _spill_turn(fleet, engines, FakeClient())
+    try:
+        with pytest.raises(ProxyError):
+            await turn.run()
+        assert len(engines.bodies(P2)) == 1
+        await releaser.drain()
+        assert [(holder, ref.release_token) for holder, ref in releaser.released if ref] == [
+            ("prefill", "pin-token")
+        ]
+    finally:
+        await releaser.drain()
+        await kvmap.close()
