@@ -102,15 +102,9 @@ class Spill:
         d_cached = round(self.d_cached_chars * per_char)
         d_tokens = prompt_tokens - (held_tokens if self.holder else min(d_cached, prompt_tokens))
         d_tokens = max(0, d_tokens)
-        source = self.source
-        if source is not None:
-            pulled = with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens, d_cached)
-            # P would pull it too (`Router._by_prefix`).
-            uncached = min(uncached, with_pull(prompt_tokens, source.tokens, self.pin_wait_tokens))
-            if pulled < d_tokens:
-                d_tokens = pulled
-            else:
-                source = None
+        uncached, d_tokens, source = _weigh_pull(
+            prompt_tokens, uncached, d_tokens, d_cached, self.source, self.pin_wait_tokens
+        )
         p_queued = self.p_queued_chars * per_char
         if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
             return None
@@ -126,6 +120,26 @@ class Spill:
             self.pin_wait_tokens,
             self.d_cached_chars,
         )
+
+
+def _weigh_pull(
+    prompt_tokens: int,
+    p_tokens: int,
+    d_tokens: int,
+    d_cached: int,
+    source: PrefixSource | None,
+    pin_wait_tokens: float,
+) -> tuple[int, int, PrefixSource | None]:
+    """A spill's two sides with `source`'s prefix pulled: P would pull it too
+    (`Router._by_prefix`), D pulls it unless computing beyond its own cache (`d_cached`) is
+    cheaper. Returns P's and D's work in tokens and the source D pulls from (None: none)."""
+    if source is None:
+        return p_tokens, d_tokens, None
+    p_tokens = min(p_tokens, with_pull(prompt_tokens, source.tokens, pin_wait_tokens))
+    pulled = with_pull(prompt_tokens, source.tokens, pin_wait_tokens, d_cached)
+    if pulled < d_tokens:
+        return p_tokens, pulled, source
+    return p_tokens, d_tokens, None
 
 
 def with_pull(
@@ -354,11 +368,7 @@ class Router:
         if source is not None:
             per_token = prompt.total / len(prompt.tokens or (1,))
             source_chars = round(source.tokens * per_token)
-            # The pin is admitted ahead of the holder's queue but after its current step: a
-            # step of at most `prefill_step_tokens`, at most the work the holder has queued,
-            # which a pin arriving at a random moment finds half done on average.
-            step = self.settings.prefill_step_tokens * per_token
-            pin_wait = round(PIN_WAIT_SHARE * min(self._queued_work(source.backend, work), step))
+            pin_wait = round(self._pin_wait_chars(source.backend, work, per_token))
 
         def computed(b: Backend) -> int:
             local = cached.get(b.url, 0)
@@ -556,13 +566,9 @@ class Router:
             # A D without the history may pull the prompt's prefix from the P caching it,
             # as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
-            if source is not None:
-                pulled = with_pull(tokens, source.tokens, pin_wait, d_cached)
-                uncached = min(uncached, with_pull(tokens, source.tokens, pin_wait))
-                if pulled < d_tokens:
-                    d_tokens = pulled
-                else:
-                    source = None
+            uncached, d_tokens, source = _weigh_pull(
+                tokens, uncached, d_tokens, d_cached, source, pin_wait
+            )
         p_time = p_queued / cpt + uncached
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_tokens):
@@ -594,9 +600,16 @@ class Router:
         source = self._pull_source(reported, self.prefill.usable())
         if source is None:
             return None, 0.0
-        queued = self._queued_work(source.backend, prompt_chars) / chars_per_token
-        step = float(self.settings.prefill_step_tokens)
-        return source, PIN_WAIT_SHARE * min(queued, step)
+        wait = self._pin_wait_chars(source.backend, prompt_chars, chars_per_token)
+        return source, wait / chars_per_token
+
+    def _pin_wait_chars(self, holder: Backend, prompt_chars: int, chars_per_token: float) -> float:
+        """How long a pin waits on `holder`, in characters of work: it is admitted ahead of the
+        holder's queue but after its current step, a step of at most `prefill_step_tokens` and
+        at most the work the holder has queued, which a pin arriving at a random moment finds
+        half done on average (`PIN_WAIT_SHARE`)."""
+        step = self.settings.prefill_step_tokens * chars_per_token
+        return PIN_WAIT_SHARE * min(self._queued_work(holder, prompt_chars), step)
 
     def _least_queued(
         self,

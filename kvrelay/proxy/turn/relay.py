@@ -65,7 +65,6 @@ class Turn:
     _attempts: Attempts = field(init=False)
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
-    _d_pulls: bool = False  # a spill's D was sent a prefix pinned on a P
 
     def __post_init__(self) -> None:
         ctx = self.ctx
@@ -138,8 +137,6 @@ class Turn:
                 await self._decode_step(plan)
             finally:
                 self.owed.release(Debt.PREVIOUS_HOLD)
-        if self._d_pulls and self.accounts.decode is not None and self.decode_url is not None:
-            _count_pull("D", self.decode_url, self.accounts.decode)
         self._learn(plan)
 
     async def _count_tokens(self, url: str) -> int | None:
@@ -208,6 +205,7 @@ class Turn:
         """D's leg, its answer relayed, its params stored, the answer's last bytes."""
         crew, ctx, report, settings = self.crew, self.ctx, self.report, self.crew.settings
         p_params = p_url = None
+        d_pulls = False  # a spill's D is sent a prefix pinned on a P
         if self.prefill is not None:
             p_params, p_url = self.prefill.params, self.prefill.backend.url
         elif plan.pull_from is not None and self._prompt is not None and self._prompt.tokens:
@@ -215,7 +213,7 @@ class Turn:
             # owed until D's answer is complete (D's connector reads or releases it).
             p_params = await self._pin(plan.pull_from, self._prompt.tokens)
             p_url = plan.pull_from.backend.url if p_params is not None else None
-            self._d_pulls = p_params is not None
+            d_pulls = p_params is not None
         store = Store(
             crew.kvmap,
             crew.releaser,
@@ -269,6 +267,8 @@ class Turn:
                     await settle.after(relayed, served)
                     await answer.finish(relayed, self.routing)
         report.leg_ended("decode")
+        if d_pulls and self.accounts.decode is not None:
+            _count_pull("D", served.backend.url, self.accounts.decode)
 
     def _learn(self, plan: Plan) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
