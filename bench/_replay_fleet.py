@@ -64,6 +64,7 @@ GPU_PREFILL = "prefill_tokens_computed"
 GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
 PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
+LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
 PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
 
 
@@ -381,9 +382,13 @@ class EngineSampler:
                 # them as released, like the ones a next turn used.
                 page = await self.scrape(http, self.fleet.url)
                 out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
-                # Prefix pulls (prefix_pull): what came of the pins, the tokens the Ps loaded.
+                # Prefix pulls (prefix_pull): what came of the pins (both legs; pulls_d_*: a
+                # spilled turn's D's), the tokens the engines loaded.
                 for result in PULL_RESULTS:
-                    out[f"pulls_{result}"] = page.get(f'{PULLS}{{result="{result}"}}', 0.0)
+                    p, d = (
+                        page.get(f'{PULLS}{{leg="{leg}",result="{result}"}}', 0.0) for leg in LEGS
+                    )
+                    out[f"pulls_{result}"], out[f"pulls_d_{result}"] = p + d, d
                 out["pulled_tokens"] = page.get(PULLED_TOKENS, 0.0)
         return out
 

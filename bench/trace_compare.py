@@ -599,10 +599,11 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
                 continue
             through_p = ("prefill_affinity", "prefill_chosen")
             frees = runs[label][str(scale)][0].get("frees") or {}
+            late = frees.get("pulls_pin_timeout", 0) + frees.get("pulls_pin_failed", 0)
             pulls = (
                 f"{frees.get('pulls_pulled', 0):.0f} / {frees.get('pulls_not_pulled', 0):.0f} / "
-                f"{frees.get('pulls_pin_timeout', 0) + frees.get('pulls_pin_failed', 0):.0f} "
-                f"({frees.get('pulled_tokens', 0):.0f})"
+                f"{late:.0f} ({frees.get('pulled_tokens', 0):.0f}); "
+                f"into D {frees.get('pulls_d_pulled', 0):.0f}"
             )
             lines.append(
                 f"| {label} | {by[scale]['rate']:.2f} | "
@@ -618,7 +619,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         "`usage.kvrelay.routing`): spilled = sent to a D off a backed-up P, decode-only = a "
         "short follow-up on the D holding it. Prefix pulls (kvrelay's "
         "`kvrelay_prefix_pulls_total`): pulled / pinned but not loaded / pin late or failed, "
-        "and the tokens the Ps reported loading from the pins.",
+        "and the tokens the engines reported loading from the pins; into D: pulled by a spilled "
+        'turn\'s D (`leg="decode"`).',
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
         "decode-only / spilled | prefix pulls (tokens) |",

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.nixl
 SYSTEM = "You are a careful assistant who explains caches. Answer briefly. " * 8
 QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and then?"]
 ADMIN_KEY = "routing-admin-key"
+PULLS = "kvrelay_prefix_pulls_total"
 CACHE = ("--enable-prefix-caching",)
 # Both Ps publish their KV cache events (vLLM's flag), on these ports.
 EVENTS_PORTS = (free_port(), free_port())
@@ -514,14 +515,15 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
         assert grew1["enginesim_requests_total"] == 1 and grew1[cached] >= 64
         assert grew0["enginesim_requests_total"] == 1 and grew0[loaded] >= 64
         assert grew0[cached] == 0
-        assert m['kvrelay_prefix_pulls_total{result="pinned"}'] == 1
-        assert m['kvrelay_prefix_pulls_total{result="pulled"}'] == 1
+        assert m[f'{PULLS}{{leg="prefill",result="pinned"}}'] == 1
+        assert m[f'{PULLS}{{leg="prefill",result="pulled"}}'] == 1
+        assert sum(v for k, v in m.items() if k.startswith(f'{PULLS}{{leg="decode"')) == 0
         assert m["kvrelay_prefix_pulled_tokens_total"] == grew0[loaded]
         assert m['kvrelay_prefix_routing_total{result="pull"}'] == 1
     else:
         assert grew1["enginesim_requests_total"] == 0
         assert grew0["enginesim_requests_total"] == 1 and grew0[loaded] == grew0[cached] == 0
-        assert m.get('kvrelay_prefix_pulls_total{result="pinned"}', 0.0) == 0
+        assert sum(v for k, v in m.items() if k.startswith(PULLS)) == 0
     # The pin's hold was read (or released): nothing stays held on P1.
     wait_until(lambda: p1.metric("enginesim_requests_held") == 0, 10, what="P1 holds nothing")
     proxy.stop()
@@ -579,13 +581,15 @@ def test_a_spilled_turn_pulls_the_prefix_from_the_p_caching_it(
         # P1 served the pin from its cache; D loaded the prefix and computed only the rest.
         assert grew1["enginesim_requests_total"] == 1 and grew1[cached] >= 64, seen
         assert grew_d["enginesim_requests_total"] == 1 and grew_d[loaded] >= 64, seen
-        assert m['kvrelay_prefix_pulls_total{result="pinned"}'] == 1, seen
-        assert m['kvrelay_prefix_pulls_total{result="pulled"}'] == 1, seen
+        # Counted as D's pull: the turn's P leg pulled nothing (there was none).
+        assert m[f'{PULLS}{{leg="decode",result="pinned"}}'] == 1, seen
+        assert m[f'{PULLS}{{leg="decode",result="pulled"}}'] == 1, seen
+        assert sum(v for k, v in m.items() if k.startswith(f'{PULLS}{{leg="prefill"')) == 0, seen
         assert m["kvrelay_prefix_pulled_tokens_total"] == grew_d[loaded], seen
     else:
         assert grew1["enginesim_requests_total"] == 0, seen
         assert grew_d["enginesim_requests_total"] == 1 and grew_d[loaded] == 0, seen
-        assert m.get('kvrelay_prefix_pulls_total{result="pinned"}', 0.0) == 0, seen
+        assert sum(v for k, v in m.items() if k.startswith(PULLS)) == 0, seen
     # The pin's hold was read (or released): nothing stays held on P1.
     wait_until(lambda: p1.metric("enginesim_requests_held") == 0, 10, what="P1 holds nothing")
     proxy.stop()

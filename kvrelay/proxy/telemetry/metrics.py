@@ -282,18 +282,19 @@ PREFIX_CACHED_CHARS = Counter(
 PREFIX_PULLS = Labelled(
     Counter(
         "kvrelay_prefix_pulls_total",
-        "Prefix pulls from the P caching a prompt's prefix (prefix_pull), by what came of "
-        "them: pinned (the holder kept the prefix for the pull), pulled (the turn's P "
-        "reported loading it), not_pulled (the turn's P loaded none of it: its own cache "
-        "held it, or the blocks were refused), pin_failed (the holder answered no hold), "
-        "pin_timeout (no answer within prefix_pull_timeout_s).",
-        ["result"],
+        "Prefix pulls from the P caching a prompt's prefix (prefix_pull), by the leg that "
+        "pulls (prefill: the turn's P; decode: a spilled turn's D) and what came of them: "
+        "pinned (the holder kept the prefix for the pull), pulled (the engine reported "
+        "loading it), not_pulled (the engine loaded none of it: its own cache held it, or "
+        "the blocks were refused), pin_failed (the holder answered no hold), pin_timeout (no "
+        "answer within prefix_pull_timeout_s).",
+        ["leg", "result"],
     )
 )
 PREFIX_PULLED_TOKENS = Counter(
     "kvrelay_prefix_pulled_tokens_total",
-    "Prompt tokens the turns' Ps reported loading from another P's pinned prefix (their "
-    "connectors' own counts).",
+    "Prompt tokens the turns' Ps (and spilled turns' Ds) reported loading from a P's pinned "
+    "prefix (their connectors' own counts).",
 )
 PROMPT_TOKENIZE = Labelled(
     Counter(

@@ -72,8 +72,11 @@ class PrefixPin:
         releaser: Releaser,
         priority: int,
         timeout_s: float,
+        leg: str,
     ) -> None:
+        """`leg`: the leg that pulls the pin ("prefill", or "decode" for a spill), as counted."""
         self._ctx = ctx
+        self._leg = leg
         self._engines = engines
         self._router = router
         self._releaser = releaser
@@ -96,7 +99,7 @@ class PrefixPin:
             # shield: a pin that answers after the wait must still be released (below).
             params = await asyncio.wait_for(asyncio.shield(task), self._timeout_s)
         except TimeoutError:
-            metrics.PREFIX_PULLS.labels("pin_timeout").inc()
+            metrics.PREFIX_PULLS.labels(self._leg, "pin_timeout").inc()
             log.info("pin on %s took over %.3fs: its prefix is computed", url, self._timeout_s)
             self._router.pin_too_slow(url)
             task.add_done_callback(self._release_late)
@@ -106,9 +109,9 @@ class PrefixPin:
             task.add_done_callback(self._release_late)
             raise
         if params is None:
-            metrics.PREFIX_PULLS.labels("pin_failed").inc()
+            metrics.PREFIX_PULLS.labels(self._leg, "pin_failed").inc()
             return None
-        metrics.PREFIX_PULLS.labels("pinned").inc()
+        metrics.PREFIX_PULLS.labels(self._leg, "pinned").inc()
         return params
 
     async def _ask(

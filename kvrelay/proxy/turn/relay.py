@@ -166,13 +166,13 @@ class Turn:
             ctx.work,
             ctx.tenant,
             self._prompt,
-            self._pin if crew.settings.prefix_pull else None,
+            functools.partial(self._pin, leg="prefill") if crew.settings.prefix_pull else None,
         )
         if answer is None:
             return
         if answer.pulled_prefix:
             self.owed.settle(Debt.PINNED_PREFIX)  # P's connector read or released it
-            _count_pull("P", answer.backend.url, answer.account)
+            _count_pull("prefill", answer.backend.url, answer.account)
         self.prefill = answer
         self.routing = "prefill_affinity" if answer.by_affinity else "prefill_chosen"
         self.report.routed(self.routing)
@@ -183,9 +183,11 @@ class Turn:
             release = functools.partial(releaser.release_soon_params, "prefill", answer.params)
             self.owed.owe(Debt.PREFILL_BLOCKS, release)
 
-    async def _pin(self, source: PrefixSource, tokens: Sequence[int]) -> KVTransferParams | None:
-        """Ask `source` to keep the prompt's prefix for this turn's P to pull (`PrefixPin`);
-        the turn owes its release until a P that was sent it answers."""
+    async def _pin(
+        self, source: PrefixSource, tokens: Sequence[int], leg: str
+    ) -> KVTransferParams | None:
+        """Ask `source` to keep the prompt's prefix for this turn's `leg` (its P, or a spill's
+        D) to pull (`PrefixPin`); the turn owes its release until the engine sent it answers."""
         crew, settings = self.crew, self.crew.settings
         pinner = PrefixPin(
             self.ctx,
@@ -194,6 +196,7 @@ class Turn:
             crew.releaser,
             settings.prefix_pull_priority,
             settings.prefix_pull_timeout_s,
+            leg,
         )
         params = await pinner.pin(source, tokens)
         if params is not None:
@@ -211,7 +214,7 @@ class Turn:
         elif plan.pull_from is not None and self._prompt is not None and self._prompt.tokens:
             # A spill whose D pulls the prompt's prefix from the P caching it: pinned there,
             # owed until D's answer is complete (D's connector reads or releases it).
-            p_params = await self._pin(plan.pull_from, self._prompt.tokens)
+            p_params = await self._pin(plan.pull_from, self._prompt.tokens, "decode")
             p_url = plan.pull_from.backend.url if p_params is not None else None
             d_pulls = p_params is not None
         store = Store(
@@ -268,7 +271,7 @@ class Turn:
                     await answer.finish(relayed, self.routing)
         report.leg_ended("decode")
         if d_pulls and self.accounts.decode is not None:
-            _count_pull("D", served.backend.url, self.accounts.decode)
+            _count_pull("decode", served.backend.url, self.accounts.decode)
 
     def _learn(self, plan: Plan) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
@@ -296,17 +299,17 @@ class Turn:
             router.decode_served(d_url, d.local_hit, tenant)
 
 
-def _count_pull(role: str, url: str, account: PromptAccount) -> None:
-    """What the engine that was sent a pinned prefix (`role` P or D, at `url`) loaded of it,
-    as its connector reported (`kvrelay_prefix_pulls_total{result=pulled|not_pulled}`)."""
+def _count_pull(leg: str, url: str, account: PromptAccount) -> None:
+    """What the engine that was sent a pinned prefix (`leg` prefill or decode, at `url`) loaded
+    of it, as its connector reported (`kvrelay_prefix_pulls_total{result=pulled|not_pulled}`)."""
     loaded = account.loaded
-    metrics.PREFIX_PULLS.labels("pulled" if loaded else "not_pulled").inc()
+    metrics.PREFIX_PULLS.labels(leg, "pulled" if loaded else "not_pulled").inc()
     if loaded:
         metrics.PREFIX_PULLED_TOKENS.inc(loaded)
     else:
         log.info(
-            "%s %s loaded none of the pinned prefix (local hit %s, refused %s)",
-            role,
+            "the %s engine %s loaded none of the pinned prefix (local hit %s, refused %s)",
+            leg,
             url,
             account.local_hit,
             dict(account.refused),
