@@ -334,3 +334,29 @@ def test_each_trace_and_cost_profile_writes_its_own_results_section(tmp_path: An
     assert tc.section_of(tp4) == "trace replay (llama3-70b-h100-tp4)"
     other = tc.parse_args(["--trace", str(tmp_path / "shared_prefix.jsonl")])
     assert tc.section_of(other) == "trace replay (shared_prefix)"
+
+
+def test_the_routing_table_shows_the_pulls_and_those_into_d() -> None:
+    runs = {
+        "kvrelay": {
+            "1.0": [
+                {
+                    "routing": {"first": {"prefill_chosen": 3, "spilled": 2}, "later": {}},
+                    "frees": {
+                        "pulls_pulled": 4,
+                        "pulls_not_pulled": 1,
+                        "pulls_pin_timeout": 1,
+                        "pulls_pin_failed": 1,
+                        "pulled_tokens": 512,
+                        "pulls_d_pulled": 2,
+                    },
+                }
+            ]
+        },
+        "vllm-router": {"1.0": [{"routing": {}}]},  # a front that reports no routing
+    }
+    rows = {"kvrelay": {1.0: {"rate": 16.0}}, "vllm-router": {1.0: {"rate": 16.0}}}
+    lines = tc._routing_table(rows, runs)
+    body = [line for line in lines if line.startswith("| kvrelay |")]
+    assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2 |"]
+    assert not any(line.startswith("| vllm-router |") for line in lines)
