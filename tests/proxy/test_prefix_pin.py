@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.proxy.config import Settings
@@ -81,12 +82,12 @@ def _ctx(**body: Any) -> TurnContext:
 
 
 def _pin(
-    engines: Engines, released: Released, timeout_s: float = 5.0
+    engines: Engines, released: Released, timeout_s: float = 5.0, leg: str = "prefill"
 ) -> tuple[PrefixPin, Router, Backend]:
     prefill = Pool("prefill", eject_after=2, readmit_after=2)
     holder = prefill.add(HOLDER)
     router = Router(Settings(_env_file=None), prefill, Pool("decode", 1, 1))
-    pin = PrefixPin(_ctx(cache_salt="tenant-salt"), engines, router, released, -1, timeout_s)
+    pin = PrefixPin(_ctx(cache_salt="tenant-salt"), engines, router, released, -1, timeout_s, leg)
     return pin, router, holder
 
 
@@ -101,11 +102,20 @@ def test_the_pin_is_the_prefixs_tokens_under_the_turns_model_and_salt() -> None:
     assert "priority" not in plain and "cache_salt" not in plain
 
 
+def _pulls(leg: str, result: str) -> float:
+    """`kvrelay_prefix_pulls_total` of this process (0 before the first)."""
+    labels = {"leg": leg, "result": result}
+    return REGISTRY.get_sample_value("kvrelay_prefix_pulls_total", labels) or 0.0
+
+
 async def test_a_pin_answered_in_time_gives_the_holders_params() -> None:
     engines, released = Engines(Answer(200, {"kv_transfer_params": PARAMS})), Released()
-    pin, _, holder = _pin(engines, released)
+    # A spilled turn's pin: counted as the decode leg's.
+    pin, _, holder = _pin(engines, released, leg="decode")
+    before = _pulls("decode", "pinned"), _pulls("prefill", "pinned")
     params = await pin.pin(PrefixSource(holder, 3), list(range(100)))
     assert params is not None and params.release_token == "pin-token"
+    assert (_pulls("decode", "pinned"), _pulls("prefill", "pinned")) == (before[0] + 1, before[1])
     url, path, body, headers = engines.sent[0]
     assert (url, path, body["prompt"]) == (HOLDER, "/v1/completions", [0, 1, 2])
     assert headers["X-Request-Id"] == "r1-pin"
@@ -124,7 +134,9 @@ async def test_a_pin_answered_in_time_gives_the_holders_params() -> None:
 async def test_a_pin_that_holds_nothing_gives_none(answer: Answer | Exception) -> None:
     released = Released()
     pin, _, holder = _pin(Engines(answer), released)
+    failed = _pulls("prefill", "pin_failed")
     assert await pin.pin(PrefixSource(holder, 3), [1, 2, 3]) is None
+    assert _pulls("prefill", "pin_failed") == failed + 1
     await released.drain()
     assert released.tokens == []
 
