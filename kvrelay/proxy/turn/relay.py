@@ -301,7 +301,8 @@ class Turn:
 
 def _count_pull(leg: str, url: str, account: PromptAccount) -> None:
     """What the engine that was sent a pinned prefix (`leg` prefill or decode, at `url`) loaded
-    of it, as its connector reported (`kvrelay_prefix_pulls_total{result=pulled|not_pulled}`)."""
+    of it, as its connector reported (`kvrelay_prefix_pulls_total{leg,result=pulled|not_pulled}`
+    and the tokens it loaded)."""
     loaded = account.loaded
     metrics.PREFIX_PULLS.labels(leg, "pulled" if loaded else "not_pulled").inc()
     if loaded:
