@@ -162,13 +162,13 @@ def _refused(offered: dict[str, int]) -> tuple[tuple[str, int], ...]:
 UNKNOWN_ACCOUNT = PromptAccount()
 
 
-@dataclass(slots=True)
 class TurnAccounts:
     """What the engines reported each leg of one turn did with its prompt, kept by the turn: its
     learning and its next entry read them here; the turn's `TurnReport` counts and logs them.
 
     `prefilled_by` is "prefill" once P answered with params for D, else "decode" (D prefilled
-    the prompt alone). The turn's account (`settle`) is that leg's."""
+    the prompt alone). The turn's account (`settle`) is that leg's. Made blank on every turn: a
+    plain class whose blanks are class attributes, so only what the engines report is written."""
 
     prefill: PromptAccount | None = None
     decode: PromptAccount | None = None

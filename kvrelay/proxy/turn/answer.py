@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
@@ -34,11 +33,12 @@ from kvrelay.proxy.turn.streaming import SSEFilter, data_event, error_event
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
 class Relayed:
-    """What D's answer leaves for the rest of the turn, filled in as it is relayed."""
+    """What D's answer leaves for the rest of the turn, filled in as it is relayed.
 
-    streamed: bool  # an event stream (else one JSON body)
+    A plain class whose defaults are class attributes: one is made on every turn, and only
+    what the relay sets is written to it (a dataclass's `__init__` writes all nine fields)."""
+
     params: Any = None  # D's final params as its answer carried them (maybe not a dict)
     complete: bool = False  # D's answer reached its end: the turn can be stored
     broken: bool = False  # D broke after the first byte: the client was told, nothing to store
@@ -47,6 +47,9 @@ class Relayed:
     out: ClientStream | None = None  # stream: the client's, open
     usage_event: dict[str, Any] | None = None  # stream: D's final usage event, held back
     done_event: bytes | None = None  # stream: D's `[DONE]`, held back
+
+    def __init__(self, streamed: bool) -> None:
+        self.streamed = streamed  # an event stream (else one JSON body)
 
 
 class Answer:

@@ -17,6 +17,7 @@ from kvrelay.proxy.fleet import Backend, Fleet, Pool, PromptPrefixes, Router, Tu
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn.attempts import Engines, UpstreamEngines
 from kvrelay.proxy.turn.settings import TurnSettings
+from kvrelay.proxy.turn.store import Storing
 from kvrelay.proxy.turn.take import Take
 
 
@@ -34,6 +35,7 @@ class TurnCrew:
     side_channel_of: Callable[[Backend], tuple[str, int] | None]  # an engine's side channel
     map_unavailable: Callable[[str, Exception], None]  # counts and logs a map error
     take: Take  # step 1: the conversation's entry from the map, checked
+    storing: Storing  # step 6: D's params stored as the conversation's entry
 
     @classmethod
     def of(cls, fleet: Fleet, engines: Engines | None = None) -> TurnCrew:
@@ -60,6 +62,14 @@ class TurnCrew:
             side_channel_of=fleet.side_channel_of,
             map_unavailable=map_unavailable,
             take=Take(kvmap, releaser, map_unavailable, router.holder_available, turn_settings),
+            storing=Storing(
+                kvmap,
+                releaser,
+                map_unavailable,
+                turn_settings,
+                fleet.side_channel_of,
+                router.holds.made,
+            ),
         )
 
     @property

@@ -21,7 +21,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 from kvrelay.connector.protocol import REFUSED_HASH, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
@@ -45,13 +44,12 @@ from kvrelay.proxy.turn.store import Store
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class Turn:
-    """One client request while it crosses P and D; `run` answers the client."""
+    """One client request while it crosses P and D; `run` answers the client.
 
-    crew: TurnCrew
-    client: Client
-    ctx: TurnContext
+    A plain class whose decisions default to class attributes: one is made on every request,
+    and only what the turn decides is written to it."""
+
     # What the turn decided, and what its steps hand each other:
     entry: KVEntry | None = None  # the conversation's entry, taken from the map and usable
     plan: Plan | None = None  # the routing policy's plan
@@ -59,17 +57,15 @@ class Turn:
     prefill: PrefillAnswer | None = None  # P's answer; None: no P (decode-only, or none answered)
     routing: str | None = None  # the routing decision, as reported (`usage.kvrelay.routing`)
     decode_url: str | None = None  # the D that served
-    accounts: TurnAccounts = field(default_factory=TurnAccounts)  # what the engines reported
-    owed: Owed = field(default_factory=Owed)  # holds nobody else will free (see `owed`)
-    report: TurnReport = field(init=False)  # what happened: metrics, spans, the log line
-    _attempts: Attempts = field(init=False)
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
 
-    def __post_init__(self) -> None:
-        ctx = self.ctx
-        self.report = TurnReport.of(ctx, self.client.headers, self.accounts)
-        self._attempts = Attempts(ctx, self.crew.engines, self.report, self.crew.settings.retries)
+    def __init__(self, crew: TurnCrew, client: Client, ctx: TurnContext) -> None:
+        self.crew, self.client, self.ctx = crew, client, ctx
+        self.accounts = TurnAccounts()  # what the engines reported
+        self.owed = Owed()  # holds nobody else will free (see `owed`)
+        self.report = TurnReport(ctx, client.headers, self.accounts)  # metrics, spans, log line
+        self._attempts = Attempts(ctx, crew.engines, self.report, crew.settings.retries)
 
     @property
     def suspect_input(self) -> tuple[Backend, ...]:
@@ -217,30 +213,8 @@ class Turn:
             p_params = await self._pin(plan.pull_from, self._prompt.tokens, "decode")
             p_url = plan.pull_from.backend.url if p_params is not None else None
             d_pulls = p_params is not None
-        store = Store(
-            crew.kvmap,
-            crew.releaser,
-            crew.map_unavailable,
-            settings,
-            report,
-            self.accounts,
-            ctx.store_key,
-            ctx.shape.store_fingerprint,
-            previous=self.entry,
-            prefill=self.prefill,
-            work=ctx.work,
-            on_stored=functools.partial(crew.router.holds.made, ctx.tenant, ctx.store_key),
-        )
-        settle = Settle(
-            store,
-            self.owed,
-            crew.releaser,
-            report,
-            crew.side_channel_of,
-            settings.side_channel_timeout,
-            ctx.request_id,
-            wait_free=crew.kvmap.in_process,
-        )
+        store = Store(crew.storing, ctx, report, self.accounts, self.entry, self.prefill)
+        settle = Settle(store, self.owed)
         answer = Answer(ctx, report, self.client, self.owed, self.accounts)
         leg = self._decode = DecodeLeg(
             self._attempts,

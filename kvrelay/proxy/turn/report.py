@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import time
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.kvcache_map import ConversationKey
@@ -40,17 +38,21 @@ LEG_SPANS = {"prefill": "kvrelay.prefill", "decode": "kvrelay.decode"}
 CLIENT_GONE = 499
 
 
-@dataclass(slots=True)
 class LegRecord:
-    """What one leg (P or D) of a turn did; times are `time.monotonic()`."""
+    """What one leg (P or D) of a turn did; times are `time.monotonic()`.
 
-    role: str
+    Two are made on every turn: a plain class whose blanks are class attributes, so only
+    what happens is written to it."""
+
     engine: str | None = None  # URL of the engine tried last
     status: int | None = None  # its HTTP status; None while it has not answered
     attempts: int = 0
     started: float | None = None  # first attempt
     ended: float | None = None  # P: answer read; D: answer relayed
     first_byte: float | None = None  # D: first byte of the answer relayed to the client
+
+    def __init__(self, role: str) -> None:
+        self.role = role
 
     def attempt(self, backend: Backend, attempt: int) -> None:
         """Try `attempt` (0: the first; any other a retry, counted) of this leg begins, on
@@ -94,47 +96,28 @@ class LegRecord:
         return out
 
 
-@dataclass(slots=True)
 class TurnReport:
-    """The logbook of one turn: what it did, counted as it happens and reported at its end."""
+    """The logbook of one turn: what it did, counted as it happens and reported at its end.
 
-    route: str  # "chat" | "completions"
-    request_id: str  # upstream id, on both legs
-    client_request_id: str  # what the client sees in X-Request-Id
-    tenant: str
-    stream: bool
-    parent_headers: Mapping[str, str]  # the client's headers: its trace context
-    lookup_key: ConversationKey | None  # the map key the turn looks up
-    store_key: ConversationKey | None  # ... and stores under
-    accounts: TurnAccounts  # the turn's own record of the legs' accounts, counted at the end
-    started: float = field(default_factory=time.monotonic)
+    Made on every turn: a plain class whose blanks are class attributes (see `LegRecord`)."""
+
     hold: bool = False  # D is asked to hold its blocks for a next turn
     reuse: str = "none"  # the map lookup's result (REUSE); "none": nothing to look up
     tokens_offered: int = 0  # on a lookup hit: the entry's tokens (an offer, not a reuse)
     routing: str | None = None  # the ROUTING decision
     counted: bool = False  # the accounts are counted in /metrics
-    # Whether spans are recorded, asked once: every scope and attempt of the turn reads it.
-    traced: bool = field(default_factory=tracing.enabled)
-    # `partial`, not a lambda: made in C, no Python frame on every turn.
-    prefill_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "prefill"))
-    decode_leg: LegRecord = field(default_factory=functools.partial(LegRecord, "decode"))
 
-    @classmethod
-    def of(
-        cls, ctx: TurnContext, parent_headers: Mapping[str, str], accounts: TurnAccounts
-    ) -> TurnReport:
-        """The report of the turn of `ctx`; `parent_headers`: the client's (trace context)."""
-        return cls(
-            route=ctx.route,
-            request_id=ctx.request_id,
-            client_request_id=ctx.client_request_id,
-            tenant=ctx.tenant,
-            stream=ctx.stream,
-            parent_headers=parent_headers,
-            lookup_key=ctx.lookup_key,
-            store_key=ctx.store_key,
-            accounts=accounts,
-        )
+    def __init__(
+        self, ctx: TurnContext, parent_headers: Mapping[str, str], accounts: TurnAccounts
+    ) -> None:
+        self.ctx = ctx  # the request: route, ids, tenant, stream, the keys looked up and stored
+        self.parent_headers = parent_headers  # the client's headers: its trace context
+        self.accounts = accounts  # the turn's record of the legs' accounts, counted at the end
+        self.started = time.monotonic()
+        # Whether spans are recorded, asked once: every scope and attempt of the turn reads it.
+        self.traced = tracing.enabled()
+        self.prefill_leg = LegRecord("prefill")
+        self.decode_leg = LegRecord("decode")
 
     # -- counted as it happens -----------------------------------------------------------------
 
@@ -210,7 +193,7 @@ class TurnReport:
         """The first byte of D's answer goes to the client."""
         now = time.monotonic()
         self.decode_leg.first_byte = now
-        metrics.TTFT.labels(self.route).observe(now - self.started)
+        metrics.TTFT.labels(self.ctx.route).observe(now - self.started)
 
     def finished_params(self, source: str) -> None:
         """Where D's final params came from: response | stream | side_channel | missing."""
@@ -237,7 +220,10 @@ class TurnReport:
                 TURN_SPAN,
                 kind="server",
                 parent_headers=self.parent_headers,
-                attributes={"kvrelay.route": self.route, "kvrelay.request_id": self.request_id},
+                attributes={
+                    "kvrelay.route": self.ctx.route,
+                    "kvrelay.request_id": self.ctx.request_id,
+                },
                 finish=lambda: self._turn_attributes(error),
             ):
                 try:
@@ -288,16 +274,16 @@ class TurnReport:
         return 500
 
     def _turn_attributes(self, error: BaseException | None) -> dict[str, Any]:
-        p, d = self.prefill_leg, self.decode_leg
+        p, d, ctx = self.prefill_leg, self.decode_leg, self.ctx
         out: dict[str, Any] = {
-            "kvrelay.tenant": self.tenant,
+            "kvrelay.tenant": ctx.tenant,
             "kvrelay.reuse": self.reuse,
             "kvrelay.tokens_offered": self.tokens_offered,
             "kvrelay.retries": p.retries + d.retries,
-            "kvrelay.stream": self.stream,
+            "kvrelay.stream": ctx.stream,
             "http.response.status_code": self._status(error),
         }
-        conversation = conversation_hash(self.lookup_key)
+        conversation = conversation_hash(ctx.lookup_key)
         if conversation is not None:
             out["kvrelay.conversation"] = conversation
         account = self.accounts.settled
@@ -310,19 +296,19 @@ class TurnReport:
         return out
 
     def _summary(self, error: BaseException | None) -> dict[str, Any]:
-        p, d, accounts = self.prefill_leg, self.decode_leg, self.accounts
+        p, d, accounts, ctx = self.prefill_leg, self.decode_leg, self.accounts, self.ctx
         return {
-            "request_id": self.client_request_id or self.request_id,
-            "upstream_request_id": self.request_id,
-            "route": self.route,
-            "tenant": self.tenant,
-            "conversation": conversation_hash(self.lookup_key),
-            "stored_as": conversation_hash(self.store_key) if self.hold else None,
+            "request_id": ctx.client_request_id or ctx.request_id,
+            "upstream_request_id": ctx.request_id,
+            "route": ctx.route,
+            "tenant": ctx.tenant,
+            "conversation": conversation_hash(ctx.lookup_key),
+            "stored_as": conversation_hash(ctx.store_key) if self.hold else None,
             "lookup": self.reuse,
             "tokens_offered": self.tokens_offered,
             "tokens_reused": accounts.settled.reused if accounts.settled is not None else None,
             "prefilled_by": accounts.prefilled_by,
-            "stream": self.stream,
+            "stream": ctx.stream,
             "status": self._status(error),
             "error": type(error).__name__ if error is not None else None,
             "prefill": p.summary(accounts.prefill),

@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 from kvrelay.connector.protocol import HoldRef
-from kvrelay.proxy.engines import Releaser
 from kvrelay.proxy.fleet import Backend
 from kvrelay.proxy.turn.answer import Relayed
 from kvrelay.proxy.turn.decode_leg import Served
 from kvrelay.proxy.turn.owed import Debt, Owed
-from kvrelay.proxy.turn.report import TurnReport
 from kvrelay.proxy.turn.store import Store
 
 # A D that streamed without params publishes them on its side channel when it finishes;
@@ -33,26 +31,11 @@ _FINISHED_RETRY_DELAYS = (0.0, 0.2, 0.5, 1.0)
 class Settle:
     """Storing one turn's D params, between the answer's body and its last bytes."""
 
-    def __init__(
-        self,
-        store: Store,
-        owed: Owed,
-        releaser: Releaser,
-        report: TurnReport,
-        side_channel_of: Callable[[Backend], tuple[str, int] | None],
-        side_channel_timeout: float,
-        request_id: str,
-        *,
-        wait_free: bool,
-    ) -> None:
-        self._store = store
+    __slots__ = ("_owed", "_store")
+
+    def __init__(self, store: Store, owed: Owed) -> None:
+        self._store = store  # the turn's storing: its worker's parts, its report, its request
         self._owed = owed
-        self._releaser = releaser
-        self._report = report
-        self._side_channel_of = side_channel_of
-        self._timeout = side_channel_timeout
-        self._request_id = request_id
-        self._wait_free = wait_free  # the map stores without waiting (in-process)
 
     def owe_hold(self, backend: Backend) -> None:
         """D (`backend`) was asked to hold: until its params are handled the turn owes the
@@ -66,8 +49,8 @@ class Settle:
         if relayed.streamed:
             await self._wait(self._from_stream(params, backend, hold))
         elif isinstance(params, dict):
-            self._report.finished_params("response")
-            if self._wait_free:
+            self._store.report.finished_params("response")
+            if self._store.storing.kvmap.in_process:
                 # Nothing here waits, so nothing can interrupt it: a cancellation (the client
                 # leaving) is delivered only at a wait. No task, and no wait for one.
                 await self._put(params, backend, hold)
@@ -86,12 +69,12 @@ class Settle:
     ) -> None:
         """Store D's params of a finished stream: from the stream or from D's side channel."""
         if params is not None:
-            self._report.finished_params("stream")
+            self._store.report.finished_params("stream")
             await self._put(params, backend, hold)
         elif hold:
             fetched = await self._fetch_finished(backend)
             if fetched is not None:
-                self._report.finished_params("side_channel")
+                self._store.report.finished_params("side_channel")
                 await self._put(fetched, backend, hold)
             else:
                 self._no_params()
@@ -106,7 +89,7 @@ class Settle:
         From here on the task owns D's hold: the failure path must not release it too.
         """
         self._owed.settle(Debt.DECODE_HOLD)
-        return self._releaser.spawn(work)
+        return self._store.storing.releaser.spawn(work)
 
     async def _wait(self, work: Coroutine[Any, Any, None]) -> None:
         """Wait for the entry to be stored, at most the side-channel timeout; a client that
@@ -124,7 +107,7 @@ class Settle:
                 waiter.set_result(None)
 
         task.add_done_callback(wake)
-        timer = loop.call_later(self._timeout, wake)
+        timer = loop.call_later(self._store.storing.settings.side_channel_timeout, wake)
         try:
             await waiter
         finally:
@@ -133,20 +116,23 @@ class Settle:
 
     def _no_params(self) -> None:
         self._owed.settle(Debt.DECODE_HOLD)  # nothing to store; a stock D's lease frees it
-        self._report.finished_params("missing")
+        self._store.report.finished_params("missing")
 
     async def _fetch_finished(self, backend: Backend) -> dict[str, Any] | None:
-        address = self._side_channel_of(backend)
+        storing = self._store.storing
+        address = storing.side_channel_of(backend)
         if address is None:
             return None
-        return await self._releaser.finished_params(address[0], address[1], self._request_id)
+        request_id = self._store.ctx.request_id
+        return await storing.releaser.finished_params(address[0], address[1], request_id)
 
     def _release_hold_later(self, backend: Backend) -> None:
         """D may have finished (and held) before the turn was abandoned: free that hold."""
-        address = self._side_channel_of(backend)
+        storing = self._store.storing
+        address = storing.side_channel_of(backend)
         if address is None:
             return
-        releaser, request_id = self._releaser, self._request_id
+        releaser, request_id = storing.releaser, self._store.ctx.request_id
 
         async def fetch_and_release() -> None:
             for delay in _FINISHED_RETRY_DELAYS:

@@ -26,6 +26,7 @@ from kvrelay.kvcache_map import (
 from kvrelay.proxy.engines import Releaser
 from kvrelay.proxy.fleet import Backend
 from kvrelay.proxy.turn.accounting import PromptAccount, TurnAccounts
+from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.legs import capped_num_tokens
 from kvrelay.proxy.turn.prefill_leg import PrefillAnswer
 from kvrelay.proxy.turn.report import TurnReport
@@ -34,24 +35,37 @@ from kvrelay.proxy.turn.settings import TurnSettings
 log = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)  # not frozen: made on every turn (see `PromptShape`), never changed
-class Store:
-    """Where and how one turn stores D's params."""
+@dataclass(frozen=True, slots=True)
+class Storing:
+    """What a worker's turns store D's params with, made once per worker (`TurnCrew`)."""
 
     kvmap: KVMap
     releaser: Releaser
     map_unavailable: Callable[[str, Exception], None]  # counts and logs a map error
     settings: TurnSettings
-    report: TurnReport  # written, never read
-    accounts: TurnAccounts  # D's connector report goes here; its prompt tokens size the entry
-    key: ConversationKey | None  # None: the turn cannot be continued
-    fingerprint: str | None  # the prompt's, for the next turn's history check
-    previous: KVEntry | None  # the entry the turn took (its routing hints carry over)
-    prefill: PrefillAnswer | None
-    work: int  # the prompt's characters (+1): with P's token count, characters per token
-    # Told once the entry is in the map: from then on the next turn can take the hold
-    # (`HoldPayoff.made`: a hold's patience counts from here).
-    on_stored: Callable[[], None] | None = None
+    side_channel_of: Callable[[Backend], tuple[str, int] | None]  # an engine's side channel
+    # Told once an entry is in the map (tenant, key): from then on the next turn can take the
+    # hold (`HoldPayoff.made`: a hold's patience counts from here).
+    stored: Callable[[str, ConversationKey], None]
+
+
+class Store:
+    """Where and how one turn stores D's params (made on every turn that reaches D: a plain
+    class, its worker's parts in one `Storing`)."""
+
+    __slots__ = ("accounts", "ctx", "prefill", "previous", "report", "storing")
+
+    def __init__(
+        self,
+        storing: Storing,
+        ctx: TurnContext,  # its store key, its prompt's fingerprint and characters
+        report: TurnReport,  # written, never read
+        accounts: TurnAccounts,  # D's connector report goes here; its prompt tokens size the entry
+        previous: KVEntry | None,  # the entry the turn took (its routing hints carry over)
+        prefill: PrefillAnswer | None,
+    ) -> None:
+        self.storing, self.ctx, self.report, self.accounts = storing, ctx, report, accounts
+        self.previous, self.prefill = previous, prefill
 
     async def put(
         self, raw: KVTransferParams | dict[str, Any], backend: Backend, hold: bool
@@ -59,10 +73,11 @@ class Store:
         """Make D's params the conversation's entry, or release D's blocks if they cannot be.
         `raw` is D's params as they came (from its answer, its stream or its side channel):
         parsed here, once, into the one wire type."""
-        report, releaser, settings = self.report, self.releaser, self.settings
+        storing, ctx, report = self.storing, self.ctx, self.report
+        releaser, settings, key = storing.releaser, storing.settings, ctx.store_key
         params = KVTransferParams.from_wire_or_none(raw)
         if params is None:
-            if self.key is not None and hold:
+            if key is not None and hold:
                 log.warning("decode engine %s returned unusable params", backend.url)
                 releaser.release_soon_params("decode", raw)  # reads only the hold's fields
             return
@@ -71,7 +86,7 @@ class Store:
         if host is not None and port is not None:
             backend.side_channel = (host, port)  # learnt for later streams
         stock = not params.release_token and not params.remote_block_hashes
-        if self.key is None or not hold:
+        if key is None or not hold:
             # Not asked to hold: kvrelay's D freed them already; a stock D holds until its lease.
             if stock and params.remote_num_tokens:
                 report.hold_unsupported()
@@ -92,10 +107,11 @@ class Store:
             # Stock engines cannot verify tokens: trust only the previous prompt's part.
             capped = capped_num_tokens(params, prompt_tokens)
             to_store = params.model_copy(update={REMOTE_NUM_TOKENS: capped})
+        fingerprint = ctx.shape.store_fingerprint
         try:
-            assert self.fingerprint is not None
+            assert fingerprint is not None
             entry = KVEntry.from_kv_transfer_params(
-                to_store, url=backend.url, fingerprint=self.fingerprint, **self._routing_hints()
+                to_store, url=backend.url, fingerprint=fingerprint, **self._routing_hints()
             )
         except ValueError as exc:
             log.warning("decode engine %s returned unusable params: %s", backend.url, exc)
@@ -103,16 +119,15 @@ class Store:
             return
         with report.put_scope(entry.num_tokens, ttl):
             try:
-                await self.kvmap.put(self.key, entry, ttl)
-                if self.on_stored is not None:
-                    self.on_stored()
+                await storing.kvmap.put(key, entry, ttl)
+                storing.stored(ctx.tenant, key)
             except UnconfirmedPutError as exc:
-                self.map_unavailable("put", exc)
+                storing.map_unavailable("put", exc)
                 # The entry may be stored all the same: D's blocks stay held until the map
                 # says it is not (else a next turn could find an entry pointing at nothing).
                 releaser.spawn(releaser.release_unless_stored("decode", exc.settle, params))
             except MapUnavailableError as exc:
-                self.map_unavailable("put", exc)
+                storing.map_unavailable("put", exc)
                 releaser.release_soon_params("decode", params)
 
     def _routing_hints(self) -> dict[str, Any]:
@@ -132,5 +147,5 @@ class Store:
         chars_per_token = None
         if prompt_tokens:
             # Floored so that an odd prompt (no text content) cannot make the entry invalid.
-            chars_per_token = round(max(self.work / prompt_tokens, 1e-3), 4)
+            chars_per_token = round(max(self.ctx.work / prompt_tokens, 1e-3), 4)
         return {"prefill_url": prefill_url, "chars_per_token": chars_per_token}
