@@ -3,6 +3,7 @@ work, and holds kept only while a tenant's holds are taken."""
 
 from __future__ import annotations
 
+import dataclasses
 import tracemalloc
 
 import pytest
@@ -263,8 +264,9 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
 @pytest.mark.parametrize("prefix_pull", [True, False])
 def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pull: bool) -> None:
     """Both Ps backed up: the turn spills to D. With prefix_pull, D is to pull the prefix that
-    p1's events show (pinned there) and prefill only the rest: its work is the rest, PULL_COST
-    of the prefix and the pin's wait (half of p1's step); D's own count confirms it."""
+    p1's events show (pinned there) and prefill only the rest: the choice weighs the rest,
+    PULL_COST of the prefix and the pin's wait (half of p1's step), D's busy count carries only
+    the rest it computes; D's own count confirms it."""
     router, prefill = _events_router(
         prefix_pull=prefix_pull, prefix_pull_min_tokens=64, prefill_step_tokens=32
     )
@@ -283,7 +285,7 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
     if prefix_pull:
         assert spill.source is not None and spill.source.backend is p1
         assert spill.source.tokens == 320
-        assert spill.tokens == round(estimated - 320 + PULL_COST * 320 + pin_wait)
+        assert spill.tokens == estimated - 320
     else:
         assert spill.source is None and spill.tokens == estimated
     # D counts 400 tokens: the spill still pays, its work counted again.
@@ -291,7 +293,17 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
     assert counted is not None
     if prefix_pull:
         assert counted.source is spill.source
-        assert counted.tokens == round(400 - 320 + PULL_COST * 320 + pin_wait)
+        assert counted.tokens == 400 - 320
+        # The choice weighs the pull: P (which would pull too) level with D in queued work, the
+        # spill does not pay; a token less queued on D and it does. D counted by its compute
+        # alone (80 tokens against the pull's work) would have spilled both times.
+        pulled_work = round(400 - 320 + PULL_COST * 320 + pin_wait)
+        level = dataclasses.replace(
+            spill, p_queued_chars=100, d_queued=100, factor=1.0, p_cached_chars=0
+        )
+        assert pulled_work > 80 and level.counted(400, 0, 400) is None
+        cheaper = dataclasses.replace(level, d_queued=99).counted(400, 0, 400)
+        assert cheaper is not None and cheaper.source is spill.source and cheaper.tokens == 80
     else:
         assert counted.source is None and counted.tokens == 400
     # d0 decoded a turn sharing the system prompt: its own cache is expected to hold it, so

@@ -76,7 +76,9 @@ KV_EVENTS_PENDING_S = 30.0
 @dataclass(slots=True)
 class Spill:
     """Where a spilled turn goes, and the prompt tokens that D prefills itself (estimated, until
-    `counted` with D's own count)."""
+    `counted` with D's own count). When D pulls a prefix, the choice weighs the pull's cost and
+    the pin's wait (`with_pull`), and `tokens` is only what D computes (`computed_after_pull`):
+    D's busy count carries its compute, not the wait."""
 
     backend: Backend
     tokens: int
@@ -102,12 +104,14 @@ class Spill:
         d_cached = round(self.d_cached_chars * per_char)
         d_tokens = prompt_tokens - (held_tokens if self.holder else min(d_cached, prompt_tokens))
         d_tokens = max(0, d_tokens)
-        uncached, d_tokens, source = _weigh_pull(
+        uncached, d_work, source = _weigh_pull(
             prompt_tokens, uncached, d_tokens, d_cached, self.source, self.pin_wait_tokens
         )
         p_queued = self.p_queued_chars * per_char
-        if p_queued + uncached <= self.factor * (self.d_queued + d_tokens):
+        if p_queued + uncached <= self.factor * (self.d_queued + d_work):
             return None
+        if source is not None:
+            d_tokens = computed_after_pull(prompt_tokens, source.tokens, d_cached)
         return Spill(
             self.backend,
             d_tokens,
@@ -140,6 +144,14 @@ def _weigh_pull(
     if pulled < d_tokens:
         return p_tokens, pulled, source
     return p_tokens, d_tokens, None
+
+
+def computed_after_pull(prompt_tokens: int, prefix_tokens: int, local_tokens: int = 0) -> int:
+    """The tokens an engine computes of a prompt whose first `prefix_tokens` it pulls and whose
+    first `local_tokens` its own cache holds: what its prefill budget carries (the pull's cost
+    and the pin's wait weigh the choice, `with_pull`, but are not its compute)."""
+    prefix = min(prefix_tokens, max(0, prompt_tokens - 1))  # the last token is computed
+    return max(1, prompt_tokens - max(prefix, min(max(0, local_tokens), prompt_tokens)))
 
 
 def with_pull(
@@ -566,13 +578,17 @@ class Router:
             # A D without the history may pull the prompt's prefix from the P caching it,
             # as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
-            uncached, d_tokens, source = _weigh_pull(
+            uncached, d_work, source = _weigh_pull(
                 tokens, uncached, d_tokens, d_cached, source, pin_wait
             )
+        else:
+            d_work = d_tokens
         p_time = p_queued / cpt + uncached
         d_queued = target.outstanding_work - target.inflight
-        if p_time <= s.prefill_spill_factor * (d_queued + d_tokens):
+        if p_time <= s.prefill_spill_factor * (d_queued + d_work):
             return None
+        if source is not None:
+            d_tokens = computed_after_pull(tokens, source.tokens, d_cached)
         return Spill(
             target,
             d_tokens,
