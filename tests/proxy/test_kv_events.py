@@ -52,6 +52,22 @@ def _store(
     return hashes
 
 
+def test_each_of_many_engines_is_named_with_the_prefix_it_holds() -> None:
+    """Engines holding different lengths of one prompt's prefix (two the same length, one
+    none of it, one all of it, one a later block without the first): each is named with its
+    own leading blocks, whatever the others hold."""
+    index = BlockIndex(1000)
+    prompt = _tokens(40)  # ten blocks of 4
+    held = {f"http://e{i}:8000": n for i, n in enumerate((0, 8, 8, 20, 40, 36))}
+    for url, n in held.items():
+        if n:
+            _store(index, url, prompt[:n])
+    late = _store(index, "http://late:8000", prompt[:12])
+    index.removed("http://late:8000", late[:1])  # its first block evicted: no prefix left
+    expected = {url: n for url, n in held.items() if n}
+    assert index.cached_tokens(prompt, None) == expected
+
+
 def test_a_prompts_cached_prefix_is_found_on_each_engine_that_reported_it() -> None:
     index = BlockIndex(1000)
     prompt = _tokens(40)

@@ -64,6 +64,16 @@ def _chained(parent: int, block: Sequence[int], extra: tuple[Any, ...] | None) -
     return hash((parent, tuple(block), extra))
 
 
+def _record_held(
+    found: dict[str, int], engines: list[str], bits: dict[str, int], mask: int, tokens: int
+) -> None:
+    """Record `tokens` for each of `engines` whose bit is in `mask` (none for 0 tokens)."""
+    if mask and tokens:
+        for url in engines:
+            if mask >> bits[url] & 1:
+                found[url] = tokens
+
+
 def block_keys(
     tokens: Sequence[int], block_size: int, salt: str | None, parent: int = 0
 ) -> list[int]:
@@ -234,18 +244,24 @@ class BlockIndex:
         """For each engine caching a prefix of the prompt (`tokens`, its `cache_salt`), that
         prefix's length in tokens (engines caching none are absent)."""
         found: dict[str, int] = {}
+        holders, bits = self._holders, self._bits
         for size in set(self._block_sizes.values()):
             engines = [url for url, s in self._block_sizes.items() if s == size]
             alive = 0
             for url in engines:
-                alive |= 1 << self._bits[url]
-            for n, key in enumerate(block_keys(tokens, size, salt), start=1):
-                alive &= self._holders.get(key, 0)
-                if not alive:
-                    break
-                for url in engines:
-                    if alive >> self._bits[url] & 1:
-                        found[url] = n * size
+                alive |= 1 << bits[url]
+            # The engines are named only where the set still holding every block so far
+            # shrinks, and at the end: one pass over the blocks, not one per engine and block.
+            held = 0  # whole blocks every engine in `alive` holds
+            for key in block_keys(tokens, size, salt):
+                still = alive & holders.get(key, 0)
+                if still != alive:
+                    _record_held(found, engines, bits, alive & ~still, held * size)
+                    alive = still
+                    if not alive:
+                        break
+                held += 1
+            _record_held(found, engines, bits, alive, held * size)
         return found
 
     def _drop(self, key: int, mask: int) -> None:
