@@ -261,6 +261,21 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
         assert pick() == (p0.url, work, None, 0)
 
 
+def test_a_turns_routing_reads_the_events_index_once_for_its_prompt() -> None:
+    """The spill, its pull source and P's pick look one turn's prompt up: the first lookup's
+    snapshot serves them all; the next turn's prompt (another object) sees the index as it is."""
+    router, prefill = _events_router()
+    p0 = prefill.add("http://p0")
+    assert router.blocks is not None
+    shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16
+    router.blocks.stored(p0.url, list(range(20)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + [9] * 80, _chat("snapshot"))
+    assert router.reported_tokens(prompt) == {p0.url: 320}
+    router.blocks.cleared(p0.url)
+    assert router.reported_tokens(prompt) == {p0.url: 320}  # the turn's snapshot
+    assert router.reported_tokens(_tokens_prompt(shared + [9] * 80, _chat("snapshot"))) == {}
+
+
 @pytest.mark.parametrize("prefix_pull", [True, False])
 def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pull: bool) -> None:
     """Both Ps backed up: the turn spills to D. With prefix_pull, D is to pull the prefix that

@@ -192,6 +192,18 @@ class _CharsPerToken:
     value: float = _DEFAULT_CHARS_PER_TOKEN
 
 
+@dataclass
+class _LastLookup:
+    """The prompt last looked up in the KV events' index and what it found. A turn's routing
+    looks its prompt up for the spill, the spill's pull source and P's pick: it reads one
+    snapshot of the index, taken at its first lookup (the same prompt object), instead of
+    walking the prompt's blocks three times."""
+
+    tokens: tuple[int, ...] | None = None
+    salt: str | None = None
+    found: Mapping[str, int] = field(default_factory=dict)
+
+
 @dataclass(frozen=True)
 class Router:
     """The routing policy of one worker, over its two pools."""
@@ -207,6 +219,7 @@ class Router:
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
     # P URL -> until when (monotonic) it serves no pulls: its pin came too late.
     _slow_pins: dict[str, float] = field(default_factory=dict)
+    _last_lookup: _LastLookup = field(default_factory=_LastLookup)
 
     def __post_init__(self) -> None:
         s = self.settings
@@ -284,11 +297,18 @@ class Router:
         if self.prefixes is not None:
             self.prefixes.record(url, prompt)
 
-    def reported_tokens(self, prompt: PromptPrefixes) -> dict[str, int]:
-        """For each P whose KV events show a prefix of `prompt` cached, its tokens."""
-        if self.blocks is None or not prompt.tokens:
+    def reported_tokens(self, prompt: PromptPrefixes) -> Mapping[str, int]:
+        """For each P whose KV events show a prefix of `prompt` cached, its tokens (as the
+        first lookup of this prompt object found them: `_LastLookup`)."""
+        tokens = prompt.tokens
+        if self.blocks is None or not tokens:
             return {}
-        return self.blocks.cached_tokens(prompt.tokens, prompt.salt)
+        last = self._last_lookup
+        if tokens is last.tokens and prompt.salt == last.salt:
+            return last.found
+        found = self.blocks.cached_tokens(tokens, prompt.salt)
+        last.tokens, last.salt, last.found = tokens, prompt.salt, found
+        return found
 
     def pin_too_slow(self, url: str) -> None:
         """The P at `url` did not answer a pin within `prefix_pull_timeout_s` (its queue is
