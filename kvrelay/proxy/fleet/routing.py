@@ -104,14 +104,12 @@ class Spill:
         d_cached = round(self.d_cached_chars * per_char)
         d_tokens = prompt_tokens - (held_tokens if self.holder else min(d_cached, prompt_tokens))
         d_tokens = max(0, d_tokens)
-        uncached, d_work, source = _weigh_pull(
+        uncached, d_work, d_tokens, source = _weigh_pull(
             prompt_tokens, uncached, d_tokens, d_cached, self.source, self.pin_wait_tokens
         )
         p_queued = self.p_queued_chars * per_char
         if p_queued + uncached <= self.factor * (self.d_queued + d_work):
             return None
-        if source is not None:
-            d_tokens = computed_after_pull(prompt_tokens, source.tokens, d_cached)
         return Spill(
             self.backend,
             d_tokens,
@@ -133,17 +131,20 @@ def _weigh_pull(
     d_cached: int,
     source: PrefixSource | None,
     pin_wait_tokens: float,
-) -> tuple[int, int, PrefixSource | None]:
+) -> tuple[int, int, int, PrefixSource | None]:
     """A spill's two sides with `source`'s prefix pulled: P would pull it too
     (`Router._by_prefix`), D pulls it unless computing beyond its own cache (`d_cached`) is
-    cheaper. Returns P's and D's work in tokens and the source D pulls from (None: none)."""
+    cheaper. Returns P's and D's work in tokens (what the choice weighs), the tokens D computes
+    (what its busy count carries: `computed_after_pull` when it pulls) and the source D pulls
+    from (None: none)."""
     if source is None:
-        return p_tokens, d_tokens, None
+        return p_tokens, d_tokens, d_tokens, None
     p_tokens = min(p_tokens, with_pull(prompt_tokens, source.tokens, pin_wait_tokens))
     pulled = with_pull(prompt_tokens, source.tokens, pin_wait_tokens, d_cached)
     if pulled < d_tokens:
-        return p_tokens, pulled, source
-    return p_tokens, d_tokens, None
+        computed = computed_after_pull(prompt_tokens, source.tokens, d_cached)
+        return p_tokens, pulled, computed, source
+    return p_tokens, d_tokens, d_tokens, None
 
 
 def computed_after_pull(prompt_tokens: int, prefix_tokens: int, local_tokens: int = 0) -> int:
@@ -598,17 +599,13 @@ class Router:
             # A D without the history may pull the prompt's prefix from the P caching it,
             # as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
-            uncached, d_work, source = _weigh_pull(
-                tokens, uncached, d_tokens, d_cached, source, pin_wait
-            )
-        else:
-            d_work = d_tokens
+        uncached, d_work, d_tokens, source = _weigh_pull(
+            tokens, uncached, d_tokens, d_cached, source, pin_wait
+        )
         p_time = p_queued / cpt + uncached
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_work):
             return None
-        if source is not None:
-            d_tokens = computed_after_pull(tokens, source.tokens, d_cached)
         return Spill(
             target,
             d_tokens,
