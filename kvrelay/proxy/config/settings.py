@@ -544,10 +544,8 @@ class Settings(BaseSettings):
         description=(
             "hold_min_use: how long a hold waits for its next turn before it counts as unused, "
             "for a tenant none of whose holds has been taken yet (once one has: "
-            "conversation_ttl_s; once 8 takes have shown their delays: the age past which an "
-            "untaken hold is taken later less often than hold_min_use, at least this); a later "
-            "take still counts as taken. Shorter: a tenant of one-off requests stops pinning D "
-            "sooner."
+            "conversation_ttl_s); a later take still counts as taken. Shorter: a tenant of "
+            "one-off requests stops pinning D sooner."
         ),
     )
     reuse_probe_interval_s: float = Field(

@@ -18,23 +18,15 @@ take has come, it is `ttl_s` (the conversation TTL: no take can come later), bec
 whose conversations continue may think for minutes (the Mooncake trace's next turns come 138 s
 later at the median, 471 s at the 90th percentile) and judging its holds sooner stops holds
 that pay (measured: reuse 0.85 of the LRU bound against 0.96 holding every turn, with a
-minute's patience on that trace). Once `MIN_DELAYS` takes have shown how soon they come, it is
-the age past which a hold no longer pays (`_Counts.patience`): with a share `s` of the tenant's
-holds taken, a hold still untaken at the `q` quantile of its take delays is taken later with
-odds `s (1 - q)` to `1 - s`, and once that chance falls under `min_use` (the share a tenant's
-holds must reach to be made at all) the hold is judged unused and given back, paying tenant or
-not. A hold whose take comes `1 - q` of the time later than that is lost to save the pool the
-other holds pinned until their lease (on the Mooncake trace a third of the holds are taken:
-`q` is 0.89 at `min_use` 0.05, against the whole TTL before).
+minute's patience on that trace).
 
 Holds already made do not wait for their lease once they stop paying: while a tenant's holds
-do not pay, or once its takes have come (its patience is then the TTL or the age past which
-holds do not pay), those counted unused are handed out by `unpaid` (each once) for the proxy to
-give back (their map entries deleted, their blocks released), so a tenant's learning period
-pins D for about its patience, not for the lease. A conversation whose next turn still comes
-finds no history and computes it; that next turn counts as a take all the same (`missed`), in
-place of the unused decision its hold was counted as, and its delay is learnt, so a tenant
-judged too early on a patience shorter than its think times learns them and holds again.
+do not pay, those counted unused are handed out by `unpaid` (each once) for the proxy to give
+back (their map entries deleted, their blocks released), so a tenant's learning period pins D
+for about its patience, not for the lease. A conversation whose next turn still comes finds no
+history and computes it; that next turn counts as a take all the same (`missed`), so a tenant
+judged too early on a patience shorter than its think times waits the TTL from then on and
+holds again.
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -44,9 +36,8 @@ undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 
 from __future__ import annotations
 
-import math
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -54,8 +45,6 @@ from kvrelay.proxy.telemetry import metrics
 
 DECAY = 1 / 64  # each decided hold ages the counts by this share
 MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
-DELAYS_KEPT = 64  # a tenant's latest take delays, the patience is learnt from
-MIN_DELAYS = 8  # take delays seen before they set the patience
 MAX_TENANTS = 4096
 MAX_PENDING = 4096  # holds followed per tenant
 
@@ -72,44 +61,17 @@ class _Counts:
     # Holds given back (`unpaid`), until the TTL: key -> when made. A next turn that looks one
     # up finds no entry, but its conversation did continue: that counts as a take.
     given_back: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
-    # How long after its hold each of the latest takes of holds followed here came (late ones
-    # too), and the same sorted (made when one is added: the patience reads it every turn).
-    delays: deque[float] = field(default_factory=lambda: deque(maxlen=DELAYS_KEPT))
-    sorted_delays: list[float] = field(default_factory=list)
+    seen_take: bool = False  # one of the holds followed here was taken (late ones too)
     since_probe: int = 0  # turns declined since the last probe hold
 
     def decide(self, taken: bool) -> None:
         self.decided = self.decided * (1 - DECAY) + 1
         self.taken = self.taken * (1 - DECAY) + (1 if taken else 0)
 
-    def taken_late(self, delay: float) -> None:
-        """A hold already decided unused was taken after all, `delay` after it was made: that
-        decision becomes a take (not a second decision), and the delay is learnt."""
-        self.taken = min(self.decided, self.taken + 1)
-        self.learn(delay)
-
-    def learn(self, delay: float) -> None:
-        self.delays.append(delay)
-        self.sorted_delays = sorted(self.delays)
-
-    def patience(self, floor_s: float, ttl_s: float, min_use: float) -> float:
-        """How long a hold waits for its take (see the module docstring): `floor_s` until the
-        tenant has shown a take; then the TTL until `MIN_DELAYS` takes have shown their delays;
-        then the age at which the chance that a hold still untaken is taken later falls under
-        `min_use`, at least `floor_s`."""
-        delays = self.sorted_delays
-        if not delays:
-            return min(floor_s, ttl_s)
-        if len(delays) < MIN_DELAYS or not 0 < min_use < 1 or self.taken <= 0:
-            return ttl_s
-        share = self.taken / self.decided
-        # Untaken at the q quantile of the delays, a hold is taken later with odds
-        # share * (1 - q) to (1 - share): it pays while that chance is at least min_use.
-        later = min_use * (1 - share) / (share * (1 - min_use))
-        if later >= 1:
-            return min(floor_s, ttl_s)
-        at = delays[min(len(delays) - 1, math.ceil((1 - later) * len(delays)) - 1)]
-        return min(ttl_s, max(floor_s, at))
+    def patience(self, floor_s: float, ttl_s: float) -> float:
+        """How long a hold waits for its take: `floor_s` until the tenant has shown a take,
+        then the TTL (see the module docstring)."""
+        return ttl_s if self.seen_take else min(floor_s, ttl_s)
 
 
 @dataclass
@@ -145,10 +107,8 @@ class HoldPayoff:
         """The keys of `tenant`'s holds counted unused, while its holds do not pay: to give
         back now instead of at their lease's end (each key is handed out once)."""
         counts = self._tenants.get(tenant)
-        if counts is None or not counts.judged:
+        if counts is None or not counts.judged or not self._declining(counts):
             return []
-        if not counts.delays and not self._declining(counts):
-            return []  # judged on the floor's patience before any take came: kept to the lease
         keys = list(counts.judged)
         counts.given_back.update(counts.judged)
         counts.judged.clear()
@@ -172,18 +132,11 @@ class HoldPayoff:
         """A turn of `tenant` took the entry stored under `key`: decided taken, also when it
         was already counted unused (a late take) or another worker made the hold (with several
         workers each sees a share of the takes and of the holds; the ones it made and another's
-        turn took expire here unused). The delay of a take of a hold followed here teaches the
-        tenant's patience."""
+        turn took expire here unused). A take of a hold followed here sets the tenant's
+        patience to the TTL."""
         counts = self._counts(tenant)
-        made = counts.pending.pop(key, None)
-        if made is not None:
-            counts.decide(taken=True)
-            counts.learn(self.clock() - made)
-            return
-        made = counts.judged.pop(key, None)
-        if made is not None:
-            counts.taken_late(self.clock() - made)
-            return
+        if counts.pending.pop(key, None) is not None or counts.judged.pop(key, None) is not None:
+            counts.seen_take = True
         counts.decide(taken=True)
 
     def missed(self, tenant: str, key: Hashable) -> None:
@@ -191,17 +144,15 @@ class HoldPayoff:
         (`unpaid`), its conversation continued all the same, so it counts as taken (late), as
         `taken` counts it; otherwise nothing is known of it."""
         counts = self._tenants.get(tenant)
-        if counts is None:
-            return
-        made = counts.given_back.pop(key, None)
-        if made is not None:
-            counts.taken_late(self.clock() - made)
+        if counts is not None and counts.given_back.pop(key, None) is not None:
+            counts.seen_take = True
+            counts.decide(taken=True)
 
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept
         until the TTL, so that a late take is still known as this tenant's)."""
         pending, judged, now = counts.pending, counts.judged, self.clock()
-        patience = counts.patience(self.patience_s, self.ttl_s, self.min_use)
+        patience = counts.patience(self.patience_s, self.ttl_s)
         while pending:
             key, made = next(iter(pending.items()))
             if now - made < patience:
