@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvrelay.connector.protocol import HoldRef
-from kvrelay.kvcache_map import ConversationKey, MapUnavailableError, MemoryMap
+from kvrelay.kvcache_map import ConversationKey, KVEntry, MapUnavailableError, MemoryMap
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import (
@@ -150,10 +151,12 @@ class FakeReleaser(Releaser):
         super().__init__(None, Upstream(connect_timeout=1.0), 1.0)
         self.released: list[tuple[str, HoldRef | None]] = []
         self.finished: dict[str, dict[str, Any]] = {}  # request id -> D's published params
+        # Release tokens of holds the holder had already ended: it answers that it freed nothing.
+        self.already_free: set[str] = set()
 
     async def release(self, holder: str, ref: HoldRef | None) -> bool:
         self.released.append((holder, ref))
-        return True
+        return ref is None or ref.release_token not in self.already_free
 
     async def finished_params(
         self, host: str, port: int, client_request_id: str
@@ -567,3 +570,23 @@ async def test_a_spilled_turn_no_d_serves_gives_the_pinned_prefix_back() -> None
     finally:
         await releaser.drain()
         await kvmap.close()
+
+
+async def test_a_hold_given_back_counts_as_released_only_when_d_freed_it(rig: Rig) -> None:
+    """`give_back` (holds counted unused) deletes their entries and frees their blocks on D. A
+    hold D had already ended (its hold budget, block pressure: D counts that one) frees
+    nothing there and is not counted as given back, so no unused hold is counted twice."""
+    rig.releaser.already_free = {"d-token-ended"}
+    keys = [ConversationKey(TENANT, "kept"), ConversationKey(TENANT, "ended")]
+    for key in keys:
+        params = d_params(key.conversation_id)
+        entry = KVEntry.from_kv_transfer_params(params, url=D1, fingerprint="m:1:abc")
+        await rig.kvmap.put(key, entry, 600)
+    released = {"decision": "released"}
+    before = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", released) or 0.0
+    TurnCrew.of(rig.fleet, FakeEngines({})).give_back(keys)
+    await rig.releaser.drain()
+    assert sorted(token for _, token in rig.released()) == ["d-token-ended", "d-token-kept"]
+    assert [await rig.kvmap.take(key) for key in keys] == [None, None]
+    after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", released) or 0.0
+    assert after == before + 1

@@ -346,7 +346,8 @@ HOLD_DECISIONS = Labelled(
         "Whether a turn that could continue asked D to hold (hold_min_use): kept (the "
         "tenant's holds are taken often enough), declined (they are not), probe (declined "
         "share, held to see whether that changed), released (a hold counted unused, given "
-        "back before its lease ended because the tenant's holds do not pay).",
+        "back before its lease ended because the tenant's holds do not pay, counted when D "
+        "freed its blocks; one D had already ended is D's to count).",
         ["decision"],
     )
 )

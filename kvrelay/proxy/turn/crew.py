@@ -11,7 +11,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.kvcache_map import ConversationKey, KVMap, MapUnavailableError
+from kvrelay.kvcache_map import ConversationKey, KVEntry, KVMap, MapUnavailableError
 from kvrelay.proxy.engines import Releaser, Upstream, prompt_token_ids, prompt_tokens
 from kvrelay.proxy.fleet import Backend, Fleet, Pool, PromptPrefixes, Router, TurnPolicy
 from kvrelay.proxy.telemetry import metrics
@@ -122,5 +122,11 @@ class TurnCrew:
                 self.map_unavailable("delete", exc)
                 return  # the leases still end them
             if entry is not None:  # not taken meanwhile, nor expired
-                self.releaser.release_soon("decode", entry.hold_ref)
-                metrics.HOLD_DECISIONS.labels("released").inc()
+                self.releaser.spawn(self._release_given_back(entry))
+
+    async def _release_given_back(self, entry: KVEntry) -> None:
+        """Free a given-back hold's blocks on D; counted (`decision="released"`) only when D
+        freed them: one its hold budget or block pressure already ended is D's to count, and
+        counting it here too would count one unused hold twice."""
+        if await self.releaser.release("decode", entry.hold_ref):
+            metrics.HOLD_DECISIONS.labels("released").inc()
