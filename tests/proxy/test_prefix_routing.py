@@ -330,6 +330,36 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
     assert again.d_cached_chars == len(SYSTEM) and again.tokens == estimated - d_cached
 
 
+def test_a_spill_goes_to_the_d_whose_cache_holds_the_prompt_when_that_is_done_sooner() -> None:
+    """Of the Ds, a spilled turn goes to the one that would be done with it soonest: its
+    decode-only tokens queued plus what it would compute beyond its own prefix cache (d1 decoded
+    a turn of the same conversation, so it caches its history), not to the least loaded one
+    whatever it caches; once d1's queue outweighs what its cache saves, to the least loaded."""
+    router, prefill = _router(prefix_pull=False)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    d0, d1 = router.decode.add("http://d0"), router.decode.add("http://d1")
+    history = _chat("A long question about blocks. " * 20)
+    router.decoded(d1.url, _prefixes(history))
+    messages = [*history["messages"], {"role": "user", "content": "And then?"}]  # type: ignore[list-item]
+    follow_up = _prefixes({**history, "messages": messages})
+    work = follow_up.total + 1
+    p0.outstanding_work = p1.outstanding_work = 50 * work
+    d1.inflight, d1.outstanding_work = 1, 1 + 100  # d1 decodes one turn that prefilled 100
+    spill = router.spill(None, work, "", follow_up)
+    assert spill is not None and spill.backend is d1 and not spill.holder
+    assert spill.d_cached_chars == _prefixes(history).total
+    assert spill.tokens < work  # it computes only what its cache lacks
+    # d1 with more queued than its cache saves: the least loaded D computes the whole prompt.
+    d1.outstanding_work = 1 + work
+    spill = router.spill(None, work, "", follow_up)
+    assert spill is not None and spill.backend is d0 and spill.d_cached_chars == 0
+    # d1 busy: not a candidate whatever it caches.
+    d1.outstanding_work = 1 + 100
+    d1.inflight = router.settings.decode_overload_inflight
+    spill = router.spill(None, work, "", follow_up)
+    assert spill is not None and spill.backend is d0
+
+
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
     router, prefill = _events_router(prefix_pull_min_tokens=64, reuse_probe_interval_s=60)
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")

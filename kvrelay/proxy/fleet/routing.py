@@ -550,7 +550,9 @@ class Router:
         hold when there is an entry to pull), exceeds `prefill_spill_factor` times D's, its
         decode-only tokens in flight plus what it would prefill of this turn. The D is the
         conversation's holder when it can take a decode-only turn (it then prefills only the
-        part it does not hold), else the least loaded D; never a busy or overloaded one, nor
+        part it does not hold), else the least loaded D or, with `prompt`, a D whose own cache
+        is expected to hold part of it when that D would be done with the turn sooner
+        (`_spill_decode`); never a busy or overloaded one, nor
         one whose decode-only tokens still to prefill reach `prefill_spill_max_inflight_tokens`
         (a decode-only turn's tokens count until its first token). Prompt tokens are
         estimated from characters (`chars_per_token` of the conversation's entry, else the
@@ -587,7 +589,7 @@ class Router:
             else tokens
         )
         uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
-        target, holder = self._spill_decode(entry, tenant)
+        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt)
         if target is None:
             return None
         # D's own cache: the prompts of the turns it decoded (it read or computed them whole).
@@ -690,10 +692,20 @@ class Router:
             return None
         return least[0]
 
-    def _spill_decode(self, entry: KVEntry | None, tenant: str) -> tuple[Backend | None, bool]:
+    def _spill_decode(
+        self,
+        entry: KVEntry | None,
+        tenant: str,
+        cached: Mapping[str, int] | None = None,
+        tokens: int = 0,
+        chars_per_token: float = 1.0,
+    ) -> tuple[Backend | None, bool]:
         """The D a spilled turn would go to and whether it holds the conversation: the holder
-        when it can take a decode-only turn, else the least loaded D that is neither busy nor
-        overloaded; either only within D's decode-only budget."""
+        when it can take a decode-only turn, else of the least loaded D and the Ds whose
+        prefix cache is expected to hold part of the prompt (`cached`: URL -> characters, with
+        prefix routing), the one that would be done with the turn soonest (its decode-only
+        tokens queued plus the `tokens` it would compute), the least loaded on a tie; none
+        busy or overloaded, each only within D's decode-only budget."""
         s = self.settings
         budget = s.prefill_spill_max_inflight_tokens
         if entry is not None and entry.chars_per_token:
@@ -705,16 +717,31 @@ class Router:
                 and not self._decoding_slowly(holder)
             ):
                 return holder, True
-        best = self.least_loaded(self.decode, set())
-        if (
-            best is None
-            or best.inflight >= s.decode_overload_inflight
-            or self.busy(best)
-            or best.outstanding_work - best.inflight >= budget
-            or self._decoding_slowly(best)
-        ):
+        least = self.least_loaded(self.decode, set())
+        if least is None:
             return None, False
-        return best, False
+        candidates = [least]
+        if cached:
+            for url in cached:
+                d = self.decode.get(url)
+                if d is not None and d is not least and d.usable:
+                    candidates.append(d)
+        eligible = [
+            d
+            for d in candidates
+            if d.inflight < s.decode_overload_inflight
+            and not self.busy(d)
+            and d.outstanding_work - d.inflight < budget
+            and not self._decoding_slowly(d)
+        ]
+        if len(eligible) <= 1:
+            return (eligible[0] if eligible else None), False
+
+        def done_after(d: Backend) -> tuple[float, bool]:
+            held = min(tokens, round((cached or {}).get(d.url, 0) / chars_per_token))
+            return d.outstanding_work - d.inflight + tokens - held, d is not least
+
+        return min(eligible, key=done_after), False
 
     def _decoding_slowly(self, d: Backend) -> bool:
         """D's decodes ran slower than `prefill_spill_max_inter_token_ms` between its last
