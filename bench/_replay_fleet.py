@@ -15,6 +15,9 @@ system serves from all of them.
   proxy with `kv_events_endpoints`; a P pulls a prefix another P caches: `prefix_pull`);
   `kvrelay kv events no pull` (the same with `prefix_pull` off: each P computes what it lacks);
   `kvrelay kv events holds off` (the same with D's holds off, as `kvrelay holds off`);
+  `kvrelay decode-only cached` (the default with `decode_only_cached`: a turn with no held
+  history goes decode-only to the D whose prefix cache is expected to hold it) and its holds-off
+  variant;
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -89,6 +92,7 @@ class System:
 BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2")
 
 ALWAYS_HOLD = ("KVRELAY_HOLD_MIN_USE", "0")
+CACHED = ("KVRELAY_DECODE_ONLY_CACHED", "true")
 
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
@@ -103,6 +107,14 @@ SYSTEMS: tuple[System, ...] = (
         "default",
         proxy_settings=(("KVRELAY_PREFIX_PULL", "false"),),
         kv_events=True,
+    ),
+    System("kvrelay decode-only cached", "kvrelay", "default", proxy_settings=(CACHED,)),
+    System(
+        "kvrelay decode-only cached holds off",
+        "kvrelay",
+        "default",
+        holds=False,
+        proxy_settings=(CACHED,),
     ),
     System(
         "kvrelay load routing",

@@ -360,6 +360,49 @@ def test_a_spill_goes_to_the_d_whose_cache_holds_the_prompt_when_that_is_done_so
     assert spill is not None and spill.backend is d0
 
 
+def test_decode_only_cached_picks_the_d_expected_to_hold_the_most_of_the_prompt() -> None:
+    """With `decode_only_cached`, a turn with no held history goes to the D whose prefix cache
+    is expected to hold the most of it, when the rest is short; not when the setting is off, the
+    rest is too long, that D is overloaded, or its such turns showed no cached tokens (for that
+    tenant, until it shows some again)."""
+    router, prefill = _router(decode_only_cached=True, conditional_max_uncached_tokens=64)
+    prefill.add("http://p0")
+    prefill.add("http://p1")
+    d0, d1 = router.decode.add("http://d0"), router.decode.add("http://d1")
+    history = _chat("A question about blocks. " * 10)
+    messages = [*history["messages"], {"role": "user", "content": "And then?"}]  # type: ignore[list-item]
+    follow_up = _prefixes({**history, "messages": messages})
+    assert router.cached_decode_only(follow_up) is None  # no D decoded any of it
+    router.decoded(d0.url, _prefixes(_chat("Something else")))  # the system prompt only
+    router.decoded(d1.url, _prefixes(history))  # the whole history
+    picked = router.cached_decode_only(follow_up, "t")
+    assert picked is not None
+    d, chars, uncached = picked
+    assert d is d1 and chars == _prefixes(history).total
+    assert uncached == round(len("And then?") / 4)  # the latest characters per token: 4
+    assert router.cached_decode_only_fits(d1, 64) and not router.cached_decode_only_fits(d1, 65)
+    # A prompt whose rest is long is not sent.
+    long_rest = _prefixes(
+        {**history, "messages": [*messages[:-1], {"role": "user", "content": "x" * 400}]}
+    )
+    assert router.cached_decode_only(long_rest) is None
+    # d1 overloaded: not sent (d0's system prompt alone leaves too long a rest).
+    d1.inflight = router.settings.decode_overload_inflight
+    assert router.cached_decode_only(follow_up) is None
+    d1.inflight = 0
+    # d1's such turn showed no cached tokens for tenant t: withdrawn for t, not for others;
+    # the holder's decode-only turns are another standing.
+    router.cached_decode_served(d1.url, 0, "t")
+    assert router.cached_decode_only(follow_up, "t") is None
+    assert router.cached_decode_only(follow_up, "u") is not None
+    assert router.decode_only.admits(d1.url, "t")
+    off, prefill = _router(conditional_max_uncached_tokens=64)
+    prefill.add("http://p0")
+    off.decode.add("http://d1")
+    off.decoded("http://d1", _prefixes(history))
+    assert off.cached_decode_only(follow_up) is None  # the setting is off by default
+
+
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
     router, prefill = _events_router(prefix_pull_min_tokens=64, reuse_probe_interval_s=60)
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")

@@ -207,6 +207,42 @@ def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
     assert proxy.call("DELETE", "/v1/conversations/cond-1")[0] == 200
 
 
+@pytest.mark.parametrize("cached_route", [True, False])
+def test_a_request_whose_prefix_d_decoded_goes_straight_to_d_with_decode_only_cached(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, cached_route: bool
+) -> None:
+    """No held history (another conversation sharing the system prompt), but D decoded that
+    prompt: with `decode_only_cached` the request goes straight to D, whose own prefix cache
+    serves the system prompt (D's count of cached tokens grows, no P is asked); without it the
+    request goes through P."""
+    p0, p1, d = idle
+    proxy = proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        routing_policy="conditional",
+        conditional_max_uncached_tokens="120",
+        decode_only_cached=str(cached_route).lower(),
+        prefill_spill_factor="0",
+    )
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Tell me."}]
+    assert _turn(proxy, first, "cached-a", streamed=False) == reference_chat(first, 12)
+    p_requests = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+    d_cached = d.metric("enginesim_prompt_tokens_cached_total")
+    other = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "And you?"}]
+    assert _turn(proxy, other, "cached-b", streamed=True) == reference_chat(other, 12)
+    p_now = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
+    decode_only = proxy.metrics().get('kvrelay_routing_decisions_total{decision="decode_only"}')
+    if cached_route:
+        assert p_now == p_requests and decode_only == 1
+        assert d.metric("enginesim_prompt_tokens_cached_total") - d_cached >= len(SYSTEM) // 8
+    else:
+        assert p_now == p_requests + 1 and not decode_only
+    for conversation in ("cached-a", "cached-b"):
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    proxy.stop()
+
+
 def _decode_waiting(proxy: ProxyServer) -> float | None:
     """The queue the proxy last read from its D's `/metrics` (None: no fresh reading)."""
     status, answer, _ = proxy.call(

@@ -396,6 +396,17 @@ class Settings(BaseSettings):
             "turn's characters per token) for a turn to skip P."
         ),
     )
+    decode_only_cached: bool = Field(
+        default=False,
+        description=(
+            "conditional with prefix_routing: a turn with no held history goes straight to a "
+            "D whose prefix cache is expected to hold the prompt (the routing-fed index "
+            "counts every prompt a D decoded) when the rest is within "
+            "conditional_max_uncached_tokens and D's decode-only budget: D's own prefix cache "
+            "serves it, nothing pinned; a D whose such turns show no cached tokens is "
+            "withdrawn from them for reuse_probe_interval_s."
+        ),
+    )
     conditional_max_inflight_tokens: int = Field(
         default=4096,
         ge=0,

@@ -13,10 +13,12 @@ a policy only decides which of them a turn uses:
   overloaded, busy or far more queued P (`Router.pick_prefill`).
 - `conditional` (`Conditional`): `affinity`, and a short follow-up goes straight to the D that
   holds the conversation (decode-only: D serves the history from its held blocks and prefills
-  only the rest), and a turn that would go through a backed-up P *spills* to a D that prefills
-  it itself (`Router.spill`). Both are estimated from the prompt's characters, which the client
-  chooses, then confirmed on the count of the D that would prefill (`TokenCounter`, its own
-  `/tokenize`); a turn that does not fit on that count goes through P.
+  only the rest; with `decode_only_cached`, a turn with no held history to the D whose prefix
+  cache is expected to hold it, `Router.cached_decode_only`), and a turn that would go
+  through a backed-up P *spills* to a D that prefills it itself (`Router.spill`). Both are
+  estimated from the prompt's characters, which the client chooses, then confirmed on the
+  count of the D that would prefill (`TokenCounter`, its own `/tokenize`); a turn that does
+  not fit on that count goes through P.
 
 A plan names engines to try first; the legs' retries still ask the router for the next one.
 """
@@ -63,7 +65,9 @@ class Plan:
     prefill_first: str | None = None  # P to try first: the conversation's previous P
     decode_first: str | None = None  # D to try first: the holder, or the D a spill goes to
     decode_tokens: int | None = None  # D's own prefill work, in tokens; None through P
-    to_holder: bool = False  # that D holds the conversation's history (its prefix-cache hit)
+    # That D holds the conversation's history (its prefix-cache hit). A decode-only turn
+    # without it went by D's expected prefix cache (`decode_only_cached`).
+    to_holder: bool = False
     check: CountCheck | None = None  # the decode-only count check, when one was made
     pull_from: PrefixSource | None = None  # a spill: the P whose cached prefix D pulls
 
@@ -158,6 +162,23 @@ class Conditional(Affinity):
                 )
             else:
                 check = CountCheck.TOO_LONG
+        elif entry is None and prompt is not None:
+            cached = router.cached_decode_only(prompt, tenant)
+            if cached is not None:
+                d, held_chars, _ = cached
+                counted = await count(d.url)
+                if counted is None:
+                    check = CountCheck.UNCOUNTED
+                else:
+                    uncached = max(0, counted - counted * held_chars // prompt.total)
+                    if router.cached_decode_only_fits(d, uncached):
+                        return Plan(
+                            Route.DECODE_ONLY,
+                            decode_first=d.url,
+                            decode_tokens=uncached,
+                            check=CountCheck.FITS,
+                        )
+                    check = CountCheck.TOO_LONG
         spill = router.spill(entry, work, tenant, prompt)
         if spill is not None:
             counted = await count(spill.backend.url)

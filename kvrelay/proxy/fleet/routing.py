@@ -213,6 +213,9 @@ class Router:
     prefill: Pool
     decode: Pool
     decode_only: ReuseStanding = field(init=False)  # Ds whose decode-only turns reuse nothing
+    # Ds whose decode-only turns sent by their expected prefix cache (`decode_only_cached`)
+    # reuse nothing: kept apart, so a stale expectation does not withdraw a holder's turns.
+    decode_cached: ReuseStanding = field(init=False)
     affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
     prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
     blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
@@ -226,6 +229,9 @@ class Router:
         s = self.settings
         interval = s.reuse_probe_interval_s
         object.__setattr__(self, "decode_only", ReuseStanding("decode", "decode_only", interval))
+        object.__setattr__(
+            self, "decode_cached", ReuseStanding("decode", "decode_only_cached", interval)
+        )
         object.__setattr__(self, "affinity", ReuseStanding("prefill", "affinity", interval))
         events = s.prefix_routing and bool(s.kv_events_port or s.kv_events_endpoints)
         # With the engines' events the routing-fed index only covers a prompt still being
@@ -522,6 +528,44 @@ class Router:
             return None  # its decode-only turns showed no cached tokens: through P
         return uncached
 
+    def cached_decode_only(
+        self, prompt: PromptPrefixes, tenant: str = ""
+    ) -> tuple[Backend, int, int] | None:
+        """With `decode_only_cached`, a turn with no held history sent straight to the D whose
+        prefix cache is expected to hold the most of `prompt` (the routing-fed index: the
+        prompts each D decoded), as a holder's decode-only turn: that D, the prefix in
+        characters and the tokens it would prefill (estimated: confirm with
+        `cached_decode_only_fits` on D's count), or None: no D expected to hold any of it, or
+        that D unusable, overloaded or busy, too long a rest, its decode-only budget full, or
+        withdrawn for `tenant` (its such turns showed no cached tokens)."""
+        s = self.settings
+        if not s.decode_only_cached or self.prefixes is None:
+            return None
+        best: Backend | None = None
+        most = 0
+        for url, chars in self.prefixes.cached_chars(prompt).items():
+            d = self.decode.get(url)
+            if d is not None and chars > most:
+                best, most = d, chars
+        if (
+            best is None
+            or not best.usable
+            or best.inflight >= s.decode_overload_inflight
+            or self.busy(best)
+        ):
+            return None
+        cpt = prompt.total / len(prompt.tokens) if prompt.tokens else self._chars_per_token.value
+        uncached = max(0, round((prompt.total - most) / cpt))
+        if not self._fits_decode_only(best, uncached):
+            return None
+        if not self.decode_cached.admits(best.url, tenant):
+            return None
+        return best, most, uncached
+
+    def cached_decode_only_fits(self, d: Backend, uncached: int) -> bool:
+        """The turn `cached_decode_only` chose, judged again on D's count of what it lacks."""
+        return self._fits_decode_only(d, uncached)
+
     def decode_only_fits(self, entry: KVEntry, uncached: int) -> bool:
         """The decode-only turn that `decode_only_tokens` estimated, judged again with the
         uncached tokens D counted: within both of D's bounds."""
@@ -762,6 +806,14 @@ class Router:
             self.decode_only.paid(url, tenant)
         else:
             self.decode_only.unpaid(url, tenant)
+
+    def cached_decode_served(self, url: str, cached_tokens: int, tenant: str = "") -> None:
+        """D served `tenant` a decode-only turn sent by its expected prefix cache
+        (`cached_decode_only`) from `cached_tokens` of its own (its report)."""
+        if cached_tokens > 0:
+            self.decode_cached.paid(url, tenant)
+        else:
+            self.decode_cached.unpaid(url, tenant)
 
     def decode_served(self, url: str, local_hit_tokens: int, tenant: str = "") -> None:
         """D served `tenant` a turn through P with this local prefix hit: a hit shows its

@@ -235,9 +235,9 @@ LEG_ACCOUNTS = Labelled(
 REUSE_STANDING = Labelled(
     Counter(
         "kvrelay_reuse_standing_changes_total",
-        "Engines withdrawn from (or restored to) decode-only turns (role decode) or affinity "
-        "turns (role prefill) because those turns showed no cached tokens (or show some "
-        "again).",
+        "Engines withdrawn from (or restored to) decode-only turns (role decode; turn "
+        "decode_only_cached: those sent by D's expected prefix cache) or affinity turns (role "
+        "prefill) because those turns showed no cached tokens (or show some again).",
         ["role", "turn", "change"],
     )
 )

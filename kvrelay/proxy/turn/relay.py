@@ -257,6 +257,10 @@ class Turn:
         if plan.route is not Route.THROUGH_P:
             if plan.route is Route.SPILL and not plan.to_holder:
                 return  # a D without the history: nothing to learn about its prefix cache
+            if not plan.to_holder:  # decode-only by D's expected prefix cache
+                if d is not None and d.reused is not None and d_url is not None:
+                    router.cached_decode_served(d_url, d.reused, tenant)
+                return
             if self.entry is None or not self.entry.has_full_block:
                 return  # the held history fills no block: D had nothing it could reuse
             if d is not None and d.reused is not None and d_url is not None:
