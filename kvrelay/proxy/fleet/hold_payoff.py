@@ -63,6 +63,9 @@ class _Counts:
     given_back: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
     seen_take: bool = False  # one of the holds followed here was taken (late ones too)
     since_probe: int = 0  # turns declined since the last probe hold
+    # Before this (the clock's time) no hold followed here is due to be decided or forgotten:
+    # `_expire` returns at once, as it does on most turns (the oldest hold is seldom due).
+    next_due: float = 0.0
 
     def decide(self, taken: bool) -> None:
         self.decided = self.decided * (1 - DECAY) + 1
@@ -124,7 +127,9 @@ class HoldPayoff:
         counts = self._counts(tenant)
         pending = counts.pending
         pending.pop(key, None)
-        pending[key] = self.clock()
+        made = pending[key] = self.clock()
+        # The soonest this hold is due: its patience is at least the floor's.
+        counts.next_due = min(counts.next_due, made + min(self.patience_s, self.ttl_s))
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
 
@@ -151,11 +156,16 @@ class HoldPayoff:
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept
         until the TTL, so that a late take is still known as this tenant's)."""
-        pending, judged, now = counts.pending, counts.judged, self.clock()
+        now = self.clock()
+        if now < counts.next_due:
+            return
+        pending, judged = counts.pending, counts.judged
         patience = counts.patience(self.patience_s, self.ttl_s)
+        due = float("inf")
         while pending:
             key, made = next(iter(pending.items()))
             if now - made < patience:
+                due = made + patience
                 break
             del pending[key]
             counts.decide(taken=False)
@@ -166,8 +176,10 @@ class HoldPayoff:
             while kept:
                 key, made = next(iter(kept.items()))
                 if now - made < self.ttl_s:
+                    due = min(due, made + self.ttl_s)
                     break
                 del kept[key]
+        counts.next_due = due
 
     def _counts(self, tenant: str) -> _Counts:
         tenants = self._tenants
