@@ -12,6 +12,8 @@
   follows: to P2 while it caches the system prompt, to the first P after.
 - A proxy started after P2 cached a system prompt learns it on the first request it routes
   there (vLLM's events name only the blocks after it; the routed prompt names their parent).
+- `decode_only_cached`: a request with no held history whose system prompt D decoded goes
+  straight to D, whose own prefix cache serves it.
 """
 
 from __future__ import annotations
@@ -370,5 +372,42 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
             30,
             what="the prefix named through the routed prompt",
         )
+    finally:
+        factory.close()
+
+
+def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d(
+    cached_fleet: CachedFleet,
+) -> None:
+    """No held history (another conversation sharing the system prompt), but D decoded that
+    prompt: with `decode_only_cached` the request goes straight to D, whose own prefix cache
+    serves the system prompt (vLLM's prefix-cache hits on D grow by its full blocks), no P is
+    asked, and the answer equals plain vLLM's."""
+    fleet = cached_fleet
+    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    system = f"{SYSTEM} Served again from the decode engine's own cache. " * 2
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url, p2.url], [d.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+            routing_policy="conditional", conditional_max_uncached_tokens="96",
+            decode_only_cached="true", prefill_spill_factor="0",
+        )  # fmt: skip
+        first = _with_system(system, "Hello.")
+        conversations = [f"cached-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+        out = _ask(proxy, first, conversations[0])
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
+        p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
+        d_hits = _settled(d, CACHE_HITS)
+        other = _with_system(system, "Where from?")
+        out = _ask(proxy, other, conversations[1])
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, other)
+        assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
+        assert _settled(d, CACHE_HITS) - d_hits >= 2 * vllm_servers.BLOCK_SIZE
+        decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
+        assert decisions == 1
+        for conversation in conversations:
+            assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
     finally:
         factory.close()
