@@ -171,17 +171,27 @@ def test_prefill_affinity_loads_only_what_ps_own_cache_lacks(
     assert all(a <= b for a, b in zip(sticky, moving, strict=True))
 
 
-def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
-    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
-) -> None:
-    p0, p1, d = idle
-    proxy = proxy_factory(
+def _conditional_proxy(
+    engines: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, **settings: str
+) -> ProxyServer:
+    """A `conditional` proxy in front of the module's engines whose decode-only turns may leave
+    up to 120 tokens for D to prefill."""
+    p0, p1, d = engines
+    return proxy_factory(
         [p0, p1],
         [d],
         ready_path="/ready",
         routing_policy="conditional",
         conditional_max_uncached_tokens="120",
+        **settings,
     )
+
+
+def test_conditional_sends_short_follow_ups_straight_to_the_holding_d(
+    idle: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p0, p1, d = idle
+    proxy = _conditional_proxy(idle, proxy_factory)
     p_requests = p0.metric("enginesim_requests_total") + p1.metric("enginesim_requests_total")
     d_cached = d.metric("enginesim_prompt_tokens_cached_total")
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
@@ -216,12 +226,9 @@ def test_a_request_whose_prefix_d_decoded_goes_straight_to_d_with_decode_only_ca
     serves the system prompt (D's count of cached tokens grows, no P is asked); without it the
     request goes through P."""
     p0, p1, d = idle
-    proxy = proxy_factory(
-        [p0, p1],
-        [d],
-        ready_path="/ready",
-        routing_policy="conditional",
-        conditional_max_uncached_tokens="120",
+    proxy = _conditional_proxy(
+        idle,
+        proxy_factory,
         decode_only_cached=str(cached_route).lower(),
         prefill_spill_factor="0",
     )

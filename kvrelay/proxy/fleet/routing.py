@@ -541,18 +541,15 @@ class Router:
         s = self.settings
         if not s.decode_only_cached or self.prefixes is None:
             return None
-        best: Backend | None = None
+        best_url: str | None = None
         most = 0
         for url, chars in self.prefixes.cached_chars(prompt).items():
-            d = self.decode.get(url)
-            if d is not None and chars > most:
-                best, most = d, chars
-        if (
-            best is None
-            or not best.usable
-            or best.inflight >= s.decode_overload_inflight
-            or self.busy(best)
-        ):
+            if chars > most and url in self.decode.backends:
+                best_url, most = url, chars
+        if best_url is None:
+            return None
+        best = self._affine(self.decode, best_url, s.decode_overload_inflight)
+        if best is None:
             return None
         cpt = prompt.total / len(prompt.tokens) if prompt.tokens else self._chars_per_token.value
         uncached = max(0, round((prompt.total - most) / cpt))
