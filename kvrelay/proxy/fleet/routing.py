@@ -761,20 +761,14 @@ class Router:
         least = self.least_loaded(self.decode, set())
         if least is None:
             return None, False
+        if not cached:  # the common case: no D expected to cache any of it
+            return (least if self._takes_spill(least) else None), False
         candidates = [least]
-        if cached:
-            for url in cached:
-                d = self.decode.get(url)
-                if d is not None and d is not least and d.usable:
-                    candidates.append(d)
-        eligible = [
-            d
-            for d in candidates
-            if d.inflight < s.decode_overload_inflight
-            and not self.busy(d)
-            and d.outstanding_work - d.inflight < budget
-            and not self._decoding_slowly(d)
-        ]
+        for url in cached:
+            d = self.decode.get(url)
+            if d is not None and d is not least and d.usable:
+                candidates.append(d)
+        eligible = [d for d in candidates if self._takes_spill(d)]
         if len(eligible) <= 1:
             return (eligible[0] if eligible else None), False
 
@@ -783,6 +777,17 @@ class Router:
             return d.outstanding_work - d.inflight + tokens - held, d is not least
 
         return min(eligible, key=done_after), False
+
+    def _takes_spill(self, d: Backend) -> bool:
+        """D may take a spilled turn: neither overloaded nor busy, its decode-only tokens still
+        to prefill under `prefill_spill_max_inflight_tokens`, its decodes not too slow."""
+        s = self.settings
+        return (
+            d.inflight < s.decode_overload_inflight
+            and not self.busy(d)
+            and d.outstanding_work - d.inflight < s.prefill_spill_max_inflight_tokens
+            and not self._decoding_slowly(d)
+        )
 
     def _decoding_slowly(self, d: Backend) -> bool:
         """D's decodes ran slower than `prefill_spill_max_inter_token_ms` between its last
