@@ -747,15 +747,13 @@ class Router:
         prefix routing), the one that would be done with the turn soonest (its decode-only
         tokens queued plus the `tokens` it would compute), the least loaded on a tie; none
         busy or overloaded, each only within D's decode-only budget."""
-        s = self.settings
-        budget = s.prefill_spill_max_inflight_tokens
         if entry is not None and entry.chars_per_token:
-            holder = self._affine(self.decode, entry.url, s.decode_overload_inflight)
+            holder = self.decode.get(entry.url)
             if (
                 holder is not None
-                and holder.outstanding_work - holder.inflight < budget
+                and holder.usable
+                and self._takes_spill(holder)
                 and not self.decode_only.withdrawn(holder.url, tenant)
-                and not self._decoding_slowly(holder)
             ):
                 return holder, True
         least = self.least_loaded(self.decode, set())
@@ -771,9 +769,10 @@ class Router:
         eligible = [d for d in candidates if self._takes_spill(d)]
         if len(eligible) <= 1:
             return (eligible[0] if eligible else None), False
+        held_chars = cached
 
         def done_after(d: Backend) -> tuple[float, bool]:
-            held = min(tokens, round((cached or {}).get(d.url, 0) / chars_per_token))
+            held = min(tokens, round(held_chars.get(d.url, 0) / chars_per_token))
             return d.outstanding_work - d.inflight + tokens - held, d is not least
 
         return min(eligible, key=done_after), False
