@@ -30,9 +30,10 @@ judged on its TTFT), TTFT p50/p90 of first and later turns, TPOT p90, prompt tok
 engines' own `vllm:prompt_tokens_by_source`) against the LRU bound, prompt tokens the GPUs
 computed (enginesim's `prefill_tokens_computed`, recomputation after preemption included), D's
 pool pinned by holds. Goodput per round: the request rate where the attainment curve crosses
-90% (linear between rates); an aim is met only when every round of both sides crossed within
-the measured rates and the whole interval of the ratio clears it, missed when the whole
-interval falls short, undetermined otherwise.
+90% (linear between rates); a round whose curve never crossed within the measured rates gives
+a bound instead (below the lowest rate, or at least the highest). An aim is met when the whole
+interval of the ratio, bounds included, clears it, missed when the whole interval falls short,
+undetermined otherwise.
 """
 
 from __future__ import annotations
@@ -463,6 +464,19 @@ class Goodput:
     def crossed(self) -> bool:
         return bool(self.labels) and all(not x.startswith(("<", ">=")) for x in self.labels)
 
+    def bounds(self) -> list[tuple[float, float]]:
+        """Per round, the interval the goodput lies in: the value itself where the curve
+        crossed, (0, lowest rate) below every rate, (highest rate, inf) above every rate."""
+        out = []
+        for value, label in zip(self.values, self.labels, strict=True):
+            if label.startswith("<"):
+                out.append((0.0, float(label[1:])))
+            elif label.startswith(">="):
+                out.append((value, math.inf))
+            else:
+                out.append((value, value))
+        return out
+
     @property
     def median(self) -> float:
         return statistics.median(self.values) if self.values else math.nan
@@ -508,16 +522,35 @@ def ratio_verdict(ours: Goodput, theirs: Goodput, aim: float) -> tuple[str, str]
     """(met | MISSED | undetermined, the ratio's interval) for `ours >= aim x theirs`."""
     if not ours.values or not theirs.values:
         return "undetermined", "-"
-    low = min(ours.values) / max(theirs.values) if max(theirs.values) > 0 else math.inf
-    high = max(ours.values) / min(theirs.values) if min(theirs.values) > 0 else math.inf
-    interval = f"{c.fmt_ratio(low)}-{c.fmt_ratio(high)}"
+    # The worst and best pairing of the rounds, each side's bounds where its curve did not
+    # cross: a goodput above the highest rate is still at least that rate (and one below the
+    # lowest at most it), so a ratio with a bound on one side is a bound too, sound as far
+    # as it goes.
+    ours_b, theirs_b = ours.bounds(), theirs.bounds()
+    low = _divide(min(lo for lo, _ in ours_b), max(hi for _, hi in theirs_b))
+    high = _divide(max(hi for _, hi in ours_b), min(lo for lo, _ in theirs_b))
+    interval = f"{_ratio_text(low)}-{_ratio_text(high)}"
     if not ours.crossed or not theirs.crossed:
-        return "undetermined", interval + " (a goodput outside the measured rates)"
+        interval += " (a goodput outside the measured rates: a bound)"
     if low >= aim:
         return "met", interval
     if high < aim:
         return "MISSED", interval
     return "undetermined", interval
+
+
+def _divide(a: float, b: float) -> float:
+    """a / b for goodputs and their bounds: a bound of inf over inf or 0 over 0 says
+    nothing (nan, which clears no aim and misses none)."""
+    if math.isinf(b):
+        return 0.0 if not math.isinf(a) else math.nan
+    if b <= 0:
+        return math.inf if a > 0 else math.nan
+    return a / b
+
+
+def _ratio_text(value: float) -> str:
+    return "inf" if math.isinf(value) else c.fmt_ratio(value)
 
 
 def best_of(family: str, configs: dict[str, Config], gps: dict[str, Goodput]) -> str | None:

@@ -130,16 +130,35 @@ def _gp(*values: float, crossed: bool = True) -> tc.Goodput:
     return tc.Goodput(values, labels)
 
 
+def _below(*lowest_rates: float) -> tc.Goodput:
+    """Rounds whose curve was under the attainment target at every rate (`goodput`'s 0)."""
+    return tc.Goodput(tuple(0.0 for _ in lowest_rates), tuple(f"< {r:.2f}" for r in lowest_rates))
+
+
 def test_a_ratio_aim_is_met_only_when_its_whole_interval_clears_it() -> None:
     # Goodput per round on each side: the interval is the worst and best pairing.
     assert tc.ratio_verdict(_gp(3.0, 3.3), _gp(2.0, 2.2), 1.3)[0] == "met"  # 1.36-1.65
     assert tc.ratio_verdict(_gp(2.0, 2.2), _gp(2.0, 2.2), 1.3)[0] == "MISSED"  # 0.91-1.10
     verdict, interval = tc.ratio_verdict(_gp(2.6, 3.0), _gp(2.0, 2.2), 1.3)
     assert verdict == "undetermined" and interval.startswith("1.18-1.50")  # straddles 1.3
-    # A side whose curve never crossed within the measured rates ("<" or ">="): its goodput
-    # is a bound, not a value, and no aim can be judged on it, however large the ratio.
-    assert tc.ratio_verdict(_gp(5.0, 5.0, crossed=False), _gp(1.0, 1.0), 1.3)[0] == ("undetermined")
     assert tc.ratio_verdict(_gp(3.0, 3.0), _gp(), 1.3)[0] == "undetermined"
+
+
+def test_a_goodput_outside_the_measured_rates_judges_an_aim_only_as_the_bound_it_is() -> None:
+    # At least the highest rate: a lower bound, enough when it alone clears the aim...
+    verdict, interval = tc.ratio_verdict(_gp(5.0, 5.0, crossed=False), _gp(1.0, 1.2), 1.3)
+    assert verdict == "met" and interval.startswith("4.17-inf")
+    # ...and never a miss, however close: the true goodput may lie anywhere above it.
+    assert tc.ratio_verdict(_gp(2.0, 2.0, crossed=False), _gp(2.0, 2.0), 1.3)[0] == "undetermined"
+    # Below the lowest rate: an upper bound on the rival, so ours over it is a lower bound.
+    verdict, interval = tc.ratio_verdict(_gp(3.71, 4.09), _below(3.07, 3.07), 1.3)
+    assert verdict == "undetermined" and interval.startswith("1.21-inf")
+    assert tc.ratio_verdict(_gp(4.1, 4.3), _below(3.07, 3.07), 1.3)[0] == "met"  # 1.34-inf
+    # Ours below the lowest rate against a rival that crossed: an upper bound, a miss if short.
+    assert tc.ratio_verdict(_below(1.0, 1.0), _gp(2.0, 2.2), 1.1)[0] == "MISSED"  # 0.00-0.50
+    # Both below every rate: nothing known about the ratio.
+    verdict, interval = tc.ratio_verdict(_below(1.0), _below(1.0), 1.0)
+    assert verdict == "undetermined" and interval.startswith("0.00-inf")
 
 
 def _cfgs(*labels: str) -> dict[str, tc.Config]:
