@@ -360,6 +360,31 @@ def test_a_spill_goes_to_the_d_whose_cache_holds_the_prompt_when_that_is_done_so
     assert spill is not None and spill.backend is d0
 
 
+def test_an_idle_p_yields_a_turn_to_the_d_whose_cache_holds_its_history() -> None:
+    """A turn with no held history (its hold gone, or holds off) whose history a D decoded:
+    even with every P idle, that D computes only what its cache lacks while a P would compute
+    the whole prompt, so the turn spills to it; a D caching no more than the P does not take it
+    (the idle P computes no more than any D would)."""
+    router, prefill = _router(prefix_pull=False)
+    p0 = prefill.add("http://p0")
+    router.decode.add("http://d0")
+    d1 = router.decode.add("http://d1")
+    history = _chat("A long question about blocks. " * 20)
+    messages = [*history["messages"], {"role": "user", "content": "And then?"}]  # type: ignore[list-item]
+    follow_up = _prefixes({**history, "messages": messages})
+    work = follow_up.total + 1
+    assert p0.outstanding_work == 0
+    assert router.spill(None, work, "", follow_up) is None  # no D caches any of it
+    router.decoded(d1.url, _prefixes(history))
+    spill = router.spill(None, work, "", follow_up)
+    assert spill is not None and spill.backend is d1 and not spill.holder
+    assert spill.tokens < work // 4  # it computes only the new question
+    # P caching the same history (it computed it): P computes no more than d1, no spill.
+    assert router.prefixes is not None
+    router.prefixes.record(p0.url, _prefixes(history))
+    assert router.spill(None, work, "", follow_up) is None
+
+
 def test_decode_only_cached_picks_the_d_expected_to_hold_the_most_of_the_prompt() -> None:
     """With `decode_only_cached`, a turn with no held history goes to the D whose prefix cache
     is expected to hold the most of it, when the rest is short; not when the setting is off, the

@@ -612,10 +612,16 @@ class Router:
         if least is None:
             return None  # no P: the P leg finds none and D prefills anyway
         _, p_queued, p_cached = least
-        if p_queued <= 0 and s.prefill_spill_factor >= 1:
-            # An idle P computes only the turn's uncached tokens; any D would compute at least
-            # those (its queued work is never negative), so no factor >= 1 can spill the turn.
-            # Said here, before the pass over the D pool: the common case at low load.
+        if (
+            p_queued <= 0
+            and s.prefill_spill_factor >= 1
+            and not self._d_caches_more(cached, p_cached)
+        ):
+            # An idle P computes only the turn's uncached tokens; a D would compute at least
+            # those (its queued work is never negative) unless its own cache holds more of the
+            # prompt than P's (a D that decoded this history, whose hold is gone), so no
+            # factor >= 1 can spill the turn. Said here, before the pass over the D pool: the
+            # common case at low load.
             return None
         cpt = entry.chars_per_token if entry is not None else None
         if prompt is not None and prompt.tokens:  # tokenized for the Ps' events: exact
@@ -661,6 +667,14 @@ class Router:
             pin_wait,
             d_cached_chars,
         )
+
+    def _d_caches_more(self, cached: Mapping[str, int] | None, p_cached: int) -> bool:
+        """A D's prefix cache is expected to hold more of the prompt than `p_cached`, the
+        chosen P's (`cached`: URL -> characters, prefix routing)."""
+        if not cached:
+            return False
+        ds = self.decode.backends
+        return any(chars > p_cached and url in ds for url, chars in cached.items())
 
     def _spill_source(
         self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int
