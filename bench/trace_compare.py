@@ -206,12 +206,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="rewrite the section and plot from --json's earlier run (its own flags)",
     )
+    p.add_argument(
+        "--rejudge-slo",
+        metavar="TTFT_MS,TPOT_MS",
+        help="with --render-only: judge the earlier run's requests against this SLO instead "
+        "(from each request's record; the JSON is left as it was)",
+    )
     args = p.parse_args(argv)
     try:
         args.scales = sorted({float(x) for x in args.time_scales.split(",") if x.strip()})
         args.config_list = parse_configs(args.configs, args.engines)
     except ValueError as err:
         p.error(str(err))
+    if args.rejudge_slo is not None:
+        if not args.render_only:
+            p.error("--rejudge-slo judges an earlier run: it needs --render-only")
+        try:
+            ttft, tpot = (float(x) for x in args.rejudge_slo.split(","))
+        except ValueError:
+            p.error("--rejudge-slo: TTFT_MS,TPOT_MS, e.g. 5000,25")
+        if min(ttft, tpot) <= 0:
+            p.error("--rejudge-slo: both bounds must be positive")
     if not args.scales or min(args.scales) <= 0:
         p.error("--time-scales must be positive numbers")
     if args.rounds < 1:
@@ -662,6 +677,28 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
     ]
 
 
+def meets_slo(record: dict[str, Any], ttft_s: float, tpot_s: float) -> bool:
+    """A request's record within the SLO, as the replayer judges it (`trace_replay.summarize`):
+    answered, its TTFT within, and its TPOT within unless it had no second token."""
+    if record.get("error") is not None or record.get("ttft_s") is None:
+        return False
+    tpot: float | None = record.get("tpot_s")
+    if record["ttft_s"] > ttft_s:
+        return False
+    return tpot is None or math.isnan(tpot) or tpot <= tpot_s
+
+
+def rejudge(data: dict[str, Any], ttft_ms: float, tpot_ms: float) -> None:
+    """Every run's SLO attainment recomputed from its requests' records under another SLO
+    (`--rejudge-slo`): what the same runs would have scored had the SLO asked for that."""
+    for by in data["runs"].values():
+        for runs in by.values():
+            for run in runs:
+                records = run["records"]
+                met = sum(1 for r in records if meets_slo(r, ttft_ms / 1000, tpot_ms / 1000))
+                run["attainment"] = met / len(records) if records else math.nan
+
+
 def rows_of(data: dict[str, Any]) -> dict[str, dict[float, dict[str, Any]]]:
     out: dict[str, dict[float, dict[str, Any]]] = {}
     for label, by in data["runs"].items():
@@ -959,16 +996,20 @@ def main(argv: list[str] | None = None) -> int:
             data["notes"] = args.notes.read_text()
         kept = {
             k: getattr(args, k)
-            for k in ("no_results", "plot", "json", "section", "ours", "holds_off")
+            for k in ("no_results", "plot", "json", "section", "ours", "holds_off", "rejudge_slo")
         }
         args = parse_args(data["argv"][1:])
         for k, v in kept.items():
             setattr(args, k, v)
+        if args.rejudge_slo:
+            args.slo_ttft_ms, args.slo_tpot_ms = (float(x) for x in args.rejudge_slo.split(","))
+            rejudge(data, args.slo_ttft_ms, args.slo_tpot_ms)
     else:
         started = time.monotonic()
         data = measure(args, argv)
         data["elapsed_s"] = time.monotonic() - started
-    c.write_json(args.json, data)
+    if not args.rejudge_slo:  # a rejudged run is still the run its JSON says
+        c.write_json(args.json, data)
     text = render(data, args)
     plot(data, args.plot)
     text += f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"

@@ -379,3 +379,27 @@ def test_the_routing_table_shows_the_pulls_and_those_into_d() -> None:
     body = [line for line in lines if line.startswith("| kvrelay |")]
     assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2 |"]
     assert not any(line.startswith("| vllm-router |") for line in lines)
+
+
+def test_rejudging_a_run_counts_its_requests_against_the_other_slo() -> None:
+    records = [
+        {"ttft_s": 1.0, "tpot_s": 0.020, "error": None},
+        {"ttft_s": 1.0, "tpot_s": 0.030, "error": None},  # too slow a decode at 25 ms
+        {"ttft_s": 6.0, "tpot_s": 0.010, "error": None},  # too late a first token at 5 s
+        {"ttft_s": 2.0, "tpot_s": math.nan, "error": None},  # one token: judged on TTFT
+        {"ttft_s": None, "tpot_s": None, "error": "HTTP 500"},
+    ]
+    data = {"runs": {"a": {"16": [{"attainment": 0.0, "records": records}]}}}
+    tc.rejudge(data, 5000, 25)
+    assert data["runs"]["a"]["16"][0]["attainment"] == pytest.approx(2 / 5)
+    tc.rejudge(data, 10_000, 100)
+    assert data["runs"]["a"]["16"][0]["attainment"] == pytest.approx(4 / 5)
+
+
+def test_rejudge_slo_needs_an_earlier_run_and_two_positive_bounds() -> None:
+    with pytest.raises(SystemExit):
+        tc.parse_args(["--rejudge-slo", "5000,25"])
+    for bad in ("5000", "5000,0", "a,b"):
+        with pytest.raises(SystemExit):
+            tc.parse_args(["--render-only", "--rejudge-slo", bad])
+    assert tc.parse_args(["--render-only", "--rejudge-slo", "5000,25"]).rejudge_slo == "5000,25"
