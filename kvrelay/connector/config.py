@@ -52,13 +52,16 @@ class ConnectorConfig(BaseModel):
 
     # Holder side.
     # Measured on the Mooncake conversation trace (bench/trace_replay_notes.md, "Hold policy"):
-    # a 600 s lease outlasts 95% of its think times (120 s: half), and a budget of half the
-    # pool keeps what that pins at about a 120 s lease's level with the same reuse as without.
+    # a 600 s lease outlasts 95% of its think times (120 s: half). The budget: a tenth of the
+    # pool. Blocks a hold lets go stay in the engine's prefix cache, which the proxy's routing
+    # follows (a turn whose history a D decoded goes back to that D), so pinning more of the
+    # pool bought no reuse there and cost the prefix cache room (bench/RESULTS.md, "trace
+    # compare (conversation)": half the pool pinned 25-30%, most of it unused).
     # The proxy's conversation_ttl_s (600 s) must not be shorter than the lease.
     lease_seconds: float = Field(default=600.0, gt=0)
     # Share of the engine's KV blocks that holds for a later turn may pin; past it the least
     # recently used are freed (reason `budget`). 1.0: only block pressure bounds them (reclaim).
-    hold_budget_fraction: float = Field(default=0.5, gt=0, le=1)
+    hold_budget_fraction: float = Field(default=0.1, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)
