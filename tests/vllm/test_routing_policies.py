@@ -14,6 +14,8 @@
   there (vLLM's events name only the blocks after it; the routed prompt names their parent).
 - `decode_only_cached`: a request with no held history whose system prompt D decoded goes
   straight to D, whose own prefix cache serves it.
+- A conversation whose hold is gone, its history last served decode-only on D: with every P
+  idle its next turn still goes to D (spilled), whose own prefix cache serves the history.
 """
 
 from __future__ import annotations
@@ -409,5 +411,63 @@ def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d
         assert decisions == 1
         for conversation in conversations:
             assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    finally:
+        factory.close()
+
+
+def test_an_idle_p_yields_a_turn_whose_history_only_ds_cache_holds(
+    cached_fleet: CachedFleet,
+) -> None:
+    """Turn 2 of a conversation ran decode-only on D (its hold), so of the engines only D saw
+    its prompt. The conversation's entry is then deleted (its hold released: the blocks stay in
+    D's prefix cache), so turn 3 has no held history, and with every P idle it would have gone
+    through a P, which would compute all of it beyond turn 1's prompt. It goes to D instead
+    (spilled, at the defaults' spill factor: D computes only the last reply and the question),
+    no P is asked, vLLM's prefix-cache hits on D grow by at least turn 2's prompt, and every
+    answer equals plain vLLM's."""
+    fleet = cached_fleet
+    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    system = f"{SYSTEM} The history comes back from the decode engine's cache. " * 2
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url, p2.url], [d.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+            routing_policy="conditional", conditional_max_uncached_tokens="400",
+        )  # fmt: skip
+        conversation = f"yield-{uuid.uuid4().hex[:8]}"
+        messages = [{"role": "system", "content": system}]
+
+        def turn(user: str) -> int:
+            """One turn through the proxy (short replies: turn 2 is mostly its question); its
+            prompt's tokens."""
+            messages.append({"role": "user", "content": user})
+            sent = _body(list(messages)) | {"max_tokens": 8}
+            out = _ask(proxy, sent, conversation)
+            reply = out["choices"][0]["message"]["content"]
+            assert reply == _reference(fleet, sent)
+            messages.append({"role": "assistant", "content": reply})
+            return int(out["usage"]["prompt_tokens"])
+
+        def decisions(decision: str) -> float:
+            return proxy.metrics().get(
+                f'kvrelay_routing_decisions_total{{decision="{decision}"}}', 0.0
+            )
+
+        turn("Hello.")
+        second = turn("Say more about the blocks: " + "which engine computed them and when. " * 8)
+        assert decisions("decode_only") == 1
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+        p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
+        d_hits = _settled(d, CACHE_HITS)
+        spilled = decisions("spilled")
+        turn("Go on.")
+        assert decisions("spilled") == spilled + 1
+        assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
+        # Turn 2's prompt in whole blocks, less one: the template may render its last block
+        # differently once the reply follows it.
+        hit = _settled(d, CACHE_HITS) - d_hits
+        assert hit >= vllm_servers.BLOCK_SIZE * (second // vllm_servers.BLOCK_SIZE - 1), hit
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
     finally:
         factory.close()
