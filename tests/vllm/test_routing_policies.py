@@ -160,6 +160,15 @@ def _ask(proxy: ProxyServer, body: dict[str, Any], conversation: str) -> dict[st
     return dict(out)
 
 
+def _conditional_proxy(factory: ProxyFactory, fleet: CachedFleet, **settings: str) -> ProxyServer:
+    """A proxy in front of both Ps and D, `conditional` routing, with `settings`."""
+    return factory(
+        [fleet.prefill.url, fleet.second.url], [fleet.decode.url], ready_path="/ready",
+        connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+        routing_policy="conditional", **settings,
+    )  # fmt: skip
+
+
 def _reference(fleet: CachedFleet, body: dict[str, Any]) -> str:
     status, out = fleet.reference.post("/v1/chat/completions", body)
     assert status == 200, out
@@ -390,11 +399,9 @@ def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d
     system = f"{SYSTEM} Served again from the decode engine's own cache. " * 2
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url, p2.url], [d.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
-            routing_policy="conditional", conditional_max_uncached_tokens="96",
-            decode_only_cached="true", prefill_spill_factor="0",
+        proxy = _conditional_proxy(
+            factory, fleet, conditional_max_uncached_tokens="96", decode_only_cached="true",
+            prefill_spill_factor="0",
         )  # fmt: skip
         first = _with_system(system, "Hello.")
         conversations = [f"cached-{uuid.uuid4().hex[:8]}" for _ in range(2)]
@@ -430,11 +437,7 @@ def test_an_idle_p_yields_a_turn_whose_history_only_ds_cache_holds(
     system = f"{SYSTEM} The history comes back from the decode engine's cache. " * 2
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url, p2.url], [d.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
-            routing_policy="conditional", conditional_max_uncached_tokens="400",
-        )  # fmt: skip
+        proxy = _conditional_proxy(factory, fleet, conditional_max_uncached_tokens="400")
         conversation = f"yield-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "system", "content": system}]
 
