@@ -139,6 +139,17 @@ def parse_configs(text: str, engines: int) -> list[Config]:
     return out
 
 
+def _slo_pair(text: str) -> tuple[float, float]:
+    """`--rejudge-slo`'s TTFT_MS,TPOT_MS, both positive."""
+    try:
+        ttft, tpot = (float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("TTFT_MS,TPOT_MS, e.g. 5000,25") from None
+    if min(ttft, tpot) <= 0:
+        raise argparse.ArgumentTypeError("both bounds must be positive")
+    return ttft, tpot
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     tr.add_slice_arguments(p, replay_mod.DEFAULT_TRACE, start_s=None, duration_s=None)
@@ -208,6 +219,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--rejudge-slo",
+        type=_slo_pair,
         metavar="TTFT_MS,TPOT_MS",
         help="with --render-only: judge the earlier run's requests against this SLO instead "
         "(from each request's record; the JSON is left as it was)",
@@ -218,15 +230,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.config_list = parse_configs(args.configs, args.engines)
     except ValueError as err:
         p.error(str(err))
-    if args.rejudge_slo is not None:
-        if not args.render_only:
-            p.error("--rejudge-slo judges an earlier run: it needs --render-only")
-        try:
-            ttft, tpot = (float(x) for x in args.rejudge_slo.split(","))
-        except ValueError:
-            p.error("--rejudge-slo: TTFT_MS,TPOT_MS, e.g. 5000,25")
-        if min(ttft, tpot) <= 0:
-            p.error("--rejudge-slo: both bounds must be positive")
+    if args.rejudge_slo is not None and not args.render_only:
+        p.error("--rejudge-slo judges an earlier run: it needs --render-only")
     if not args.scales or min(args.scales) <= 0:
         p.error("--time-scales must be positive numbers")
     if args.rounds < 1:
@@ -678,24 +683,22 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
 
 
 def meets_slo(record: dict[str, Any], ttft_s: float, tpot_s: float) -> bool:
-    """A request's record within the SLO, as the replayer judges it (`trace_replay.summarize`):
-    answered, its TTFT within, and its TPOT within unless it had no second token."""
+    """A request's record within the SLO: answered, and within it as the replayer judges
+    (`trace_replay.within_slo`)."""
     if record.get("error") is not None or record.get("ttft_s") is None:
         return False
-    tpot: float | None = record.get("tpot_s")
-    if record["ttft_s"] > ttft_s:
-        return False
-    return tpot is None or math.isnan(tpot) or tpot <= tpot_s
+    return replay_mod.within_slo(record["ttft_s"], record.get("tpot_s"), ttft_s, tpot_s)
 
 
 def rejudge(data: dict[str, Any], ttft_ms: float, tpot_ms: float) -> None:
     """Every run's SLO attainment recomputed from its requests' records under another SLO
     (`--rejudge-slo`): what the same runs would have scored had the SLO asked for that."""
+    ttft_s, tpot_s = ttft_ms / 1000, tpot_ms / 1000
     for by in data["runs"].values():
         for runs in by.values():
             for run in runs:
                 records = run["records"]
-                met = sum(1 for r in records if meets_slo(r, ttft_ms / 1000, tpot_ms / 1000))
+                met = sum(1 for r in records if meets_slo(r, ttft_s, tpot_s))
                 run["attainment"] = met / len(records) if records else math.nan
 
 
@@ -1002,7 +1005,7 @@ def main(argv: list[str] | None = None) -> int:
         for k, v in kept.items():
             setattr(args, k, v)
         if args.rejudge_slo:
-            args.slo_ttft_ms, args.slo_tpot_ms = (float(x) for x in args.rejudge_slo.split(","))
+            args.slo_ttft_ms, args.slo_tpot_ms = args.rejudge_slo
             rejudge(data, args.slo_ttft_ms, args.slo_tpot_ms)
     else:
         started = time.monotonic()

@@ -402,4 +402,4 @@ def test_rejudge_slo_needs_an_earlier_run_and_two_positive_bounds() -> None:
     for bad in ("5000", "5000,0", "a,b"):
         with pytest.raises(SystemExit):
             tc.parse_args(["--render-only", "--rejudge-slo", bad])
-    assert tc.parse_args(["--render-only", "--rejudge-slo", "5000,25"]).rejudge_slo == "5000,25"
+    assert tc.parse_args(["--render-only", "--rejudge-slo", "5000,25"]).rejudge_slo == (5000, 25)
