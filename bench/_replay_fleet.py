@@ -151,6 +151,8 @@ class Hardware:
     unscaled_lease_s: float  # the connector's hold lease in trace (production) time
     # Share of each engine's KV pool its holds may pin (None: the connector's default).
     hold_budget: float | None = None
+    # Share of it one hold may pin (None: the connector's default, the budget's share).
+    hold_max: float | None = None
 
     def pool_blocks(self) -> int:
         """KV blocks of one engine (enginesim's rule for `--cost-profile` with `--kv-scale`)."""
@@ -177,6 +179,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
         "--enable-prefix-caching",
         "--lease-seconds", f"{lease_s:g}",
         *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
+        *(["--hold-max-fraction", f"{hw.hold_max:g}"] if hw.hold_max else []),
         "--enable-prompt-tokens-details",
         "--log-level", "WARNING",
         *TINY_GEOMETRY,

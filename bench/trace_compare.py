@@ -180,6 +180,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         help="share of each engine's KV pool holds may pin (default: connector's)",
     )
+    p.add_argument(
+        "--hold-max",
+        type=float,
+        help="share of each engine's KV pool one hold may pin (default: connector's)",
+    )
     # 5 s: a tenth of the sample's prompts need over 2 s of prefill on an idle H100.
     replay_mod.add_slo_arguments(p, ttft_ms=5000.0)
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
@@ -311,6 +316,7 @@ def hardware(args: argparse.Namespace, scale: float) -> rf.Hardware:
         scale,
         lease,
         args.hold_budget,
+        args.hold_max,
     )
 
 

@@ -62,6 +62,11 @@ class ConnectorConfig(BaseModel):
     # Share of the engine's KV blocks that holds for a later turn may pin; past it the least
     # recently used are freed (reason `budget`). 1.0: only block pressure bounds them (reclaim).
     hold_budget_fraction: float = Field(default=0.1, gt=0, le=1)
+    # The largest share of the pool one hold may pin; a turn larger than that is not held (its
+    # blocks stay in the prefix cache) and its params say so (`hold_declined`). None: the
+    # budget's share, so holds never pin past the budget; 1.0: the newest hold is always kept,
+    # even when it alone is over the budget.
+    hold_max_fraction: float | None = Field(default=None, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

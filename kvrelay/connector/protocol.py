@@ -42,6 +42,9 @@ RELEASE_TOKEN = "release_token"
 HOLD_BLOCKS = "hold_blocks"
 # Whose hold it is (the proxy's tenant id): the holder shares its hold budget fairly by owner.
 HOLD_OWNER = "hold_owner"
+# Set by a holder on the params of a turn it was asked to hold and did not: the turn alone is
+# over its `hold_max_fraction` of the pool (its blocks stay in the prefix cache, unpinned).
+HOLD_DECLINED = "hold_declined"
 REMOTE_URL = "remote_url"
 
 # --- reuse report: what the engine's connector did for this request (CONTRACTS §1) ---------
@@ -159,6 +162,7 @@ class KVTransferParams(BaseModel):
     release_token: StrictStr | None = None
     hold_blocks: StrictBool = False
     hold_owner: StrictStr | None = None
+    hold_declined: StrictBool = False
     remote_url: StrictStr | None = None
     remote_prefill_cached_tokens: StrictInt | None = None
     # The connector's reuse report (ACCOUNTING.md).

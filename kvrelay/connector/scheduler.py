@@ -31,6 +31,7 @@ from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import HoldEntry, HoldTable
 from kvrelay.connector.metadata import ConnectorMetadata, RecvSpec, RequestView
 from kvrelay.connector.protocol import (
+    HOLD_DECLINED,
     REFUSED_FAILED,
     REFUSED_HASH,
     REFUSED_LOCAL,
@@ -84,6 +85,7 @@ class ConnectorScheduler:
             "freed_by_expiry",
             "freed_by_reclaim",
             "freed_by_budget",
+            "holds_over_budget",
             "tokens_loaded",
             "loads_started",
             "loads_failed",
@@ -102,8 +104,13 @@ class ConnectorScheduler:
         )
         self._compat = config.compat_hash()
         self._hold_budget: int | None = None
-        if num_blocks is not None and config.hold_budget_fraction < 1.0:
-            self._hold_budget = int(config.hold_budget_fraction * num_blocks)
+        self._hold_max: int | None = None  # the most blocks one next-turn hold may pin
+        if num_blocks is not None:
+            if config.hold_budget_fraction < 1.0:
+                self._hold_budget = int(config.hold_budget_fraction * num_blocks)
+            max_fraction = config.hold_max_fraction or config.hold_budget_fraction
+            if max_fraction < 1.0:
+                self._hold_max = int(max_fraction * num_blocks)
         self._handshake_md: dict[int, dict[str, Any]] | None = None
         self._server: SideChannelServer | None = None
         self._pending: dict[str, _PendingLoad] = {}
@@ -445,6 +452,8 @@ class ConnectorScheduler:
         if nblocks == 0 or len(block_ids) != 1:
             return False, None
         num_tokens = min(num_tokens, nblocks * bs)
+        if self._hold_max is not None and nblocks > self._hold_max and not params.do_remote_decode:
+            return False, self._declined(req, report)
         held = [list(group[:nblocks])]
         now_wall, now_mono = time.time(), time.monotonic()
         entry = HoldEntry(
@@ -485,6 +494,19 @@ class ConnectorScheduler:
             if self._server is not None:
                 self._server.notify_finished(req.client_request_id)
         return True, out
+
+    def _declined(self, req: RequestView, report: ReuseReport) -> dict[str, Any]:
+        """A next-turn hold larger than `hold_max_fraction` of the pool: not kept (it would push
+        every other hold out and still pin more than the budget allows). Its blocks go back to
+        the prefix cache, where the proxy's routing can still find them; the params say so
+        (published as a hold's are, for a stream's lookup)."""
+        self.counters.inc("holds_over_budget")
+        out = {HOLD_DECLINED: True, **report.to_params()}
+        if self.config.publish_finished_params and req.client_request_id:
+            self.holds.publish_finished(req.client_request_id, out)
+            if self._server is not None:
+                self._server.notify_finished(req.client_request_id)
+        return out
 
     def request_rejected(self, req: RequestView) -> None:
         """Refused before admission: the holder it would have read from is released now."""

@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="share of the KV pool holds may pin (default: the connector's)",
     )
+    p.add_argument(
+        "--hold-max-fraction",
+        type=float,
+        help="share of the KV pool one hold may pin; a larger turn is not held "
+        "(default: the connector's, the budget's share)",
+    )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
@@ -158,6 +164,7 @@ _CONNECTOR_OPTIONS = (
     "kv_load_failure_policy",
     "lease_seconds",
     "hold_budget_fraction",
+    "hold_max_fraction",
     "publish_finished_params",
 )
 _ENGINE_OPTIONS = (

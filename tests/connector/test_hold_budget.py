@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import FreeReason, HoldEntry, HoldTable
+from kvrelay.connector.metadata import RequestView
+from kvrelay.connector.protocol import HOLD_BLOCKS, KVTransferParams
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.stats import Counters
@@ -76,14 +79,59 @@ def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeSchedul
     assert sched.holds.is_held("r0") and sched.stats()["freed_by_budget"] == 2
 
 
-def test_the_newest_hold_is_kept_even_alone_over_the_budget(
+def test_with_hold_max_at_one_the_newest_hold_is_kept_even_alone_over_the_budget(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)  # 1 block
-    turn(sched, "r0")
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1, hold_max_fraction=1.0)
+    turn(sched, "r0")  # 3 blocks against a budget of 1
     assert drain(sched) == set() and sched.holds.is_held("r0")
     turn(sched, "r1")
     assert drain(sched) == {"r0"} and sched.holds.is_held("r1")
+
+
+def finish(
+    sched: ConnectorScheduler, rid: str, n_tokens: int
+) -> tuple[bool, dict[str, Any] | None]:
+    """D finishes `rid` (`n_tokens` of prompt, 4 per block) asked to hold it for a next turn."""
+    tokens = list(range(n_tokens + 1))
+    view = RequestView(rid, f"client-{rid}", tokens[:n_tokens], tokens, {HOLD_BLOCKS: True})
+    return sched.request_finished(view, [list(range(100, 100 + n_tokens // 4 + 1))])
+
+
+def test_a_turn_alone_over_the_budget_is_not_held_and_its_params_say_so(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # 40 blocks, a tenth for holds (4 blocks): a 3-block turn is held, a 5-block one is not.
+    sched = make_scheduler(num_blocks=40, hold_budget_fraction=0.1)
+    assert finish(sched, "small", 12)[0]
+    delay, params = finish(sched, "large", 20)
+    assert not delay, "the engine must free the blocks now (they stay in its prefix cache)"
+    assert params is not None
+    parsed = KVTransferParams.from_wire(params)
+    assert parsed is not None and parsed.hold_declined and not parsed.has_remote_blocks
+    assert parsed.kvr_prompt_tokens == 20, "the reuse report still comes back"
+    assert not sched.holds.is_held("large") and sched.holds.is_held("small")
+    assert drain(sched) == set(), "an older hold is not pushed out for one never kept"
+    stats = sched.stats()
+    assert stats["holds_over_budget"] == 1 and stats["held_blocks"] == 3
+    # A stream's lookup finds the same answer on the side channel.
+    assert sched.holds.finished("client-large") == params
+
+
+def test_hold_max_fraction_sets_the_largest_hold_apart_from_the_budget(
+    make_scheduler: MakeScheduler,
+) -> None:
+    sched = make_scheduler(num_blocks=40, hold_budget_fraction=0.1, hold_max_fraction=0.2)
+    assert finish(sched, "five-blocks", 20)[0]  # over the budget alone, within the max
+    assert not finish(sched, "nine-blocks", 36)[0]  # over the max (8 blocks)
+    assert sched.stats()["holds_over_budget"] == 1
+
+
+def test_a_p_legs_hold_is_never_declined_by_the_max(make_scheduler: MakeScheduler) -> None:
+    # P's hold is this turn's P -> D transfer, whatever its size.
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)
+    hold_params(sched, "p0", n_tokens=30)
+    assert sched.holds.is_held("p0") and sched.stats()["holds_over_budget"] == 0
 
 
 def test_no_budget_at_one_or_without_the_pool_size(make_scheduler: MakeScheduler) -> None:

@@ -590,3 +590,25 @@ async def test_a_hold_given_back_counts_as_released_only_when_d_freed_it(rig: Ri
     assert [await rig.kvmap.take(key) for key in keys] == [None, None]
     after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", released) or 0.0
     assert after == before + 1
+
+
+async def test_a_hold_d_declined_stores_no_entry_and_releases_nothing(rig: Rig) -> None:
+    """D's connector keeps no hold for a turn alone over its `hold_max_fraction` and says so
+    (`hold_declined`, with its reuse report): the map gets no entry pointing at blocks D freed,
+    nothing is released, and the decline is counted."""
+    declined = {"hold_declined": True, "kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0}
+    body = {"choices": [{"text": "answer"}], "kv_transfer_params": declined}
+    engines = FakeEngines(
+        {P1: [prefill_ok("r1")], D1: [FakeAnswer(200, json.dumps(body).encode())]}
+    )
+    over_budget = {"decision": "over_budget"}
+    before = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", over_budget) or 0.0
+    client = FakeClient()
+    await rig.turn("A long document to summarise.", "r1", engines, client).run()
+    assert client.json_status == 200
+    assert engines.bodies(D1)[0]["kv_transfer_params"]["hold_blocks"] is True
+    assert await _stored(rig) is None
+    await rig.releaser.drain()
+    assert rig.released() == [], "D freed its blocks itself; P's were read by D"
+    after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", over_budget) or 0.0
+    assert after == before + 1

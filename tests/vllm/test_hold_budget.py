@@ -2,7 +2,9 @@
 holds for next turns frees the oldest unclaimed ones past it (`freed_by_budget`) as new holds
 come, keeps the newest, and never lets the held blocks grow past the budget. A freed hold's
 blocks stay in vLLM's prefix cache, so the conversation's next turn still finds its history
-there (vLLM's own `local_cache_hit` counter says so).
+there (vLLM's own `local_cache_hit` counter says so). A turn alone over the budget is not held
+at all (`hold_max_fraction` defaults to the budget's share): D says so in its params, pins
+nothing, and the next turn still finds the history in vLLM's prefix cache.
 
 One vLLM D with kvrelay's connector (no P, no proxy): requests ask it to hold their blocks
 directly, as the proxy's decode leg does.
@@ -24,6 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 BUDGET_FRACTION = 0.25
 BUDGET_BLOCKS = int(BUDGET_FRACTION * vllm_servers.DECODE_BLOCKS)  # the connector's rule
 FREED_BY_BUDGET = "vllm:kvrelay_freed_by_budget_total"
+OVER_BUDGET = "vllm:kvrelay_holds_over_budget_total"
 LOCAL_HIT = (
     'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_cache_hit"}'
 )
@@ -87,4 +90,29 @@ def test_holds_past_the_budget_free_the_oldest_and_the_history_stays_cached(
     wait_until(
         lambda: d.metric(LOCAL_HIT) - hit_before >= vllm_servers.BLOCK_SIZE, 30,
         what="vLLM to count the follow-up's prefix-cache hit",
+    )  # fmt: skip
+
+
+def test_a_turn_alone_over_the_budget_is_not_held_and_its_history_stays_cached(
+    budget_d: vllm_servers.VLLMServer,
+) -> None:
+    d = budget_d
+    # Four blocks more than the budget (token ids: their count is exact whatever the tokenizer).
+    ids = [3 + (7 * i) % 1000 for i in range((BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE)]
+    held_before, over_before = _held(d), d.metric(OVER_BUDGET)
+    body = {**completion_body("", max_tokens=4), "prompt": ids}
+    status, out = d.post("/v1/completions", {**body, "kv_transfer_params": {"hold_blocks": True}})
+    assert status == 200, out
+    params = out["kv_transfer_params"]
+    assert params["hold_declined"] is True and params["kvr_prompt_tokens"] == len(ids)
+    assert not params.get("remote_block_ids") and not params.get("release_token")
+    wait_until(lambda: d.metric(OVER_BUDGET) > over_before, 10, what="D to count the decline")
+    assert _held(d) == held_before, "the declined turn pinned blocks"
+
+    hit_before = d.metric(LOCAL_HIT)
+    status, out = d.post("/v1/completions", {**body, "prompt": [*ids, 5, 6, 7, 8]}, timeout=60)
+    assert status == 200, out
+    wait_until(
+        lambda: d.metric(LOCAL_HIT) - hit_before >= BUDGET_BLOCKS * vllm_servers.BLOCK_SIZE, 30,
+        what="vLLM to count the next turn's prefix-cache hit on the unheld history",
     )  # fmt: skip

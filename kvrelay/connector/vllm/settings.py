@@ -20,6 +20,7 @@ EXTRA_KEYS = (
     "advertise_host",
     "lease_seconds",
     "hold_budget_fraction",
+    "hold_max_fraction",
     "claim_timeout_s",
     "publish_finished_params",
     "finished_params_ttl_s",

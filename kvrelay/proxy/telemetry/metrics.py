@@ -347,7 +347,8 @@ HOLD_DECISIONS = Labelled(
         "tenant's holds are taken often enough), declined (they are not), probe (declined "
         "share, held to see whether that changed), released (a hold counted unused, given "
         "back before its lease ended because the tenant's holds do not pay, counted when D "
-        "freed its blocks; one D had already ended is D's to count).",
+        "freed its blocks; one D had already ended is D's to count), over_budget (asked, and D "
+        "kept nothing: the turn alone is over D's hold_max_fraction of its pool).",
         ["decision"],
     )
 )

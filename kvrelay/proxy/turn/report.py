@@ -199,6 +199,10 @@ class TurnReport:
         """Where D's final params came from: response | stream | side_channel | missing."""
         metrics.FINISHED_PARAMS.labels(source).inc()
 
+    def hold_declined(self) -> None:
+        """D did not keep the hold it was asked for: the turn alone is over its share."""
+        metrics.HOLD_DECISIONS.labels("over_budget").inc()
+
     def hold_unsupported(self) -> None:
         """D holds blocks the proxy cannot release (a stock engine): its lease frees them."""
         metrics.RELEASES.labels("decode", "unsupported").inc()

@@ -1,6 +1,7 @@
 """The map's side of step 6 of a turn: D's final params become the conversation's map entry,
 or D's blocks are released when they cannot be (not asked to hold, a stock engine without
-`stock_vllm_reuse`, params past their expiry, unusable params, the map unavailable).
+`stock_vllm_reuse`, params past their expiry, unusable params, the map unavailable). A hold D
+declined (the turn alone over its `hold_max_fraction`) stores nothing: D kept no blocks.
 
 A put that timed out may have been stored all the same (`UnconfirmedPutError`): D's blocks stay
 held until the map says it was not (`Releaser.release_unless_stored`), so a next turn never
@@ -85,6 +86,11 @@ class Store:
         host, port = params.remote_host, params.remote_port
         if host is not None and port is not None:
             backend.side_channel = (host, port)  # learnt for later streams
+        if params.hold_declined:
+            # D kept nothing: the turn alone is over its hold_max_fraction of the pool.
+            if key is not None and hold:
+                report.hold_declined()
+            return
         stock = not params.release_token and not params.remote_block_hashes
         if key is None or not hold:
             # Not asked to hold: kvrelay's D freed them already; a stock D holds until its lease.
