@@ -151,7 +151,7 @@ class Hardware:
     unscaled_lease_s: float  # the connector's hold lease in trace (production) time
     # Share of each engine's KV pool its holds may pin (None: the connector's default).
     hold_budget: float | None = None
-    # Share of it one hold may pin (None: the connector's default, the budget's share).
+    # Share of it one hold may pin (None: the connector's default, 1.0).
     hold_max: float | None = None
 
     def pool_blocks(self) -> int:

@@ -108,9 +108,8 @@ class ConnectorScheduler:
         if num_blocks is not None:
             if config.hold_budget_fraction < 1.0:
                 self._hold_budget = int(config.hold_budget_fraction * num_blocks)
-            max_fraction = config.hold_max_fraction or config.hold_budget_fraction
-            if max_fraction < 1.0:
-                self._hold_max = int(max_fraction * num_blocks)
+            if config.hold_max_fraction < 1.0:
+                self._hold_max = int(config.hold_max_fraction * num_blocks)
         self._handshake_md: dict[int, dict[str, Any]] | None = None
         self._server: SideChannelServer | None = None
         self._pending: dict[str, _PendingLoad] = {}

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--hold-max-fraction",
         type=float,
         help="share of the KV pool one hold may pin; a larger turn is not held "
-        "(default: the connector's, the budget's share)",
+        "(default: the connector's, 1.0)",
     )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)

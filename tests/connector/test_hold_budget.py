@@ -79,10 +79,10 @@ def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeSchedul
     assert sched.holds.is_held("r0") and sched.stats()["freed_by_budget"] == 2
 
 
-def test_with_hold_max_at_one_the_newest_hold_is_kept_even_alone_over_the_budget(
+def test_the_newest_hold_is_kept_even_alone_over_the_budget(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1, hold_max_fraction=1.0)
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)  # hold_max_fraction 1.0
     turn(sched, "r0")  # 3 blocks against a budget of 1
     assert drain(sched) == set() and sched.holds.is_held("r0")
     turn(sched, "r1")
@@ -101,8 +101,9 @@ def finish(
 def test_a_turn_alone_over_the_budget_is_not_held_and_its_params_say_so(
     make_scheduler: MakeScheduler,
 ) -> None:
-    # 40 blocks, a tenth for holds (4 blocks): a 3-block turn is held, a 5-block one is not.
-    sched = make_scheduler(num_blocks=40, hold_budget_fraction=0.1)
+    # 40 blocks, a tenth for holds (4 blocks) and for one hold: a 3-block turn is held, a
+    # 5-block one is not.
+    sched = make_scheduler(num_blocks=40, hold_budget_fraction=0.1, hold_max_fraction=0.1)
     assert finish(sched, "small", 12)[0]
     delay, params = finish(sched, "large", 20)
     assert not delay, "the engine must free the blocks now (they stay in its prefix cache)"
@@ -129,7 +130,7 @@ def test_hold_max_fraction_sets_the_largest_hold_apart_from_the_budget(
 
 def test_a_p_legs_hold_is_never_declined_by_the_max(make_scheduler: MakeScheduler) -> None:
     # P's hold is this turn's P -> D transfer, whatever its size.
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1, hold_max_fraction=0.1)
     hold_params(sched, "p0", n_tokens=30)
     assert sched.holds.is_held("p0") and sched.stats()["holds_over_budget"] == 0
 

@@ -2,9 +2,9 @@
 holds for next turns frees the oldest unclaimed ones past it (`freed_by_budget`) as new holds
 come, keeps the newest, and never lets the held blocks grow past the budget. A freed hold's
 blocks stay in vLLM's prefix cache, so the conversation's next turn still finds its history
-there (vLLM's own `local_cache_hit` counter says so). A turn alone over the budget is not held
-at all (`hold_max_fraction` defaults to the budget's share): D says so in its params, pins
-nothing, and the next turn still finds the history in vLLM's prefix cache.
+there (vLLM's own `local_cache_hit` counter says so). With `hold_max_fraction` at the budget's
+share a turn alone over the budget is not held at all: D says so in its params, pins nothing,
+and the next turn still finds the history in vLLM's prefix cache.
 
 One vLLM D with kvrelay's connector (no P, no proxy): requests ask it to hold their blocks
 directly, as the proxy's decode leg does.
@@ -35,7 +35,9 @@ LOCAL_HIT = (
 @pytest.fixture(scope="module")
 def budget_d(tiny_model: Path) -> Iterator[vllm_servers.VLLMServer]:
     side = free_port()
-    config = vllm_servers.kvrelay_transfer_config(side, hold_budget_fraction=BUDGET_FRACTION)
+    config = vllm_servers.kvrelay_transfer_config(
+        side, hold_budget_fraction=BUDGET_FRACTION, hold_max_fraction=BUDGET_FRACTION
+    )
     d = vllm_servers.VLLMServer(
         "budget-D", tiny_model, 1, config, side_channel_port=side,
         extra_args=["--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS)],
