@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import threading
 import time
 from typing import Any
 
@@ -135,9 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         name="demo-",
         ready_timeout=120,
     )
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    # A plain flag, not a threading.Event: a handler runs between the main thread's bytecodes,
+    # possibly while that thread holds the Event's lock inside `wait`, and `set` would then
+    # wait for that lock forever (the demo hung on a signal so). Assigning takes no lock.
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:
         print("starting prefill engine, decode engine and proxy on 127.0.0.1 ...", flush=True)
         fleet.start()
@@ -155,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.no_serve:
             return 0
         print(usage_text(proxy_url), flush=True)
-        while not stop.is_set() and fleet.alive:
-            stop.wait(0.5)
+        while not stopping and fleet.alive:
+            time.sleep(0.5)  # a signal ends the sleep early; its handler has run by then
         return 0
     except (RuntimeError, TimeoutError, httpx.HTTPError) as exc:
         print(f"demo failed: {exc}", file=sys.stderr)
