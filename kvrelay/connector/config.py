@@ -67,7 +67,7 @@ class ConnectorConfig(BaseModel):
     # (`hold_declined`). 1.0: the newest hold is always kept, even alone over the budget. At
     # the budget's share the budget is a hard bound: measured on the same trace
     # (bench/RESULTS.md, "Holds no larger than the budget (tried, not the default)") that
-    # halved D's pinned share and lost reuse (0.81-0.88 of the LRU bound against 0.94-0.96)
+    # halved D's pinned share and lost reuse (0.82-0.88 of the LRU bound against 0.94-0.96)
     # and goodput, as the histories it did not pin were evicted or computed on a P.
     hold_max_fraction: float = Field(default=1.0, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)

@@ -450,9 +450,9 @@ class ConnectorScheduler:
         nblocks = min(math.ceil(num_tokens / bs), len(group))
         if nblocks == 0 or len(block_ids) != 1:
             return False, None
-        num_tokens = min(num_tokens, nblocks * bs)
         if self._hold_max is not None and nblocks > self._hold_max and not params.do_remote_decode:
             return False, self._declined(req, report)
+        num_tokens = min(num_tokens, nblocks * bs)
         held = [list(group[:nblocks])]
         now_wall, now_mono = time.time(), time.monotonic()
         entry = HoldEntry(
@@ -488,24 +488,25 @@ class ConnectorScheduler:
             # Frees go out with the next step's metadata, as a reclaim's or an expiry's do.
             self.holds.trim(self._hold_budget, keep=rid)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]
-        if self.config.publish_finished_params and req.client_request_id:
-            self.holds.publish_finished(req.client_request_id, out)
-            if self._server is not None:
-                self._server.notify_finished(req.client_request_id)
+        self._publish_finished(req, out)
         return True, out
 
     def _declined(self, req: RequestView, report: ReuseReport) -> dict[str, Any]:
-        """A next-turn hold larger than `hold_max_fraction` of the pool: not kept (it would push
-        every other hold out and still pin more than the budget allows). Its blocks go back to
-        the prefix cache, where the proxy's routing can still find them; the params say so
+        """A next-turn hold larger than `hold_max_fraction` of the pool: not kept (one hold
+        that size would pin past the share the operator allows one). Its blocks go back to the
+        prefix cache, where the proxy's routing can still find them; the params say so
         (published as a hold's are, for a stream's lookup)."""
         self.counters.inc("holds_over_budget")
         out = {HOLD_DECLINED: True, **report.to_params()}
+        self._publish_finished(req, out)
+        return out
+
+    def _publish_finished(self, req: RequestView, out: dict[str, Any]) -> None:
+        """D's final params, for the proxy's side-channel lookup (a stream carries none)."""
         if self.config.publish_finished_params and req.client_request_id:
             self.holds.publish_finished(req.client_request_id, out)
             if self._server is not None:
                 self._server.notify_finished(req.client_request_id)
-        return out
 
     def request_rejected(self, req: RequestView) -> None:
         """Refused before admission: the holder it would have read from is released now."""
