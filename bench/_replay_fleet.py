@@ -194,21 +194,21 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
     n_p = hw.prefill_engines
     d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
     p_args = [engine_args(hw, hw.unscaled_lease_s) for _ in range(n_p)]
+    d_args = [engine_args(hw, d_lease) for _ in range(hw.engines - n_p)]
     if system.kv_events:
-        for args in p_args:
+        for args in (*p_args, *d_args):
             config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
             args += ["--kv-events-config", json.dumps(config)]
-            # kvrelay's P deployment with events: pins go ahead of the queue (prefix_pull).
+            # kvrelay's deployment with events: pins go ahead of the queue (prefix_pull), on a
+            # P or on a D whose cache a P pulls a history from.
             args += ["--scheduling-policy", "priority"]
-    return [("prefill", args) for args in p_args] + [("decode", engine_args(hw, d_lease))] * (
-        hw.engines - n_p
-    )
+    return [("prefill", args) for args in p_args] + [("decode", args) for args in d_args]
 
 
-def events_endpoints(prefill: Sequence[c.Engine], wanted: Sequence[list[str]]) -> str:
-    """`kv_events_endpoints` for P engines started with `wanted` flags, in the same order."""
+def events_endpoints(engines: Sequence[c.Engine], wanted: Sequence[list[str]]) -> str:
+    """`kv_events_endpoints` for engines started with `wanted` flags, in the same order."""
     pairs = []
-    for engine, args in zip(prefill, wanted, strict=True):
+    for engine, args in zip(engines, wanted, strict=True):
         config = json.loads(args[args.index("--kv-events-config") + 1])
         port = config["endpoint"].rsplit(":", 1)[1]
         pairs.append(f"{engine.url}=tcp://127.0.0.1:{port}")
@@ -310,8 +310,10 @@ def fleet(
         if system.front == "kvrelay":
             env = proxy_env(system, settings)
             if system.kv_events:
-                p_args = [args for role, args in wanted if role == "prefill"]
-                env["KVRELAY_KV_EVENTS_ENDPOINTS"] = events_endpoints(by_role["prefill"], p_args)
+                followed = [*by_role["prefill"], *by_role["decode"]]
+                args_of = [args for role, args in wanted if role == "prefill"]
+                args_of += [args for role, args in wanted if role == "decode"]
+                env["KVRELAY_KV_EVENTS_ENDPOINTS"] = events_endpoints(followed, args_of)
             front = c.start_kvrelay(
                 f"kvrelay-{tag}", by_role["prefill"], by_role["decode"], env=env
             )

@@ -160,16 +160,17 @@ class ProxyServer(ManagedServer):
     def metrics(self) -> dict[str, float]:
         return parse_samples(self.metrics_text())
 
-    def events_cached(self, body: dict[str, Any]) -> dict[str, int]:
-        """Per P URL, the tokens of `body`'s prompt that P's own KV events say it caches
-        (`POST /admin/prefix-cache`, with the admin key the proxy was given)."""
+    def events_cached(self, body: dict[str, Any], role: str = "prefill") -> dict[str, int]:
+        """Per engine URL of the `role` pool, the tokens of `body`'s prompt that its own KV
+        events say it caches (`POST /admin/prefix-cache`, with the admin key the proxy was
+        given)."""
         key = self.settings.get("admin_key", "")
         status, answer, _ = self.call(
             "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {key}"}
         )
         if status != 200:
             raise RuntimeError(f"/admin/prefix-cache answered {status}: {answer}")
-        return {p["url"]: int(p["events_tokens"]) for p in answer["prefill"]}
+        return {e["url"]: int(e["events_tokens"]) for e in answer[role]}
 
     def metrics_text(self) -> str:
         """`/metrics`, sending the metrics key when the proxy was given one."""

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bench import _common as c
 from bench import _replay_fleet as rf
 from bench import _trace as tr
 from bench import trace_compare as tc
@@ -106,6 +107,25 @@ def test_a_hold_budget_trial_reaches_every_engine_and_none_otherwise() -> None:
     budgeted = rf.roles(kv, hardware(hold_budget=0.3), time_scale=10)
     assert all(a[a.index(flag) + 1] == "0.3" for _, a in budgeted)
     assert not any(flag in a for _, a in rf.roles(kv, hardware(), time_scale=10))
+
+
+def test_kv_events_systems_publish_from_every_engine_each_on_its_own_port() -> None:
+    """P and D publish (a P pulls a history from a D's cache), each on its own endpoint, each
+    admitting pins ahead of its queue; the proxy is told every engine's endpoint."""
+    got = rf.roles(rf.system_by_label("kvrelay kv events"), hardware(prefill_engines=2), 10)
+    flag = "--kv-events-config"
+    assert [r for r, _ in got] == ["prefill", "prefill", "decode", "decode"]
+    assert all(flag in a and "priority" in a for _, a in got)
+    assert len({a[a.index(flag) + 1] for _, a in got}) == 4
+    engines = [
+        c.Engine(f"http://127.0.0.1:{9000 + i}", f"e{i}", 0, None)  # type: ignore[arg-type]
+        for i in range(4)
+    ]
+    pairs = rf.events_endpoints(engines, [a for _, a in got]).split(",")
+    assert [p.split("=")[0] for p in pairs] == [e.url for e in engines]
+    assert not any(
+        flag in a for _, a in rf.roles(rf.system_by_label("kvrelay default"), hardware(), 10)
+    )
 
 
 def test_lru_capacity_is_the_pool_the_engines_really_get() -> None:

@@ -9,6 +9,7 @@ import json
 import random
 import time
 import tracemalloc
+from collections.abc import Callable
 
 import pytest
 
@@ -25,6 +26,7 @@ from kvrelay.proxy.fleet import (
 )
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
+D0 = "http://d0:8000"
 BS = 4
 
 
@@ -270,7 +272,7 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     pool = Pool("prefill", 3, 2)
     pool.add(P0)
     index = BlockIndex(1000)
-    feed = KVEventsFeed(pool, index, lambda url: f"tcp://127.0.0.1:{port}", 0.05)
+    feed = KVEventsFeed((pool,), index, lambda url: f"tcp://127.0.0.1:{port}", 0.05)
     prompt = _tokens(12)
     keys = [("s", i) for i in range(3)]
     blocks = [
@@ -315,3 +317,50 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     finally:
         await feed.stop()
         publisher.close()
+
+
+async def test_the_feed_follows_the_d_pool_too() -> None:
+    """A D's events reach the index beside a P's (a D's cache keeps the prompts it decoded, for
+    a P to pull): each engine on its own publisher, each learnt under its own URL, and a D
+    leaving its pool forgotten while the P stays."""
+    ports = {P0: free_port(), D0: free_port()}
+    publishers = {url: KVEventPublisher(f"tcp://*:{port}", "", BS) for url, port in ports.items()}
+    prefill, decode = Pool("prefill", 3, 2), Pool("decode", 3, 2)
+    prefill.add(P0)
+    decode.add(D0)
+    index = BlockIndex(1000)
+    feed = KVEventsFeed((prefill, decode), index, lambda url: f"tcp://127.0.0.1:{ports[url]}", 0.05)
+    prompt = _tokens(8)
+    keys = [("s", i) for i in range(2)]
+    blocks = [
+        StoredBlock(keys[i], keys[i - 1] if i else None, prompt[i * BS : (i + 1) * BS], None)
+        for i in range(2)
+    ]
+
+    async def until(check: Callable[[], bool], what: str) -> None:
+        for _ in range(200):
+            if check():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    def arrived(url: str, sent: list[StoredBlock], n: int) -> Callable[[], bool]:
+        def check() -> bool:
+            publishers[url].publish(sent)  # resent until the subscriber has joined
+            return index.blocks_of(url) == n
+
+        return check
+
+    feed.start()
+    try:
+        await until(arrived(P0, blocks[:1], 1), "P's block")
+        await until(arrived(D0, blocks, 2), "D's blocks")
+        assert index.cached_tokens(prompt, None) == {P0: 4, D0: 8}
+        assert sorted(feed.subscribed()) == sorted([P0, D0])
+        decode.remove(D0)
+        await until(lambda: index.blocks_of(D0) == 0, "the D forgotten")
+        assert index.cached_tokens(prompt, None) == {P0: 4}
+    finally:
+        await feed.stop()
+        for publisher in publishers.values():
+            publisher.close()

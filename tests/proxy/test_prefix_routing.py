@@ -261,6 +261,57 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
         assert pick() == (p0.url, work, None, 0)
 
 
+def test_a_p_pulls_a_history_a_ds_events_show_cached_when_no_hold_names_it() -> None:
+    """A conversation's history in a D's prefix cache (decoded there, its hold declined or
+    ended: no entry, no held history) is pinned on that D for the chosen P to pull, even with
+    one P; a P whose own events show as much is preferred as the source; with a held history
+    the holder is pulled from instead, and with `prefix_pull` off nothing is."""
+    shared = list(range(3000, 3320))  # 320 tokens: 20 blocks of 16
+    prompt_tokens = shared + [11] * 80
+    for ps in (1, 2):
+        router, prefill = _events_router(prefix_pull_min_tokens=64)
+        p0 = prefill.add("http://p0")
+        if ps == 2:
+            prefill.add("http://p1")
+        d0 = router.decode.add("http://d0")
+        assert router.blocks is not None
+        router.blocks.stored(d0.url, list(range(20)), None, shared, 16, SALTED)
+        prompt = _tokens_prompt(prompt_tokens, _chat(f"history {ps}".ljust(290, "x")))
+        work = prompt.total + 1
+        assert router.routes_by_prefix and router.wants_tokens  # one P too: a D may be pulled
+        chosen = router.pick_prefill(None, set(), work, prompt=prompt)
+        assert chosen.source is not None, ps
+        assert chosen.source.backend is d0 and chosen.source.holder == "decode"
+        assert chosen.source.tokens == 320
+        source_chars = round(320 * prompt.total / 400)
+        # The rest computed, the prefix at PULL_COST; an idle D's pin waits for nothing.
+        assert chosen.work == round(work - source_chars + PULL_COST * source_chars)
+        assert chosen.backend is not None and chosen.backend.url.startswith("http://p")
+    # A P caching as much is the source, not the D.
+    router, prefill = _events_router(prefix_pull_min_tokens=64, prefill_step_tokens=32)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    d0 = router.decode.add("http://d0")
+    assert router.blocks is not None
+    router.blocks.stored(d0.url, list(range(20)), None, shared, 16, SALTED)
+    router.blocks.stored(p1.url, list(range(100, 120)), None, shared, 16, SALTED)
+    p1.outstanding_work = 10_000
+    prompt = _tokens_prompt(prompt_tokens, _chat("both".ljust(290, "x")))
+    chosen = router.pick_prefill(None, set(), prompt.total + 1, prompt=prompt)
+    assert chosen.backend is p0 and chosen.source is not None
+    assert chosen.source.backend is p1 and chosen.source.holder == "prefill"
+    # A held history, or prefix_pull off: no pin on D.
+    for settings, held in (({}, 500), ({"prefix_pull": False}, 0)):
+        router, prefill = _events_router(prefix_pull_min_tokens=64, **settings)
+        prefill.add("http://p0")
+        prefill.add("http://p1")
+        d0 = router.decode.add("http://d0")
+        assert router.blocks is not None
+        router.blocks.stored(d0.url, list(range(20)), None, shared, 16, SALTED)
+        prompt = _tokens_prompt(prompt_tokens, _chat("held".ljust(290, "x")))
+        chosen = router.pick_prefill(None, set(), prompt.total + 1, prompt=prompt, held_chars=held)
+        assert chosen.source is None, settings
+
+
 def test_a_turns_routing_reads_the_events_index_once_for_its_prompt() -> None:
     """The spill, its pull source and P's pick look one turn's prompt up: the first lookup's
     snapshot serves them all; the next turn's prompt (another object) sees the index as it is."""

@@ -7,9 +7,12 @@ from 0, and a msgpack `KVEventBatch` (`[ts, [event, ...], data_parallel_rank]`, 
 map tagged `type`: `BlockStored`, `BlockRemoved` or `AllBlocksCleared`; `vllm/distributed/
 kv_events.py`). enginesim publishes the same messages from its in-pool cache.
 
-The feed subscribes to every engine of the P pool (an engine's endpoint is `kv_events_endpoints`
-[its URL], else its host at `kv_events_port`), follows the pool as discovery changes it, and
-applies each batch to the index. ZMQ reconnects by itself; what an engine published while this
+The feed subscribes to every engine of the P and D pools (an engine's endpoint is
+`kv_events_endpoints` [its URL], else its host at `kv_events_port`), follows the pools as
+discovery changes them, and applies each batch to the index. A P's events say which prefixes it
+can serve a turn from; a D's say which prompts it decoded are still in its cache (a
+conversation's history among them, held or not), for a P to pull (`Router._pull_source`) or a
+spill to be sent to. ZMQ reconnects by itself; what an engine published while this
 worker was not connected is missed, so:
 - a sequence number that skips ahead (a gap) or goes back (the engine restarted) clears what
   the index has of that engine, and it is learnt again from the events after;
@@ -29,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
@@ -129,17 +132,17 @@ class EngineEvents:
 
 
 class KVEventsFeed:
-    """Subscribes to the KV events of every engine of `pool` (module docstring), until
-    stopped; every `interval` seconds it follows the pool's membership and health."""
+    """Subscribes to the KV events of every engine of `pools` (module docstring), until
+    stopped; every `interval` seconds it follows the pools' membership and health."""
 
     def __init__(
         self,
-        pool: Pool,
+        pools: Sequence[Pool],
         index: BlockIndex,
         endpoint_of: Callable[[str], str | None],
         interval: float,
     ) -> None:
-        self._pool = pool
+        self._pools = tuple(pools)
         self._index = index
         self._endpoint_of = endpoint_of
         self._interval = max(0.05, interval)
@@ -171,11 +174,11 @@ class KVEventsFeed:
             try:
                 self.follow_pool()
             except Exception:  # one bad round must not end the feed
-                log.exception("following the P pool's KV events failed")
+                log.exception("following the pools' KV events failed")
 
     def follow_pool(self) -> None:
         """Subscribe to engines that joined, drop those that left, forget the unhealthy."""
-        backends = self._pool.backends
+        backends = {url: b for pool in self._pools for url, b in pool.backends.items()}
         for url in [u for u in self._subscribed if u not in backends]:
             self._subscribed.pop(url).cancel()
             self._streams.pop(url).forget()

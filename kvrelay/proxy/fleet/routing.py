@@ -168,11 +168,14 @@ def with_pull(
 
 
 class PrefixSource(NamedTuple):
-    """Another P whose cache holds a prefix of the turn's prompt, which the chosen P pulls from
-    it (`prefix_pull`): that P, and the prefix's tokens (whole blocks, as its events said)."""
+    """Another engine whose cache holds a prefix of the turn's prompt, which the chosen P (or a
+    spill's D) pulls from it (`prefix_pull`): that engine, the prefix's tokens (whole blocks,
+    as its events said) and its pool's role ("prefill", or "decode": a D's cache keeps the
+    prompts it decoded, a conversation's history among them)."""
 
     backend: Backend
     tokens: int
+    holder: str = "prefill"
 
 
 class PrefillPick(NamedTuple):
@@ -270,8 +273,13 @@ class Router:
     @property
     def routes_by_prefix(self) -> bool:
         """P is chosen by the prefixes the Ps cache (`prefix_routing`, and more than one P to
-        choose from: with one, the index would cost every turn and decide nothing)."""
-        return self.prefixes is not None and len(self.prefill.backends) > 1
+        choose from: with one, the index would cost every turn and decide nothing, unless the
+        engines' events may name a D's cache for that P to pull from: `prefix_pull`)."""
+        if self.prefixes is None:
+            return False
+        if len(self.prefill.backends) > 1:
+            return True
+        return self.blocks is not None and self.settings.prefix_pull
 
     @property
     def wants_tokens(self) -> bool:
@@ -328,20 +336,27 @@ class Router:
         return self._slow_pins.get(url, 0.0) <= time.monotonic()
 
     def _pull_source(
-        self, reported: Mapping[str, int], candidates: list[Backend]
+        self, reported: Mapping[str, int], candidates: list[Backend], ds: bool = False
     ) -> PrefixSource | None:
-        """The P whose events show the longest prefix of the prompt, at least
+        """The engine whose events show the longest prefix of the prompt, at least
         `prefix_pull_min_tokens`, when it can pin it now: usable, its pins on time, its KV
-        cache not full (a long queue is no bar: the pin goes ahead of it)."""
+        cache not full (a long queue is no bar: the pin goes ahead of it). Among
+        `candidates` (Ps) and, with `ds`, the usable Ds publishing events; a P first where
+        they show as much (a pin there does not take a decode step)."""
         s = self.settings
         best: PrefixSource | None = None
-        for b in candidates:
-            tokens = reported.get(b.url, 0)
-            if tokens < s.prefix_pull_min_tokens or (best is not None and tokens <= best.tokens):
-                continue
-            if not self.serves_pulls(b.url) or self._kv_full(b):
-                continue
-            best = PrefixSource(b, tokens)
+        holder = "prefill"
+        for pool in (candidates, self.decode.usable() if ds else ()):
+            for b in pool:
+                tokens = reported.get(b.url, 0)
+                if tokens < s.prefix_pull_min_tokens or (
+                    best is not None and tokens <= best.tokens
+                ):
+                    continue
+                if not self.serves_pulls(b.url) or self._kv_full(b):
+                    continue
+                best = PrefixSource(b, tokens, holder)
+            holder = "decode"
         return best
 
     def pick_prefill(
@@ -401,8 +416,10 @@ class Router:
         reported = self.reported_tokens(prompt)
         cached = self.cached_chars(prompt, reported)
         source = None
-        if self.settings.prefix_pull and reported and not held_chars and len(candidates) > 1:
-            source = self._pull_source(reported, candidates)
+        if self.settings.prefix_pull and reported and not held_chars:
+            # A D's cache too: the prompts it decoded, a history whose hold was declined or
+            # ended among them (one P: a D is the only other place to pull from).
+            source = self._pull_source(reported, candidates if len(candidates) > 1 else [], True)
         source_chars = pin_wait = 0
         if source is not None:
             per_token = prompt.total / len(prompt.tokens or (1,))

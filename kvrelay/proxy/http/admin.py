@@ -128,11 +128,11 @@ async def remove_backend(request: web.Request) -> web.StreamResponse:
 
 async def prefix_cache(request: web.Request) -> web.StreamResponse:
     """Where the prompt of a chat or completions request body is cached, as this worker's
-    prefix routing sees it: per P, the prefix the routing-fed index expects (characters) and,
-    with KV events, the prefix the engine's own events reported (tokens). An operator's answer
-    to "why did this request go there". `?tenant=` names whose request it is (a tenant id,
-    `kvrelay tenant-id`; default the keyless "anonymous"): its cache scope applies as to the
-    tenant's own requests."""
+    prefix routing sees it: per P and per D, the prefix the routing-fed index expects
+    (characters) and, with KV events, the prefix the engine's own events reported (tokens).
+    An operator's answer to "why did this request go there". `?tenant=` names whose request
+    it is (a tenant id, `kvrelay tenant-id`; default the keyless "anonymous"): its cache scope
+    applies as to the tenant's own requests."""
     require_admin(request)
     crew = request.config_dict[TURN_CREW]
     router = crew.router
@@ -163,19 +163,24 @@ async def prefix_cache(request: web.Request) -> web.StreamResponse:
         if router.blocks is not None and prompt.tokens
         else {}
     )
+
+    def engines(pool: Pool) -> list[dict[str, Any]]:
+        return [
+            {
+                "name": b.name,
+                "url": b.url,
+                "expected_chars": expected.get(b.url, 0),
+                "events_tokens": reported.get(b.url, 0) if router.blocks is not None else None,
+            }
+            for b in pool.backends.values()
+        ]
+
     return json_response(
         {
             "prompt_chars": prompt.total,
             "prompt_tokens": len(prompt.tokens) if prompt.tokens else None,
-            "prefill": [
-                {
-                    "name": b.name,
-                    "url": b.url,
-                    "expected_chars": expected.get(b.url, 0),
-                    "events_tokens": reported.get(b.url, 0) if router.blocks is not None else None,
-                }
-                for b in crew.prefill.backends.values()
-            ],
+            "prefill": engines(crew.prefill),
+            "decode": engines(crew.decode),
         }
     )
 

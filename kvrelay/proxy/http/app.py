@@ -407,7 +407,7 @@ async def _start_state(
     blocks = fleet.router.blocks
     if blocks is not None:  # prefix routing from the engines' own KV events
         feed = KVEventsFeed(
-            prefill,
+            (prefill, decode),
             blocks,
             functools.partial(
                 events_endpoint,

@@ -282,7 +282,7 @@ PREFIX_CACHED_CHARS = Counter(
 PREFIX_PULLS = Labelled(
     Counter(
         "kvrelay_prefix_pulls_total",
-        "Prefix pulls from the P caching a prompt's prefix (prefix_pull), by the leg that "
+        "Prefix pulls from the engine caching a prompt's prefix (prefix_pull), by the leg that "
         "pulls (prefill: the turn's P; decode: a spilled turn's D) and what came of them: "
         "pinned (the holder kept the prefix for the pull), pulled (the engine reported "
         "loading it), not_pulled (the engine loaded none of it: its own cache held it, or "
@@ -293,8 +293,17 @@ PREFIX_PULLS = Labelled(
 )
 PREFIX_PULLED_TOKENS = Counter(
     "kvrelay_prefix_pulled_tokens_total",
-    "Prompt tokens the turns' Ps (and spilled turns' Ds) reported loading from a P's pinned "
+    "Prompt tokens the turns' Ps (and spilled turns' Ds) reported loading from a pinned "
     "prefix (their connectors' own counts).",
+)
+PREFIX_PINS = Labelled(
+    Counter(
+        "kvrelay_prefix_pins_total",
+        "Prefixes pinned for a pull (kvrelay_prefix_pulls_total's pinned), by the pool of the "
+        "engine whose cache held them: prefill, or decode (a D's cache keeps the prompts it "
+        "decoded: a history whose hold was declined or ended).",
+        ["holder"],
+    )
 )
 PROMPT_TOKENIZE = Labelled(
     Counter(

@@ -1,4 +1,4 @@
-"""A pin: the P whose cache holds a turn's prompt prefix keeps it for another P to pull.
+"""A pin: the engine whose cache holds a turn's prompt prefix keeps it for another to pull.
 
 vLLM's connector API lets a connector hold the blocks of a request that finished, and nothing
 else: blocks merely cached (a prefix some earlier request computed) are not a connector's to
@@ -20,6 +20,7 @@ turn goes on without it (its P computes the prefix) and the holder serves no pul
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -94,7 +95,9 @@ class PrefixPin:
             *ctx.forwarded,
         )
         url = source.backend.url
-        task = asyncio.ensure_future(self._ask(url, jsoncodec.dumps(body), headers))
+        holder = source.holder
+        task = asyncio.ensure_future(self._ask(url, holder, jsoncodec.dumps(body), headers))
+        release_late = functools.partial(self._release_late, holder)
         try:
             # shield: a pin that answers after the wait must still be released (below).
             params = await asyncio.wait_for(asyncio.shield(task), self._timeout_s)
@@ -102,20 +105,21 @@ class PrefixPin:
             metrics.PREFIX_PULLS.labels(self._leg, "pin_timeout").inc()
             log.info("pin on %s took over %.3fs: its prefix is computed", url, self._timeout_s)
             self._router.pin_too_slow(url)
-            task.add_done_callback(self._release_late)
+            task.add_done_callback(release_late)
             return None
         except BaseException:
             # The turn ended while waiting (its client left): nobody will read the hold.
-            task.add_done_callback(self._release_late)
+            task.add_done_callback(release_late)
             raise
         if params is None:
             metrics.PREFIX_PULLS.labels(self._leg, "pin_failed").inc()
             return None
         metrics.PREFIX_PULLS.labels(self._leg, "pinned").inc()
+        metrics.PREFIX_PINS.labels(holder).inc()
         return params
 
     async def _ask(
-        self, url: str, payload: bytes, headers: tuple[tuple[str, str], ...]
+        self, url: str, holder: str, payload: bytes, headers: tuple[tuple[str, str], ...]
     ) -> KVTransferParams | None:
         try:
             resp = await self._engines.post(url, PIN_PATH, payload, headers)
@@ -133,11 +137,11 @@ class PrefixPin:
         params = answer[0] if answer is not None else None
         if params is None or not params.has_remote_blocks:
             if params is not None:
-                self._releaser.release_soon_params("prefill", params)
+                self._releaser.release_soon_params(holder, params)
             return None
         return params
 
-    def _release_late(self, task: asyncio.Future[KVTransferParams | None]) -> None:
+    def _release_late(self, holder: str, task: asyncio.Future[KVTransferParams | None]) -> None:
         if task.cancelled() or task.exception() is not None:
             return
-        self._releaser.release_soon_params("prefill", task.result())
+        self._releaser.release_soon_params(holder, task.result())

@@ -196,7 +196,7 @@ class Turn:
         )
         params = await pinner.pin(source, tokens)
         if params is not None:
-            release = functools.partial(crew.releaser.release_soon_params, "prefill", params)
+            release = functools.partial(crew.releaser.release_soon_params, source.holder, params)
             self.owed.owe(Debt.PINNED_PREFIX, release)
         return params
 
