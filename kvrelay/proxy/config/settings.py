@@ -476,17 +476,18 @@ class Settings(BaseSettings):
         ge=0,
         le=65535,
         description=(
-            "prefix_routing from the engines' own KV cache events: the port each P publishes "
-            "them on (vLLM's --kv-events-config endpoint, e.g. 5557), on the host of its URL; "
-            "0: only the engines in kv_events_endpoints. Events make the index exact (what P "
-            "evicted is known); the prompt is then tokenized by a P's /tokenize for the lookup."
+            "prefix_routing from the engines' own KV cache events: the port each P and D "
+            "publishes them on (vLLM's --kv-events-config endpoint, e.g. 5557), on the host of "
+            "its URL; 0: only the engines in kv_events_endpoints. Events make the index exact "
+            "(what an engine evicted is known); the prompt is then tokenized by a P's /tokenize "
+            "for the lookup. A D's events let a P pull a history from D's cache (prefix_pull)."
         ),
     )
     kv_events_endpoints: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
         description=(
-            "P engine URL -> its KV events endpoint (tcp://host:port), for engines not at "
-            "kv_events_port on their own host."
+            "Engine URL (P or D) -> its KV events endpoint (tcp://host:port), for engines not "
+            "at kv_events_port on their own host."
         ),
     )
     kv_events_max_blocks: int = Field(
@@ -500,10 +501,11 @@ class Settings(BaseSettings):
     prefix_pull: bool = Field(
         default=True,
         description=(
-            "With KV events: when the P whose cache holds a prompt's prefix is not where the "
-            "turn would be done first, another P pulls that prefix from it over NIXL instead "
-            "of computing it. The holder keeps the prefix for the pull through a one-token "
-            "request of its own (a pin); its P engines should run --scheduling-policy "
+            "With KV events: when the engine whose cache holds a prompt's prefix (another P, "
+            "or a D that decoded it: a history no hold names) is not where the turn would be "
+            "done first, the P that would be pulls that prefix from it over NIXL instead of "
+            "computing it. The holder keeps the prefix for the pull through a one-token "
+            "request of its own (a pin); the engines should run --scheduling-policy "
             "priority, so a pin does not wait in the holder's queue."
         ),
     )
