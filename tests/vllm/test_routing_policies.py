@@ -16,6 +16,8 @@
   straight to D, whose own prefix cache serves it.
 - A conversation whose hold is gone, its history last served decode-only on D: with every P
   idle its next turn still goes to D (spilled), whose own prefix cache serves the history.
+- D publishes its KV events too: a conversation whose hold is gone has its history pinned on D
+  for the next turn's P (one that never saw it), which loads it over NIXL by its own counter.
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ class CachedFleet:
     load`: prefix routing on and off), the second P listed first."""
 
     events_endpoints = ""  # both Ps' KV events, as kv_events_endpoints
+    decode_events = ""  # D's KV events endpoint
     side_channels = ""  # every engine's side channel, as side_channels
 
     def __init__(
@@ -98,6 +101,7 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
     # The queue a pin is sent ahead of (the proxy's pins carry prefix_pull_priority).
     second.extra_args += ["--scheduling-policy", "priority"]
     endpoints = {p.url: _publish_events(p) for p in (prefill, second)}
+    decode_events = _publish_events(decode)  # followed only by the proxy of the D-pull test
     factory = ProxyFactory()
     try:
         vllm_servers.start_all(prefill, decode, second)
@@ -131,6 +135,7 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
         fleet = CachedFleet(prefill, decode, second, reference_launch.server(), proxies)
         fleet.events_endpoints = ",".join(f"{u}={e}" for u, e in endpoints.items())
         fleet.side_channels = side_channels
+        fleet.decode_events = f"{decode.url}={decode_events}"
         yield fleet
     finally:
         factory.close()
@@ -472,5 +477,70 @@ def test_an_idle_p_yields_a_turn_whose_history_only_ds_cache_holds(
         hit = _settled(d, CACHE_HITS) - d_hits
         assert hit >= vllm_servers.BLOCK_SIZE * (second // vllm_servers.BLOCK_SIZE - 1), hit
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    finally:
+        factory.close()
+
+
+def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: CachedFleet) -> None:
+    """Turn 1 runs on P (P2 drained); its conversation's entry is then deleted (D's hold
+    released: the blocks stay in D's prefix cache, and D's events still show them). Turn 2 runs
+    on P2 (P drained), whose cache never saw the history, no spill allowed: the proxy pins the
+    history on D (the engine whose events show the longest prefix), P2 loads it over NIXL
+    (vLLM's own counter on P2), D's pin is given back after, and the answer equals plain
+    vLLM's."""
+    fleet = cached_fleet
+    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    system = f"{SYSTEM} The decode engine's cache keeps the history for the next prefill. " * 2
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url, p2.url], [d.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001", prefill_spill_factor="0",
+            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
+            kv_events_endpoints=f"{fleet.events_endpoints},{fleet.decode_events}",
+        )  # fmt: skip
+        conversation = f"dpull-{uuid.uuid4().hex[:8]}"
+
+        def admin(path: str, url: str) -> None:
+            status, out, _ = proxy.call(
+                "POST", path, {"role": "prefill", "url": url},
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+            )  # fmt: skip
+            assert status in (200, 201), out
+
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+        admin("/admin/backends/drain", p2.url)
+        first = _body(list(messages))
+        out = _ask(proxy, first, conversation)
+        reply = out["choices"][0]["message"]["content"]
+        assert reply == _reference(fleet, first)
+        prompt_tokens = int(out["usage"]["prompt_tokens"])
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+        admin("/admin/backends", p2.url)
+        admin("/admin/backends/drain", p.url)
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "Who reads it now?"},
+        ]
+        second = _body(list(messages))
+        wait_until(
+            lambda: proxy.events_cached(second, "decode")[d.url] >= prompt_tokens // 2,
+            10, what="D's events to show the history",
+        )  # fmt: skip
+        assert proxy.events_cached(second)[p2.url] == 0
+        loaded = _settled(p2, TOKENS_LOADED)
+        out = _ask(proxy, second, conversation)
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, second)
+        got = _settled(p2, TOKENS_LOADED) - loaded
+        # Turn 1's prompt in whole blocks, less one (the template may render its last block
+        # differently once the reply follows it), came from D's pin.
+        assert got >= vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
+        m = proxy.metrics()
+        assert m.get('kvrelay_prefix_pins_total{holder="decode"}', 0) == 1
+        assert m.get('kvrelay_prefix_pulls_total{leg="prefill",result="pulled"}', 0) == 1
+        admin("/admin/backends", p.url)
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+        wait_until(lambda: d.metric(HELD_BLOCKS) == 0, 15, what="D to hold nothing")
     finally:
         factory.close()
