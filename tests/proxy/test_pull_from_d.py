@@ -2,7 +2,9 @@
 publishing their KV events: D declines the next-turn hold (`--hold-max-fraction`, a hold alone
 over that share of its pool), so no entry names the history, but D's events show it cached; the
 next turn's P (one whose own cache lacks it) gets it pinned on D and loads it, by its own
-counter, where a proxy that follows only the Ps' events has it computed."""
+counter, where a proxy that follows only the Ps' events has it computed. D cached the system
+prompt before the proxy followed it, so D's events name the history's later blocks only, and
+the index learns the prefix through the prompt the proxy sent D (`Router.sent_to`)."""
 
 from __future__ import annotations
 
@@ -78,13 +80,17 @@ def _admin(proxy: ProxyServer, path: str, role: str, url: str) -> None:
     assert status in (200, 201), answer
 
 
+def _system(tag: str) -> str:
+    return f"You keep a conversation's history where it was decoded ({tag}). " * 8
+
+
 def _two_turns(
     proxy: ProxyServer, engines: tuple[EngineSim, EngineSim, EngineSim], tag: str
 ) -> tuple[float, dict[str, Any]]:
     """Turn 1 on P1 (P0 drained), turn 2 on P0 (P1 drained): P0's cache never saw the history.
     Returns the tokens P0 loaded in turn 2 and turn 2's body."""
     p0, p1, _ = engines
-    system = f"You keep a conversation's history where it was decoded ({tag}). " * 8
+    system = _system(tag)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system},
         {"role": "user", "content": "Where is my history kept?"},
@@ -114,6 +120,16 @@ def test_a_p_pulls_a_declined_holds_history_from_ds_cache(
     for engine in engines:
         engine.wait_idle()
     declined = d.metric("enginesim_connector_holds_over_budget")
+    # D caches the system prompt (under the tenant's cache salt, through a proxy not following
+    # D's events) before the proxy below follows them: D never stores those blocks again, so
+    # the blocks after them are named through the prompt that proxy sends D.
+    warm = [{"role": "system", "content": _system("pulled")}, {"role": "user", "content": "Hi."}]
+    before = _proxy(proxy_factory, engines, ds=False)
+    _admin(before, "/admin/backends/drain", "prefill", p0.url)  # P0's cache stays without it
+    assert reply_of(post(before.url, "/v1/chat/completions", chat_body(warm))) == (
+        reference_chat(warm, 12)
+    )
+    before.stop()
     proxy = _proxy(proxy_factory, engines, ds=True)
     probe = {
         "model": "m",

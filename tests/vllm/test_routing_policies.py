@@ -510,6 +510,7 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
             assert status in (200, 201), out
 
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+        held_before = _settled(d, HELD_BLOCKS)  # the module's earlier conversations' holds
         admin("/admin/backends/drain", p2.url)
         first = _body(list(messages))
         out = _ask(proxy, first, conversation)
@@ -526,8 +527,9 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
         second = _body(list(messages))
         wait_until(
             lambda: proxy.events_cached(second, "decode")[d.url] >= prompt_tokens // 2,
-            10, what="D's events to show the history",
-        )  # fmt: skip
+            10,
+            what="D's events to show the history",
+        )
         assert proxy.events_cached(second)[p2.url] == 0
         loaded = _settled(p2, TOKENS_LOADED)
         out = _ask(proxy, second, conversation)
@@ -541,6 +543,10 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
         assert m.get('kvrelay_prefix_pulls_total{leg="prefill",result="pulled"}', 0) == 1
         admin("/admin/backends", p.url)
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
-        wait_until(lambda: d.metric(HELD_BLOCKS) == 0, 15, what="D to hold nothing")
+        wait_until(
+            lambda: d.metric(HELD_BLOCKS) <= held_before,
+            15,
+            what="D to hold no more than before (the pin given back after P2 read it)",
+        )
     finally:
         factory.close()

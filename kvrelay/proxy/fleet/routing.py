@@ -312,6 +312,13 @@ class Router:
         if self.prefixes is not None:
             self.prefixes.record(url, prompt)
 
+    def sent_to(self, url: str, prompt: PromptPrefixes) -> None:
+        """The turn of `prompt` is sent to the D at `url`: with its token ids known, the blocks
+        D stores after a prefix it cached before this worker followed its events name that
+        prefix through this prompt (`BlockIndex.expect`, as a P's pick does)."""
+        if self.blocks is not None and prompt.tokens:
+            self.blocks.expect(url, prompt.tokens, prompt.salt)
+
     def reported_tokens(self, prompt: PromptPrefixes) -> Mapping[str, int]:
         """For each P whose KV events show a prefix of `prompt` cached, its tokens (as the
         first lookup of this prompt object found them: `_LastLookup`)."""

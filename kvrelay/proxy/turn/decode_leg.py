@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
 from kvrelay.proxy.engines import UpstreamError
-from kvrelay.proxy.fleet import Backend, Busy, Pool, Router
+from kvrelay.proxy.fleet import Backend, Busy, Pool, PromptPrefixes, Router
 from kvrelay.proxy.turn.attempts import Attempts, EngineAnswer, LegFailure, Verdict
 from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.legs import decode_body
@@ -84,13 +84,15 @@ class DecodeLeg:
         first: str | None,
         hold: bool,
         decode_tokens: int | None,
+        prompt: PromptPrefixes | None = None,
     ) -> Served:
         """The first D that answers 2xx, its answer open until the turn leaves `with served:`
         (closed when the block raises: that tells D to stop). `p_params`: the blocks D reads
         from the P at `p_url` (P's prefill, or on a spill a prefix pinned there; None: D
         prefills alone); `first`: the D to try first (the conversation's holder, or a spill's
         D); `hold`: ask D to hold for a next turn; `decode_tokens`: D's own prefill work on a
-        turn that skipped P (counted against D's budget). A plain coroutine and a
+        turn that skipped P (counted against D's budget); `prompt`: the prompt with its token
+        ids when the KV events' index wants them (`Router.sent_to`). A plain coroutine and a
         context-manager `Served` rather than an `asynccontextmanager`: it runs on every turn,
         and the generator machinery costs about eight calls per turn (`bench/instructions.py`).
         """
@@ -104,6 +106,8 @@ class DecodeLeg:
             return router.pick_decode(first, exclude)
 
         for backend in attempts.tries("decode", pick):
+            if prompt is not None:
+                router.sent_to(backend.url, prompt)
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
             d_hold = hold and (not stream or self._side_channel_of(backend) is not None)

@@ -226,7 +226,7 @@ class Turn:
         relayed = Relayed(streamed=ctx.stream)
         with report.leg_scope("decode"):
             served = await leg.serve(
-                ctx, p_params, p_url, plan.decode_first, self.hold, plan.decode_tokens
+                ctx, p_params, p_url, plan.decode_first, self.hold, plan.decode_tokens, self._prompt
             )
             with served:
                 self.decode_url = served.backend.url
