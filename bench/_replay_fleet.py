@@ -53,7 +53,7 @@ from typing import Any
 import aiohttp
 
 from bench import _common as c
-from kvrelay.devtools import ServerProcess, free_port, http_ready
+from kvrelay.devtools import ServerProcess, free_port, http_ready, kv_events_args
 from kvrelay.prometheus_text import parse_samples
 
 # enginesim's KV tensors: one layer, one KV head of 8 values. The cost profile models the
@@ -197,8 +197,7 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
     d_args = [engine_args(hw, d_lease) for _ in range(hw.engines - n_p)]
     if system.kv_events:
         for args in (*p_args, *d_args):
-            config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{free_port()}"}
-            args += ["--kv-events-config", json.dumps(config)]
+            args += kv_events_args(free_port())
             # kvrelay's deployment with events: pins go ahead of the queue (prefix_pull), on a
             # P or on a D whose cache a P pulls a history from.
             args += ["--scheduling-policy", "priority"]

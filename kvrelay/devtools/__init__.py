@@ -39,6 +39,7 @@ from kvrelay.devtools.engines import (
     EngineFactory,
     EngineSim,
     dev_env,
+    kv_events_args,
 )
 from kvrelay.devtools.env import fleet_env
 from kvrelay.devtools.faultproxy import FaultCounters, FaultProxy
@@ -88,6 +89,7 @@ __all__ = [
     "free_port",
     "http_ready",
     "image_lock",
+    "kv_events_args",
     "live_children",
     "nixl_peer",
     "pinned",

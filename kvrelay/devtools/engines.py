@@ -7,6 +7,7 @@ _common.py`, which also starts its zero-work fake engine as one with another `mo
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -34,6 +35,13 @@ DEV_ENGINE_ARGS = (
     "--exit-with-parent",
     "--enable-prompt-tokens-details",
 )
+
+
+def kv_events_args(port: int) -> tuple[str, str]:
+    """The flag that has an engine (vLLM's, so enginesim's too) publish its KV cache events
+    over ZMQ on `port` (every interface: the wildcard endpoint binds)."""
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    return ("--kv-events-config", json.dumps(config))
 
 
 def dev_env() -> dict[str, str]:

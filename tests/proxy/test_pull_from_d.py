@@ -8,7 +8,6 @@ the index learns the prefix through the prompt the proxy sent D (`Router.sent_to
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -20,6 +19,7 @@ from kvrelay.devtools import (
     ProxyFactory,
     ProxyServer,
     free_port,
+    kv_events_args,
     wait_until,
 )
 from kvrelay.enginesim.reference import reference_chat
@@ -36,20 +36,15 @@ LOADED = "enginesim_prompt_tokens_loaded_total"
 PULLS = "kvrelay_prefix_pulls_total"
 
 
-def _events(port: int) -> tuple[str, str]:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    return ("--kv-events-config", json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """Two P and one D, each with a local prefix cache and its KV events on."""
     factory = EngineFactory()
     try:
         p0, p1, d = factory.many(
-            ("P0", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS["P0"])]),
-            ("P1", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS["P1"])]),
-            ("D", ["--role", "decode", *CACHE, *DECLINES, *_events(EVENTS_PORTS["D"])]),
+            ("P0", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS["P0"])]),
+            ("P1", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS["P1"])]),
+            ("D", ["--role", "decode", *CACHE, *DECLINES, *kv_events_args(EVENTS_PORTS["D"])]),
         )
         yield p0, p1, d
     finally:

@@ -7,7 +7,6 @@ D is busy (the follow-up goes through P) or fails a decode-only turn (the old ho
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from kvrelay.devtools import (
     ProxyFactory,
     ProxyServer,
     free_port,
+    kv_events_args,
     wait_until,
 )
 from kvrelay.enginesim.reference import reference_chat
@@ -36,19 +36,14 @@ CACHE = ("--enable-prefix-caching",)
 EVENTS_PORTS = (free_port(), free_port())
 
 
-def _events(port: int) -> tuple[str, str]:
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    return ("--kv-events-config", json.dumps(config))
-
-
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """Two P and one D with local prefix caches, shared by the module (start-up is slow)."""
     factory = EngineFactory()
     try:
         p0, p1, d = factory.many(
-            ("P0", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS[0])]),
-            ("P1", ["--role", "prefill", *CACHE, *_events(EVENTS_PORTS[1])]),
+            ("P0", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS[0])]),
+            ("P1", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS[1])]),
             ("D", ["--role", "decode", *CACHE]),
         )
         yield p0, p1, d

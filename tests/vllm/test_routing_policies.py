@@ -22,7 +22,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 import uuid
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, vllm_servers
+from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, kv_events_args, vllm_servers
 from kvrelay.proxy.tenants import CacheScopes
 from kvrelay.proxy.turn import tenant_of
 from tests.harness import wait_until
@@ -65,8 +64,7 @@ def _publish_events(server: vllm_servers.VLLMServer) -> str:
     """Start `server` publishing its KV cache events (vLLM's flag; the wildcard endpoint binds);
     the endpoint the proxy connects to."""
     port = free_port()
-    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
-    server.extra_args += ["--kv-events-config", json.dumps(config)]
+    server.extra_args += list(kv_events_args(port))
     return f"tcp://127.0.0.1:{port}"
 
 
