@@ -69,6 +69,7 @@ PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
 PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
+PINS = "kvrelay_prefix_pins_total"
 
 
 @dataclass(frozen=True)
@@ -406,6 +407,8 @@ class EngineSampler:
                     )
                     out[f"pulls_{result}"], out[f"pulls_d_{result}"] = p + d, d
                 out["pulled_tokens"] = page.get(PULLED_TOKENS, 0.0)
+                # Pins made on a D (a history or prefix in D's cache, pulled by a P).
+                out["pins_on_d"] = page.get(f'{PINS}{{holder="decode"}}', 0.0)
         return out
 
     async def run(self) -> None:

@@ -664,6 +664,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
                 f"{late:.0f} ({frees.get('pulled_tokens', 0):.0f}); "
                 f"into D {frees.get('pulls_d_pulled', 0):.0f}"
             )
+            if "pins_on_d" in frees:  # runs before D's events were followed have none
+                pulls += f"; from D {frees['pins_on_d']:.0f}"
             lines.append(
                 f"| {label} | {by[scale]['rate']:.2f} | "
                 f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
@@ -679,7 +681,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         "short follow-up on the D holding it. Prefix pulls (kvrelay's "
         "`kvrelay_prefix_pulls_total`): pulled / pinned but not loaded / pin late or failed, "
         "and the tokens the engines reported loading from the pins; into D: pulled by a spilled "
-        'turn\'s D (`leg="decode"`).',
+        'turn\'s D (`leg="decode"`); from D: pinned on a D (`kvrelay_prefix_pins_total'
+        '{holder="decode"}`, a history or prefix in D\'s cache).',
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
         "decode-only / spilled | prefix pulls (tokens) |",

@@ -399,6 +399,10 @@ def test_the_routing_table_shows_the_pulls_and_those_into_d() -> None:
     body = [line for line in lines if line.startswith("| kvrelay |")]
     assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2 |"]
     assert not any(line.startswith("| vllm-router |") for line in lines)
+    # A run that counted the pins made on a D says so.
+    runs["kvrelay"]["1.0"][0]["frees"]["pins_on_d"] = 3
+    body = [line for line in tc._routing_table(rows, runs) if line.startswith("| kvrelay |")]
+    assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2; from D 3 |"]
 
 
 def test_rejudging_a_run_counts_its_requests_against_the_other_slo() -> None:
