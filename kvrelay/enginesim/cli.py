@@ -125,6 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the connector's, 1.0)",
     )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
+    p.add_argument(
+        "--claim-timeout",
+        type=float,
+        help="seconds a hold for this turn's transfer waits for its reader's claim before "
+        "block pressure may reclaim it (default: the connector's)",
+    )
     p.add_argument("--publish-finished-params", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument(
         "--params-in-stream",
@@ -195,6 +201,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         connector = ConnectorConfig(
             engine_id=args.engine_id or f"sim-{args.port}",
             handshake_timeout_s=args.handshake_timeout,
+            **({} if args.claim_timeout is None else {"claim_timeout_s": args.claim_timeout}),
             # An option left unset keeps the connector's own default.
             **{k: v for k, v in _options(args, _CONNECTOR_OPTIONS).items() if v is not None},
         )

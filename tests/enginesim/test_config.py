@@ -28,6 +28,8 @@ def test_cli_flags_and_pool_identity_reach_the_connector() -> None:
     assert (cfg.block_size, cfg.num_layers, cfg.dtype, cfg.tp_size) == (32, 3, "float32", 1)
     assert cfg.kv_layout == "kv_first"
     assert cfg.publish_finished_params is False
+    assert cfg.claim_timeout_s == 30.0  # the connector's own default, left unset
+    assert _config("--side-channel-port", "0", "--claim-timeout", "1.5").claim_timeout_s == 1.5
 
 
 def test_no_side_channel_means_no_connector() -> None:

@@ -309,8 +309,12 @@ def test_handshake_failure_follows_policy(
 
 
 def test_holds_are_reclaimed_under_block_pressure(idle_after: EngineFactory) -> None:
-    # 24 blocks; every prefill leaves a 3-block hold that nobody reads.
-    p = idle_after("P-small", "--num-blocks", "24", "--max-model-len", "256")
+    # 24 blocks; every prefill leaves a 4-block hold that nobody reads. A hold for a transfer
+    # is reclaimed only once its reader is late (the claim timeout: until then it is this
+    # turn's KV on its way to D), so the prefill that finds the pool full waits that long.
+    p = idle_after(
+        "P-small", "--num-blocks", "24", "--max-model-len", "256", "--claim-timeout", "1"
+    )
     held: list[dict[str, Any]] = []
     for i in range(12):
         held.append(prefill(p, f"fill-{i}", {"prompt": f"{i} {PROMPT[:150]}"}))
