@@ -310,10 +310,11 @@ def fleet(
         if system.front == "kvrelay":
             env = proxy_env(system, settings)
             if system.kv_events:
+                # `wanted` lists the Ps, then the Ds, in the order they were started.
                 followed = [*by_role["prefill"], *by_role["decode"]]
-                args_of = [args for role, args in wanted if role == "prefill"]
-                args_of += [args for role, args in wanted if role == "decode"]
-                env["KVRELAY_KV_EVENTS_ENDPOINTS"] = events_endpoints(followed, args_of)
+                env["KVRELAY_KV_EVENTS_ENDPOINTS"] = events_endpoints(
+                    followed, [args for _, args in wanted]
+                )
             front = c.start_kvrelay(
                 f"kvrelay-{tag}", by_role["prefill"], by_role["decode"], env=env
             )

@@ -155,7 +155,7 @@ class KVEventsFeed:
         import zmq.asyncio
 
         self._ctx = zmq.asyncio.Context()
-        self.follow_pool()
+        self.follow_pools()
         self._task = asyncio.get_running_loop().create_task(self._run(), name="kvrelay-kv-events")
 
     async def stop(self) -> None:
@@ -172,11 +172,11 @@ class KVEventsFeed:
         while True:
             await asyncio.sleep(self._interval)
             try:
-                self.follow_pool()
+                self.follow_pools()
             except Exception:  # one bad round must not end the feed
                 log.exception("following the pools' KV events failed")
 
-    def follow_pool(self) -> None:
+    def follow_pools(self) -> None:
         """Subscribe to engines that joined, drop those that left, forget the unhealthy."""
         backends = {url: b for pool in self._pools for url, b in pool.backends.items()}
         for url in [u for u in self._subscribed if u not in backends]:

@@ -313,15 +313,16 @@ class Router:
             self.prefixes.record(url, prompt)
 
     def sent_to(self, url: str, prompt: PromptPrefixes) -> None:
-        """The turn of `prompt` is sent to the D at `url`: with its token ids known, the blocks
-        D stores after a prefix it cached before this worker followed its events name that
-        prefix through this prompt (`BlockIndex.expect`, as a P's pick does)."""
+        """The turn of `prompt` goes to the engine at `url` (the P a pick chose, or the D its
+        decode leg tries): with its token ids known, the blocks that engine stores after a
+        prefix it cached before this worker followed its events name that prefix through this
+        prompt (`BlockIndex.expect`)."""
         if self.blocks is not None and prompt.tokens:
             self.blocks.expect(url, prompt.tokens, prompt.salt)
 
     def reported_tokens(self, prompt: PromptPrefixes) -> Mapping[str, int]:
-        """For each P whose KV events show a prefix of `prompt` cached, its tokens (as the
-        first lookup of this prompt object found them: `_LastLookup`)."""
+        """For each engine (P or D) whose KV events show a prefix of `prompt` cached, its tokens
+        (as the first lookup of this prompt object found them: `_LastLookup`)."""
         tokens = prompt.tokens
         if self.blocks is None or not tokens:
             return {}
@@ -352,9 +353,9 @@ class Router:
         they show as much (a pin there does not take a decode step)."""
         s = self.settings
         best: PrefixSource | None = None
-        holder = "prefill"
-        for pool in (candidates, self.decode.usable() if ds else ()):
-            for b in pool:
+        pools = (("prefill", candidates), ("decode", self.decode.usable() if ds else []))
+        for holder, engines in pools:
+            for b in engines:
                 tokens = reported.get(b.url, 0)
                 if tokens < s.prefix_pull_min_tokens or (
                     best is not None and tokens <= best.tokens
@@ -363,7 +364,6 @@ class Router:
                 if not self.serves_pulls(b.url) or self._kv_full(b):
                     continue
                 best = PrefixSource(b, tokens, holder)
-            holder = "decode"
         return best
 
     def pick_prefill(
@@ -454,10 +454,7 @@ class Router:
             return (self.busy(b), self._queued_work(b, work) + least, self._queued(b), b.inflight)
 
         best = min(candidates, key=cost)
-        if self.blocks is not None and prompt.tokens:
-            # Its blocks stored after a prefix `best` cached before this worker followed it
-            # name that prefix through this prompt (`BlockIndex.expect`).
-            self.blocks.expect(best.url, prompt.tokens, prompt.salt)
+        self.sent_to(best.url, prompt)
         pull = pulling(best)
         if pull is not None and pull < computed(best):
             assert source is not None
