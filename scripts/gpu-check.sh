@@ -9,14 +9,15 @@
 #                                     stripped, the connector's pure-Python needs at this venv's
 #                                     versions); GPU_PYTHON picks the Python version (3.12)
 #   scripts/gpu-check.sh run [DIR]    on the GPU machine, from the repository root: install DIR's
-#                                     wheels (if given) beside the machine's own torch, run the
-#                                     `gpu` tests, `bench.transfer --device cuda` (writes
-#                                     `## transfer (GPU)` in bench/RESULTS.md), then
+#                                     wheels (if given) beside the machine's own torch, run
 #                                     `bench.transfer_descs --device cuda` for an 8B- and a
 #                                     70B-TP4-shaped pull (per-layer built and prepared,
 #                                     block-major, staged, against a device copy: `## transfer
-#                                     descriptors (GPU, MODEL)`). With OUT set, the logs, the
-#                                     benches' JSON and RESULTS.md are copied there.
+#                                     descriptors (GPU, MODEL)`), the `gpu` tests, then
+#                                     `bench.transfer --device cuda` (`## transfer (GPU)`;
+#                                     GPU_SWEEP=0 skips it). With OUT set, the logs, the
+#                                     benches' JSON and RESULTS.md are copied there as each
+#                                     step ends.
 #
 # The machine must have torch built for CUDA 13 (nixl-cu13) and a CUDA device; the run stops at
 # once, saying so, where either is missing.
@@ -86,21 +87,36 @@ import nixl._api  # noqa: F401  (the CUDA build nixl picks for this torch)
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {torch.cuda.get_device_name()}")
 PY
   local rc=0
+  keep() {  # what a step left, copied as it ends: a call cut short still returns the earlier ones
+    if [ -n "$out" ]; then
+      cp bench/RESULTS.md "$out/RESULTS.md"
+      cp bench/.work/transfer-gpu.json "$out/" 2>/dev/null || true
+    fi
+  }
+  # First what the transfer issue is judged on: a 12k-token pull (750 blocks of 16 tokens) of
+  # an 8B-shaped cache, per-layer (built, prepared), block-major and staged, against a device
+  # copy, with 0, 2 and 8 UCX worker threads; the same pull from blocks in runs of 8; then the
+  # 70B-TP4 shape.
+  "$py" -m bench.transfer_descs --device cuda --model 8b --blocks 16 128 750 \
+    --threads 0 2 8 --reps "${GPU_REPS:-5}" 2>&1 | tee ${out:+"$out/gpu-descs-8b.log"} || rc=1
+  keep
+  "$py" -m bench.transfer_descs --device cuda --model 8b --blocks 750 --order runs8 \
+    --threads 2 --reps "${GPU_REPS:-5}" --section "transfer descriptors (GPU, 8b, runs of 8)" \
+    2>&1 | tee ${out:+"$out/gpu-descs-8b-runs8.log"} || rc=1
+  keep
+  "$py" -m bench.transfer_descs --device cuda --model 70b-tp4 --blocks 16 128 750 \
+    --threads 0 2 --reps "${GPU_REPS:-5}" 2>&1 | tee ${out:+"$out/gpu-descs-70b-tp4.log"} || rc=1
+  keep
   "$py" -m pytest -q -rs -p no:cacheprovider -m gpu tests/connector/test_transfer_cuda.py \
     2>&1 | tee ${out:+"$out/gpu-tests.log"} || rc=1
-  "$py" -m bench.transfer --device cuda --sizes-kib 16 64 256 1024 4096 \
-    --total-mib "${GPU_TOTAL_MIB:-1024}" \
-    --reps "${GPU_REPS:-5}" --rejections "${GPU_REJECTIONS:-20}" \
-    --json bench/.work/transfer-gpu.json 2>&1 | tee ${out:+"$out/gpu-bench.log"} || rc=1
-  # A 12k-token pull is 750 blocks of 16 tokens; UCX worker threads as the connector's default.
-  local model
-  for model in 8b 70b-tp4; do
-    "$py" -m bench.transfer_descs --device cuda --model "$model" --blocks 16 128 750 \
-      --threads 2 --reps "${GPU_REPS:-5}" 2>&1 | tee ${out:+"$out/gpu-descs-$model.log"} || rc=1
-  done
-  if [ -n "$out" ]; then
-    cp bench/RESULTS.md "$out/RESULTS.md"
-    cp bench/.work/transfer-gpu.json "$out/" 2>/dev/null || true
+  # The block-size sweep of `## transfer (GPU)`; GPU_SWEEP=0 leaves it out where a lent
+  # machine's minutes are short and the section is current.
+  if [ "${GPU_SWEEP:-1}" != 0 ]; then
+    "$py" -m bench.transfer --device cuda --sizes-kib 16 64 256 1024 4096 \
+      --total-mib "${GPU_TOTAL_MIB:-1024}" \
+      --reps "${GPU_REPS:-5}" --rejections "${GPU_REJECTIONS:-20}" \
+      --json bench/.work/transfer-gpu.json 2>&1 | tee ${out:+"$out/gpu-bench.log"} || rc=1
+    keep
   fi
   return $rc
 }
@@ -108,5 +124,5 @@ PY
 case "${1:-}" in
   wheels) fetch_wheels "${2:?usage: scripts/gpu-check.sh wheels DIR}" ;;
   run) run_checks "${2:-}" ;;
-  *) sed -n '2,22p' "$0" >&2; exit 2 ;;
+  *) sed -n '2,23p' "$0" >&2; exit 2 ;;
 esac

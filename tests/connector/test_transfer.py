@@ -122,7 +122,9 @@ def read_scattered_blocks(holder: nixl_peer.Peer, reader: nixl_peer.Peer, coales
     assert not same_tp_equal(holder, scattered[7:], reader, out["blocks"][7:8])
     after = reader.stats()["workers"][0]
     descs = after["descs_posted"] - before["descs_posted"]
-    strips = 2 * 2  # 2 layers x (K, V)
+    # A strip per layer, two (K, V) where the layout keeps K and V in planes of their own.
+    spec = reader.spec
+    strips = spec.num_layers * (2 if spec.layout in ("split", "split_hnd") else 1)
     # Holder runs 3+2+1+1 (7 blocks) map onto one local run: 4 descriptors per strip.
     assert descs == (4 * strips if coalesce else 7 * strips)
     # Coalescing on, the read named blocks in the lists prepared once (NIXL merged the runs);
@@ -402,14 +404,15 @@ def _runs(holder_blocks: list[int], reader_blocks: list[int]) -> int:
     )
 
 
-def test_a_block_major_cache_is_read_one_descriptor_per_run_of_blocks(peers: StartPeer) -> None:
+def read_block_major_pull(peers: StartPeer, spec: Callable[..., nixl_peer.PeerSpec]) -> None:
     """A 12k-token pull of an 8B-shaped cache in vLLM's block-major layout (32 layers, 750
     blocks of 16 tokens; a byte per head so it fits a test): every block holds all 32 layers,
     so the read posts one descriptor per run of blocks adjacent on both sides, where the
-    per-layer layout posts 32 per run; the bytes arrive exact."""
+    per-layer layout posts 32 per run; the bytes arrive exact. `spec(name, **kw)` makes a
+    peer's spec (its device)."""
 
-    def spec(name: str, seed: int, layout: str) -> nixl_peer.PeerSpec:
-        return nixl_peer.PeerSpec(
+    def model(name: str, seed: int, layout: str) -> nixl_peer.PeerSpec:
+        return spec(
             name,
             num_blocks=800,
             num_layers=32,
@@ -420,8 +423,8 @@ def test_a_block_major_cache_is_read_one_descriptor_per_run_of_blocks(peers: Sta
             config={"kv_layout": "8b-shaped"},
         )
 
-    holder = peers(spec("bm-holder", 31, "block_major"))
-    reader = peers(spec("bm-reader", 32, "block_major"))
+    holder = peers(model("bm-holder", 31, "block_major"))
+    reader = peers(model("bm-reader", 32, "block_major"))
     # The holder's blocks in runs of 8 at shuffled places, as a block table scatters them.
     starts = list(range(0, 760, 8))
     random.Random(5).shuffle(starts)
@@ -436,10 +439,14 @@ def test_a_block_major_cache_is_read_one_descriptor_per_run_of_blocks(peers: Sta
     assert after["descs_posted"] - before["descs_posted"] == runs <= 750
     assert same_tp_equal(holder, blocks[:750], reader, out["blocks"][:750])
     # A per-layer (K and V together) reader of the same model refuses this holder's layout.
-    per_layer = peers(spec("bm-per-layer", 33, "joint"))
+    per_layer = peers(model("bm-per-layer", 33, "joint"))
     params = hold(holder, "h-bm2", toks(2 * BS + 3))
     out = per_layer.call("load", rid="r-bm2", prompt=[*toks(2 * BS + 3), 9], params=for_p(params))
     assert out["loaded"] == 0
     w = per_layer.stats()["workers"][0]
     assert w["failures_incompatible"] == 1 and w["transfers"] == 0
     assert_idle(holder, reader, per_layer)
+
+
+def test_a_block_major_cache_is_read_one_descriptor_per_run_of_blocks(peers: StartPeer) -> None:
+    read_block_major_pull(peers, nixl_peer.PeerSpec)

@@ -6,7 +6,8 @@ device, made as vLLM hands them to a connector and registered the way the vLLM a
 registers them. UCX moves the bytes with its CUDA transports (`cuda_ipc` between processes on
 one GPU). Each test is the GPU twin of a CPU test: the bytes a reader pulls equal the holder's,
 the block hashes decide what is pulled, a read frees the holder's claim, a rejection frees it
-early, and a holder killed mid-read ends the read as each load-failure policy says.
+early, a block-major cache is read one descriptor per run of blocks, and a holder killed
+mid-read ends the read as each load-failure policy says.
 
 Skipped where no CUDA device is present (CI); `scripts/gpu-check.sh` runs them on a GPU machine.
 """
@@ -23,6 +24,7 @@ from tests.connector.test_transfer import (
     assert_idle,
     holder_killed_mid_read,
     pull_matching_prefix,
+    read_block_major_pull,
     read_scattered_blocks,
     read_whole_blocks,
     reject_before_admission,
@@ -58,9 +60,12 @@ def gpu_spec(engine_id: str, **kw: object) -> nixl_peer.PeerSpec:
 
 @pytest.fixture(scope="module")
 def gpu_pair() -> Iterator[tuple[nixl_peer.Peer, nixl_peer.Peer]]:
-    """A holder and a reader with FlashAttention-shaped caches in VRAM."""
+    """A holder and a reader with per-layer caches in VRAM whose block pages hold K and V
+    together, as vLLM 0.32's FlashAttention hands them over (one page per block and layer)."""
     with running_pair(
-        gpu_spec("holder", seed=1, num_blocks=96), gpu_spec("reader", seed=2, num_blocks=96), 120
+        gpu_spec("holder", seed=1, num_blocks=96, layout="joint"),
+        gpu_spec("reader", seed=2, num_blocks=96, layout="joint"),
+        120,
     ) as peers:
         yield peers
 
@@ -91,7 +96,7 @@ def test_byte_exact_read_of_scattered_vram_blocks(
     read_scattered_blocks(*idle_gpu_pair, coalesce)
 
 
-@pytest.mark.parametrize("layout", ["split_hnd", "joint"])
+@pytest.mark.parametrize("layout", ["split", "split_hnd", "block_major"])
 def test_byte_exact_read_for_other_backend_layouts(peers: StartPeer, layout: str) -> None:
     holder = peers(gpu_spec(f"holder-{layout}", layout=layout, seed=3))
     reader = peers(gpu_spec(f"reader-{layout}", layout=layout, seed=4))
@@ -115,6 +120,12 @@ def test_rejection_before_admission_frees_the_vram_holder_early(
     idle_gpu_pair: tuple[nixl_peer.Peer, nixl_peer.Peer],
 ) -> None:
     reject_before_admission(*idle_gpu_pair)
+
+
+def test_a_block_major_vram_cache_is_read_one_descriptor_per_run_of_blocks(
+    peers: StartPeer,
+) -> None:
+    read_block_major_pull(peers, gpu_spec)
 
 
 def test_vram_holder_killed_mid_read_applies_each_policy(peers: StartPeer) -> None:
