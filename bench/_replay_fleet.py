@@ -54,6 +54,7 @@ import aiohttp
 
 from bench import _common as c
 from kvrelay.devtools import ServerProcess, free_port, http_ready, kv_events_args
+from kvrelay.enginesim.costs import DEFAULT_TRANSFER_LAYOUT
 from kvrelay.prometheus_text import parse_samples
 
 # enginesim's KV tensors: one layer, one KV head of 8 values. The cost profile models the
@@ -154,6 +155,9 @@ class Hardware:
     hold_budget: float | None = None
     # Share of it one hold may pin (None: the connector's default, 1.0).
     hold_max: float | None = None
+    # How the modelled GPUs' caches are registered for KV transfers (enginesim's
+    # `--kv-transfer-layout`): block-major, as the connector asks vLLM for on a GPU.
+    kv_transfer_layout: str = DEFAULT_TRANSFER_LAYOUT
 
     def pool_blocks(self) -> int:
         """KV blocks of one engine (enginesim's rule for `--cost-profile` with `--kv-scale`)."""
@@ -176,6 +180,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
     return [
         "--cost-profile", hw.profile,
         "--kv-link", hw.kv_link,
+        "--kv-transfer-layout", hw.kv_transfer_layout,
         "--kv-scale", f"{hw.kv_scale:g}",
         "--enable-prefix-caching",
         "--lease-seconds", f"{lease_s:g}",

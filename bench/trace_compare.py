@@ -5,9 +5,10 @@ at the configuration given, in interleaved repeated rounds.
 Every configuration (`--configs`: a system of `bench/_replay_fleet.py`, P/D ones at a P:D
 split, `label@P:D`) gets the same simulated GPUs (`--engines` enginesim engines of one
 `--profile`, KV transfers over `--kv-link`, whose every descriptor costs what it was measured or
-published to cost), fresh for each run so no cache carries over, and the same requests: a slice
-of the trace (by default computed from the file: its minutes 10-30, or the whole file when it is
-shorter), whole conversations sampled with probability `--sample`, replayed by
+published to cost, as many as `--kv-transfer-layout` makes: one a run of blocks block-major,
+layers x runs per-layer), fresh for each run so no cache carries over, and the same requests:
+a slice of the trace (by default computed from the file: its minutes 10-30, or the whole file
+when it is shorter), whole conversations sampled with probability `--sample`, replayed by
 `bench/trace_replay.py` (the `openai` SDK, streamed, each later turn carrying the answer the
 engine gave) at each `--time-scales` factor. A scale of S replays S times faster: the request
 rate is the sample's requests over the slice's span / S, and think times, D's hold lease and
@@ -60,7 +61,14 @@ from bench import _replay_fleet as rf
 from bench import _trace as tr
 from bench import trace_replay as replay_mod
 from bench._plots import save_figure
-from kvrelay.enginesim.costs import DEFAULT_LINK, LINKS, get_profile
+from kvrelay.enginesim.costs import (
+    DEFAULT_LINK,
+    DEFAULT_TRANSFER_LAYOUT,
+    LINKS,
+    PER_LAYER,
+    TRANSFER_LAYOUTS,
+    get_profile,
+)
 
 SECTION = "trace replay"
 DEFAULT_PROFILE = "llama3-8b-h100"
@@ -168,6 +176,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engines", type=int, default=8, help="simulated GPUs per system")
     p.add_argument("--profile", default=DEFAULT_PROFILE)
     p.add_argument("--kv-link", default=DEFAULT_LINK, choices=sorted(LINKS))
+    p.add_argument(
+        "--kv-transfer-layout",
+        default=DEFAULT_TRANSFER_LAYOUT,
+        choices=TRANSFER_LAYOUTS,
+        help="how every engine's modelled cache is registered: a READ's descriptors are its "
+        "runs of blocks (block-major) or layers x runs (per-layer)",
+    )
     p.add_argument(
         "--kv-scale",
         default="auto",
@@ -317,7 +332,17 @@ def hardware(args: argparse.Namespace, scale: float) -> rf.Hardware:
         lease,
         args.hold_budget,
         args.hold_max,
+        args.kv_transfer_layout,
     )
+
+
+def _layout_text(layout: str, profile: str) -> str:
+    """What a modelled READ's descriptors are in `layout` (runs recorded before the layout was
+    a setting were per-layer)."""
+    if layout == PER_LAYER:
+        layers = get_profile(profile).model.num_layers
+        return f"vLLM 0.32's per-layer pages: {layers} per run of blocks"
+    return "block-major, as the connector asks vLLM for on a GPU: one per run of blocks"
 
 
 def citation(path: Path) -> str:
@@ -751,11 +776,13 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines += [
         "",
         f"Simulated hardware, the same for every configuration: {hw['engines']} enginesim "
-        f"engines `--cost-profile {hw['profile']} --kv-link {hw['kv_link']} --kv-scale "
+        f"engines `--cost-profile {hw['profile']} --kv-link {hw['kv_link']} "
+        f"--kv-transfer-layout {hw.get('kv_transfer_layout', PER_LAYER)} --kv-scale "
         f"{hw['kv_scale']:g} --enable-prefix-caching` ({hw['pool_blocks']} KV blocks of "
         f"{hw['block_size']} tokens each; the prefix cache is the pool's free blocks, as in "
-        f"vLLM). KV transfers: {link.per_descriptor_s * 1e6:.1f} us per descriptor (vLLM 0.32's "
-        f"per-layer pages: {get_profile(hw['profile']).model.num_layers} per run of blocks), "
+        f"vLLM). KV transfers: {link.per_descriptor_s * 1e6:.1f} us per descriptor ("
+        + _layout_text(hw.get("kv_transfer_layout", PER_LAYER), hw["profile"])
+        + "), "
         f"{link.line_rate * link.efficiency / 1e9:.0f} GB/s, {link.latency_s * 1e6:.0f} us per "
         "transfer, an engine's loads queued on its link. Pools: "
         + (

@@ -12,7 +12,14 @@ from typing import Any
 
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.enginesim.config import DEFAULT_MODEL, EngineConfig
-from kvrelay.enginesim.costs import DEFAULT_LINK, LINKS, PROFILES, get_profile
+from kvrelay.enginesim.costs import (
+    DEFAULT_LINK,
+    DEFAULT_TRANSFER_LAYOUT,
+    LINKS,
+    PROFILES,
+    TRANSFER_LAYOUTS,
+    get_profile,
+)
 from kvrelay.enginesim.kvpool import KVLayout
 from kvrelay.enginesim.model import DTYPES, ModelGeometry
 
@@ -54,6 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=sorted(LINKS),
         default=DEFAULT_LINK,
         help="the link a cost profile's KV transfers are modelled over",
+    )
+    p.add_argument(
+        "--kv-transfer-layout",
+        choices=TRANSFER_LAYOUTS,
+        default=DEFAULT_TRANSFER_LAYOUT,
+        help="how the modelled GPUs' caches are registered, which sets a modelled read's "
+        "descriptors: block-major (one a run of blocks, what the connector asks vLLM for on a "
+        "GPU) or per-layer (one a layer and run, vLLM 0.32's default)",
     )
     p.add_argument(
         "--kv-scale",
@@ -182,6 +197,7 @@ _ENGINE_OPTIONS = (
     "decode_us_per_step",
     "cost_profile",
     "kv_link",
+    "kv_transfer_layout",
     "enable_prefix_caching",
     "eos_period",
     "params_in_stream",

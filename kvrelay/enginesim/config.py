@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvrelay.connector.config import ConnectorConfig
-from kvrelay.enginesim.costs import DEFAULT_LINK, get_link, get_profile
+from kvrelay.enginesim.costs import (
+    DEFAULT_LINK,
+    DEFAULT_TRANSFER_LAYOUT,
+    TRANSFER_LAYOUTS,
+    get_link,
+    get_profile,
+)
 from kvrelay.enginesim.kvpool import BlockPool, KVLayout
 from kvrelay.enginesim.model import ModelGeometry
 
@@ -41,6 +47,10 @@ class EngineConfig:
     # waits the modelled transfer time over `kv_link` on top of the real NIXL read.
     cost_profile: str | None = None
     kv_link: str = DEFAULT_LINK
+    # How the modelled GPUs' caches are registered for those transfers, which sets how many
+    # descriptors a read costs (`costs.TRANSFER_LAYOUTS`): block-major, as the connector asks
+    # vLLM for on a GPU, or vLLM 0.32's per-layer pages.
+    kv_transfer_layout: str = DEFAULT_TRANSFER_LAYOUT
     # vLLM's `--enable-prefix-caching`: full blocks stay findable in the pool until an
     # allocation takes them (`kvpool`). Off by default here (vLLM 0.32 turns it on): the
     # tests and benchmarks that rely on a prefix cache ask for it.
@@ -95,6 +105,11 @@ class EngineConfig:
                 f"max_num_seqs ({self.max_num_seqs})"
             )
         get_link(self.kv_link)
+        if self.kv_transfer_layout not in TRANSFER_LAYOUTS:
+            raise ValueError(
+                f"kv_transfer_layout must be one of {', '.join(TRANSFER_LAYOUTS)} "
+                f"(got {self.kv_transfer_layout!r})"
+            )
         if self.cost_profile is not None:
             get_profile(self.cost_profile)
             if self.prefill_us_per_token or self.decode_us_per_step:

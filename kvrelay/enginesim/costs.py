@@ -14,9 +14,10 @@ A KV transfer costs what a NIXL READ was measured to cost, not only its bytes:
     transfer = per-transfer latency + descriptors * per-descriptor cost + bytes / link rate
 
 with each TP rank moving its share over its own link (its own descriptors, in parallel). The
-descriptors are what the engine registers: vLLM 0.32 hands a connector one page per layer
-with K and V together, so a read is one descriptor per layer per run of consecutive blocks
-(`descriptors`; the block-major layout of a later vLLM would be one per run). The engine's own
+descriptors are what the engine registers (`descriptors`, by `TRANSFER_LAYOUTS`): in the
+block-major layout the connector asks vLLM 0.32 for on a GPU (`BLHNC`, every layer's page
+inside each block) a read is one descriptor per run of consecutive blocks; in vLLM 0.32's
+per-layer layout (one page per layer, K and V together), one per layer per run. The engine's own
 link is shared by its concurrent loads (`engine.py` queues them behind each other). Links
 (`LINKS`) carry the figures they were measured or published at, named in their comments. All
 times are seconds; the engine waits them out, never burns them.
@@ -29,6 +30,15 @@ from dataclasses import dataclass
 
 GB = 1e9
 TB = 1e12
+
+# How the engines' KV caches are registered for transfers (`CostProfile.descriptors`):
+# block-major is what the connector asks vLLM 0.32 for on a GPU, and what vLLM's own NIXL
+# connector reads packed block rows as; per-layer is vLLM 0.32's default, which a connector
+# gets where it does not ask (or `block_major` is off).
+BLOCK_MAJOR = "block-major"
+PER_LAYER = "per-layer"
+TRANSFER_LAYOUTS = (BLOCK_MAJOR, PER_LAYER)
+DEFAULT_TRANSFER_LAYOUT = BLOCK_MAJOR
 
 
 @dataclass(frozen=True)
@@ -168,19 +178,30 @@ class CostProfile:
         )
         return int(free // (self.block_size * self.kv_bytes_per_token_per_rank))
 
-    def descriptors(self, block_runs: int) -> int:
-        """READ descriptors of one rank for `block_runs` runs of consecutive blocks, in vLLM
-        0.32's per-layer layout (one page per layer, K and V together)."""
-        return self.model.num_layers * block_runs
+    def descriptors(self, block_runs: int, layout: str = DEFAULT_TRANSFER_LAYOUT) -> int:
+        """READ descriptors of one rank for `block_runs` runs of consecutive blocks in `layout`
+        (`TRANSFER_LAYOUTS`): one a run block-major, one a layer and run per-layer."""
+        if layout == BLOCK_MAJOR:
+            return block_runs
+        if layout == PER_LAYER:
+            return self.model.num_layers * block_runs
+        raise ValueError(f"unknown KV transfer layout {layout!r} (known: {TRANSFER_LAYOUTS})")
 
-    def transfer_time(self, tokens: int, link: LinkSpec, block_runs: int | None = None) -> float:
+    def transfer_time(
+        self,
+        tokens: int,
+        link: LinkSpec,
+        block_runs: int | None = None,
+        layout: str = DEFAULT_TRANSFER_LAYOUT,
+    ) -> float:
         """KV of `tokens` tokens between two engines of this profile, in `block_runs` runs of
-        consecutive blocks (None: every block its own run, the fragmented pool's worst case):
-        every rank moves its share over its own link at once, so the time is one rank's."""
+        consecutive blocks (None: every block its own run, the fragmented pool's worst case)
+        registered in `layout`: every rank moves its share over its own link at once, so the
+        time is one rank's."""
         if block_runs is None:
             block_runs = -(-tokens // self.block_size)
         num_bytes = tokens * self.kv_bytes_per_token_per_rank
-        return link.transfer_time(num_bytes, self.descriptors(block_runs))
+        return link.transfer_time(num_bytes, self.descriptors(block_runs, layout))
 
 
 # ----- public figures (README: "Cost profiles" names each source) ------------------------------
@@ -272,7 +293,9 @@ LINKS: dict[str, LinkSpec] = {
     ),
     # Inside one node over cuda_ipc (NVLink): this project's own H200 measurement
     # (bench/RESULTS.md, "transfer (GPU)": about 7.3 us per descriptor whatever its size, and a
-    # device-to-device copy of 1.74-1.99 TB/s, which large descriptors approach).
+    # device-to-device copy of 1.74-1.99 TB/s, which large descriptors approach; "transfer
+    # descriptors (GPU, 8b)": 5.8-6.8 us for 64 KiB per-layer pages, 5.9 us for 2 MiB
+    # block-major blocks).
     "cuda-ipc-h200": LinkSpec(
         "cuda-ipc-h200",
         line_rate=1.99 * TB,

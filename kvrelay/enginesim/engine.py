@@ -664,7 +664,9 @@ class EngineCore:
         remote = groups[0][first:last] if isinstance(groups, list) and groups else []
         local = req.block_ids[first:last]
         runs = len(block_runs(local, remote, True)) if len(remote) == len(local) else None
-        duration = self.costs.transfer_time(end - start, self.link, runs)
+        duration = self.costs.transfer_time(
+            end - start, self.link, runs, self.config.kv_transfer_layout
+        )
         self._link_free_at = max(self._clock(), self._link_free_at) + duration
         return self._link_free_at
 

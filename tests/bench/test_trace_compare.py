@@ -82,6 +82,20 @@ def lease_of(args: list[str]) -> float:
     return float(args[args.index("--lease-seconds") + 1])
 
 
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_every_engine_models_transfers_in_the_layout_given() -> None:
+    kv = rf.system_by_label("kvrelay default")
+    agg = rf.system_by_label("aggregated cache_aware")
+    for system in (kv, agg):
+        engines = rf.roles(system, hardware(), time_scale=1)
+        assert {flag(a, "--kv-transfer-layout") for _, a in engines} == {"block-major"}
+        per_layer = rf.roles(system, hardware(kv_transfer_layout="per-layer"), time_scale=1)
+        assert {flag(a, "--kv-transfer-layout") for _, a in per_layer} == {"per-layer"}
+
+
 def test_d_lease_scales_with_time_p_lease_does_not_and_holds_off_cuts_d_only() -> None:
     hw = hardware(prefill_engines=3)
     kv = rf.system_by_label("kvrelay default")

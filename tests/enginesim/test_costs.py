@@ -17,7 +17,7 @@ import pytest
 
 from kvrelay.enginesim.cli import build_parser, config_from_args
 from kvrelay.enginesim.config import EngineConfig
-from kvrelay.enginesim.costs import LINKS, PROFILES, get_profile
+from kvrelay.enginesim.costs import BLOCK_MAJOR, LINKS, PER_LAYER, PROFILES, get_profile
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
 from kvrelay.enginesim.runner import EngineRunner
@@ -108,28 +108,38 @@ def test_transfer_time_counts_every_descriptor_and_every_byte() -> None:
     rdma, cuda = LINKS["rdma-400g-13us"], LINKS["cuda-ipc-h200"]
     eight = get_profile("llama3-8b-h100")
     per_token = 131072  # 32 layers x 2 x 8 KV heads x 128 x 2 bytes
+    wire = 8192 * per_token / (400e9 / 8 * 0.9)
     # vLLM 0.32's per-layer pages: one descriptor per layer for each run of consecutive
     # blocks. 8192 tokens in one run: 32 descriptors; scattered (the default, every block
     # its own run): 32 x 512.
-    assert eight.transfer_time(8192, rdma, block_runs=1) == pytest.approx(
-        30e-6 + 32 * 12.6e-6 + 8192 * per_token / (400e9 / 8 * 0.9)
+    assert eight.transfer_time(8192, rdma, block_runs=1, layout=PER_LAYER) == pytest.approx(
+        30e-6 + 32 * 12.6e-6 + wire
     )
-    assert eight.transfer_time(8192, rdma) == pytest.approx(
-        30e-6 + 32 * 512 * 12.6e-6 + 8192 * per_token / (400e9 / 8 * 0.9)
+    assert eight.transfer_time(8192, rdma, layout=PER_LAYER) == pytest.approx(
+        30e-6 + 32 * 512 * 12.6e-6 + wire
     )
-    # The measured H200 figure: a 15k-token pull of scattered blocks is about 210 ms of
-    # descriptors on top of its bytes, where bytes alone would be about 1 ms.
-    pull = eight.transfer_time(15_008, cuda)
-    assert pull == pytest.approx(30e-6 + 32 * 938 * 7.3e-6 + 15_008 * per_token / (1.99e12 * 0.95))
+    # Block-major (every layer's page inside each block), the default: one descriptor a run.
+    assert eight.transfer_time(8192, rdma, block_runs=1) == pytest.approx(30e-6 + 12.6e-6 + wire)
+    assert eight.transfer_time(8192, rdma) == eight.transfer_time(8192, rdma, layout=BLOCK_MAJOR)
+    assert eight.transfer_time(8192, rdma) == pytest.approx(30e-6 + 512 * 12.6e-6 + wire)
+    # The measured H200 figure: a 15k-token pull of scattered blocks per-layer is about 210 ms
+    # of descriptors on top of its bytes, where bytes alone would be about 1 ms; block-major
+    # about 8 ms.
+    bytes_s = 15_008 * per_token / (1.99e12 * 0.95)
+    pull = eight.transfer_time(15_008, cuda, layout=PER_LAYER)
+    assert pull == pytest.approx(30e-6 + 32 * 938 * 7.3e-6 + bytes_s)
     assert 0.2 < pull < 0.23
+    assert eight.transfer_time(15_008, cuda) == pytest.approx(30e-6 + 938 * 7.3e-6 + bytes_s)
     # Each TP rank moves its share over its own link, with its own descriptors, at once.
     tp4 = get_profile("llama3-70b-h100-tp4")
-    assert tp4.transfer_time(1000, rdma, block_runs=2) == pytest.approx(
+    assert tp4.transfer_time(1000, rdma, block_runs=2, layout=PER_LAYER) == pytest.approx(
         30e-6 + 80 * 2 * 12.6e-6 + 1000 * 81920 / (50e9 * 0.9)
     )
     assert eight.transfer_time(0, rdma) == 0.0
     # The published bracket for UCX over InfiniBand: 1.1 to 12.6 us a descriptor.
     assert LINKS["rdma-400g-1us"].per_descriptor_s < rdma.per_descriptor_s
+    with pytest.raises(ValueError, match="unknown KV transfer layout"):
+        eight.transfer_time(8192, rdma, layout="split")
 
 
 def test_unknown_names_and_mixed_knobs_are_refused() -> None:
@@ -137,6 +147,8 @@ def test_unknown_names_and_mixed_knobs_are_refused() -> None:
         EngineConfig(cost_profile="gpt-9").validate()
     with pytest.raises(ValueError, match="unknown KV link"):
         EngineConfig(kv_link="carrier-pigeon").validate()
+    with pytest.raises(ValueError, match="kv_transfer_layout"):
+        EngineConfig(kv_transfer_layout="split").validate()
     with pytest.raises(ValueError, match="replaces"):
         EngineConfig(cost_profile="llama3-8b-h100", decode_us_per_step=10).validate()
 
@@ -163,6 +175,8 @@ def test_a_profile_sets_the_pool_unless_told_otherwise() -> None:
     assert (told.num_blocks, told.max_model_len) == (500, 2048)
     with pytest.raises(ValueError, match="kv-scale"):
         _cli("--cost-profile", "llama3-8b-h100", "--kv-scale", "0")
+    assert cfg.kv_transfer_layout == BLOCK_MAJOR
+    assert _cli("--kv-transfer-layout", PER_LAYER).kv_transfer_layout == PER_LAYER
     plain = _cli()
     assert (plain.cost_profile, plain.num_blocks, plain.block_size, plain.max_model_len) == (
         None, 1024, 16, 4096,
@@ -226,18 +240,27 @@ def test_a_local_prefix_hit_is_context_not_computed_work() -> None:
     assert waits == pytest.approx([get_profile(name).prefill_time(48, 192)])
 
 
-def test_loaded_kv_waits_its_modelled_transfer_time_on_top_of_the_read() -> None:
+@pytest.mark.parametrize(("layout", "descriptors"), [(PER_LAYER, 80 * 100), (BLOCK_MAJOR, 100)])
+def test_loaded_kv_waits_its_modelled_transfer_time_on_top_of_the_read(
+    layout: str, descriptors: int
+) -> None:
     name, loaded = "llama3-70b-h100-tp4", 1600
     now = [100.0]
     link = "rdma-400g-13us"
-    cfg = EngineConfig(cost_profile=name, num_blocks=512, max_model_len=4096, kv_link=link)
+    cfg = EngineConfig(
+        cost_profile=name,
+        num_blocks=512,
+        max_model_len=4096,
+        kv_link=link,
+        kv_transfer_layout=layout,
+    )
     core = EngineCore(cfg, FakeLoadingHost(loaded), wait=lambda s: None, clock=lambda: now[0])
     outs: list[Output] = []
     core.add_request(_request("r", _prompt(1700), 1, outs.append))
     core.step()  # admitted, the read starts and is reported finished
-    transfer = get_profile(name).transfer_time(loaded, LINKS[link])
+    transfer = get_profile(name).transfer_time(loaded, LINKS[link], layout=layout)
     # No holder's block ids to pair with (a fake load): every block counts as its own run.
-    assert transfer == pytest.approx(1600 * 81920 / 45e9 + 30e-6 + 80 * 100 * 12.6e-6)
+    assert transfer == pytest.approx(1600 * 81920 / 45e9 + 30e-6 + descriptors * 12.6e-6)
     now[0] += transfer * 0.99
     core.step()
     assert "r" not in core.running and not outs and core.has_work
