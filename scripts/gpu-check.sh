@@ -108,6 +108,7 @@ PY
     --threads 0 2 --reps "${GPU_REPS:-5}" 2>&1 | tee ${out:+"$out/gpu-descs-70b-tp4.log"} || rc=1
   keep
   "$py" -m pytest -q -rs -p no:cacheprovider -m gpu tests/connector/test_transfer_cuda.py \
+    tests/bench/test_transfer_descs.py \
     2>&1 | tee ${out:+"$out/gpu-tests.log"} || rc=1
   # The block-size sweep of `## transfer (GPU)`; GPU_SWEEP=0 leaves it out where a lent
   # machine's minutes are short and the section is current.

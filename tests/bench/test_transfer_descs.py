@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench import transfer_descs
+from bench import _ipc_gather, transfer_descs
 
 pytestmark = pytest.mark.nixl
 
@@ -43,3 +43,33 @@ def test_each_way_reads_the_blocks_and_the_verdict_compares_block_major_with_a_c
     verdict = [line for line in text.splitlines() if "block-major READ of 16 blocks" in line]
     assert len(verdict) == 1
     assert verdict[0].endswith(("-> MET", "-> MISSED"))
+    # On a GPU with Triton a sixth way runs, one kernel over the holder's cache mapped by CUDA
+    # IPC: its line gives the whole and the kernel alone against the copy.
+    copy_16 = by[("copy", 16)]["done_s"]
+    ipc = [
+        {"way": "ipc-gather", "blocks": count, "descs": 1, "post_s": 0.0, "done_s": 2 * copy_16,
+         "kernel_s": copy_16}
+        for count in (4, 16)
+    ]  # fmt: skip
+    lines = transfer_descs.render(args, {0: [*rows, *ipc]}).splitlines()
+    gather = [line for line in lines if line.startswith("One kernel over the holder's")]
+    assert len(gather) == 1
+    assert "16 blocks" in gather[0] and "(50% of the copy; the kernel alone" in gather[0]
+    assert any("not a NIXL read" in line and "at 50% of it" in line for line in lines)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ipc_gather.available(), reason="needs Triton and a CUDA device")
+def test_the_ipc_gather_kernel_copies_exactly_the_named_blocks() -> None:
+    import torch
+
+    src = torch.randint(0, 255, (64, 4096), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros((32, 4096), dtype=torch.uint8, device="cuda")
+    src_ids = torch.tensor([5, 9, 1, 63], device="cuda")
+    dst_ids = torch.tensor([0, 31, 7, 2], device="cuda")
+    _ipc_gather.copy_blocks(src, src_ids, dst, dst_ids)
+    torch.cuda.synchronize()
+    assert torch.equal(dst[dst_ids], src[src_ids])
+    untouched = torch.ones(32, dtype=torch.bool, device="cuda")
+    untouched[dst_ids] = False
+    assert int(dst[untouched].sum()) == 0
