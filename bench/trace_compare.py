@@ -337,8 +337,7 @@ def hardware(args: argparse.Namespace, scale: float) -> rf.Hardware:
 
 
 def _layout_text(layout: str, profile: str) -> str:
-    """What a modelled READ's descriptors are in `layout` (runs recorded before the layout was
-    a setting were per-layer)."""
+    """What a modelled READ's descriptors are in `layout`."""
     if layout == PER_LAYER:
         layers = get_profile(profile).model.num_layers
         return f"vLLM 0.32's per-layer pages: {layers} per run of blocks"
@@ -758,6 +757,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     rows, gps = rows_of(data), goodputs_of(data)
     st = data["reconstruction"]
     link = LINKS[hw["kv_link"]]
+    layout = hw.get("kv_transfer_layout", PER_LAYER)  # runs before it was a setting: per-layer
     lines = [c.run_header(data.get("argv")), ""]
     lines.append(
         f"Input: {citation(Path(data['trace']))}, trace seconds {data['slice_start_s']:g}-"
@@ -777,11 +777,11 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "",
         f"Simulated hardware, the same for every configuration: {hw['engines']} enginesim "
         f"engines `--cost-profile {hw['profile']} --kv-link {hw['kv_link']} "
-        f"--kv-transfer-layout {hw.get('kv_transfer_layout', PER_LAYER)} --kv-scale "
+        f"--kv-transfer-layout {layout} --kv-scale "
         f"{hw['kv_scale']:g} --enable-prefix-caching` ({hw['pool_blocks']} KV blocks of "
         f"{hw['block_size']} tokens each; the prefix cache is the pool's free blocks, as in "
         f"vLLM). KV transfers: {link.per_descriptor_s * 1e6:.1f} us per descriptor ("
-        + _layout_text(hw.get("kv_transfer_layout", PER_LAYER), hw["profile"])
+        + _layout_text(layout, hw["profile"])
         + "), "
         f"{link.line_rate * link.efficiency / 1e9:.0f} GB/s, {link.latency_s * 1e6:.0f} us per "
         "transfer, an engine's loads queued on its link. Pools: "
