@@ -65,6 +65,11 @@ HOLDS_OFF_LEASE_S = 0.05  # shorter than any turn's decode: D's holds end with t
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 # Every prompt token an engine computed in prefill, recomputation after preemption included.
 GPU_PREFILL = "prefill_tokens_computed"
+# enginesim's modelled step time, and the time its thread fell behind that and never made up:
+# how far the host's CPU, not the modelled GPU, set the engines' pace.
+MODELLED_STEP = "modelled_step_seconds"
+BEHIND_MODEL = "behind_model_seconds"
+ENGINE_COUNTERS = (*PROMPT_SOURCES, GPU_PREFILL, MODELLED_STEP, BEHIND_MODEL)
 GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
 PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
@@ -340,11 +345,13 @@ def fleet(
 # --------------------------------------------------------------------------- engine metrics
 
 
-def prompt_counters(samples: dict[str, float]) -> dict[str, float]:
-    """`vllm:prompt_tokens_by_source` of one engine's page, by source, and the tokens it
-    computed in prefill (`GPU_PREFILL`, enginesim's counter)."""
+def engine_counters(samples: dict[str, float]) -> dict[str, float]:
+    """`vllm:prompt_tokens_by_source` of one engine's page, by source, the tokens it computed
+    in prefill (`GPU_PREFILL`) and its modelled and behind-the-model step time (enginesim's
+    counters)."""
     out = dict.fromkeys(PROMPT_SOURCES, 0.0)
-    out[GPU_PREFILL] = samples.get(f"enginesim_{GPU_PREFILL}_total", 0.0)
+    for name in (GPU_PREFILL, MODELLED_STEP, BEHIND_MODEL):
+        out[name] = samples.get(f"enginesim_{name}_total", 0.0)
     for key, value in samples.items():
         if key.startswith("vllm:prompt_tokens_by_source_total{") or key.startswith(
             "vllm:prompt_tokens_by_source{"
@@ -356,7 +363,7 @@ def prompt_counters(samples: dict[str, float]) -> dict[str, float]:
 
 
 def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in (*PROMPT_SOURCES, GPU_PREFILL)}
+    return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in ENGINE_COUNTERS}
 
 
 def pinned_share(held: Sequence[tuple[float, float]]) -> dict[str, float]:
@@ -381,11 +388,11 @@ class EngineSampler:
             return parse_samples(await resp.text())
 
     async def counters(self) -> dict[str, float]:
-        """The fleet's prompt tokens by source, summed over every engine."""
-        total = dict.fromkeys((*PROMPT_SOURCES, GPU_PREFILL), 0.0)
+        """The fleet's engine counters (`engine_counters`), summed over every engine."""
+        total = dict.fromkeys(ENGINE_COUNTERS, 0.0)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             for e in self.fleet.engines:
-                for k, v in prompt_counters(await self.scrape(http, e.url)).items():
+                for k, v in engine_counters(await self.scrape(http, e.url)).items():
                     total[k] += v
         return total
 

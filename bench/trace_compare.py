@@ -438,6 +438,7 @@ def derive(run: dict[str, Any], lru: dict[str, int], rate: float) -> dict[str, A
         "prompt_tokens_sent": sent,
         "prompt_tokens_reused": reused,
         "gpu_prefill_tokens": tokens.get("prefill_tokens_computed", math.nan),
+        "behind_model": behind_model(tokens),
         "reuse_vs_lru": reused / lru["reused_tokens"] if lru["reused_tokens"] else math.nan,
         "d_pinned": pinned,
         "d_pinned_unused": pinned["mean"] * unused_share(run["frees"]),
@@ -445,6 +446,13 @@ def derive(run: dict[str, Any], lru: dict[str, int], rate: float) -> dict[str, A
         "load": run.get("load", {}),
         "routing": routing_counts(run["records"]),
     }
+
+
+def behind_model(tokens: dict[str, float]) -> float:
+    """The time the engines' threads fell behind their modelled steps and never made up, over
+    the modelled step time, summed over the fleet (NaN for runs before it was counted)."""
+    modelled = tokens.get(rf.MODELLED_STEP, 0.0)
+    return tokens.get(rf.BEHIND_MODEL, math.nan) / modelled if modelled > 0 else math.nan
 
 
 def unused_share(frees: dict[str, float]) -> float:
@@ -497,6 +505,7 @@ def row(runs: list[dict[str, Any]]) -> dict[str, Any]:
         out[key] = median([float(r[key]) for r in runs])
     out["attainments"] = [r["attainment"] for r in runs]
     out["d_pinned"] = median([r["d_pinned"]["mean"] for r in runs])
+    out["behind_model"] = median([float(r.get("behind_model", math.nan)) for r in runs])
     out["errors"] = sum(r["errors"] for r in runs)
     out["busy_runs"] = sum(1 for r in runs if r.get("load", {}).get("busy"))
     return out
@@ -814,11 +823,15 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         "GPU prefill = every token the engines "
         "computed in prefill, recomputation included; D pinned = blocks held over D's pool, "
         "mean; unused = that times the share of D's holds that ended unused (expiry, budget, "
-        "reclaim, or given back by kvrelay because its tenant's holds did not pay).",
+        "reclaim, or given back by kvrelay because its tenant's holds did not pay). Behind = "
+        "the time the engines' threads ran past their modelled steps and never made up, over "
+        "the modelled step time, summed over the fleet: where it is not near 0% the host's "
+        "CPU, not the modelled GPUs, set the pace.",
         "",
         "| configuration | req/s | SLO met | TTFT p50/p90 first ms | TTFT p50/p90 later ms "
-        "| TPOT p90 ms | GPU prefill tokens | reused | vs LRU | D pinned / unused | errors |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TPOT p90 ms | GPU prefill tokens | reused | vs LRU | D pinned / unused | errors "
+        "| behind |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label in _ordered(rows):
         for scale in sorted(rows[label]):
@@ -829,7 +842,8 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
                 f"{c.fmt_ms(r['ttft_later_p50'], 0)} / {c.fmt_ms(r['ttft_later_p90'], 0)} | "
                 f"{c.fmt_ms(r['tpot_p90'], 1)} | {r['gpu_prefill_tokens']:.0f} | "
                 f"{r['prompt_tokens_reused']:.0f} | {c.fmt_ratio(r['reuse_vs_lru'])} | "
-                f"{_pct(r['d_pinned'])} / {_pct(r['d_pinned_unused'])} | {r['errors']} |"
+                f"{_pct(r['d_pinned'])} / {_pct(r['d_pinned_unused'])} | {r['errors']} | "
+                f"{_pct(r.get('behind_model', math.nan))} |"
             )
     lines += ["", "| configuration | goodput req/s: median (per round) |", "|---|---:|"]
     lines += [f"| {label} | {gps[label].text()} |" for label in _ordered(rows)]

@@ -44,6 +44,7 @@ from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
+from kvrelay.enginesim.timeline import GpuTimeline
 from kvrelay.enginesim.token_gaps import TokenGaps
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
@@ -66,9 +67,10 @@ class EngineCore:
     ) -> None:
         config.validate()
         self.config = config
-        # Modelled time is waited out on the engine thread (two cores simulate a fleet);
-        # tests pass their own `wait` and `clock` to check what is waited, not how long.
-        self._wait = wait
+        # Modelled time is waited out on the engine thread (two cores simulate a fleet), the
+        # steps laid end to end (`timeline`); tests pass their own `wait` and `clock` to check
+        # what is waited, not how long.
+        self.timeline = GpuTimeline(wait, clock)
         self._clock = clock
         self.costs: CostProfile | None = (
             get_profile(config.cost_profile) if config.cost_profile else None
@@ -190,12 +192,15 @@ class EngineCore:
 
     # ----- one step ---------------------------------------------------------------------------
     def step(self) -> None:
+        self.timeline.begin()
         self._check_loads_progress()
         self._release_arrived()
         decoding, chunks = self._schedule()
         self.kv.start_step()
-        self._compute(decoding, chunks)
+        computed = self._compute(decoding, chunks)
         self._process_connector(self.kv.finish_step())
+        # With requests running the runner steps again at once: the GPU does not idle.
+        self.timeline.end(computed, bool(self.running))
 
     def deliver_outputs(self) -> None:
         """Hand this step's outputs to their requests' sinks."""
@@ -397,8 +402,10 @@ class EngineCore:
                 del self.arriving[request_id]
                 self.running[request_id] = req
 
-    def _compute(self, decoding: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> None:
+    def _compute(self, decoding: list[SimRequest], chunks: list[tuple[SimRequest, int]]) -> bool:
+        """Compute the step's chunks and decode tokens; True when it waited out modelled time."""
         # Decode contexts are read before prefill: a request prefilled now decodes next step.
+        waited = False
         contexts = [len(r.all_token_ids) for r in decoding]
         computed = 0
         work: list[tuple[int, int]] = []
@@ -419,7 +426,8 @@ class EngineCore:
                     cost_us += self.config.decode_us_per_step
                 cost_s = cost_us / 1e6
             if cost_s > 0:
-                self._wait(cost_s)
+                self.timeline.compute(cost_s)
+                waited = True
         self._step_end = self._clock()
         for req, _ in chunks:
             if req.request_id in self.running and req.state is ReqState.RUNNING:
@@ -427,6 +435,7 @@ class EngineCore:
         for req in decoding:
             if req.request_id in self.running and self._ensure_slot(req):
                 self._sample(req)
+        return waited
 
     def _prefill_chunk(self, req: SimRequest, n: int) -> None:
         """Compute the KV of the request's next `n` positions; the chunk that completes the

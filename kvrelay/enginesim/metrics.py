@@ -35,6 +35,9 @@ _COUNTERS = {
     "prefill_chunks": "prefill chunks computed (a prompt longer than a step's token budget "
     "takes several; recomputation after a preemption included)",
     "reclaim_requests": "times the engine asked the connector to reclaim holds",
+    "modelled_step_seconds": "modelled GPU time of the steps the engine waited out",
+    "behind_model_seconds": "time the engine thread ran past its modelled steps and did not "
+    "make up (the host's CPU, not the modelled GPU, set the pace)",
 }
 _OUTCOMES = ("finished", "failed", "aborted", "rejected")
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")

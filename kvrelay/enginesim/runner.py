@@ -119,6 +119,10 @@ class EngineRunner:
             requests_loading=len(core.loading) + len(core.arriving),
             requests_running=len(core.running),
             connector=core.kv.stats(),
+            # Modelled step time, and the time the engine thread fell behind it (the host's
+            # doing, not the model's: `timeline`).
+            modelled_step_seconds=core.timeline.modelled_s,
+            behind_model_seconds=core.timeline.behind_s,
             itl_buckets=core.token_gaps.cumulative(),
             itl_sum=core.token_gaps.sum,
             at=time.time(),

@@ -223,17 +223,21 @@ def test_verdicts_judge_each_aim_against_the_best_of_each_family() -> None:
     assert "12%" in lines[4] and "-> MISSED" in lines[4]
 
 
-def test_prompt_counters_read_the_engines_vllm_series() -> None:
+def test_engine_counters_read_the_engines_vllm_series_and_modelled_time() -> None:
     snap = {
         "vllm_prompt_local_compute": 700,
         "vllm_prompt_local_cache_hit": 200,
         "vllm_prompt_external_kv_transfer": 100,
         "prefill_tokens_computed": 750,  # 50 recomputed after a preemption
+        "modelled_step_seconds": 4.0,
+        "behind_model_seconds": 0.5,
     }
     page = parse_samples(render_metrics(lambda: snap, "m")().decode())
-    got = rf.prompt_counters(page)
+    got = rf.engine_counters(page)
     assert got == {"local_compute": 700, "local_cache_hit": 200, "external_kv_transfer": 100,
-                   rf.GPU_PREFILL: 750}  # fmt: skip
+                   rf.GPU_PREFILL: 750, rf.MODELLED_STEP: 4.0, rf.BEHIND_MODEL: 0.5}  # fmt: skip
+    assert tc.behind_model(got) == 0.125
+    assert math.isnan(tc.behind_model({}))
     assert rf.counter_delta(dict.fromkeys(got, 100.0), got)["local_compute"] == 600
     share = rf.pinned_share([(10, 100), (30, 100)])
     assert share == {"mean": 0.2, "max": 0.3}

@@ -38,3 +38,18 @@ class FakeLoadingHost(NoConnector):
 
     def loaded_tokens(self, req: SimRequest) -> int:
         return self.n_ext
+
+
+class ModelledClock:
+    """A fake clock, the engine's time: every modelled wait advances it; nothing sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.waits: list[float] = []
+
+    def wait(self, seconds: float) -> None:
+        self.waits.append(seconds)
+        self.now += seconds
+
+    def clock(self) -> float:
+        return self.now

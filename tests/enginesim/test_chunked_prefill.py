@@ -22,25 +22,10 @@ from kvrelay.enginesim.costs import get_profile
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
 from kvrelay.enginesim.reference import reference_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
-from tests.enginesim.fakes import FakeLoadingHost
+from tests.enginesim.fakes import FakeLoadingHost, ModelledClock
 from tests.enginesim.test_pd import PROMPT, Delta, decode, prefill, text_of
 
 PROFILE = "llama3-8b-h100"
-
-
-class ModelledClock:
-    """The engine's time: every modelled wait advances it; nothing sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.waits: list[float] = []
-
-    def wait(self, seconds: float) -> None:
-        self.waits.append(seconds)
-        self.now += seconds
-
-    def clock(self) -> float:
-        return self.now
 
 
 class Recorder:
@@ -225,7 +210,8 @@ def test_loaded_kv_is_not_recomputed_and_the_remainder_is_chunked() -> None:
     for _ in range(1000):
         if out.finished:
             break
-        clock.now += 0.01  # the engine idles while the modelled transfer runs
+        if not core.running:
+            clock.now += 0.01  # the engine idles (polls) while the modelled transfer runs
         _step(core)
     profile = get_profile(PROFILE)
     # Modelled transfer waits happen on the clock, not through `wait`: only the two chunks of

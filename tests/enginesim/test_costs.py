@@ -21,7 +21,7 @@ from kvrelay.enginesim.costs import BLOCK_MAJOR, LINKS, PER_LAYER, PROFILES, get
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
 from kvrelay.enginesim.runner import EngineRunner
-from tests.enginesim.fakes import FakeLoadingHost
+from tests.enginesim.fakes import FakeLoadingHost, ModelledClock
 
 # name: (params, layers, hidden, heads, kv heads, head dim,
 #        peak BF16 FLOP/s, HBM bytes, HBM bytes/s, TP)
@@ -198,9 +198,10 @@ def _prompt(n: int, seed: int = 0) -> list[int]:
 
 def test_each_step_waits_for_its_prefill_chunks_and_decode_contexts() -> None:
     name = "llama3-70b-h100-tp4"
-    waits: list[float] = []
+    clock = ModelledClock()
+    waits = clock.waits
     cfg = EngineConfig(cost_profile=name, num_blocks=512, max_model_len=4096)
-    core = EngineCore(cfg, wait=waits.append)
+    core = EngineCore(cfg, wait=clock.wait, clock=clock.clock)
     outs: list[Output] = []
     core.add_request(_request("a", _prompt(300), 3, outs.append))
     run_to_completion(core, lambda: bool(outs) and outs[-1].finished)
@@ -224,11 +225,12 @@ def test_each_step_waits_for_its_prefill_chunks_and_decode_contexts() -> None:
 
 def test_a_local_prefix_hit_is_context_not_computed_work() -> None:
     name = "llama3-8b-h100"
-    waits: list[float] = []
+    clock = ModelledClock()
+    waits = clock.waits
     cfg = EngineConfig(
         cost_profile=name, num_blocks=512, max_model_len=4096, enable_prefix_caching=True,
     )  # fmt: skip
-    core = EngineCore(cfg, wait=waits.append)
+    core = EngineCore(cfg, wait=clock.wait, clock=clock.clock)
     first: list[Output] = []
     core.add_request(_request("first", _prompt(200), 1, first.append))
     run_to_completion(core, lambda: bool(first) and first[-1].finished)
