@@ -72,6 +72,7 @@ from kvrelay.enginesim.costs import (
 
 SECTION = "trace replay"
 DEFAULT_PROFILE = "llama3-8b-h100"
+DEFAULT_PLOT = c.BENCH_DIR / "trace_replay.png"
 GOODPUT_ATTAINMENT = 0.9
 # The aims (the prefix-routing issue's): goodput over the best P/D router and the best
 # aggregated configuration measured, never below holds off; reuse near the LRU bound at every
@@ -212,7 +213,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--section", help="RESULTS.md section (default: by trace and profile)")
     p.add_argument("--json", type=Path, default=c.WORK_DIR / "trace_compare.json")
-    p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "trace_replay.png")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help=f"the plot's path (default: {DEFAULT_PLOT.name} beside RESULTS.md; none with "
+        "--no-results, which leaves the repository's files alone)",
+    )
     p.add_argument("--no-results", action="store_true")
     p.add_argument(
         "--merge",
@@ -1030,6 +1037,13 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return data
 
 
+def plot_path_of(args: argparse.Namespace) -> Path | None:
+    """Where the plot goes: `--plot`, else beside RESULTS.md unless `--no-results`."""
+    if args.plot is not None:
+        return Path(args.plot)
+    return None if args.no_results else DEFAULT_PLOT
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else [sys.argv[0], *argv])
     # SIGTERM unwinds like an exception, so every fleet's processes are stopped.
@@ -1064,8 +1078,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.rejudge_slo:  # a rejudged run is still the run its JSON says
         c.write_json(args.json, data)
     text = render(data, args)
-    plot(data, args.plot)
-    text += f"\n\nPlot: [{args.plot.name}]({args.plot.name})\n"
+    plot_path = plot_path_of(args)
+    if plot_path is not None:
+        plot(data, plot_path)
+        text += f"\n\nPlot: [{plot_path.name}]({plot_path.name})\n"
     c.publish(section_of(args), text, args.no_results, wrote=f"{c.relpath(args.json)}")
     return 0
 

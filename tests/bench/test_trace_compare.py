@@ -445,3 +445,11 @@ def test_rejudge_slo_needs_an_earlier_run_and_two_positive_bounds() -> None:
         with pytest.raises(SystemExit):
             tc.parse_args(["--render-only", "--rejudge-slo", bad])
     assert tc.parse_args(["--render-only", "--rejudge-slo", "5000,25"]).rejudge_slo == (5000, 25)
+
+
+def test_the_plot_goes_beside_results_only_when_results_are_written(tmp_path: Path) -> None:
+    # --no-results leaves the repository's files alone, the plot included.
+    assert tc.plot_path_of(tc.parse_args(["--no-results"])) is None
+    assert tc.plot_path_of(tc.parse_args([])) == tc.DEFAULT_PLOT
+    given = tmp_path / "p.png"
+    assert tc.plot_path_of(tc.parse_args(["--no-results", "--plot", str(given)])) == given
