@@ -869,8 +869,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines.append(
         f"Machine: load average (1 min) {load.get('before', [math.nan])[0]:.2f} before the "
         f"comparison, {ended}. Engines wait out their modelled step "
-        "times, so a CPU-starved run shows as longer TTFT; the rounds interleave the "
-        "configurations so such a minute falls on different ones."
+        "times, laid end to end; what a CPU-starved engine cannot make up shows in `behind` "
+        "and as longer TTFT; the rounds interleave the configurations so such a minute falls "
+        "on different ones."
     )
     if data.get("notes"):
         lines += ["", data["notes"].strip()]
