@@ -332,3 +332,8 @@ def test_a_modelled_prefill_is_waited_out_not_computed(profiled_runner: EngineRu
     # The modelled time is spent waiting: the process's CPU time (every thread) is a small
     # share of it.
     assert cpu < 0.5 * modelled, (cpu, modelled)
+    # The engine publishes the modelled time it waited out, and the time it fell behind it:
+    # a sleep's late wake-up at most, far from the step itself.
+    snap = profiled_runner.snapshot
+    assert snap["modelled_step_seconds"] >= modelled * 0.999
+    assert 0.0 <= snap["behind_model_seconds"] < 0.5 * modelled
