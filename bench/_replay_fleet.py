@@ -17,7 +17,9 @@ system serves from all of them.
   `kvrelay kv events holds off` (the same with D's holds off, as `kvrelay holds off`);
   `kvrelay decode-only cached` (the default with `decode_only_cached`: a turn with no held
   history goes decode-only to the D whose prefix cache is expected to hold it) and its holds-off
-  variant;
+  variant; `kvrelay kv events decode-only cached` (both: D's events, too, say what its cache
+  holds, so a request sharing a prefix a D cached goes to that D alone, as aggregated serving
+  would send it);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -122,6 +124,13 @@ SYSTEMS: tuple[System, ...] = (
         "default",
         holds=False,
         proxy_settings=(CACHED,),
+    ),
+    System(
+        "kvrelay kv events decode-only cached",
+        "kvrelay",
+        "default",
+        proxy_settings=(CACHED,),
+        kv_events=True,
     ),
     System(
         "kvrelay load routing",

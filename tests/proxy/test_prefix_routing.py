@@ -479,6 +479,36 @@ def test_decode_only_cached_picks_the_d_expected_to_hold_the_most_of_the_prompt(
     assert off.cached_decode_only(follow_up) is None  # the setting is off by default
 
 
+def test_decode_only_cached_follows_what_ds_events_report() -> None:
+    """With the engines' KV events followed, the routing-fed index keeps a prompt only until its
+    blocks are reported: what D's events show cached (a prefix other requests share, stored
+    there by an earlier turn) is what sends a turn decode-only to that D; a P's events never
+    do, and once D reports the blocks removed the turn goes no more."""
+    router, prefill = _events_router(decode_only_cached=True, conditional_max_uncached_tokens=96)
+    p0 = prefill.add("http://p0")
+    prefill.add("http://p1")
+    d0, d1 = router.decode.add("http://d0"), router.decode.add("http://d1")
+    assert router.blocks is not None
+    shared = list(range(5000, 5320))  # 320 tokens: 20 blocks of 16, the system prompt
+    question = [7] * 80
+    prompt = _tokens_prompt(shared + question, _chat("q1".ljust(290, "x")))
+    assert router.cached_decode_only(prompt) is None  # nobody reported any of it
+    router.blocks.stored(p0.url, list(range(20)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + question, _chat("q2".ljust(290, "x")))
+    assert router.cached_decode_only(prompt) is None  # a P caches it: not a decode-only turn
+    router.blocks.stored(d1.url, list(range(100, 120)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + question, _chat("q3".ljust(290, "x")))
+    picked = router.cached_decode_only(prompt, "t")
+    assert picked is not None
+    d, chars, uncached = picked
+    assert d is d1 and chars == prompt.total * 320 // 400
+    assert uncached == 80  # the prompt's own tokens: 80 of them D lacks
+    router.blocks.removed(d1.url, list(range(100, 120)))
+    prompt = _tokens_prompt(shared + question, _chat("q4".ljust(290, "x")))
+    assert router.cached_decode_only(prompt) is None
+    assert d0.url not in router.reported_tokens(prompt)
+
+
 def test_a_holder_whose_pin_came_too_late_serves_no_pulls_for_a_while() -> None:
     router, prefill = _events_router(prefix_pull_min_tokens=64, reuse_probe_interval_s=60)
     p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")

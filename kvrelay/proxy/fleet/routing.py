@@ -289,8 +289,8 @@ class Router:
     def cached_chars(
         self, prompt: PromptPrefixes, reported: Mapping[str, int] | None = None
     ) -> dict[str, int]:
-        """For each P expected to cache a prefix of `prompt`, that prefix in characters: the
-        longer of what the routing-fed index expects and what the P's own events reported
+        """For each engine expected to cache a prefix of `prompt`, that prefix in characters:
+        the longer of what the routing-fed index expects and what the engine's own events reported
         (`reported`, else looked up: tokens counted as the prompt's characters in
         proportion)."""
         assert self.prefixes is not None
@@ -554,7 +554,8 @@ class Router:
     ) -> tuple[Backend, int, int] | None:
         """With `decode_only_cached`, a turn with no held history sent straight to the D whose
         prefix cache is expected to hold the most of `prompt` (the routing-fed index: the
-        prompts each D decoded), as a holder's decode-only turn: that D, the prefix in
+        prompts each D decoded; with the engines' KV events followed, also what D's own events
+        report: `cached_chars`), as a holder's decode-only turn: that D, the prefix in
         characters and the tokens it would prefill (estimated: confirm with
         `cached_decode_only_fits` on D's count), or None: no D expected to hold any of it, or
         that D unusable, overloaded or busy, too long a rest, its decode-only budget full, or
@@ -564,7 +565,7 @@ class Router:
             return None
         best_url: str | None = None
         most = 0
-        for url, chars in self.prefixes.cached_chars(prompt).items():
+        for url, chars in self.cached_chars(prompt).items():
             if chars > most and url in self.decode.backends:
                 best_url, most = url, chars
         if best_url is None:
