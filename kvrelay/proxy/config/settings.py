@@ -401,7 +401,8 @@ class Settings(BaseSettings):
         description=(
             "conditional with prefix_routing: a turn with no held history goes straight to a "
             "D whose prefix cache is expected to hold the prompt (the routing-fed index "
-            "counts every prompt a D decoded) when the rest is within "
+            "counts every prompt a D decoded; with kv_events_endpoints, D's own events say "
+            "what it caches, prefixes other requests left there included) when the rest is within "
             "conditional_max_uncached_tokens and D's decode-only budget: D's own prefix cache "
             "serves it, nothing pinned; a D whose such turns show no cached tokens is "
             "withdrawn from them for reuse_probe_interval_s."
