@@ -381,6 +381,33 @@ def test_a_spill_off_backed_up_ps_pulls_the_prefix_one_of_them_caches(prefix_pul
     assert again.d_cached_chars == len(SYSTEM) and again.tokens == estimated - d_cached
 
 
+def test_a_spill_pulls_the_prefix_another_ds_events_show_cached() -> None:
+    """Both Ps backed up and neither caching the prompt; d1's events show its prefix (a request
+    sharing the system prompt ran there) but d1 takes no spill (overloaded): the turn spills to
+    d0, which pulls the prefix from d1 (pinned there) and computes only the rest. A D is never
+    its own pull's source: once d0 caches as much itself, it pulls nothing."""
+    router, prefill = _events_router(prefix_pull_min_tokens=64, prefill_step_tokens=32)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    d0, d1 = router.decode.add("http://d0"), router.decode.add("http://d1")
+    assert router.blocks is not None
+    shared = list(range(7000, 7320))  # 320 tokens: 20 blocks of 16
+    router.blocks.stored(d1.url, list(range(20)), None, shared, 16, SALTED)
+    d1.inflight = router.settings.decode_overload_inflight
+    prompt = _tokens_prompt(shared + [9] * 80, _chat("d to d".ljust(290, "x")))
+    work = prompt.total + 1
+    p0.outstanding_work = p1.outstanding_work = 50 * work
+    spill = router.spill(None, work, "", prompt)
+    assert spill is not None and spill.backend is d0 and not spill.holder
+    assert spill.source is not None and spill.source.backend is d1
+    assert spill.source.holder == "decode" and spill.source.tokens == 320
+    assert spill.tokens == round(work * 400 / prompt.total) - 320
+    # d0's own events now show as much: no pin anywhere, d0 computes only the rest.
+    router.blocks.stored(d0.url, list(range(100, 120)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + [9] * 80, _chat("d to d again".ljust(290, "x")))
+    again = router.spill(None, prompt.total + 1, "", prompt)
+    assert again is not None and again.backend is d0 and again.source is None
+
+
 def test_a_spill_goes_to_the_d_whose_cache_holds_the_prompt_when_that_is_done_sooner() -> None:
     """Of the Ds, a spilled turn goes to the one that would be done with it soonest: its
     decode-only tokens queued plus what it would compute beyond its own prefix cache (d1 decoded

@@ -344,21 +344,28 @@ class Router:
         return self._slow_pins.get(url, 0.0) <= time.monotonic()
 
     def _pull_source(
-        self, reported: Mapping[str, int], candidates: list[Backend], ds: bool = False
+        self,
+        reported: Mapping[str, int],
+        candidates: list[Backend],
+        ds: bool = False,
+        reader: Backend | None = None,
     ) -> PrefixSource | None:
         """The engine whose events show the longest prefix of the prompt, at least
         `prefix_pull_min_tokens`, when it can pin it now: usable, its pins on time, its KV
         cache not full (a long queue is no bar: the pin goes ahead of it). Among
-        `candidates` (Ps) and, with `ds`, the usable Ds publishing events; a P first where
-        they show as much (a pin there does not take a decode step)."""
+        `candidates` (Ps) and, with `ds`, the usable Ds publishing events other than `reader`
+        (the D that would pull); a P first where they show as much (a pin there does not
+        take a decode step)."""
         s = self.settings
         best: PrefixSource | None = None
         pools = (("prefill", candidates), ("decode", self.decode.usable() if ds else []))
         for holder, engines in pools:
             for b in engines:
                 tokens = reported.get(b.url, 0)
-                if tokens < s.prefix_pull_min_tokens or (
-                    best is not None and tokens <= best.tokens
+                if (
+                    tokens < s.prefix_pull_min_tokens
+                    or (best is not None and tokens <= best.tokens)
+                    or b is reader
                 ):
                     continue
                 if not self.serves_pulls(b.url) or self._kv_full(b):
@@ -667,9 +674,9 @@ class Router:
         d_tokens = uncached if holder else tokens - d_cached
         source, pin_wait = None, 0.0
         if not holder and prompt is not None:
-            # A D without the history may pull the prompt's prefix from the P caching it,
-            # as a P would (`_by_prefix`): both sides then count the pull.
-            source, pin_wait = self._spill_source(prompt, cpt, prompt_chars)
+            # A D without the history may pull the prompt's prefix from the engine caching
+            # it, as a P would (`_by_prefix`): both sides then count the pull.
+            source, pin_wait = self._spill_source(prompt, cpt, prompt_chars, target)
         uncached, d_work, d_tokens, source = _weigh_pull(
             tokens, uncached, d_tokens, d_cached, source, pin_wait
         )
@@ -699,17 +706,18 @@ class Router:
         return any(chars > p_cached and url in ds for url, chars in cached.items())
 
     def _spill_source(
-        self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int
+        self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int, reader: Backend
     ) -> tuple[PrefixSource | None, float]:
-        """With `prefix_pull` and the Ps' events, the P a spilled turn's D would pull the
-        prompt's prefix from (`_pull_source`), and the pin's wait there in tokens (as
-        `_by_prefix` counts it: `PIN_WAIT_SHARE` of the rest of the holder's step)."""
+        """With `prefix_pull` and the engines' events, the engine a spilled turn's D (`reader`)
+        would pull the prompt's prefix from (`_pull_source`: a P, or another D whose cache
+        holds it, as a prefix other requests left there), and the pin's wait there in tokens
+        (as `_by_prefix` counts it: `PIN_WAIT_SHARE` of the rest of the holder's step)."""
         if not self.settings.prefix_pull:
             return None, 0.0
         reported = self.reported_tokens(prompt)
         if not reported:
             return None, 0.0
-        source = self._pull_source(reported, self.prefill.usable())
+        source = self._pull_source(reported, self.prefill.usable(), True, reader)
         if source is None:
             return None, 0.0
         wait = self._pin_wait_chars(source.backend, prompt_chars, chars_per_token)
