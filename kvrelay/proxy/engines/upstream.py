@@ -40,6 +40,9 @@ from kvrelay.connector.protocol import HEADER_SIGNATURE
 # Above this many unread body bytes the connection stops reading from the socket (flow control).
 _HIGH_WATER = 256 * 1024
 _NO_BODY_STATUSES = (204, 304)
+# The headers that frame a body (anything else: the body ends with the connection).
+_FRAMING_HEADERS = frozenset((b"content-length", b"transfer-encoding"))
+_FRAMING_LENGTHS = frozenset(map(len, _FRAMING_HEADERS))
 _SIGNATURE_HEADER = HEADER_SIGNATURE.lower().encode()
 # A GET answer (`Upstream.get`: /health, /metrics, /v1/models, /version) is refused past this.
 _GET_MAX_BYTES = 16 * 1024 * 1024
@@ -123,8 +126,8 @@ class _Connection(asyncio.Protocol):
         response = self._response
         if response is not None:
             response.headers.append((name, value))
-            lname = name.lower()
-            if lname == b"content-length" or lname == b"transfer-encoding":
+            # Lower-cased only when the length could match: most headers are neither.
+            if len(name) in _FRAMING_LENGTHS and name.lower() in _FRAMING_HEADERS:
                 self._framed = True
 
     def on_headers_complete(self) -> None:
@@ -399,16 +402,16 @@ class Origin:
         total_timeout: float,
     ) -> H1Response:
         """Send one request; returns once the response's status and headers have arrived."""
-        parts = [f"{method} {path} HTTP/1.1\r\n".encode(), self._host_header]
+        lines = [f"{name}: {value}\r\n" for name, value in headers]
+        head = "".join(lines)
+        # A clean header line has exactly one CR and one LF: two counts over the whole head
+        # instead of four tests a header (this runs for every request to an engine).
+        if head.count("\r") != len(lines) or head.count("\n") != len(lines):
+            raise ValueError("header names and values must not contain CR or LF")
         if body or method not in ("GET", "HEAD", "DELETE"):
-            parts.append(b"Content-Length: %d\r\n" % len(body))
-        for name, value in headers:
-            if "\r" in name or "\n" in name or "\r" in value or "\n" in value:
-                raise ValueError("header names and values must not contain CR or LF")
-            parts.append(f"{name}: {value}\r\n".encode())
-        parts.append(b"\r\n")
-        parts.append(body)
-        wire = b"".join(parts)
+            head = f"Content-Length: {len(body)}\r\n{head}"
+        start = f"{method} {path} HTTP/1.1\r\n".encode()
+        wire = b"".join((start, self._host_header, f"{head}\r\n".encode(), body))
         while True:
             conn = await self._connection()
             response = H1Response(self, conn)
