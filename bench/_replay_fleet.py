@@ -19,7 +19,8 @@ system serves from all of them.
   history goes decode-only to the D whose prefix cache is expected to hold it) and its holds-off
   variant; `kvrelay kv events decode-only cached` (both: D's events, too, say what its cache
   holds, so a request sharing a prefix a D cached goes to that D alone, as aggregated serving
-  would send it);
+  would send it); `kvrelay kv events prefix wait` (the same, and a turn sharing most of its
+  prompt with one whose engine is computing it waits for that, `prefix_wait_max_s` 2 s);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -102,6 +103,9 @@ BALANCED = ("--balance-abs-threshold", "4", "--balance-rel-threshold", "1.2")
 
 ALWAYS_HOLD = ("KVRELAY_HOLD_MIN_USE", "0")
 CACHED = ("KVRELAY_DECODE_ONLY_CACHED", "true")
+# A turn sharing most of its prompt with one being computed waits for it, up to 2 s (a long
+# prompt's prefill on a loaded engine).
+PREFIX_WAIT = ("KVRELAY_PREFIX_WAIT_MAX_S", "2")
 
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
@@ -130,6 +134,13 @@ SYSTEMS: tuple[System, ...] = (
         "kvrelay",
         "default",
         proxy_settings=(CACHED,),
+        kv_events=True,
+    ),
+    System(
+        "kvrelay kv events prefix wait",
+        "kvrelay",
+        "default",
+        proxy_settings=(CACHED, PREFIX_WAIT),
         kv_events=True,
     ),
     System(

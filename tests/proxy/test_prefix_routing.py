@@ -3,21 +3,25 @@ work, and holds kept only while a tenant's holds are taken."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import tracemalloc
 
 import pytest
 
+from kvrelay.prometheus_text import parse_samples
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import (
     PIN_WAIT_SHARE,
     PULL_COST,
     HoldPayoff,
     Pool,
+    PrefixesInFlight,
     PrefixIndex,
     PromptPrefixes,
     Router,
 )
+from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import chat_shape, completion_shape
 
 MIN_EVIDENCE = 16  # decided holds before a tenant's share is trusted (fleet/hold_payoff.py)
@@ -718,3 +722,63 @@ def test_a_next_turn_that_finds_its_hold_given_back_still_teaches_the_tenant() -
     assert given  # the tenant was judged early, and its holds given back
     assert all(decisions[-300:])
     holds.missed("t", ("t", "never-held"))  # a lookup of nothing known changes nothing
+
+
+# -- turns that wait for a prefix another turn is computing ------------------------------------
+
+
+def test_a_turn_waits_only_for_a_leader_computing_most_of_its_prompt() -> None:
+    """A lead covers the prompt's prefixes beyond what any engine caches, and none already
+    led; a later prompt finds it only through a prefix of at least half of itself and at least
+    the minimum; `done` drops the lead's prefixes, once, and only its own."""
+    in_flight = PrefixesInFlight(max_wait_s=5, min_chars=400)
+    assert not PrefixesInFlight(max_wait_s=0, min_chars=400).on
+    long_system = "You answer from the shared document. " * 30  # 1110 characters
+    first = _prefixes(_chat("First question?", system=long_system))
+    assert in_flight.leader_of(first) is None
+    # An engine caches the system prompt already: the lead is the rest only.
+    cached_system = in_flight.lead(first, {"http://p0": first.chars[0]})
+    assert cached_system is not None and len(in_flight) == 1
+    cached_system.done()
+    lead = in_flight.lead(first, {})
+    assert lead is not None and len(in_flight) == len(first.keys)
+    assert in_flight.lead(first, {}) is None  # every prefix led already
+    follower = _prefixes(_chat("Another question?", system=long_system))
+    assert in_flight.leader_of(follower) is lead  # through the system prompt
+    short = _prefixes(_chat("?", system="Short system prompt. "))
+    assert in_flight.leader_of(short) is None
+    # The shared system prompt is under half of this prompt: not worth waiting for.
+    mostly_new = _prefixes(_chat("x" * 3000, system=long_system))
+    assert in_flight.leader_of(mostly_new) is None
+    other = PrefixesInFlight(max_wait_s=5, min_chars=2000)
+    other.lead(first, {})
+    assert other.leader_of(follower) is None  # the shared prefix is under the minimum
+    lead.done()
+    lead.done()
+    assert len(in_flight) == 0 and in_flight.leader_of(follower) is None
+
+
+async def test_waiters_go_on_when_the_lead_is_done_or_at_the_bound() -> None:
+    """Waiters wake when the leader is done (counted computed) or after `max_wait_s`
+    (counted timeout); a prompt nobody computes does not wait."""
+    long_system = "Everyone waits for this system prompt. " * 30
+    in_flight = PrefixesInFlight(max_wait_s=5, min_chars=400)
+    lead = in_flight.lead(_prefixes(_chat("Lead?", system=long_system)), {})
+    assert lead is not None
+    waiter = asyncio.create_task(in_flight.wait(_prefixes(_chat("Wait?", system=long_system))))
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    computed = _counter('kvrelay_prefix_waits_total{result="computed"}')
+    lead.done()
+    await asyncio.wait_for(waiter, 1)
+    assert _counter('kvrelay_prefix_waits_total{result="computed"}') == computed + 1
+    quick = PrefixesInFlight(max_wait_s=0.01, min_chars=400)
+    assert quick.lead(_prefixes(_chat("Lead?", system=long_system)), {}) is not None
+    timeouts = _counter('kvrelay_prefix_waits_total{result="timeout"}')
+    await asyncio.wait_for(quick.wait(_prefixes(_chat("Wait?", system=long_system))), 1)
+    assert _counter('kvrelay_prefix_waits_total{result="timeout"}') == timeouts + 1
+    await asyncio.wait_for(in_flight.wait(_prefixes(_chat("Nobody?"))), 1)
+
+
+def _counter(name: str) -> float:
+    return parse_samples(metrics.render()[0].decode()).get(name, 0.0)

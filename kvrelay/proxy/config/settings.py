@@ -533,6 +533,16 @@ class Settings(BaseSettings):
             "--scheduling-policy priority; ignored under fcfs)."
         ),
     )
+    prefix_wait_max_s: float = Field(
+        default=0.0,
+        ge=0,
+        description=(
+            "prefix_routing: a turn whose prompt is mostly a prefix another turn of this "
+            "worker is computing now (at least half of it, and prefix_pull_min_tokens) waits "
+            "up to this long for that computation, then goes where the prefix is cached, "
+            "instead of computing its own copy beside it (0: never waits)."
+        ),
+    )
     prefix_pull_timeout_s: float = Field(
         default=0.5,
         gt=0,

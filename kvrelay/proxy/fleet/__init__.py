@@ -56,6 +56,7 @@ from kvrelay.proxy.fleet.pools import (
     probe_health,
 )
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
+from kvrelay.proxy.fleet.prefix_wait import Lead, PrefixesInFlight
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 from kvrelay.proxy.fleet.routing import (
     PIN_WAIT_SHARE,
@@ -93,6 +94,7 @@ __all__ = [
     "KVEventsFeed",
     "KubeRoleWatch",
     "KubeScope",
+    "Lead",
     "LoadPoller",
     "LocalFleetSync",
     "ModelCatalog",
@@ -101,6 +103,7 @@ __all__ = [
     "PrefillPick",
     "PrefixIndex",
     "PrefixSource",
+    "PrefixesInFlight",
     "PromptPrefixes",
     "RedisFleetSync",
     "ResolveError",

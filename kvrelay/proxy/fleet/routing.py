@@ -55,6 +55,7 @@ from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
+from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 from kvrelay.proxy.telemetry import metrics
 
@@ -223,6 +224,7 @@ class Router:
     prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
     blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
     holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
+    in_flight: PrefixesInFlight = field(init=False)  # prefixes being computed (prefix_wait)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
     # P URL -> until when (monotonic) it serves no pulls: its pin came too late.
     _slow_pins: dict[str, float] = field(default_factory=dict)
@@ -245,6 +247,9 @@ class Router:
         object.__setattr__(self, "blocks", BlockIndex(s.kv_events_max_blocks) if events else None)
         holds = HoldPayoff(s.hold_min_use, s.hold_judge_s, s.conversation_ttl_s)
         object.__setattr__(self, "holds", holds)
+        wait_s = s.prefix_wait_max_s if s.prefix_routing else 0.0
+        min_chars = s.prefix_pull_min_tokens * _DEFAULT_CHARS_PER_TOKEN
+        object.__setattr__(self, "in_flight", PrefixesInFlight(wait_s, min_chars))
 
     # -- load --------------------------------------------------------------------------------
 

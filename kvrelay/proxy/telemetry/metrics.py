@@ -279,6 +279,14 @@ PREFIX_CACHED_CHARS = Counter(
     "Prompt characters the chosen P was expected to serve from its prefix cache "
     "(prefix_routing's estimate; the engines' own counts are in kvrelay_tokens_reused_total).",
 )
+PREFIX_WAITS = Labelled(
+    Counter(
+        "kvrelay_prefix_waits_total",
+        "Turns that waited for another turn computing most of their prompt (prefix_wait_max_s): "
+        "computed (it was done in time) or timeout (the turn went on without it).",
+        ["result"],
+    )
+)
 PREFIX_PULLS = Labelled(
     Counter(
         "kvrelay_prefix_pulls_total",

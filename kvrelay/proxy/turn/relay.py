@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from kvrelay.connector.protocol import REFUSED_HASH, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
-from kvrelay.proxy.fleet import Backend, Plan, PrefixSource, PromptPrefixes, Route
+from kvrelay.proxy.fleet import Backend, Lead, Plan, PrefixSource, PromptPrefixes, Route
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.tenants import CACHE_SALT
 from kvrelay.proxy.turn.accounting import PromptAccount, TurnAccounts
@@ -59,6 +59,7 @@ class Turn:
     decode_url: str | None = None  # the D that served
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
+    _lead: Lead | None = None  # prefixes this turn computes that others wait for (prefix_wait)
 
     def __init__(self, crew: TurnCrew, client: Client, ctx: TurnContext) -> None:
         self.crew, self.client, self.ctx = crew, client, ctx
@@ -84,6 +85,8 @@ class Turn:
                 self._attempts.judge_5xx(served=None)  # 5xx answers no engine made up for
                 self.owed.release_all()
                 raise
+            finally:
+                self._end_lead()  # no turn waits for a prefix this one no longer computes
             # D's answer is complete, so P's blocks (or a spill's pinned prefix) need no call
             # from here: D's connector either read them (the read frees them) or released them
             # itself (skipped or failed load).
@@ -106,6 +109,9 @@ class Turn:
                 holds.missed(ctx.tenant, ctx.lookup_key)
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
+                if self._prompt is not None and crew.router.in_flight.on:
+                    # Another turn computing most of this prompt: routed once it is cached.
+                    await crew.router.in_flight.wait(self._prompt)
                 if self._prompt is not None and crew.router.wants_tokens:
                     self._prompt = await crew.with_tokens(self._prompt, ctx.route, ctx.body)
             plan = self.plan = await crew.policy.plan(
@@ -113,9 +119,14 @@ class Turn:
             )
             self._report_plan(plan)
             through_p = plan.route is Route.THROUGH_P
+            if self._prompt is not None and plan.route is not Route.DECODE_ONLY:
+                self._lead_prompt(self._prompt)  # through P or spilled: it computes it
             if through_p:
-                with report.leg_scope("prefill"):
-                    await self._prefill(plan)
+                try:
+                    with report.leg_scope("prefill"):
+                        await self._prefill(plan)
+                finally:
+                    self._end_lead()  # P computed the prompt (or did not answer)
                 report.leg_ended("prefill")
         finally:
             # The old turn's blocks are superseded. When P answered, its connector read them
@@ -134,6 +145,17 @@ class Turn:
             finally:
                 self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
+
+    def _lead_prompt(self, prompt: PromptPrefixes) -> None:
+        """This turn computes `prompt`: what no engine caches yet, other turns may wait for
+        (`prefix_wait_max_s`) until `_end_lead`."""
+        router = self.crew.router
+        if router.in_flight.on:
+            self._lead = router.in_flight.lead(prompt, router.cached_chars(prompt))
+
+    def _end_lead(self) -> None:
+        if self._lead is not None:
+            self._lead.done()
 
     async def _count_tokens(self, url: str) -> int | None:
         """The prompt's tokens as the engine at `url` counts them (the policy's check)."""
@@ -228,6 +250,7 @@ class Turn:
             served = await leg.serve(
                 ctx, p_params, p_url, plan.decode_first, self.hold, plan.decode_tokens, self._prompt
             )
+            self._end_lead()  # a spill's D started answering: it computed the prompt
             with served:
                 self.decode_url = served.backend.url
                 if served.hold:

@@ -1,0 +1,95 @@
+"""A turn that shares most of its prompt with a prefix another turn is computing waits for it
+(`prefix_wait_max_s`), on enginesim P and D (real NIXL) whose prefills take modelled time: the
+second of two requests sharing a long system prompt, sent while the first's P computes it, is
+sent only once that P answered, to that P, which serves the system prompt from its cache (its
+own counter); without the wait it is computed twice."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
+from kvrelay.enginesim.reference import reference_chat
+from tests.proxy.client import chat_body, post, reply_of
+
+pytestmark = pytest.mark.nixl
+
+CACHE = ("--enable-prefix-caching",)
+# The first request's prompt (about 870 tokens) takes about 1.7 s to prefill: time for the
+# second to arrive while it is computed.
+SLOW_PREFILL = ("--prefill-us-per-token", "2000")
+CACHED = "enginesim_prompt_tokens_cached_total"
+SYSTEM_TOKENS = 512  # fewer than the system prompt's whole blocks (848 tokens)
+WAITS = "kvrelay_prefix_waits_total"
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
+    """Two P with slow prefills and one D, each with a local prefix cache."""
+    factory = EngineFactory()
+    try:
+        p0, p1, d = factory.many(
+            ("P0", ["--role", "prefill", *CACHE, *SLOW_PREFILL]),
+            ("P1", ["--role", "prefill", *CACHE, *SLOW_PREFILL]),
+            ("D", ["--role", "decode", *CACHE]),
+        )
+        yield p0, p1, d
+    finally:
+        factory.close()
+
+
+def _ask(proxy: ProxyServer, messages: list[dict[str, Any]], answers: list[str]) -> None:
+    answers.append(reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages))))
+
+
+@pytest.mark.parametrize("wait_s", ["10", "0"])
+def test_a_request_waits_for_the_turn_computing_its_system_prompt(
+    engines: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, wait_s: str
+) -> None:
+    p0, p1, d = engines
+    for engine in engines:
+        engine.wait_idle()
+    proxy = proxy_factory([p0, p1], [d], ready_path="/ready", prefix_wait_max_s=wait_s)
+    system = f"You wait for the prefix another request is computing ({wait_s}). " * 24
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Who computes?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "Who waits?"}]
+    before = [p.metrics() for p in (p0, p1)]
+    answers: list[str] = []
+    leader = threading.Thread(target=_ask, args=(proxy, first, answers))
+    leader.start()
+    try:
+        # The first request is on its way to a P (its prompt is in the proxy's index, which
+        # it enters as it is sent) before the second is sent.
+        wait_until(
+            lambda: proxy.metrics().get("kvrelay_prefix_index_entries", 0) >= 1,
+            10,
+            what="the first request to be sent to a P",
+        )
+        follower: list[str] = []
+        _ask(proxy, second, follower)
+    finally:
+        leader.join(60)
+    assert answers == [reference_chat(first, 12)]
+    assert follower == [reference_chat(second, 12)]
+    after = [p.metrics() for p in (p0, p1)]
+    m = proxy.metrics()
+    served = sorted(_grew(after, before, "enginesim_requests_total"))
+    if wait_s != "0":
+        assert m.get(f'{WAITS}{{result="computed"}}', 0) == 1
+        assert served == [0, 2]  # both on the P that computed the system prompt
+        # The system prompt (about 850 tokens) served whole from that P's cache.
+        assert sum(_grew(after, before, CACHED)) >= SYSTEM_TOKENS
+    else:
+        assert not any(k.startswith(WAITS) for k in m)
+        # Sent beside the first, the second found only the blocks computed so far: the rest
+        # of the system prompt was computed twice.
+        assert sum(_grew(after, before, CACHED)) < SYSTEM_TOKENS
+    proxy.stop()
+
+
+def _grew(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
+    return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
