@@ -14,7 +14,7 @@ import pytest
 
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
-from tests.proxy.client import chat_body, post, reply_of
+from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
 
 pytestmark = pytest.mark.nixl
 
@@ -24,18 +24,20 @@ CACHE = ("--enable-prefix-caching",)
 SLOW_PREFILL = ("--prefill-us-per-token", "2000")
 CACHED = "enginesim_prompt_tokens_cached_total"
 SYSTEM_TOKENS = 512  # fewer than the system prompt's whole blocks (848 tokens)
+COMPUTED = "enginesim_prompt_tokens_computed_total"
+SYSTEM_PROMPT_TOKENS = 900  # the spilled test's system prompt, about (26 repeats)
 WAITS = "kvrelay_prefix_waits_total"
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
-    """Two P with slow prefills and one D, each with a local prefix cache."""
+    """Two P and one D with slow prefills, each with a local prefix cache."""
     factory = EngineFactory()
     try:
         p0, p1, d = factory.many(
             ("P0", ["--role", "prefill", *CACHE, *SLOW_PREFILL]),
             ("P1", ["--role", "prefill", *CACHE, *SLOW_PREFILL]),
-            ("D", ["--role", "decode", *CACHE]),
+            ("D", ["--role", "decode", *CACHE, *SLOW_PREFILL]),
         )
         yield p0, p1, d
     finally:
@@ -93,3 +95,64 @@ def test_a_request_waits_for_the_turn_computing_its_system_prompt(
 
 def _grew(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
     return [a.get(name, 0.0) - b.get(name, 0.0) for a, b in zip(after, before, strict=True)]
+
+
+def _stream(proxy: ProxyServer, messages: list[dict[str, Any]], answers: list[str]) -> None:
+    status, events, raw = stream(proxy.url, "/v1/chat/completions", chat_body(messages))
+    assert status == 200, raw
+    answers.append(streamed_text(events, chat=True))
+
+
+@pytest.mark.parametrize("wait_s", ["10", "0"])
+def test_a_request_waits_for_a_spilled_stream_until_its_first_token(
+    engines: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, wait_s: str
+) -> None:
+    """The first request spills to D (`prefill_spill_factor` under 1: even an idle P loses to
+    D) and streams; the second, sharing its system prompt, waits until D's first token (D has
+    computed the prompt then, though its answer goes on) and then spills to D too, whose cache
+    serves it; without the wait the system prompt is computed twice (by D beside the first,
+    or by a P)."""
+    p0, p1, d = engines
+    for engine in engines:
+        engine.wait_idle()
+    proxy = proxy_factory(
+        [p0, p1],
+        [d],
+        ready_path="/ready",
+        prefix_wait_max_s=wait_s,
+        prefill_spill_factor="0.5",
+        routing_policy="conditional",
+    )
+    system = f"You wait for a spilled stream's first token ({wait_s}). " * 26
+    first = [{"role": "system", "content": system}, {"role": "user", "content": "Streamed?"}]
+    second = [{"role": "system", "content": system}, {"role": "user", "content": "And then?"}]
+    before = [e.metrics() for e in engines]
+    answers: list[str] = []
+    leader = threading.Thread(target=_stream, args=(proxy, first, answers))
+    leader.start()
+    try:
+        # The first request is on its way to D (the proxy counts its spill as it plans it).
+        wait_until(
+            lambda: proxy.metrics().get('kvrelay_prefill_spilled_total{turn="first"}', 0) >= 1,
+            10,
+            what="the first request to spill",
+        )
+        follower: list[str] = []
+        _stream(proxy, second, follower)
+    finally:
+        leader.join(60)
+    assert answers == [reference_chat(first, 12)]
+    assert follower == [reference_chat(second, 12)]
+    after = [e.metrics() for e in engines]
+    computed = sum(_grew(after, before, COMPUTED))
+    m = proxy.metrics()
+    if wait_s != "0":
+        assert m.get(f'{WAITS}{{result="computed"}}', 0) == 1
+        assert m.get('kvrelay_routing_decisions_total{decision="spilled"}', 0) == 2
+        # The second served the system prompt whole from D's cache: computed once.
+        assert _grew(after, before, CACHED)[2] >= SYSTEM_TOKENS
+        assert computed < 1.5 * SYSTEM_PROMPT_TOKENS
+    else:
+        assert not any(k.startswith(WAITS) for k in m)
+        assert computed > 1.5 * SYSTEM_PROMPT_TOKENS  # computed twice (by D, or by D and a P)
+    proxy.stop()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvrelay.connector.protocol import REFUSED_HASH, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
@@ -250,7 +250,12 @@ class Turn:
             served = await leg.serve(
                 ctx, p_params, p_url, plan.decode_first, self.hold, plan.decode_tokens, self._prompt
             )
-            self._end_lead()  # a spill's D started answering: it computed the prompt
+            lead = self._lead
+            if lead is not None and ctx.stream:
+                # A spill's D has computed the prompt at its first token.
+                served.prefilled = _then(served.prefilled, lead.done)
+            else:
+                self._end_lead()  # a whole answer: D computed the prompt long before
             with served:
                 self.decode_url = served.backend.url
                 if served.hold:
@@ -298,6 +303,18 @@ class Turn:
             )
         if d is not None and d.local_hit and d_url is not None:
             router.decode_served(d_url, d.local_hit, tenant)
+
+
+def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
+    """`first` (if any), then `then`: two hooks where a leg takes one."""
+    if first is None:
+        return then
+
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _count_pull(leg: str, url: str, account: PromptAccount) -> None:
