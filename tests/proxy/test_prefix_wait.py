@@ -2,7 +2,8 @@
 (`prefix_wait_max_s`), on enginesim P and D (real NIXL) whose prefills take modelled time: the
 second of two requests sharing a long system prompt, sent while the first's P computes it, is
 sent only once that P answered, to that P, which serves the system prompt from its cache (its
-own counter); without the wait it is computed twice."""
+own counter); a request spilled to D and streamed leads until D's first token. Without the wait
+the system prompt is computed twice."""
 
 from __future__ import annotations
 

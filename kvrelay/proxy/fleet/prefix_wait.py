@@ -8,7 +8,7 @@ sharing a new system prompt, tool schema or document is computed once per reques
 burst, each copy slowing the others. So with `prefix_wait_max_s` > 0 a turn whose prompt is at
 least half a prefix another turn of this worker is computing, and at least
 `prefix_pull_min_tokens` long, waits until that turn's engine has computed it (its P answered,
-or its spilled D started answering), at most `prefix_wait_max_s`, and is routed only then: to
+or its spilled D sent the first token), at most `prefix_wait_max_s`, and is routed only then: to
 the engine that now caches the prefix, as its KV events or the routing-fed index say.
 
 A turn leads the prefixes of its prompt that no engine is expected to cache (`lead`) and ends
