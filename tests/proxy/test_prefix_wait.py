@@ -8,7 +8,7 @@ the system prompt is computed twice."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -61,23 +61,9 @@ def test_a_request_waits_for_the_turn_computing_its_system_prompt(
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Who computes?"}]
     second = [{"role": "system", "content": system}, {"role": "user", "content": "Who waits?"}]
     before = [p.metrics() for p in (p0, p1)]
-    answers: list[str] = []
-    leader = threading.Thread(target=_ask, args=(proxy, first, answers))
-    leader.start()
-    try:
-        # The first request is on its way to a P (its prompt is in the proxy's index, which
-        # it enters as it is sent) before the second is sent.
-        wait_until(
-            lambda: proxy.metrics().get("kvrelay_prefix_index_entries", 0) >= 1,
-            10,
-            what="the first request to be sent to a P",
-        )
-        follower: list[str] = []
-        _ask(proxy, second, follower)
-    finally:
-        leader.join(60)
-    assert answers == [reference_chat(first, 12)]
-    assert follower == [reference_chat(second, 12)]
+    # The second is sent once the first is on its way to a P (its prompt is in the proxy's
+    # index, which it enters as it is sent).
+    _leader_then_follower(proxy, _ask, first, second, "kvrelay_prefix_index_entries")
     after = [p.metrics() for p in (p0, p1)]
     m = proxy.metrics()
     served = sorted(_grew(after, before, "enginesim_requests_total"))
@@ -92,6 +78,31 @@ def test_a_request_waits_for_the_turn_computing_its_system_prompt(
         # of the system prompt was computed twice.
         assert sum(_grew(after, before, CACHED)) < SYSTEM_TOKENS
     proxy.stop()
+
+
+Send = Callable[[ProxyServer, list[dict[str, Any]], list[str]], None]
+
+
+def _leader_then_follower(
+    proxy: ProxyServer,
+    send: Send,
+    first: list[dict[str, Any]],
+    second: list[dict[str, Any]],
+    started: str,
+) -> None:
+    """`first` sent in a thread; `second` once the proxy's metric `started` shows the first on
+    its way; both answers checked against the reference."""
+    answers: list[str] = []
+    leader = threading.Thread(target=send, args=(proxy, first, answers))
+    leader.start()
+    try:
+        wait_until(lambda: proxy.metrics().get(started, 0) >= 1, 10, what=f"{started} of the first")
+        follower: list[str] = []
+        send(proxy, second, follower)
+    finally:
+        leader.join(60)
+    assert answers == [reference_chat(first, 12)]
+    assert follower == [reference_chat(second, 12)]
 
 
 def _grew(after: list[dict[str, float]], before: list[dict[str, float]], name: str) -> list[float]:
@@ -128,22 +139,9 @@ def test_a_request_waits_for_a_spilled_stream_until_its_first_token(
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Streamed?"}]
     second = [{"role": "system", "content": system}, {"role": "user", "content": "And then?"}]
     before = [e.metrics() for e in engines]
-    answers: list[str] = []
-    leader = threading.Thread(target=_stream, args=(proxy, first, answers))
-    leader.start()
-    try:
-        # The first request is on its way to D (the proxy counts its spill as it plans it).
-        wait_until(
-            lambda: proxy.metrics().get('kvrelay_prefill_spilled_total{turn="first"}', 0) >= 1,
-            10,
-            what="the first request to spill",
-        )
-        follower: list[str] = []
-        _stream(proxy, second, follower)
-    finally:
-        leader.join(60)
-    assert answers == [reference_chat(first, 12)]
-    assert follower == [reference_chat(second, 12)]
+    # The second is sent once the first is on its way to D (its spill counted as planned).
+    spilled = 'kvrelay_prefill_spilled_total{turn="first"}'
+    _leader_then_follower(proxy, _stream, first, second, spilled)
     after = [e.metrics() for e in engines]
     computed = sum(_grew(after, before, COMPUTED))
     m = proxy.metrics()

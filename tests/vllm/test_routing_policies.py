@@ -13,8 +13,8 @@
 - A proxy started after P2 cached a system prompt learns it on the first request it routes
   there (vLLM's events name only the blocks after it; the routed prompt names their parent).
 - `decode_only_cached`: a request with no held history whose system prompt D decoded goes
-  straight to D, whose own prefix cache serves it; with every engine's KV events followed, D's
-  own events are what send it there.
+  straight to D, whose own prefix cache serves it (by the routing-fed index, or by D's own KV
+  events where the proxy follows them).
 - A conversation whose hold is gone, its history last served decode-only on D: with every P
   idle its next turn still goes to D (spilled), whose own prefix cache serves the history.
 - D publishes its KV events too: a conversation whose hold is gone has its history pinned on D
@@ -391,77 +391,56 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
         factory.close()
 
 
+@pytest.mark.parametrize("events", [False, True], ids=["routing-fed", "d-events"])
 def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d(
-    cached_fleet: CachedFleet,
+    cached_fleet: CachedFleet, events: bool
 ) -> None:
     """No held history (another conversation sharing the system prompt), but D decoded that
     prompt: with `decode_only_cached` the request goes straight to D, whose own prefix cache
     serves the system prompt (vLLM's prefix-cache hits on D grow by its full blocks), no P is
-    asked, and the answer equals plain vLLM's."""
+    asked, and the answer equals plain vLLM's. With `events` the proxy follows every engine's
+    KV events and its routing-fed index expires at once: D's own events showing the prompt
+    cached are what send the request there."""
     fleet = cached_fleet
     p, p2, d = fleet.prefill, fleet.second, fleet.decode
-    system = f"{SYSTEM} Served again from the decode engine's own cache. " * 2
+    system = f"{SYSTEM} Served again from the decode engine's own cache ({events}). " * 2
+    followed: dict[str, str] = {}
+    if events:
+        followed = {
+            "prefix_index_ttl_s": "0.001",
+            "admin_key": ADMIN_KEY,
+            "kv_events_endpoints": f"{fleet.events_endpoints},{fleet.decode_events}",
+        }
     factory = ProxyFactory()
     try:
         proxy = _conditional_proxy(
             factory, fleet, conditional_max_uncached_tokens="96", decode_only_cached="true",
-            prefill_spill_factor="0",
+            prefill_spill_factor="0", **followed,
         )  # fmt: skip
         first = _with_system(system, "Hello.")
         conversations = [f"cached-{uuid.uuid4().hex[:8]}" for _ in range(2)]
         out = _ask(proxy, first, conversations[0])
         assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
+        other = _with_system(system, "Where from?")
+        if events:
+            # The first turn's hold given back: its blocks stay in D's cache, as D's events say.
+            assert proxy.call("DELETE", f"/v1/conversations/{conversations[0]}")[0] == 200
+            prompt_tokens = int(out["usage"]["prompt_tokens"])
+            wait_until(
+                lambda: proxy.events_cached(other, "decode")[d.url] >= prompt_tokens // 2,
+                10,
+                what="D's events to show the system prompt",
+            )
         p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
         d_hits = _settled(d, CACHE_HITS)
-        other = _with_system(system, "Where from?")
         out = _ask(proxy, other, conversations[1])
         assert out["choices"][0]["message"]["content"] == _reference(fleet, other)
         assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
         assert _settled(d, CACHE_HITS) - d_hits >= 2 * vllm_servers.BLOCK_SIZE
         decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
         assert decisions == 1
-        for conversation in conversations:
+        for conversation in conversations[1:] if events else conversations:
             assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
-    finally:
-        factory.close()
-
-
-def test_decode_only_cached_follows_ds_own_kv_events(cached_fleet: CachedFleet) -> None:
-    """As above, with the proxy following every engine's KV events and its routing-fed index
-    expiring at once: what sends the second request (another conversation sharing the system
-    prompt) straight to D is D's own events showing the prompt cached. No P is asked, vLLM's
-    prefix-cache hits on D grow by the shared blocks, and the answer equals plain vLLM's."""
-    fleet = cached_fleet
-    p, p2, d = fleet.prefill, fleet.second, fleet.decode
-    system = f"{SYSTEM} Its own events say the decode engine still caches this. " * 2
-    factory = ProxyFactory()
-    try:
-        proxy = _conditional_proxy(
-            factory, fleet, conditional_max_uncached_tokens="96", decode_only_cached="true",
-            prefill_spill_factor="0", prefix_index_ttl_s="0.001", admin_key=ADMIN_KEY,
-            kv_events_endpoints=f"{fleet.events_endpoints},{fleet.decode_events}",
-        )  # fmt: skip
-        first = _with_system(system, "Hello.")
-        conversations = [f"events-{uuid.uuid4().hex[:8]}" for _ in range(2)]
-        out = _ask(proxy, first, conversations[0])
-        assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
-        assert proxy.call("DELETE", f"/v1/conversations/{conversations[0]}")[0] == 200
-        prompt_tokens = int(out["usage"]["prompt_tokens"])
-        other = _with_system(system, "Where from?")
-        wait_until(
-            lambda: proxy.events_cached(other, "decode")[d.url] >= prompt_tokens // 2,
-            10,
-            what="D's events to show the system prompt",
-        )
-        p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
-        d_hits = _settled(d, CACHE_HITS)
-        out = _ask(proxy, other, conversations[1])
-        assert out["choices"][0]["message"]["content"] == _reference(fleet, other)
-        assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
-        assert _settled(d, CACHE_HITS) - d_hits >= 2 * vllm_servers.BLOCK_SIZE
-        decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
-        assert decisions == 1
-        assert proxy.call("DELETE", f"/v1/conversations/{conversations[1]}")[0] == 200
     finally:
         factory.close()
 
