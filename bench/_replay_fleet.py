@@ -20,7 +20,8 @@ system serves from all of them.
   variant; `kvrelay kv events decode-only cached` (both: D's events, too, say what its cache
   holds, so a request sharing a prefix a D cached goes to that D alone, as aggregated serving
   would send it); `kvrelay kv events prefix wait` (the same, and a turn sharing most of its
-  prompt with one whose engine is computing it waits for that, `prefix_wait_max_s` 2 s);
+  prompt with one whose engine is computing it waits for that, `prefix_wait_max_s` 2 s) and
+  its holds-off variant;
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -140,6 +141,14 @@ SYSTEMS: tuple[System, ...] = (
         "kvrelay kv events prefix wait",
         "kvrelay",
         "default",
+        proxy_settings=(CACHED, PREFIX_WAIT),
+        kv_events=True,
+    ),
+    System(
+        "kvrelay kv events prefix wait holds off",
+        "kvrelay",
+        "default",
+        holds=False,
         proxy_settings=(CACHED, PREFIX_WAIT),
         kv_events=True,
     ),
