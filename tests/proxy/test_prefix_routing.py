@@ -728,17 +728,22 @@ def test_a_next_turn_that_finds_its_hold_given_back_still_teaches_the_tenant() -
 
 
 def test_a_turn_waits_only_for_a_leader_computing_most_of_its_prompt() -> None:
-    """A lead covers the prompt's prefixes beyond what any engine caches, and none already
-    led; a later prompt finds it only through a prefix of at least half of itself and at least
-    the minimum; `done` drops the lead's prefixes, once, and only its own."""
+    """A lead covers the prompt's prefixes beyond what any engine caches by at least the
+    minimum, and none already led; a later prompt finds it only through a prefix of at least
+    half of itself and at least the minimum; `done` drops the lead's prefixes, once, and only
+    its own."""
     in_flight = PrefixesInFlight(max_wait_s=5, min_chars=400)
     assert not PrefixesInFlight(max_wait_s=0, min_chars=400).on
     long_system = "You answer from the shared document. " * 30  # 1110 characters
     first = _prefixes(_chat("First question?", system=long_system))
     assert in_flight.leader_of(first) is None
-    # An engine caches the system prompt already: the lead is the rest only.
-    cached_system = in_flight.lead(first, {"http://p0": first.chars[0]})
-    assert cached_system is not None and len(in_flight) == 1
+    # An engine caches the system prompt already and the rest is under the minimum: nothing
+    # worth waiting for is computed, and a prefix cached but for a partial block is not led.
+    assert in_flight.lead(first, {"http://p0": first.chars[0]}) is None
+    assert in_flight.lead(first, {"http://p0": first.chars[0] - 60}) is None
+    long_question = _prefixes(_chat("A long question? " * 30, system=long_system))
+    cached_system = in_flight.lead(long_question, {"http://p0": first.chars[0]})
+    assert cached_system is not None and len(in_flight) == 1  # the rest only
     cached_system.done()
     lead = in_flight.lead(first, {})
     assert lead is not None and len(in_flight) == len(first.keys)
@@ -778,6 +783,36 @@ async def test_waiters_go_on_when_the_lead_is_done_or_at_the_bound() -> None:
     await asyncio.wait_for(quick.wait(_prefixes(_chat("Wait?", system=long_system))), 1)
     assert _counter('kvrelay_prefix_waits_total{result="timeout"}') == timeouts + 1
     await asyncio.wait_for(in_flight.wait(_prefixes(_chat("Nobody?"))), 1)
+
+
+async def test_a_turn_leads_before_it_is_planned_and_again_on_what_it_then_knows() -> None:
+    """A turn leads as soon as it knows its prompt; planned, it leads again (`relead`): a
+    waiter whose prefix the new lead still covers waits on for it, one whose prefix the
+    engines turned out to cache goes on at once, and ending the old lead never ends the new."""
+    long_system = "Everyone waits for this system prompt. " * 30
+    in_flight = PrefixesInFlight(max_wait_s=5, min_chars=400)
+    prompt = _prefixes(_chat("The leader's own long question? " * 20, system=long_system))
+    provisional = in_flight.lead(prompt, {})  # before tokens: no engine known to cache it
+    assert provisional is not None
+    follower = _prefixes(_chat("Wait?", system=long_system))
+    same = _prefixes(_chat("The leader's own long question? " * 20, system=long_system))
+    waiter = asyncio.create_task(in_flight.wait(follower))
+    twin = asyncio.create_task(in_flight.wait(same))
+    await asyncio.sleep(0)
+    # Planned: the engines' events show the system prompt cached; the rest is still computed.
+    lead = in_flight.relead(provisional, prompt, {"http://d0": prompt.chars[0]})
+    assert lead is not None and lead is not provisional
+    await asyncio.wait_for(waiter, 1)  # its prefix is cached: nothing to wait for
+    await asyncio.sleep(0)
+    assert not twin.done()  # the whole prompt is still being computed
+    provisional.done()  # ending the old lead again leaves the new one in place
+    assert in_flight.leader_of(same) is lead
+    lead.done()
+    await asyncio.wait_for(twin, 1)
+    # A turn planned decode-only ends its lead; one that finds all of it cached leads nothing.
+    again = in_flight.lead(prompt, {})
+    assert in_flight.relead(again, prompt, {"http://d0": prompt.total}) is None
+    assert len(in_flight) == 0 and in_flight.relead(None, prompt, {}) is not None
 
 
 def _counter(name: str) -> float:

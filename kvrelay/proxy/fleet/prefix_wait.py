@@ -11,15 +11,21 @@ least half a prefix another turn of this worker is computing, and at least
 or its spilled D sent the first token), at most `prefix_wait_max_s`, and is routed only then: to
 the engine that now caches the prefix, as its KV events or the routing-fed index say.
 
-A turn leads the prefixes of its prompt that no engine is expected to cache (`lead`) and ends
-its lead (`Lead.done`) once its engine computed them, or when it fails: every way out of a turn
-ends it. Only turns of the same worker wait for each other (each worker knows its own).
-Waits are counted in `kvrelay_prefix_waits_total{result=computed|timeout}`.
+A turn leads the prefixes of its prompt that no engine is expected to cache, by at least the
+minimum (`lead`), as soon as it knows its prompt: before it is tokenized and planned, which
+takes long enough under a burst that a turn sharing the prefix could otherwise come, find no
+leader and be planned beside it. Once planned the turn leads again on what it then knows
+(`relead`: the engines' KV events looked up with its tokens, and whether it computes at all):
+the old lead ends and its waiters look again, waiting on the new lead if it still covers them.
+A turn ends its lead (`Lead.done`) once its engine computed the prefixes, or when it fails:
+every way out of a turn ends it. Only turns of the same worker wait for each other (each worker
+knows its own). Waits are counted in `kvrelay_prefix_waits_total{result=computed|timeout}`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 
 from kvrelay.proxy.fleet.prefix_index import PromptPrefixes
@@ -41,6 +47,10 @@ class Lead:
         if self._done.is_set():
             return
         self._done.set()
+        self.release()
+
+    def release(self) -> None:
+        """Its prefixes are no longer led by it (waiters wake only at `done`)."""
         leaders = self._owner._leaders
         for key in self._keys:
             if leaders.get(key) is self:
@@ -84,25 +94,33 @@ class PrefixesInFlight:
         return None
 
     async def wait(self, prompt: PromptPrefixes) -> None:
-        """Wait for the turn computing most of `prompt`, if one is (module docstring)."""
+        """Wait for the turn computing most of `prompt`, if one is (module docstring); a lead
+        that ends because its turn led again is looked up again, within the one bound."""
         lead = self.leader_of(prompt)
         if lead is None:
             return
-        computed = await lead.wait(self.max_wait_s)
-        metrics.PREFIX_WAITS.labels("computed" if computed else "timeout").inc()
+        deadline = time.monotonic() + self.max_wait_s
+        while lead is not None:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await lead.wait(left):
+                metrics.PREFIX_WAITS.labels("timeout").inc()
+                return
+            lead = self.leader_of(prompt)
+        metrics.PREFIX_WAITS.labels("computed").inc()
 
     def lead(self, prompt: PromptPrefixes, cached: Mapping[str, int]) -> Lead | None:
         """This turn computes `prompt` beyond what any engine is expected to cache (`cached`:
-        engine URL -> characters): its prefixes beyond that, none of them already led, are in
-        flight until the returned lead is done. None when there are none."""
+        engine URL -> characters): its prefixes longer than that by at least the minimum (a
+        turn waiting for less would save less than a pull is worth), none of them already led,
+        are in flight until the returned lead is done. None when there are none."""
         if not self.on:
             return None
-        have = max(cached.values(), default=0)
+        beyond = max(cached.values(), default=0) + self._min_chars
         leaders = self._leaders
         keys = [
             key
             for key, chars in zip(prompt.keys, prompt.chars, strict=True)
-            if chars > have and key not in leaders
+            if chars >= beyond and key not in leaders
         ]
         if not keys:
             return None
@@ -110,3 +128,16 @@ class PrefixesInFlight:
         for key in keys:
             leaders[key] = lead
         return lead
+
+    def relead(
+        self, lead: Lead | None, prompt: PromptPrefixes, cached: Mapping[str, int]
+    ) -> Lead | None:
+        """The turn that holds `lead` (None: none) now knows more of what the engines cache
+        (`cached`) and still computes `prompt`: it leads what is left (`lead`), and the old
+        lead ends, its waiters looking again (`wait`)."""
+        if lead is not None:
+            lead.release()
+        new = self.lead(prompt, cached)
+        if lead is not None:
+            lead.done()
+        return new

@@ -112,6 +112,7 @@ class Turn:
                 if self._prompt is not None and crew.router.in_flight.on:
                     # Another turn computing most of this prompt: routed once it is cached.
                     await crew.router.in_flight.wait(self._prompt)
+                    self._lead_prompt(self._prompt)  # led until planned (prefix_wait.py)
                 if self._prompt is not None and crew.router.wants_tokens:
                     self._prompt = await crew.with_tokens(self._prompt, ctx.route, ctx.body)
             plan = self.plan = await crew.policy.plan(
@@ -119,7 +120,9 @@ class Turn:
             )
             self._report_plan(plan)
             through_p = plan.route is Route.THROUGH_P
-            if self._prompt is not None and plan.route is not Route.DECODE_ONLY:
+            if plan.route is Route.DECODE_ONLY:
+                self._end_lead()  # D's cache serves it: nothing computed to wait for
+            elif self._prompt is not None:
                 self._lead_prompt(self._prompt)  # through P or spilled: it computes it
             if through_p:
                 try:
@@ -147,11 +150,12 @@ class Turn:
         self._learn(plan)
 
     def _lead_prompt(self, prompt: PromptPrefixes) -> None:
-        """This turn computes `prompt`: what no engine caches yet, other turns may wait for
+        """This turn computes `prompt` (as far as it knows: once planned it leads again on what
+        it then knows): what no engine caches yet, other turns may wait for
         (`prefix_wait_max_s`) until `_end_lead`."""
         router = self.crew.router
         if router.in_flight.on:
-            self._lead = router.in_flight.lead(prompt, router.cached_chars(prompt))
+            self._lead = router.in_flight.relead(self._lead, prompt, router.cached_chars(prompt))
 
     def _end_lead(self) -> None:
         if self._lead is not None:
