@@ -21,7 +21,9 @@ system serves from all of them.
   holds, so a request sharing a prefix a D cached goes to that D alone, as aggregated serving
   would send it); `kvrelay kv events prefix wait` (the same, and a turn sharing most of its
   prompt with one whose engine is computing it waits for that, `prefix_wait_max_s` 2 s) and
-  its holds-off variant;
+  its holds-off variant; `kvrelay kv events prefix wait spill 1` (the same with
+  `prefill_spill_factor` 1: a turn spills to a D once P's queue is as long as D's, instead of
+  twice as long) and its holds-off variant;
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -107,6 +109,9 @@ CACHED = ("KVRELAY_DECODE_ONLY_CACHED", "true")
 # A turn sharing most of its prompt with one being computed waits for it, up to 2 s (a long
 # prompt's prefill on a loaded engine).
 PREFIX_WAIT = ("KVRELAY_PREFIX_WAIT_MAX_S", "2")
+# A turn spills to a D once P's queued prompt work is as long as D's (the default waits for
+# twice as long, sparing D's decodes the prefill).
+SPILL_1 = ("KVRELAY_PREFILL_SPILL_FACTOR", "1")
 
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
@@ -150,6 +155,21 @@ SYSTEMS: tuple[System, ...] = (
         "default",
         holds=False,
         proxy_settings=(CACHED, PREFIX_WAIT),
+        kv_events=True,
+    ),
+    System(
+        "kvrelay kv events prefix wait spill 1",
+        "kvrelay",
+        "default",
+        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
+        kv_events=True,
+    ),
+    System(
+        "kvrelay kv events prefix wait spill 1 holds off",
+        "kvrelay",
+        "default",
+        holds=False,
+        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
         kv_events=True,
     ),
     System(
