@@ -8,6 +8,7 @@ the engines were sent, what the client got, what the map holds and what was rele
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
@@ -612,3 +613,59 @@ async def test_a_hold_d_declined_stores_no_entry_and_releases_nothing(rig: Rig) 
     assert rig.released() == [], "D freed its blocks itself; P's were read by D"
     after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", over_budget) or 0.0
     assert after == before + 1
+
+
+class HeldTokenizer(FakeTokenizer):
+    """`FakeTokenizer` whose answers wait for `go`: a turn held while it is tokenized."""
+
+    def __init__(self) -> None:
+        super().__init__(connect_timeout=1.0)
+        self.asked = asyncio.Event()
+        self.go = asyncio.Event()
+
+    async def post_json(
+        self, base_url: str, path: str, body: bytes, *, timeout_s: float
+    ) -> tuple[int, bytes]:
+        self.asked.set()
+        await self.go.wait()
+        return await super().post_json(base_url, path, body, timeout_s=timeout_s)
+
+
+async def test_a_turn_leads_its_prompt_while_it_is_tokenized() -> None:
+    """With `prefix_wait_max_s` a turn leads the prefixes no engine is known to cache as soon as
+    it knows its prompt: a turn sharing them that comes while the first is still being
+    tokenized (and planned) finds it computing them, instead of being planned beside it."""
+    shared = "Every request of this burst shares this document. " * 24  # 1200 characters
+    settings = Settings(
+        _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1,
+        routing_policy="conditional", kv_events_endpoints=f'{{"{P2}": "tcp://127.0.0.1:1"}}',
+        prefix_pull_min_tokens=64, prefix_wait_max_s=5,
+    )  # fmt: skip
+    prefill = Pool("prefill", eject_after=3, readmit_after=1)
+    decode = Pool("decode", eject_after=3, readmit_after=1)
+    for url in (P1, P2):
+        prefill.add(url)
+    for url in (D1, D2):
+        decode.add(url)
+    tokenizer, releaser, kvmap = HeldTokenizer(), FakeReleaser(), MemoryMap()
+    fleet = Fleet(settings, prefill, decode, kvmap, tokenizer, releaser)
+    engines = FakeEngines({P1: [prefill_ok("r1")], P2: [prefill_ok("r1")], D1: [decode_ok("r1")]})
+    request = {"model": "m", "prompt": shared + "Who computes it?", "max_tokens": 8}
+    ctx = TurnContext.of(
+        route="completions", body=request, request_id="r1", tenant=TENANT,
+        shape=completion_shape(request),
+    )  # fmt: skip
+    first = asyncio.create_task(Turn(TurnCrew.of(fleet, engines), FakeClient(), ctx).run())
+    try:
+        await asyncio.wait_for(tokenizer.asked.wait(), 5)
+        second = {"model": "m", "prompt": shared + "Who waits?", "max_tokens": 8}
+        follower = completion_shape(second).prefixes("", second)
+        assert follower is not None
+        assert fleet.router.in_flight.leader_of(follower) is not None
+        tokenizer.go.set()
+        await asyncio.wait_for(first, 5)
+        assert fleet.router.in_flight.leader_of(follower) is None  # the turn is over
+    finally:
+        tokenizer.go.set()
+        await releaser.drain()
+        await kvmap.close()
