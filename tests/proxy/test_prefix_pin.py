@@ -111,10 +111,13 @@ def _pulls(leg: str, result: str) -> float:
 async def test_a_pin_answered_in_time_gives_the_holders_params() -> None:
     engines, released = Engines(Answer(200, {"kv_transfer_params": PARAMS})), Released()
     # A spilled turn's pin: counted as the decode leg's.
-    pin, _, holder = _pin(engines, released, leg="decode")
+    pin, router, holder = _pin(engines, released, leg="decode")
+    router.pin_rests.late(HOLDER)
+    router.pin_rests.late(HOLDER)  # two late pins in a row before this one
     before = _pulls("decode", "pinned"), _pulls("prefill", "pinned")
     params = await pin.pin(PrefixSource(holder, 3), list(range(100)))
     assert params is not None and params.release_token == "pin-token"
+    assert router.pin_rests.late(HOLDER) == 2.0  # on time: its next late pin starts anew
     assert (_pulls("decode", "pinned"), _pulls("prefill", "pinned")) == (before[0] + 1, before[1])
     url, path, body, headers = engines.sent[0]
     assert (url, path, body["prompt"]) == (HOLDER, "/v1/completions", [0, 1, 2])
@@ -146,6 +149,7 @@ async def test_a_late_pin_is_given_up_released_when_it_answers_and_its_holder_re
     pin, router, holder = _pin(engines, released, timeout_s=0.05)
     assert await pin.pin(PrefixSource(holder, 3), [1, 2, 3]) is None
     assert not router.serves_pulls(HOLDER)  # no pulls from it for a while
+    assert router.pin_rests.late(HOLDER) == 4.0  # its second late pin in a row: twice the 2 s
     engines.go.set()  # it answers after all: nobody will read it, so it is released
     await asyncio.wait_for(released.any.wait(), 5)  # spawned when the late answer is read
     await released.drain()

@@ -21,6 +21,7 @@ from kvrelay.proxy.fleet import (
     PromptPrefixes,
     Router,
 )
+from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import chat_shape, completion_shape
 
@@ -817,3 +818,20 @@ async def test_a_turn_leads_before_it_is_planned_and_again_on_what_it_then_knows
 
 def _counter(name: str) -> float:
     return parse_samples(metrics.render()[0].decode()).get(name, 0.0)
+
+
+def test_late_pins_rest_their_holder_longer_each_time_until_one_is_on_time() -> None:
+    """A holder's first late pin rests it a few pin timeouts, each late pin after that twice
+    as long, up to the bound; a pin on time ends the series; holders rest apart."""
+    clock = Clock()
+    rests = PinRests(timeout_s=0.5, max_rest_s=60, clock=clock)
+    assert rests.serves("http://p0")
+    assert [rests.late("http://p0") for _ in range(7)] == [2, 4, 8, 16, 32, 60, 60]
+    assert not rests.serves("http://p0") and rests.serves("http://p1")
+    clock.now += 59.9
+    assert not rests.serves("http://p0")
+    clock.now += 0.1
+    assert rests.serves("http://p0")
+    rests.on_time("http://p0")
+    assert rests.late("http://p0") == 2  # a new series
+    assert PinRests(timeout_s=30, max_rest_s=60, clock=clock).late("http://p0") == 60

@@ -548,7 +548,8 @@ class Settings(BaseSettings):
         gt=0,
         description=(
             "prefix_pull: how long a turn waits for the holder's pin; past it the turn's P "
-            "computes the prefix, and that holder serves no pulls for reuse_probe_interval_s."
+            "computes the prefix, and that holder serves no pulls for four times this, twice "
+            "as long after each further late pin in a row, up to reuse_probe_interval_s."
         ),
     )
     hold_min_use: float = Field(

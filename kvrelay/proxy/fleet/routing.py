@@ -43,7 +43,6 @@ affinity until it shows one.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -53,6 +52,7 @@ from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet.block_index import BlockIndex
 from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
+from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
@@ -226,8 +226,7 @@ class Router:
     holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
     in_flight: PrefixesInFlight = field(init=False)  # prefixes being computed (prefix_wait)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
-    # P URL -> until when (monotonic) it serves no pulls: its pin came too late.
-    _slow_pins: dict[str, float] = field(default_factory=dict)
+    pin_rests: PinRests = field(init=False)  # holders resting after late pins
     _last_lookup: _LastLookup = field(default_factory=_LastLookup)
 
     def __post_init__(self) -> None:
@@ -250,6 +249,8 @@ class Router:
         wait_s = s.prefix_wait_max_s if s.prefix_routing else 0.0
         min_chars = s.prefix_pull_min_tokens * _DEFAULT_CHARS_PER_TOKEN
         object.__setattr__(self, "in_flight", PrefixesInFlight(wait_s, min_chars))
+        rests = PinRests(s.prefix_pull_timeout_s, s.reuse_probe_interval_s)
+        object.__setattr__(self, "pin_rests", rests)
 
     # -- load --------------------------------------------------------------------------------
 
@@ -339,14 +340,18 @@ class Router:
         return found
 
     def pin_too_slow(self, url: str) -> None:
-        """The P at `url` did not answer a pin within `prefix_pull_timeout_s` (its queue is
-        not ordered by priority, or it is that busy): no pulls from it for
-        `reuse_probe_interval_s`."""
-        self._slow_pins[url] = time.monotonic() + self.settings.reuse_probe_interval_s
+        """The engine at `url` did not answer a pin within `prefix_pull_timeout_s` (its queue
+        is not ordered by priority, or it is that busy): no pulls from it for a while, longer
+        after each late pin in a row, up to `reuse_probe_interval_s` (`PinRests`)."""
+        self.pin_rests.late(url)
+
+    def pin_on_time(self, url: str) -> None:
+        """The engine at `url` answered a pin in time: its series of late pins ends."""
+        self.pin_rests.on_time(url)
 
     def serves_pulls(self, url: str) -> bool:
-        """The P at `url` is not resting after a late pin (`pin_too_slow`)."""
-        return self._slow_pins.get(url, 0.0) <= time.monotonic()
+        """The engine at `url` is not resting after a late pin (`pin_too_slow`)."""
+        return self.pin_rests.serves(url)
 
     def _pull_source(
         self,

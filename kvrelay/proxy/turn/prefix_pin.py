@@ -13,8 +13,9 @@ computed when anything differs (`kvrelay.connector`).
 
 The pin carries `prefix_pull_priority` so that a holder under `--scheduling-policy priority`
 admits it ahead of its queue; where it does not come back within `prefix_pull_timeout_s` the
-turn goes on without it (its P computes the prefix) and the holder serves no pulls for a while
-(`Router.pin_too_slow`). A pin that answers late is released.
+turn goes on without it (its P computes the prefix) and the holder serves no pulls for a while,
+longer after each late pin in a row (`Router.pin_too_slow`, `PinRests`). A pin that answers
+late is released.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class PrefixPin:
         if params is None:
             metrics.PREFIX_PULLS.labels(self._leg, "pin_failed").inc()
             return None
+        self._router.pin_on_time(url)
         metrics.PREFIX_PULLS.labels(self._leg, "pinned").inc()
         metrics.PREFIX_PINS.labels(holder).inc()
         return params
