@@ -294,6 +294,21 @@ def test_decode_affinity_yields_when_overloaded() -> None:
     assert router.pick_decode(None, set()) is b
 
 
+def test_a_turn_p_prefilled_goes_to_a_d_with_no_prompt_to_prefill_before_its_first_token() -> None:
+    """Without affinity the decode leg goes to the D with the fewest whole steps of decode-only
+    or spilled prompt tokens still to prefill, then the least loaded: a D with fewer requests
+    but a spilled 8,000-token prompt pending is passed over; under a step's worth, the count
+    of requests decides again."""
+    router, _, pool = _router(prefill_step_tokens=4096)
+    a, b = pool.add("http://a"), pool.add("http://b")
+    a.inflight, a.outstanding_work = 1, 1 + 8000  # one spilled turn, its prompt still pending
+    b.inflight, b.outstanding_work = 3, 3  # three decodes
+    assert router.pick_decode(None, set()) is b
+    assert router.pick_decode("http://a", set()) is a  # the holder still wins by affinity
+    a.outstanding_work = 1 + 4000  # under a step: the fewer requests win
+    assert router.pick_decode(None, set()) is a
+
+
 def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> None:
     """The proxy's own counts decide without any load reading: P's queued prompt characters
     (in tokens, 4 characters each until an entry says) against D's decode-only tokens."""
