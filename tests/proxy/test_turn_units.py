@@ -497,22 +497,32 @@ def pin_params() -> dict[str, Any]:
     }  # fmt: skip
 
 
-async def _spill_rig() -> tuple[Fleet, FakeReleaser, MemoryMap]:
-    """Both Ps backed up, P2's events showing the system prompt's blocks: a turn spills to a D,
-    which is to pull the prefix pinned on P2."""
-    settings = Settings(
+def _events_fleet(
+    upstream: Upstream, p_work: int = 0, **settings: Any
+) -> tuple[Fleet, FakeReleaser, MemoryMap]:
+    """Two P (P2's KV events followed) and two D under `conditional`, each P with `p_work`
+    queued; `upstream` is the fleet's engine client (it answers `/tokenize`)."""
+    config = Settings(
         _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1,
         routing_policy="conditional", kv_events_endpoints=f'{{"{P2}": "tcp://127.0.0.1:1"}}',
-        prefix_pull_min_tokens=64, prefill_step_tokens=16,
+        prefix_pull_min_tokens=64, **settings,
     )  # fmt: skip
     prefill = Pool("prefill", eject_after=3, readmit_after=1)
     decode = Pool("decode", eject_after=3, readmit_after=1)
     for url in (P1, P2):
-        prefill.add(url).outstanding_work = 100_000
+        prefill.add(url).outstanding_work = p_work
     for url in (D1, D2):
         decode.add(url)
     releaser, kvmap = FakeReleaser(), MemoryMap()
-    fleet = Fleet(settings, prefill, decode, kvmap, FakeTokenizer(connect_timeout=1.0), releaser)
+    return Fleet(config, prefill, decode, kvmap, upstream, releaser), releaser, kvmap
+
+
+async def _spill_rig() -> tuple[Fleet, FakeReleaser, MemoryMap]:
+    """Both Ps backed up, P2's events showing the system prompt's blocks: a turn spills to a D,
+    which is to pull the prefix pinned on P2."""
+    fleet, releaser, kvmap = _events_fleet(
+        FakeTokenizer(connect_timeout=1.0), p_work=100_000, prefill_step_tokens=16
+    )
     assert fleet.router.blocks is not None
     fleet.router.blocks.stored(P2, list(range(6)), None, PIN_TOKENS, 16, [None] * 6)
     return fleet, releaser, kvmap
@@ -636,19 +646,8 @@ async def test_a_turn_leads_its_prompt_while_it_is_tokenized() -> None:
     it knows its prompt: a turn sharing them that comes while the first is still being
     tokenized (and planned) finds it computing them, instead of being planned beside it."""
     shared = "Every request of this burst shares this document. " * 24  # 1200 characters
-    settings = Settings(
-        _env_file=None, prefill=[P1, P2], decode=[D1, D2], retries=1,
-        routing_policy="conditional", kv_events_endpoints=f'{{"{P2}": "tcp://127.0.0.1:1"}}',
-        prefix_pull_min_tokens=64, prefix_wait_max_s=5,
-    )  # fmt: skip
-    prefill = Pool("prefill", eject_after=3, readmit_after=1)
-    decode = Pool("decode", eject_after=3, readmit_after=1)
-    for url in (P1, P2):
-        prefill.add(url)
-    for url in (D1, D2):
-        decode.add(url)
-    tokenizer, releaser, kvmap = HeldTokenizer(), FakeReleaser(), MemoryMap()
-    fleet = Fleet(settings, prefill, decode, kvmap, tokenizer, releaser)
+    tokenizer = HeldTokenizer()
+    fleet, releaser, kvmap = _events_fleet(tokenizer, prefix_wait_max_s=5)
     engines = FakeEngines({P1: [prefill_ok("r1")], P2: [prefill_ok("r1")], D1: [decode_ok("r1")]})
     request = {"model": "m", "prompt": shared + "Who computes it?", "max_tokens": 8}
     ctx = TurnContext.of(
