@@ -15,13 +15,13 @@ from kvrelay.proxy.fleet import (
     PIN_WAIT_SHARE,
     PULL_COST,
     HoldPayoff,
+    PinRests,
     Pool,
     PrefixesInFlight,
     PrefixIndex,
     PromptPrefixes,
     Router,
 )
-from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import chat_shape, completion_shape
 

@@ -35,6 +35,7 @@ from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.kv_events import EngineEvents, KVEventsFeed, events_endpoint
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.models import ModelCatalog
+from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.fleet.policies import (
     POLICIES,
     Affinity,
@@ -98,6 +99,7 @@ __all__ = [
     "LoadPoller",
     "LocalFleetSync",
     "ModelCatalog",
+    "PinRests",
     "Plan",
     "Pool",
     "PrefillPick",
