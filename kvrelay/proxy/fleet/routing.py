@@ -504,33 +504,16 @@ class Router:
 
     def pick_decode(self, preferred: str | None, exclude: set[str]) -> Backend | None:
         """D by affinity (the holder) unless it is overloaded or busy, else the D whose first
-        token for this turn is expected soonest (`_soonest_first_token`)."""
+        token for this turn is expected soonest: the fewest whole steps of decode-only and
+        spilled prompt still to prefill, then the least loaded (`least_loaded`). A turn P
+        prefilled waits on D for the step that follows its KV's arrival, and a step that also
+        prefills another turn's prompt lasts as long as that prompt's chunk: hundreds of
+        milliseconds against a few for decodes alone."""
         if preferred is not None and preferred not in exclude:
             backend = self._affine(self.decode, preferred, self.settings.decode_overload_inflight)
             if backend is not None:
                 return backend
-        return self._soonest_first_token(exclude)
-
-    def _soonest_first_token(self, exclude: set[str]) -> Backend | None:
-        """The usable D (not in `exclude`) with the fewest whole steps of prompt tokens still to
-        prefill for its decode-only and spilled turns (`prefill_step_tokens` a step), then the
-        least loaded; busy ones last. A turn P prefilled waits on D for the step that follows
-        its KV's arrival, and a step that also prefills another turn's prompt lasts as long as
-        that prompt's chunk: hundreds of milliseconds against a few for decodes alone."""
-        candidates = [b for b in self.decode.usable() if b.url not in exclude]
-        if len(candidates) <= 1:
-            return candidates[0] if candidates else None
-        step = self.settings.prefill_step_tokens
-        return min(
-            candidates,
-            key=lambda b: (
-                self.busy(b),
-                max(0, b.outstanding_work - b.inflight) // step,
-                self._queued(b),
-                b.inflight,
-                b.outstanding_work,
-            ),
-        )
+        return self.least_loaded(self.decode, exclude, self.settings.prefill_step_tokens)
 
     def _affine(self, pool: Pool, preferred: str, overload_inflight: int) -> Backend | None:
         """The `preferred` engine of `pool` when it can take the turn: usable, under
@@ -545,16 +528,20 @@ class Router:
             return backend
         return None
 
-    def least_loaded(self, pool: Pool, exclude: set[str]) -> Backend | None:
+    def least_loaded(self, pool: Pool, exclude: set[str], prefill_step: int = 0) -> Backend | None:
         """The usable engine of `pool` (not in `exclude`) with the least queued, busy ones
-        last: D without affinity, and the pass-through routes."""
+        last: D without affinity, and the pass-through routes. With `prefill_step` (tokens a
+        step computes), first the fewest whole steps of decode-only and spilled prompt tokens
+        still to prefill (`pick_decode`)."""
         candidates = [b for b in pool.usable() if b.url not in exclude]
         if len(candidates) <= 1:
             return candidates[0] if candidates else None
-        return min(
-            candidates,
-            key=lambda b: (self.busy(b), self._queued(b), b.inflight, b.outstanding_work),
-        )
+
+        def load(b: Backend) -> tuple[bool, int, float, int, int]:
+            pending = max(0, b.outstanding_work - b.inflight) // prefill_step if prefill_step else 0
+            return self.busy(b), pending, self._queued(b), b.inflight, b.outstanding_work
+
+        return min(candidates, key=load)
 
     # -- conditional disaggregation ------------------------------------------------------------
 
