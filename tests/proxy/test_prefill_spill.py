@@ -173,10 +173,11 @@ def test_a_streamed_spill_stops_counting_against_ds_budget_at_its_first_token(
     idle: tuple[EngineSim, EngineSim], proxy_factory: Any
 ) -> None:
     p, d = idle
-    # A budget below one prompt: D takes a second spill only once the first is prefilled.
+    # A budget of one prompt (about 400 tokens), not two: D takes a second spill only once
+    # the first is prefilled.
     proxy: ProxyServer = proxy_factory(
         [p], [d], ready_path="/ready", routing_policy="conditional", admin_key=ADMIN_KEY,
-        load_poll_interval_s="0.3", prefill_spill_max_inflight_tokens="50",
+        load_poll_interval_s="0.3", prefill_spill_max_inflight_tokens="600",
     )  # fmt: skip
     _back_up(p, proxy, 3)
     p_before = p.metric("enginesim_requests_total")

@@ -332,6 +332,20 @@ def test_a_turn_spills_to_the_least_loaded_d_when_ps_own_queue_is_longer() -> No
     # Nor does any D with the factor at 0, or under a policy other than conditional.
     b.inflight, b.outstanding_work = 0, 0
     assert router.spill(None, 16_000) is not None
+    # A prompt whose own tokens would take D past the budget goes through P, however long
+    # P's queue: 24,000 tokens on a D with 10,000 queued; 20,000 still spill there.
+    a.inflight, a.outstanding_work = 2, 2 + 32768
+    b.inflight, b.outstanding_work = 1, 1 + 10_000
+    p.inflight, p.outstanding_work = 40, 10**7
+    assert router.spill(None, 96_000) is None
+    spill = router.spill(None, 80_000)
+    assert spill is not None and (spill.backend, spill.tokens) == (b, 20_000)
+    # Judged again on D's own count: 23,000 tokens no longer fit.
+    assert spill.counted(23_000, 0, 80_000) is None
+    assert spill.counted(22_000, 0, 80_000) is not None
+    p.inflight, p.outstanding_work = 2, 32_000
+    b.inflight, b.outstanding_work = 0, 0
+    a.inflight, a.outstanding_work = 1, 1
     other, other_p, other_d = _router(prefill_spill_factor=0)
     other_p.add("http://p").outstanding_work = 10**9
     other_d.add("http://a")

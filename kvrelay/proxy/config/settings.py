@@ -433,8 +433,9 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "conditional: a D takes a spilled turn only while the prompt tokens it still has "
-            "to prefill for decode-only turns are under this (a spilled first turn is a whole "
-            "prompt; this bounds how much of D's decoding waits on prefill)."
+            "to prefill for decode-only turns are under this, and no more than this with the "
+            "turn's own (a spilled first turn is a whole prompt; this bounds how much of D's "
+            "decoding waits on prefill: a longer prompt goes through P)."
         ),
     )
     prefill_spill_max_inter_token_ms: float = Field(

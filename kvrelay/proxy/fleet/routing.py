@@ -43,6 +43,7 @@ affinity until it shows one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -93,6 +94,9 @@ class Spill:
     source: PrefixSource | None = None
     pin_wait_tokens: float = 0.0
     d_cached_chars: int = 0  # the prefix D's own cache is expected to hold (it decoded it)
+    # prefill_spill_max_inflight_tokens: D's decode-only tokens queued plus this turn's
+    # may not pass it (one spilled long prompt stalls every decode on D until it is done).
+    d_budget: float = math.inf
 
     def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
         """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
@@ -111,6 +115,8 @@ class Spill:
         p_queued = self.p_queued_chars * per_char
         if p_queued + uncached <= self.factor * (self.d_queued + d_work):
             return None
+        if self.d_queued + d_tokens > self.d_budget:
+            return None
         return Spill(
             self.backend,
             d_tokens,
@@ -122,6 +128,7 @@ class Spill:
             source,
             self.pin_wait_tokens,
             self.d_cached_chars,
+            self.d_budget,
         )
 
 
@@ -643,7 +650,9 @@ class Router:
         is expected to hold part of it when that D would be done with the turn sooner
         (`_spill_decode`); never a busy or overloaded one, nor
         one whose decode-only tokens still to prefill reach `prefill_spill_max_inflight_tokens`
-        (a decode-only turn's tokens count until its first token). Prompt tokens are
+        or would pass it with this turn's (a decode-only turn's tokens count until its first
+        token; a prompt longer than that goes through P, whose queue delays no decode, and
+        leaves the Ds to the shorter turns behind it). Prompt tokens are
         estimated from characters (`chars_per_token` of the conversation's entry, else the
         latest one seen); the numbers are the pools' own counts and the load
         readings already kept, so this costs a pass over the engines and nothing else. A spill
@@ -703,6 +712,10 @@ class Router:
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_work):
             return None
+        if d_queued + d_tokens > s.prefill_spill_max_inflight_tokens:
+            # D would prefill past its decode-only budget with this turn's own tokens: a
+            # prompt that long goes through P, whose queue delays no decode.
+            return None
         return Spill(
             target,
             d_tokens,
@@ -714,6 +727,7 @@ class Router:
             source,
             pin_wait,
             d_cached_chars,
+            s.prefill_spill_max_inflight_tokens,
         )
 
     def _d_caches_more(self, cached: Mapping[str, int] | None, p_cached: int) -> bool:
