@@ -481,7 +481,7 @@ class FakeTokenizer(Upstream):
     the system prompt's tokens, then the rest of the prompt's."""
 
     async def post_json(
-        self, base_url: str, path: str, body: bytes, *, timeout_s: float
+        self, base_url: str, path: str, body: bytes, *, timeout_s: float, max_bytes: int = 0
     ) -> tuple[int, bytes]:
         assert path == "/tokenize", path
         return 200, json.dumps({"tokens": PIN_TOKENS + [7] * 24, "count": 120}).encode()
@@ -634,10 +634,14 @@ class HeldTokenizer(FakeTokenizer):
         self.go = asyncio.Event()
 
     async def post_json(
-        self, base_url: str, path: str, body: bytes, *, timeout_s: float
+        self, base_url: str, path: str, body: bytes, *, timeout_s: float, max_bytes: int = 0
     ) -> tuple[int, bytes]:
         self.asked.set()
         await self.go.wait()
+        if max_bytes:
+            return await super().post_json(
+                base_url, path, body, timeout_s=timeout_s, max_bytes=max_bytes
+            )
         return await super().post_json(base_url, path, body, timeout_s=timeout_s)
 
 
