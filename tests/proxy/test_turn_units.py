@@ -638,11 +638,9 @@ class HeldTokenizer(FakeTokenizer):
     ) -> tuple[int, bytes]:
         self.asked.set()
         await self.go.wait()
-        if max_bytes:
-            return await super().post_json(
-                base_url, path, body, timeout_s=timeout_s, max_bytes=max_bytes
-            )
-        return await super().post_json(base_url, path, body, timeout_s=timeout_s)
+        return await super().post_json(
+            base_url, path, body, timeout_s=timeout_s, max_bytes=max_bytes
+        )
 
 
 async def test_a_turn_leads_its_prompt_while_it_is_tokenized() -> None:
