@@ -23,7 +23,12 @@ system serves from all of them.
   prompt with one whose engine is computing it waits for that, `prefix_wait_max_s` 2 s) and
   its holds-off variant; `kvrelay kv events prefix wait spill 1` (the same with
   `prefill_spill_factor` 1: a turn spills to a D once P's queue is as long as D's, instead of
-  twice as long) and its holds-off variant;
+  twice as long) and its holds-off variant; `kvrelay kv events prefix wait spill 1 hold max
+  0.1` (the same with each D's `hold_max_fraction` at its hold budget's share, 0.1: a turn
+  larger than that is not held, its blocks left to D's prefix cache, which D's events report
+  and the routing follows); `kvrelay prefix wait spill 1 hold max 0.1` (the same without
+  the engines' events: the routing-fed index of the prompts each D decoded says what its cache
+  holds);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -95,6 +100,8 @@ class System:
     router_args: tuple[str, ...] = ()  # vllm-router tuning flags
     proxy_settings: tuple[tuple[str, str], ...] = ()  # kvrelay settings, as environment
     kv_events: bool = False  # the Ps publish KV cache events, the proxy follows them
+    # Share of a D's pool one hold may pin (its `hold_max_fraction`; None: the hardware's).
+    d_hold_max: float | None = None
 
     @property
     def disaggregated(self) -> bool:
@@ -173,6 +180,21 @@ SYSTEMS: tuple[System, ...] = (
         kv_events=True,
     ),
     System(
+        "kvrelay kv events prefix wait spill 1 hold max 0.1",
+        "kvrelay",
+        "default",
+        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
+        kv_events=True,
+        d_hold_max=0.1,
+    ),
+    System(
+        "kvrelay prefix wait spill 1 hold max 0.1",
+        "kvrelay",
+        "default",
+        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
+        d_hold_max=0.1,
+    ),
+    System(
         "kvrelay load routing",
         "kvrelay",
         "default",
@@ -229,8 +251,10 @@ class Hardware:
         return self.engines * self.pool_blocks() * self.block_size() // trace_block_tokens
 
 
-def engine_args(hw: Hardware, lease_s: float) -> list[str]:
-    """enginesim flags of one engine of `hw` whose hold lease is `lease_s` (replay seconds)."""
+def engine_args(hw: Hardware, lease_s: float, hold_max: float | None = None) -> list[str]:
+    """enginesim flags of one engine of `hw` whose hold lease is `lease_s` (replay seconds)
+    and whose one hold may pin `hold_max` of its pool (None: `hw.hold_max`)."""
+    hold_max = hw.hold_max if hold_max is None else hold_max
     return [
         "--cost-profile", hw.profile,
         "--kv-link", hw.kv_link,
@@ -239,7 +263,7 @@ def engine_args(hw: Hardware, lease_s: float) -> list[str]:
         "--enable-prefix-caching",
         "--lease-seconds", f"{lease_s:g}",
         *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
-        *(["--hold-max-fraction", f"{hw.hold_max:g}"] if hw.hold_max else []),
+        *(["--hold-max-fraction", f"{hold_max:g}"] if hold_max else []),
         "--enable-prompt-tokens-details",
         "--log-level", "WARNING",
         *TINY_GEOMETRY,
@@ -254,7 +278,7 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
     n_p = hw.prefill_engines
     d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
     p_args = [engine_args(hw, hw.unscaled_lease_s) for _ in range(n_p)]
-    d_args = [engine_args(hw, d_lease) for _ in range(hw.engines - n_p)]
+    d_args = [engine_args(hw, d_lease, system.d_hold_max) for _ in range(hw.engines - n_p)]
     if system.kv_events:
         for args in (*p_args, *d_args):
             args += kv_events_args(free_port())

@@ -123,6 +123,22 @@ def test_a_hold_budget_trial_reaches_every_engine_and_none_otherwise() -> None:
     assert not any(flag in a for _, a in rf.roles(kv, hardware(), time_scale=10))
 
 
+def test_a_systems_hold_max_reaches_its_ds_only_and_parses_as_the_engines_flag() -> None:
+    """`d_hold_max` bounds one hold on each D (P's holds serve the turn's own pull); the flag
+    reaches enginesim's parser as the connector's `hold_max_fraction`."""
+    capped = rf.system_by_label("kvrelay kv events prefix wait spill 1 hold max 0.1")
+    flag = "--hold-max-fraction"
+    got = rf.roles(capped, hardware(prefill_engines=2), time_scale=10)
+    assert [a[a.index(flag) + 1] for r, a in got if r == "decode"] == ["0.1", "0.1"]
+    assert not any(flag in a for r, a in got if r == "prefill")
+    assert build_parser().parse_args(got[-1][1]).hold_max_fraction == 0.1
+    plain = rf.system_by_label("kvrelay kv events prefix wait spill 1")
+    assert not any(flag in a for _, a in rf.roles(plain, hardware(), time_scale=10))
+    # A trial's hardware-wide share still reaches every engine of a system without its own.
+    trial = rf.roles(plain, hardware(hold_max=0.25), time_scale=10)
+    assert all(a[a.index(flag) + 1] == "0.25" for _, a in trial)
+
+
 def test_kv_events_systems_publish_from_every_engine_each_on_its_own_port() -> None:
     """P and D publish (a P pulls a history from a D's cache), each on its own endpoint, each
     admitting pins ahead of its queue; the proxy is told every engine's endpoint."""
