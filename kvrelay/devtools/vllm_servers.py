@@ -70,13 +70,23 @@ def kvrelay_transfer_config(side_channel_port: int, **extra: Any) -> dict[str, A
     }
 
 
+# P's lease on the blocks it keeps for D (`kv_lease_duration`, 30 s by default, renewed by D's
+# heartbeats once D's worker has the request). Stock engines are slow to start on a small CPU
+# host (`warm_stock_pair`); what this suite checks is the proxy's wire compatibility, so the
+# lease is long enough never to end before a slow D reads.
+STOCK_LEASE_S = 300
+
+
 def stock_nixl_transfer_config() -> dict[str, Any]:
     """vLLM's own NixlConnector, bidirectional, as the proxy's compatibility mode expects."""
     return {
         "kv_connector": "NixlConnector",
         "kv_role": "kv_both",
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+        "kv_connector_extra_config": {
+            "bidirectional_kv_xfer": True,
+            "kv_lease_duration": STOCK_LEASE_S,
+        },
     }
 
 
@@ -198,6 +208,36 @@ def stock_pair(model_dir: Path) -> tuple[VLLMServer, VLLMServer]:
         config = stock_nixl_transfer_config()
         servers.append(VLLMServer(f"stock-{name}", model_dir, cpu, config, extra_env=env))
     return servers[0], servers[1]
+
+
+def warm_stock_pair(prefill: VLLMServer, decode: VLLMServer, timeout: float = 300) -> None:
+    """One request prefilled on stock P and read by stock D, straight to the engines, so that
+    D's first NIXL handshake with P is done before a test times anything.
+
+    vLLM's NixlConnector runs its NIXL agent's UCX progress thread, which polls without
+    sleeping over UCX's TCP transport: each idle stock engine keeps a core busy. On a two-core
+    host, with the reference server beside the pair, D's first read of P's blocks took 59.5 s
+    (the later ones 0.3-0.4 s; 5.1 s with no reference running), the proxy's first-byte
+    timeout being 60 s."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": "A request that opens the NIXL connection between P and D.",
+        "temperature": 0,
+    }
+    remote_decode = {"do_remote_decode": True, "do_remote_prefill": False}
+    status, out = prefill.post(
+        "/v1/completions",
+        {**body, "max_tokens": 1, "kv_transfer_params": remote_decode},
+        timeout=timeout,
+    )
+    if status != 200 or not isinstance(out.get("kv_transfer_params"), dict):
+        raise RuntimeError(f"stock P did not prefill for D: {status} {out}")
+    params = out["kv_transfer_params"]
+    status, out = decode.post(
+        "/v1/completions", {**body, "max_tokens": 2, "kv_transfer_params": params}, timeout=timeout
+    )
+    if status != 200:
+        raise RuntimeError(f"stock D did not read P's blocks: {status} {out}")
 
 
 def side_channels_setting(*servers: VLLMServer) -> str:

@@ -76,6 +76,7 @@ class PDFleet:
 def _fleet(
     pair: tuple[vllm_servers.VLLMServer, vllm_servers.VLLMServer],
     reference: Reference,
+    warm: Callable[[vllm_servers.VLLMServer, vllm_servers.VLLMServer], None] | None = None,
     **settings: str,
 ) -> Iterator[PDFleet]:
     prefill, decode = pair
@@ -83,6 +84,8 @@ def _fleet(
     try:
         vllm_servers.start_all(prefill, decode)
         ref = reference.server()
+        if warm is not None:
+            warm(prefill, decode)
         proxy = proxies(
             [prefill.url],
             [decode.url],
@@ -164,8 +167,11 @@ def kvrelay_fleet(
 
 @pytest.fixture(scope="module")
 def stock_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[PDFleet]:
-    """vLLM P/D with stock NixlConnector, and the proxy in compatibility mode."""
-    yield from _fleet(vllm_servers.stock_pair(tiny_model), reference_launch)
+    """vLLM P/D with stock NixlConnector, and the proxy in compatibility mode. The pair's NIXL
+    connection is opened first (`warm_stock_pair`: slow on a small CPU host)."""
+    yield from _fleet(
+        vllm_servers.stock_pair(tiny_model), reference_launch, warm=vllm_servers.warm_stock_pair
+    )
 
 
 class FaultPair:
