@@ -5,7 +5,10 @@ profile, the same KV pool and the same local prefix cache each (vLLM caches pref
 default). Disaggregated systems split them into `prefill_engines` P and the rest D; the aggregated
 system serves from all of them.
 
-- `kvrelay`: the proxy's default policy; `kvrelay always_p`; `kvrelay holds off` (the default
+- `kvrelay default`: the proxy's defaults (since 2026-12-01 with `decode_only_cached` on,
+  `prefix_wait_max_s` 2, `prefill_spill_factor` 1 and the connector's `hold_max_fraction` 0.1);
+  `kvrelay previous default` (the defaults before: those three at off, 0 and 2, D's one hold
+  uncapped); `kvrelay always_p`; `kvrelay holds off` (the default
   policy, D's hold lease cut to `HOLDS_OFF_LEASE_S`, so nothing D keeps for a conversation
   outlives its turn: what holding buys is the difference to `kvrelay`); `kvrelay always hold`
   (every turn that can continue holds: `hold_min_use` 0); `kvrelay load routing` (P by load
@@ -15,7 +18,8 @@ system serves from all of them.
   proxy with `kv_events_endpoints`; a P pulls a prefix another P caches: `prefix_pull`);
   `kvrelay kv events no pull` (the same with `prefix_pull` off: each P computes what it lacks);
   `kvrelay kv events holds off` (the same with D's holds off, as `kvrelay holds off`);
-  `kvrelay decode-only cached` (the default with `decode_only_cached`: a turn with no held
+  the steps that led to the default, each the previous default with what its label adds:
+  `kvrelay decode-only cached` (`decode_only_cached`: a turn with no held
   history goes decode-only to the D whose prefix cache is expected to hold it) and its holds-off
   variant; `kvrelay kv events decode-only cached` (both: D's events, too, say what its cache
   holds, so a request sharing a prefix a D cached goes to that D alone, as aggregated serving
@@ -28,7 +32,7 @@ system serves from all of them.
   larger than that is not held, its blocks left to D's prefix cache, which D's events report
   and the routing follows); `kvrelay prefix wait spill 1 hold max 0.1` (the same without
   the engines' events: the routing-fed index of the prompts each D decoded says what its cache
-  holds);
+  holds; these last two are the defaults' settings, spelt out);
 - `vllm-router cache_aware P/D` (its defaults), `... cache_aware tuned P/D` (load balancing
   that engages: `--balance-abs-threshold 4 --balance-rel-threshold 1.2`; at the defaults, 64
   and 1.5, a few P never differ by 64 requests and cache_aware ignores their load),
@@ -116,12 +120,48 @@ CACHED = ("KVRELAY_DECODE_ONLY_CACHED", "true")
 # A turn sharing most of its prompt with one being computed waits for it, up to 2 s (a long
 # prompt's prefill on a loaded engine).
 PREFIX_WAIT = ("KVRELAY_PREFIX_WAIT_MAX_S", "2")
-# A turn spills to a D once P's queued prompt work is as long as D's (the default waits for
-# twice as long, sparing D's decodes the prefill).
+# A turn spills to a D once P's queued prompt work is as long as D's (the default since
+# 2026-12-01; before, twice as long, sparing D's decodes the prefill).
 SPILL_1 = ("KVRELAY_PREFILL_SPILL_FACTOR", "1")
+
+# The defaults before 2026-12-01 (decode_only_cached off, no prefix wait, spill factor 2; D's
+# one hold uncapped), so the systems that name a step from them keep measuring that step.
+BEFORE_BUNDLE = (
+    ("KVRELAY_DECODE_ONLY_CACHED", "false"),
+    ("KVRELAY_PREFIX_WAIT_MAX_S", "0"),
+    ("KVRELAY_PREFILL_SPILL_FACTOR", "2"),
+)
+
+
+def _stepping_stone(
+    label: str,
+    settings: tuple[tuple[str, str], ...],
+    *,
+    holds: bool = True,
+    kv_events: bool = False,
+    d_hold_max: float = 1.0,
+) -> System:
+    """kvrelay at the defaults before 2026-12-01 with `settings` on top (later pairs win)."""
+    return System(
+        label,
+        "kvrelay",
+        "default",
+        holds=holds,
+        proxy_settings=BEFORE_BUNDLE + settings,
+        kv_events=kv_events,
+        d_hold_max=d_hold_max,
+    )
+
 
 SYSTEMS: tuple[System, ...] = (
     System("kvrelay default", "kvrelay", "default"),
+    System(
+        "kvrelay previous default",
+        "kvrelay",
+        "default",
+        proxy_settings=BEFORE_BUNDLE,
+        d_hold_max=1.0,
+    ),
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
@@ -134,72 +174,38 @@ SYSTEMS: tuple[System, ...] = (
         proxy_settings=(("KVRELAY_PREFIX_PULL", "false"),),
         kv_events=True,
     ),
-    System("kvrelay decode-only cached", "kvrelay", "default", proxy_settings=(CACHED,)),
-    System(
-        "kvrelay decode-only cached holds off",
-        "kvrelay",
-        "default",
-        holds=False,
-        proxy_settings=(CACHED,),
-    ),
-    System(
-        "kvrelay kv events decode-only cached",
-        "kvrelay",
-        "default",
-        proxy_settings=(CACHED,),
-        kv_events=True,
-    ),
-    System(
-        "kvrelay kv events prefix wait",
-        "kvrelay",
-        "default",
-        proxy_settings=(CACHED, PREFIX_WAIT),
-        kv_events=True,
-    ),
-    System(
+    # The steps that led to the default (each the previous default and what its label adds).
+    _stepping_stone("kvrelay decode-only cached", (CACHED,)),
+    _stepping_stone("kvrelay decode-only cached holds off", (CACHED,), holds=False),
+    _stepping_stone("kvrelay kv events decode-only cached", (CACHED,), kv_events=True),
+    _stepping_stone("kvrelay kv events prefix wait", (CACHED, PREFIX_WAIT), kv_events=True),
+    _stepping_stone(
         "kvrelay kv events prefix wait holds off",
-        "kvrelay",
-        "default",
+        (CACHED, PREFIX_WAIT),
         holds=False,
-        proxy_settings=(CACHED, PREFIX_WAIT),
         kv_events=True,
     ),
-    System(
-        "kvrelay kv events prefix wait spill 1",
-        "kvrelay",
-        "default",
-        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
-        kv_events=True,
+    _stepping_stone(
+        "kvrelay kv events prefix wait spill 1", (CACHED, PREFIX_WAIT, SPILL_1), kv_events=True
     ),
-    System(
+    _stepping_stone(
         "kvrelay kv events prefix wait spill 1 holds off",
-        "kvrelay",
-        "default",
+        (CACHED, PREFIX_WAIT, SPILL_1),
         holds=False,
-        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
         kv_events=True,
     ),
-    System(
+    _stepping_stone(
         "kvrelay kv events prefix wait spill 1 hold max 0.1",
-        "kvrelay",
-        "default",
-        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
+        (CACHED, PREFIX_WAIT, SPILL_1),
         kv_events=True,
         d_hold_max=0.1,
     ),
-    System(
+    _stepping_stone(
         "kvrelay prefix wait spill 1 hold max 0.1",
-        "kvrelay",
-        "default",
-        proxy_settings=(CACHED, PREFIX_WAIT, SPILL_1),
+        (CACHED, PREFIX_WAIT, SPILL_1),
         d_hold_max=0.1,
     ),
-    System(
-        "kvrelay load routing",
-        "kvrelay",
-        "default",
-        proxy_settings=(ALWAYS_HOLD, ("KVRELAY_PREFIX_ROUTING", "false")),
-    ),
+    _stepping_stone("kvrelay load routing", (ALWAYS_HOLD, ("KVRELAY_PREFIX_ROUTING", "false"))),
     System("vllm-router cache_aware P/D", "vllm-router-pd", "cache_aware"),
     System("vllm-router cache_aware tuned P/D", "vllm-router-pd", "cache_aware", True, BALANCED),
     System("vllm-router power_of_two P/D", "vllm-router-pd", "power_of_two"),

@@ -65,11 +65,12 @@ class ConnectorConfig(BaseModel):
     # The largest share of the pool one hold for a later turn may pin; a turn larger than that
     # is not held (its blocks stay in the prefix cache) and its params say so
     # (`hold_declined`). 1.0: the newest hold is always kept, even alone over the budget. At
-    # the budget's share the budget is a hard bound: measured on the same trace
-    # (bench/RESULTS.md, "Holds no larger than the budget (tried, not the default)") that
-    # halved D's pinned share and lost reuse (0.82-0.88 of the LRU bound against 0.94-0.96)
-    # and goodput, as the histories it did not pin were evicted or computed on a P.
-    hold_max_fraction: float = Field(default=1.0, gt=0, le=1)
+    # the budget's share (the default) the budget is a hard bound. Alone it lost reuse (0.82-0.88
+    # of the LRU bound; bench/RESULTS.md, "Holds no larger than the budget"), as nothing sent a
+    # turn to the history a D no longer held; with the proxy's decode_only_cached, which sends
+    # it to that D's prefix cache, it kept reuse (0.92-0.97) and cut D's pool pinned by unused
+    # holds from 11-16% to 5-6% ("One hold no larger than D's hold budget", runs K and L).
+    hold_max_fraction: float = Field(default=0.1, gt=0, le=1)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

@@ -32,6 +32,7 @@ MAX_MODEL_LEN = 1024
 START_TIMEOUT_S = 420.0
 LEASE_SECONDS = 120
 HOLD_BUDGET_FRACTION = 1.0  # 1.0: no budget
+HOLD_MAX_FRACTION = 1.0  # 1.0: every hold kept, however much of the small pool it is
 # KV blocks of the kvrelay pair's D (vLLM's null block included): small enough to fill.
 DECODE_BLOCKS = 64
 
@@ -61,9 +62,11 @@ def kvrelay_transfer_config(side_channel_port: int, **extra: Any) -> dict[str, A
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_channel_port,
             "lease_seconds": LEASE_SECONDS,
-            # No hold budget: the suite fills D's small pool with holds to see the connector
-            # reclaim them (the budget itself is tested on enginesim, tests/connector).
+            # No hold budget and no cap on one hold: the suite fills D's small pool (a turn
+            # is a tenth of it) with holds to see the connector reclaim them (the budget and
+            # the cap are tested on their own: tests/connector, tests/vllm/test_hold_budget.py).
             "hold_budget_fraction": HOLD_BUDGET_FRACTION,
+            "hold_max_fraction": HOLD_MAX_FRACTION,
             "kv_recompute_threshold": 0,
             **extra,
         },

@@ -132,11 +132,31 @@ def test_a_systems_hold_max_reaches_its_ds_only_and_parses_as_the_engines_flag()
     assert [a[a.index(flag) + 1] for r, a in got if r == "decode"] == ["0.1", "0.1"]
     assert not any(flag in a for r, a in got if r == "prefill")
     assert build_parser().parse_args(got[-1][1]).hold_max_fraction == 0.1
-    plain = rf.system_by_label("kvrelay kv events prefix wait spill 1")
+    # The defaults' system leaves the connector's default; a step from the previous defaults
+    # keeps their uncapped hold on D.
+    plain = rf.system_by_label("kvrelay kv events")
     assert not any(flag in a for _, a in rf.roles(plain, hardware(), time_scale=10))
+    step = rf.system_by_label("kvrelay kv events prefix wait spill 1")
+    got = rf.roles(step, hardware(prefill_engines=2), time_scale=10)
+    assert [a[a.index(flag) + 1] for r, a in got if r == "decode"] == ["1", "1"]
     # A trial's hardware-wide share still reaches every engine of a system without its own.
     trial = rf.roles(plain, hardware(hold_max=0.25), time_scale=10)
     assert all(a[a.index(flag) + 1] == "0.25" for _, a in trial)
+
+
+def test_the_steps_from_the_previous_defaults_pin_them_and_add_their_labels_setting() -> None:
+    """A system named for a step from the previous defaults measures that step whatever the
+    defaults now are: the previous values first, its own after (the later pair wins)."""
+    step = dict(rf.system_by_label("kvrelay kv events prefix wait").proxy_settings)
+    assert step == {
+        "KVRELAY_DECODE_ONLY_CACHED": "true",
+        "KVRELAY_PREFIX_WAIT_MAX_S": "2",
+        "KVRELAY_PREFILL_SPILL_FACTOR": "2",
+    }
+    before = rf.system_by_label("kvrelay previous default")
+    assert dict(before.proxy_settings)["KVRELAY_DECODE_ONLY_CACHED"] == "false"
+    assert before.d_hold_max == 1.0
+    assert rf.system_by_label("kvrelay default").proxy_settings == ()
 
 
 def test_kv_events_systems_publish_from_every_engine_each_on_its_own_port() -> None:

@@ -30,7 +30,7 @@ def turn(sched: ConnectorScheduler, rid: str) -> None:
 
 def test_oldest_holds_go_past_the_budget(make_scheduler: MakeScheduler) -> None:
     # 12 blocks, half for holds: two holds of 3 blocks fit, a third pushes the oldest out.
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5, hold_max_fraction=1.0)
     turn(sched, "r0")
     turn(sched, "r1")
     assert drain(sched) == set()
@@ -47,7 +47,7 @@ def test_one_owners_flood_frees_its_own_holds_and_not_anothers(
     # 24 blocks, half for holds (4 holds of 3). Tenant A holds two conversations; tenant B
     # then finishes ten single turns. Oldest-first would free A's (they are older); fairly,
     # B pins the most and gives back its own, and A keeps its half.
-    sched = make_scheduler(num_blocks=24, hold_budget_fraction=0.5)
+    sched = make_scheduler(num_blocks=24, hold_budget_fraction=0.5, hold_max_fraction=1.0)
     for rid in ("a0", "a1"):
         hold_params(sched, rid, next_turn=True, owner="tenant-a")
     freed: set[str] = set()
@@ -66,7 +66,7 @@ def test_one_owners_flood_frees_its_own_holds_and_not_anothers(
 
 
 def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeScheduler) -> None:
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5, hold_max_fraction=1.0)
     client = SideChannelClient(nixl_peer.SECRET.encode(), timeout_s=5)
     turn(sched, "r0")
     turn(sched, "r1")
@@ -82,7 +82,7 @@ def test_a_claimed_hold_is_never_freed_by_the_budget(make_scheduler: MakeSchedul
 def test_the_newest_hold_is_kept_even_alone_over_the_budget(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1)  # hold_max_fraction 1.0
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.1, hold_max_fraction=1.0)
     turn(sched, "r0")  # 3 blocks against a budget of 1
     assert drain(sched) == set() and sched.holds.is_held("r0")
     turn(sched, "r1")
@@ -101,9 +101,9 @@ def finish(
 def test_a_turn_alone_over_the_budget_is_not_held_and_its_params_say_so(
     make_scheduler: MakeScheduler,
 ) -> None:
-    # 40 blocks, a tenth for holds (4 blocks) and for one hold: a 3-block turn is held, a
-    # 5-block one is not.
-    sched = make_scheduler(num_blocks=40, hold_budget_fraction=0.1, hold_max_fraction=0.1)
+    # 40 blocks, a tenth for holds (4 blocks) and for one hold (the defaults): a 3-block turn
+    # is held, a 5-block one is not.
+    sched = make_scheduler(num_blocks=40)
     assert finish(sched, "small", 12)[0]
     delay, params = finish(sched, "large", 20)
     assert not delay, "the engine must free the blocks now (they stay in its prefix cache)"
@@ -136,8 +136,8 @@ def test_a_p_legs_hold_is_never_declined_by_the_max(make_scheduler: MakeSchedule
 
 
 def test_no_budget_at_one_or_without_the_pool_size(make_scheduler: MakeScheduler) -> None:
-    unbounded = make_scheduler(num_blocks=12, hold_budget_fraction=1.0)
-    unknown_pool = make_scheduler(hold_budget_fraction=0.1)
+    unbounded = make_scheduler(num_blocks=12, hold_budget_fraction=1.0, hold_max_fraction=1.0)
+    unknown_pool = make_scheduler(hold_budget_fraction=0.1)  # the max needs the pool too
     for sched in (unbounded, unknown_pool):
         for i in range(5):
             turn(sched, f"r{i}")
@@ -147,7 +147,7 @@ def test_no_budget_at_one_or_without_the_pool_size(make_scheduler: MakeScheduler
 def test_holds_for_this_turns_pull_are_neither_counted_nor_freed(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5)
+    sched = make_scheduler(num_blocks=12, hold_budget_fraction=0.5, hold_max_fraction=1.0)
     for i in range(3):
         hold_params(sched, f"p{i}")  # a P leg's hold: D is about to pull it
     turn(sched, "r0")

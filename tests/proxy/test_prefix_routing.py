@@ -504,11 +504,11 @@ def test_decode_only_cached_picks_the_d_expected_to_hold_the_most_of_the_prompt(
     assert router.cached_decode_only(follow_up, "t") is None
     assert router.cached_decode_only(follow_up, "u") is not None
     assert router.decode_only.admits(d1.url, "t")
-    off, prefill = _router(conditional_max_uncached_tokens=64)
+    off, prefill = _router(conditional_max_uncached_tokens=64, decode_only_cached=False)
     prefill.add("http://p0")
     off.decode.add("http://d1")
     off.decoded("http://d1", _prefixes(history))
-    assert off.cached_decode_only(follow_up) is None  # the setting is off by default
+    assert off.cached_decode_only(follow_up) is None
 
 
 def test_decode_only_cached_follows_what_ds_events_report() -> None:

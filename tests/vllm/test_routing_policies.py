@@ -454,13 +454,16 @@ def test_an_idle_p_yields_a_turn_whose_history_only_ds_cache_holds(
     through a P, which would compute all of it beyond turn 1's prompt. It goes to D instead
     (spilled, at the defaults' spill factor: D computes only the last reply and the question),
     no P is asked, vLLM's prefix-cache hits on D grow by at least turn 2's prompt, and every
-    answer equals plain vLLM's."""
+    answer equals plain vLLM's. `decode_only_cached` (on by default) is off here: it would send
+    the turn to D's cache before the spill is weighed (its own test is above)."""
     fleet = cached_fleet
     p, p2, d = fleet.prefill, fleet.second, fleet.decode
     system = f"{SYSTEM} The history comes back from the decode engine's cache. " * 2
     factory = ProxyFactory()
     try:
-        proxy = _conditional_proxy(factory, fleet, conditional_max_uncached_tokens="400")
+        proxy = _conditional_proxy(
+            factory, fleet, conditional_max_uncached_tokens="400", decode_only_cached="false"
+        )
         conversation = f"yield-{uuid.uuid4().hex[:8]}"
         messages = [{"role": "system", "content": system}]
 

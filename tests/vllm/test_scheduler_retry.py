@@ -70,6 +70,9 @@ class InProcessScheduler:
                 kv_connector_extra_config={
                     "side_channel_host": "127.0.0.1",
                     "side_channel_port": 0,
+                    # The pool is a few blocks, a turn half of it: every hold kept (the cap
+                    # on one hold has its own test, tests/vllm/test_hold_budget.py).
+                    "hold_max_fraction": vllm_servers.HOLD_MAX_FRACTION,
                 },
             ),
             device_config=DeviceConfig("cpu"),

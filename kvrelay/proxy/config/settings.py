@@ -396,8 +396,13 @@ class Settings(BaseSettings):
             "turn's characters per token) for a turn to skip P."
         ),
     )
+    # The four defaults decode_only_cached, prefix_wait_max_s 2, prefill_spill_factor 1 and the
+    # connector's hold_max_fraction 0.1 go together: measured on the conversation trace
+    # (bench/RESULTS.md, "trace compare (conversation)", runs K and L) they kept reuse at
+    # 0.92-0.97 of the LRU bound with D's pool pinned by unused holds at 5-6% (11-16% before),
+    # and they are the shared-prefix workload's best configuration.
     decode_only_cached: bool = Field(
-        default=False,
+        default=True,
         description=(
             "conditional with prefix_routing: a turn with no held history goes straight to a "
             "D whose prefix cache is expected to hold the prompt (the routing-fed index "
@@ -418,7 +423,7 @@ class Settings(BaseSettings):
         ),
     )
     prefill_spill_factor: float = Field(
-        default=2.0,
+        default=1.0,
         ge=0,
         description=(
             "conditional: a turn (first turns too) goes straight to a D that is not busy, "
@@ -535,7 +540,7 @@ class Settings(BaseSettings):
         ),
     )
     prefix_wait_max_s: float = Field(
-        default=0.0,
+        default=2.0,
         ge=0,
         description=(
             "prefix_routing: a turn whose prompt is mostly a prefix another turn of this "
