@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools.process import ServerProcess, free_port, http_ready, json_request
 from kvrelay.devtools.prometheus import scrape, series_sum
 from kvrelay.devtools.ucx import LOOPBACK_UCX
@@ -227,7 +228,7 @@ def warm_stock_pair(prefill: VLLMServer, decode: VLLMServer, timeout: float = 30
         "prompt": "A request that opens the NIXL connection between P and D.",
         "temperature": 0,
     }
-    remote_decode = {"do_remote_decode": True, "do_remote_prefill": False}
+    remote_decode = KVTransferParams(do_remote_decode=True).to_wire()
     status, out = prefill.post(
         "/v1/completions",
         {**body, "max_tokens": 1, "kv_transfer_params": remote_decode},
