@@ -75,9 +75,9 @@ def kvrelay_transfer_config(side_channel_port: int, **extra: Any) -> dict[str, A
 
 
 # P's lease on the blocks it keeps for D (`kv_lease_duration`, 30 s by default, renewed by D's
-# heartbeats once D's worker has the request). Stock engines are slow to start on a small CPU
-# host (`warm_stock_pair`); what this suite checks is the proxy's wire compatibility, so the
-# lease is long enough never to end before a slow D reads.
+# heartbeats once D's worker has the request). A stock D can take a minute to open its first
+# NIXL connection on a small CPU host (`warm_stock_pair`); what this suite checks is the proxy's
+# wire compatibility, so the lease is long enough never to end before a slow D reads.
 STOCK_LEASE_S = 300
 
 
