@@ -30,6 +30,9 @@ from __future__ import annotations
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
+from typing import Any
+
+import numpy as np
 
 from kvrelay.connector.block_runs import block_runs
 from kvrelay.connector.protocol import (
@@ -343,6 +346,8 @@ class EngineCore:
             return
         bs = self.pool.block_size
         first, last = start // bs, end // bs
+        if first == last:
+            return  # no block completed (most decode steps)
         for b, key in zip(range(first, last), self._cache_keys(req, first, last), strict=True):
             if self.pool.cache(req.block_ids[b], key) and self._stored is not None:
                 self._stored.append(
@@ -429,13 +434,38 @@ class EngineCore:
                 self.timeline.compute(cost_s)
                 waited = True
         self._step_end = self._clock()
+        sampled = [req for req, _ in chunks if req.state is ReqState.RUNNING] + decoding
+        next_kv = self._next_kv(sampled)
         for req, _ in chunks:
             if req.request_id in self.running and req.state is ReqState.RUNNING:
-                self._sample(req)
+                self._sample(req, next_kv)
         for req in decoding:
             if req.request_id in self.running and self._ensure_slot(req):
-                self._sample(req)
+                self._sample(req, next_kv)
         return waited
+
+    def _next_kv(self, reqs: list[SimRequest]) -> dict[int, tuple[int, int, np.ndarray[Any, Any]]]:
+        """The token each of `reqs` would sample now, its prefix hash and its KV, computed for
+        all of them in one pass of the model (per request, the numpy calls of `kv_for` cost
+        more than the rest of a decode step): `id(req)` -> (token, hash, KV). The token follows
+        from the request's state alone, so a request preempted before its turn in the step
+        only leaves its entry unused."""
+        picks: list[tuple[SimRequest, int, int]] = []
+        for req in reqs:
+            if req.digest is None:
+                continue
+            token = self._choose(req)
+            picks.append((req, token, self.model.prefix_hashes((token,), 0, req.hashes[-1])[0]))
+        if not picks:
+            return {}
+        kv = self.model.kv_for([h for _, _, h in picks])
+        return {id(req): (token, h, kv[i : i + 1]) for i, (req, token, h) in enumerate(picks)}
+
+    def _choose(self, req: SimRequest) -> int:
+        assert req.digest is not None
+        return self.model.choose(
+            req.digest, req.num_output_tokens, req.sampling.min_tokens, req.sampling.ignore_eos
+        )
 
     def _prefill_chunk(self, req: SimRequest, n: int) -> None:
         """Compute the KV of the request's next `n` positions; the chunk that completes the
@@ -495,21 +525,21 @@ class EngineCore:
         self.counters["preemptions"] += 1
         return victim
 
-    def _sample(self, req: SimRequest) -> None:
+    def _sample(
+        self, req: SimRequest, next_kv: dict[int, tuple[int, int, np.ndarray[Any, Any]]]
+    ) -> None:
         assert req.digest is not None
+        token, prefix_hash, kv = next_kv.get(id(req)) or self._next_kv([req])[id(req)]
         if req.num_output_tokens == 0:
             self._first_output(req)
         else:  # after a preemption the gap includes the recomputation, as in vLLM
             self.token_gaps.observe(self._step_end - req.last_token_at)
         req.last_token_at = self._step_end
-        token = self.model.choose(
-            req.digest, req.num_output_tokens, req.sampling.min_tokens, req.sampling.ignore_eos
-        )
         pos = len(req.all_token_ids)
         req.all_token_ids.append(token)
-        req.hashes.extend(self.model.prefix_hashes(req.all_token_ids, pos, req.hashes[-1]))
+        req.hashes.append(prefix_hash)
         # Every token's KV is written at once, so the blocks always cover all_token_ids.
-        self.pool.write(req.block_ids, pos, self.model.kv_for(req.hashes[pos : pos + 1]))
+        self.pool.write(req.block_ids, pos, kv)
         self._cache_computed(req, pos, pos + 1)
         req.num_computed = pos + 1
         window = self.pool.read(req.block_ids, max(0, pos + 1 - DECODE_WINDOW), pos + 1)

@@ -170,12 +170,24 @@ class BlockPool:
     def _slots(
         self, block_ids: Sequence[int], start: int, end: int
     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
-        pos = np.arange(start, end)
-        table = np.asarray(block_ids, dtype=np.int64)
-        return table[pos // self.block_size], pos % self.block_size
+        bs = self.block_size
+        first = start // bs
+        pos = np.arange(start - first * bs, end - first * bs)
+        # Only the blocks the positions fall in: a decode step touches one or two of a
+        # request's blocks, and converting its whole table every token cost more than the rest.
+        table = np.asarray(block_ids[first : -(-end // bs)], dtype=np.int64)
+        return table[pos // bs], pos % bs
 
     def write(self, block_ids: Sequence[int], start: int, kv: np.ndarray[Any, Any]) -> None:
         """Store canonical KV ``[N, layers, 2, heads, head]`` at positions start..start+N-1."""
+        if kv.shape[0] == 1:  # a decode step's one position: plain indexing, no index arrays
+            block, offset = block_ids[start // self.block_size], start % self.block_size
+            for layer, cache in enumerate(self._layers):
+                if self.layout is KVLayout.KV_FIRST:
+                    cache[:, block, offset] = kv[0, layer]
+                else:
+                    cache[block, :, offset] = kv[0, layer]
+            return
         blocks, offsets = self._slots(block_ids, start, start + kv.shape[0])
         for layer, cache in enumerate(self._layers):
             values = kv[:, layer]  # [N, 2, heads, head]
@@ -186,13 +198,26 @@ class BlockPool:
 
     def read(self, block_ids: Sequence[int], start: int, end: int) -> np.ndarray[Any, Any]:
         """Canonical KV of positions start..end-1 as stored in the pool."""
-        blocks, offsets = self._slots(block_ids, start, end)
+        bs = self.block_size
         per_layer = []
-        for cache in self._layers:
-            if self.layout is KVLayout.KV_FIRST:
-                per_layer.append(cache[:, blocks, offsets].transpose(1, 0, 2, 3))
-            else:
-                per_layer.append(cache[blocks, :, offsets])
+        if start // bs == (end - 1) // bs:
+            # Within one block (a decode step's window, mostly): slices, no index arrays.
+            block, lo = block_ids[start // bs], start % bs
+            hi = lo + end - start
+            for cache in self._layers:
+                if self.layout is KVLayout.KV_FIRST:
+                    per_layer.append(cache[:, block, lo:hi].transpose(1, 0, 2, 3))
+                else:
+                    per_layer.append(cache[block, :, lo:hi].transpose(1, 0, 2, 3))
+        else:
+            blocks, offsets = self._slots(block_ids, start, end)
+            for cache in self._layers:
+                if self.layout is KVLayout.KV_FIRST:
+                    per_layer.append(cache[:, blocks, offsets].transpose(1, 0, 2, 3))
+                else:
+                    per_layer.append(cache[blocks, :, offsets])
+        if len(per_layer) == 1:
+            return per_layer[0][:, None]
         return np.stack(per_layer, axis=1)
 
     def corrupt(self, block_id: int) -> None:

@@ -59,14 +59,6 @@ class ModelGeometry:
         return self.num_layers * 2 * self.num_kv_heads * self.head_size
 
 
-def _mix(h: int, token: int) -> int:
-    # splitmix64 finaliser over (previous hash xor token): every bit of the prefix matters.
-    x = (h ^ ((token + _GOLDEN) & _MASK)) & _MASK
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
-    return x ^ (x >> 31)
-
-
 class SimModel:
     """Deterministic KV and next-token functions; stateless apart from its constants."""
 
@@ -90,9 +82,16 @@ class SimModel:
         """Prefix hashes of ``tokens[start:]`` given the hash at ``start - 1`` (None: start)."""
         h = self.seed_hash if previous is None else previous
         out: list[int] = []
+        append = out.append
+        # splitmix64's finaliser over (previous hash xor token): every bit of the prefix
+        # matters. Inline, not a function: a prompt hashes every token, and a call per token
+        # cost as much as the mixing.
         for token in tokens[start:]:
-            h = _mix(h, token)
-            out.append(h)
+            x = (h ^ ((token + _GOLDEN) & _MASK)) & _MASK
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+            h = x ^ (x >> 31)
+            append(h)
         return out
 
     def kv_for(self, hashes: Sequence[int]) -> np.ndarray[Any, Any]:

@@ -66,6 +66,10 @@ def test_kv_depends_on_the_whole_prefix() -> None:
     # Continuing a chain from a stored hash gives the same values as hashing from the start.
     hs = model.prefix_hashes([1, 2, 3, 4, 5], 0, None)
     assert model.prefix_hashes([1, 2, 3, 4, 5], 2, hs[1]) == hs[2:]
+    # A position's KV depends on its hash alone: computed for a step's requests together, each
+    # row is what computing it alone gives (the engine batches a step's next tokens).
+    for pos, h in enumerate(hs):
+        assert np.array_equal(model.kv_for([h])[0], a[pos])
 
 
 @pytest.mark.parametrize("layout", list(KVLayout))
@@ -80,6 +84,17 @@ def test_pool_reads_back_what_it_wrote(layout: KVLayout, dtype: str) -> None:
     pool.write(blocks, 0, kv)
     assert np.array_equal(pool.read(blocks, 0, 10), kv)
     assert np.array_equal(pool.read(blocks, 3, 7), kv[3:7])
+    # One position at a time (a decode step's write) and windows within one block or across
+    # two (a decode step's read) agree with the bulk paths.
+    single = pool.allocate(3)
+    assert single is not None
+    for pos in range(10):
+        pool.write(single, pos, kv[pos : pos + 1])
+    assert np.array_equal(pool.read(single, 0, 10), kv)
+    for start in range(10):
+        for end in range(start + 1, min(start + 5, 10) + 1):
+            assert np.array_equal(pool.read(single, start, end), kv[start:end]), (start, end)
+    pool.free(single)
     # The registered torch tensors hold exactly these bits (NIXL moves those bytes).
     cache = next(iter(pool.caches.values()))
     assert cache.dtype == geometry.torch_dtype and cache.view(torch.uint8).any()
