@@ -9,7 +9,7 @@ published to cost, as many as `--kv-transfer-layout` makes: one a run of blocks 
 layers x runs per-layer), fresh for each run so no cache carries over, and the same requests:
 a slice of the trace (by default computed from the file: its minutes 10-30, or the whole file
 when it is shorter), whole conversations sampled with probability `--sample`, replayed by
-`bench/trace_replay.py` (the `openai` SDK, streamed, each later turn carrying the answer the
+`bench/trace_replay.py` (its lean chat client, streamed, each later turn carrying the answer the
 engine gave) at each `--time-scales` factor. A scale of S replays S times faster: the request
 rate is the sample's requests over the slice's span / S, and think times, D's hold lease and
 the proxy's TTL and safety margin are all divided by S, so the think-time race is the trace's at
@@ -53,8 +53,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from openai import AsyncOpenAI
 
 from bench import _common as c
 from bench import _replay_fleet as rf
@@ -379,20 +377,18 @@ def replayer_args(args: argparse.Namespace, url: str, scale: float) -> argparse.
 
 async def warm_up(url: str, engines: int) -> None:
     """Short requests through the front, unmeasured: NIXL handshakes happen here."""
-    client = AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=120)
-    async with client:
-        model = (await client.models.list()).data[0].id
+    async with replay_mod.ChatStreams(url, "bench", timeout_s=120) as client:
+        model = await client.first_model()
 
         async def one(i: int) -> None:
             text = tr.text_at([-1 - i], 0, 64, tr.TRACE_BLOCK_TOKENS)
-            stream = await client.chat.completions.create(
-                model=model,
-                messages=[{"role": "user", "content": text}],
-                max_tokens=2,
-                stream=True,
-            )
-            async for _ in stream:
-                pass
+            body = {
+                "model": model,
+                "messages": [{"role": "user", "content": text}],
+                "max_tokens": 2,
+                "stream": True,
+            }
+            await client.stream(body, {}, time.perf_counter)
 
         await asyncio.gather(*(one(i) for i in range(2 * engines)))
 

@@ -10,7 +10,11 @@ with earlier requests (a common system prompt) as a system message. A later turn
 time comes before its predecessor's answer is complete waits for that answer (counted in
 `waited_for_predecessor`).
 
-How: the `openai` SDK (`AsyncOpenAI`), streamed with `stream_options.include_usage`,
+How: `ChatStreams`, a lean client of the chat API on one aiohttp session (the OpenAI wire:
+JSON request, server-sent events, the usage in the last event; not the `openai` SDK, whose
+per-chunk model building cost about half a CPU at 9 req/s, taken from the engines the same
+2 cores simulate, while the tests drive the proxy with the SDK itself), streamed with
+`stream_options.include_usage`,
 `max_tokens` = the trace's output length, `min_tokens` and `ignore_eos` in `extra_body` (vLLM
 and enginesim honour both) so the answer has that length; `--conversation-ids` sends one
 `X-Conversation-Id` per reconstructed conversation (without it the proxy matches histories).
@@ -43,12 +47,12 @@ import math
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-from openai import AsyncOpenAI
 
 from bench import _common as c
 from bench import _trace as tr
@@ -142,10 +146,93 @@ class Record:
     messages: list[dict[str, str]] | None = None  # with --record-messages
 
 
+class ApiError(Exception):
+    """An answer other than 200, or an error event in the stream: status and body."""
+
+
+@dataclass
+class StreamedAnswer:
+    """What one streamed chat completion gave: its response headers (names lower-cased), each
+    content delta with when it arrived (the replayer's clock), and the last event's usage."""
+
+    headers: dict[str, str]
+    deltas: list[tuple[float, str]] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+
+
+class ChatStreams:
+    """`POST /v1/chat/completions` streamed, on one keep-alive session (see the module
+    docstring for why not the SDK)."""
+
+    def __init__(self, base_url: str, api_key: str, timeout_s: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> ChatStreams:
+        connector = aiohttp.TCPConnector(limit=0)
+        self._session = aiohttp.ClientSession(
+            connector=connector, timeout=self._timeout, headers=self._headers
+        )
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise RuntimeError("ChatStreams used outside `async with`")
+        return self._session
+
+    async def first_model(self) -> str:
+        async with self.session.get(f"{self.base_url}/v1/models") as resp:
+            if resp.status != 200:
+                raise ApiError(f"GET /v1/models: {resp.status} {(await resp.text())[:300]}")
+            return str((await resp.json())["data"][0]["id"])
+
+    async def stream(
+        self, body: dict[str, Any], headers: dict[str, str], clock: Callable[[], float]
+    ) -> StreamedAnswer:
+        """Send `body` (with `stream` set) and read its events as they come."""
+        url = f"{self.base_url}/v1/chat/completions"
+        async with self.session.post(url, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                raise ApiError(f"{resp.status}: {(await resp.text())[:300]}")
+            answer = StreamedAnswer({k.lower(): v for k, v in resp.headers.items()})
+            pending = b""
+            async for data in resp.content.iter_any():
+                lines = (pending + data).split(b"\n")
+                pending = lines.pop()
+                for line in lines:
+                    self._event(line.rstrip(b"\r"), answer, clock)
+            self._event(pending.rstrip(b"\r"), answer, clock)
+            return answer
+
+    @staticmethod
+    def _event(line: bytes, answer: StreamedAnswer, clock: Callable[[], float]) -> None:
+        if not line.startswith(b"data:"):
+            return  # blank separators, comments, `event:` lines
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            return
+        event = json.loads(data)
+        if "error" in event:
+            raise ApiError(f"error event: {json.dumps(event['error'])[:300]}")
+        for choice in event.get("choices") or ():
+            content = (choice.get("delta") or {}).get("content")
+            if content:
+                answer.deltas.append((clock(), content))
+        if event.get("usage") is not None:
+            answer.usage = event["usage"]
+
+
 class Replayer:
     """Sends a plan's turns at their times and keeps each turn's messages and answer."""
 
-    def __init__(self, plan: tr.Plan, client: AsyncOpenAI, model: str, args: argparse.Namespace):
+    def __init__(self, plan: tr.Plan, client: ChatStreams, model: str, args: argparse.Namespace):
         self.plan = plan
         self.client = client
         self.model = model
@@ -225,38 +312,32 @@ class Replayer:
             extra_body = {"ignore_eos": True, "min_tokens": out}
         headers = {"X-Conversation-Id": rec.conversation_id} if rec.conversation_id else {}
         rec.sent_s = self.now()
-        raw = await self.client.chat.completions.with_raw_response.create(
-            model=self.model,
-            messages=messages,
-            max_tokens=out,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body=extra_body,
-            extra_headers=headers,
-        )  # type: ignore[call-overload]
-        rec.headers = {
-            k.lower(): v for k, v in raw.headers.items() if k.lower().startswith(RECORDED_HEADERS)
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": out,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **extra_body,
         }
-        reply: list[str] = []
-        last_token_s = math.nan
-        async for chunk in raw.parse():
-            for choice in chunk.choices:
-                if choice.delta.content:
-                    last_token_s = self.now()
-                    if math.isnan(rec.first_token_s):
-                        rec.first_token_s = last_token_s
-                    reply.append(choice.delta.content)
-            if chunk.usage is not None:
-                rec.prompt_tokens = chunk.usage.prompt_tokens
-                rec.completion_tokens = chunk.usage.completion_tokens
-                details = chunk.usage.prompt_tokens_details
-                if details is not None and details.cached_tokens is not None:
-                    rec.cached_tokens = details.cached_tokens
-                account = (chunk.usage.model_extra or {}).get("kvrelay")
-                if isinstance(account, dict):
-                    rec.routing = account.get("routing")
-                    rec.prefilled_by = account.get("prefilled_by")
+        answer = await self.client.stream(body, headers, self.now)
+        rec.headers = {k: v for k, v in answer.headers.items() if k.startswith(RECORDED_HEADERS)}
+        reply = [text for _, text in answer.deltas]
+        last_token_s = answer.deltas[-1][0] if answer.deltas else math.nan
+        if answer.deltas:
+            rec.first_token_s = answer.deltas[0][0]
+        usage = answer.usage
+        if usage is not None:
+            rec.prompt_tokens = usage.get("prompt_tokens")
+            rec.completion_tokens = usage.get("completion_tokens")
+            details = usage.get("prompt_tokens_details")
+            if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                rec.cached_tokens = details["cached_tokens"]
+            account = usage.get("kvrelay")
+            if isinstance(account, dict):
+                rec.routing = account.get("routing")
+                rec.prefilled_by = account.get("prefilled_by")
         rec.end_s = self.now()
         rec.ttft_s = rec.first_token_s - rec.sent_s
         tokens = rec.completion_tokens or len(reply)
@@ -407,14 +488,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def replay(plan: tr.Plan, args: argparse.Namespace) -> dict[str, Any]:
-    client = AsyncOpenAI(
-        base_url=args.base_url.rstrip("/") + "/v1",
-        api_key=args.api_key,
-        max_retries=0,
-        timeout=600.0,
-    )
-    async with client:
-        model = args.model or (await client.models.list()).data[0].id
+    async with ChatStreams(args.base_url, args.api_key) as client:
+        model = args.model or await client.first_model()
         replayer = Replayer(plan, client, model, args)
         wall = await replayer.run()
         if args.conversation_ids:

@@ -236,6 +236,26 @@ def _build_merges() -> tuple[list[bytes], dict[tuple[int, int], int]]:
     return vocab, merges
 
 
+_WORD_CACHE_SIZE = 1 << 16
+_TEXT_CACHE_SIZE = 64
+_TEXT_CACHE_MIN_CHARS = 1024  # shorter texts cost less to encode again than to keep
+
+
+class _WordIds(dict[str, tuple[int, ...]]):
+    """A pre-tokenized word's ids, merged once and kept (a dict, so that a lookup of a known
+    word runs no Python code: prompts are long and words repeat)."""
+
+    def __init__(self, merges: dict[tuple[int, int], int]) -> None:
+        super().__init__()
+        self._merges = merges
+
+    def __missing__(self, word: str) -> tuple[int, ...]:
+        if len(self) >= _WORD_CACHE_SIZE:
+            self.clear()
+        ids = self[word] = tuple(_apply_merges(word.encode(), self._merges))
+        return ids
+
+
 class Tokenizer:
     """Byte-level BPE with a fixed merge table and three special tokens."""
 
@@ -248,15 +268,20 @@ class Tokenizer:
         self.eos_id = self.special_ids["<|im_end|>"]
         self.bos_id = self.special_ids["<|endoftext|>"]
         self._special_split = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
-        self._encode_word = functools.lru_cache(maxsize=1 << 16)(self._bpe)
-
-    def _bpe(self, word: bytes) -> tuple[int, ...]:
-        return tuple(_apply_merges(word, self._merges))
+        self._word_ids = _WordIds(self._merges)
+        # The latest texts encoded, whole: an engine is asked to encode the same prompt more
+        # than once (a router's `/tokenize` before the request itself), and a long prompt costs
+        # milliseconds of the host's CPU, which the simulated engines share.
+        self._texts: dict[tuple[str, bool], tuple[int, ...]] = {}
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings become their ids when `parse_special`."""
+        known = self._texts.get((text, parse_special))
+        if known is not None:
+            return list(known)
         out: list[int] = []
         parts = self._special_split.split(text) if parse_special else [text]
+        word_ids = self._word_ids.__getitem__
         for part in parts:
             if not part:
                 continue
@@ -264,8 +289,11 @@ class Tokenizer:
             if special is not None:
                 out.append(special)
                 continue
-            for word in _PRETOKENIZE.findall(part):
-                out.extend(self._encode_word(word.encode()))
+            out.extend(itertools.chain.from_iterable(map(word_ids, _PRETOKENIZE.findall(part))))
+        if len(text) >= _TEXT_CACHE_MIN_CHARS:
+            if len(self._texts) >= _TEXT_CACHE_SIZE:
+                self._texts.clear()  # not LRU: several threads encode; clear() is one step
+            self._texts[(text, parse_special)] = tuple(out)
         return out
 
     def token_bytes(self, token_id: int) -> bytes:

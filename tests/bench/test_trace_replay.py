@@ -4,10 +4,12 @@ conversation trace replayed through a real kvrelay proxy in front of enginesim P
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from bench import _trace as tr
 from bench import trace_replay
@@ -100,6 +102,66 @@ def test_scaled_settings_divide_the_lease_and_ttls_by_the_scale() -> None:
     assert settings["proxy_env"]["KVRELAY_CONVERSATION_TTL_S"] == "150"
     assert f"--lease-seconds) must be {lease:g} s" in trace_replay.scale_warning(4.0, settings)
     assert trace_replay.scaled_settings(4.0, 120.0)["enginesim_args"][1] == "30"
+
+
+async def _serve_models(_: web.Request) -> web.Response:
+    return web.json_response({"data": [{"id": "ok"}]})
+
+
+async def _serve_chat(request: web.Request) -> web.StreamResponse:
+    """A chat endpoint whose events arrive cut anywhere (inside a line, between CR and LF) and
+    whose model name says how it answers: "ok", "refused" (429) or "broken" (an error event)."""
+    body = await request.json()
+    assert body["stream"] is True and request.headers["Authorization"] == "Bearer k"
+    if body["model"] == "refused":
+        return web.json_response({"error": {"message": "slow down"}}, status=429)
+    resp = web.StreamResponse(headers={"X-Request-Id": "r1", "Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    events = [{"choices": [{"delta": {"role": "assistant"}}]}]
+    events += [{"choices": [{"delta": {"content": word}}]} for word in ("a", " b", " c")]
+    if body["model"] == "broken":
+        events.append({"error": {"message": "engine died", "code": 500}})
+    usage = {"prompt_tokens": 7, "completion_tokens": 3, "kvrelay": {"routing": "spilled"}}
+    events.append({"choices": [], "usage": usage})
+    wire = b"".join(b"data: " + json.dumps(e).encode() + b"\r\n\r\n" for e in events)
+    wire += b": comment\n\ndata: [DONE]\n\n"
+    for start in range(0, len(wire), 7):  # 7-byte writes: lines split everywhere
+        await resp.write(wire[start : start + 7])
+        await asyncio.sleep(0)
+    await resp.write_eof()
+    return resp
+
+
+def test_chat_streams_reads_events_cut_anywhere_and_raises_on_errors() -> None:
+    async def scenario() -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", _serve_chat)
+        app.router.add_get("/v1/models", _serve_models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with trace_replay.ChatStreams(f"http://127.0.0.1:{port}/", "k") as client:
+                model = await client.first_model()
+                ticks = iter(range(100))
+                answer = await client.stream(
+                    {"model": model, "stream": True}, {}, lambda: float(next(ticks))
+                )
+                assert [text for _, text in answer.deltas] == ["a", " b", " c"]
+                assert [t for t, _ in answer.deltas] == [0.0, 1.0, 2.0]
+                assert answer.usage is not None and answer.usage["completion_tokens"] == 3
+                assert answer.usage["kvrelay"] == {"routing": "spilled"}
+                assert answer.headers["x-request-id"] == "r1"
+                with pytest.raises(trace_replay.ApiError, match="429"):
+                    await client.stream({"model": "refused", "stream": True}, {}, float)
+                with pytest.raises(trace_replay.ApiError, match="engine died"):
+                    await client.stream({"model": "broken", "stream": True}, {}, float)
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())
 
 
 def test_replay_through_kvrelay_sends_real_answers_as_history_and_reuses(

@@ -28,6 +28,15 @@ def test_text_round_trips_through_encode_decode(text: str) -> None:
     assert TOK.decode(TOK.encode(text, parse_special=False)) == text
 
 
+def test_a_long_text_encoded_again_gives_its_own_copy_of_the_same_ids() -> None:
+    text = "".join(f" word{i % 97} and, more: {i}!" for i in range(400))
+    first = TOK.encode(text)
+    first.append(-1)  # the caller's list is its own: the kept encoding is not changed
+    again = TOK.encode(text)
+    assert again == first[:-1] and again is not first
+    assert TOK.decode(again) == text
+
+
 def test_generated_tokens_can_retokenize_differently() -> None:
     # The model may emit byte tokens "t", "h" side by side; their text encodes as one "th".
     t, h = TOK.encode("t")[0], TOK.encode("h")[0]
