@@ -13,6 +13,7 @@ import functools
 import itertools
 import re
 from collections.abc import Sequence
+from typing import NamedTuple
 
 # Merged tokens in rank order; each is built from two existing tokens (see `_build_merges`).
 _MERGED: tuple[str, ...] = (
@@ -241,6 +242,15 @@ _TEXT_CACHE_SIZE = 64
 _TEXT_CACHE_MIN_CHARS = 1024  # shorter texts cost less to encode again than to keep
 
 
+class _Encoded(NamedTuple):
+    """A text's ids, and its head: the text up to the end of its last special token, whose
+    ids are the first `head_ids` (the same in any text that starts with the head)."""
+
+    ids: tuple[int, ...]
+    head: str
+    head_ids: int
+
+
 class _WordIds(dict[str, tuple[int, ...]]):
     """A pre-tokenized word's ids, merged once and kept (a dict, so that a lookup of a known
     word runs no Python code: prompts are long and words repeat)."""
@@ -269,32 +279,54 @@ class Tokenizer:
         self.bos_id = self.special_ids["<|endoftext|>"]
         self._special_split = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
         self._word_ids = _WordIds(self._merges)
-        # The latest texts encoded, whole: an engine is asked to encode the same prompt more
-        # than once (a router's `/tokenize` before the request itself), and a long prompt costs
-        # milliseconds of the host's CPU, which the simulated engines share.
-        self._texts: dict[tuple[str, bool], tuple[int, ...]] = {}
+        # The latest long texts encoded (`_Encoded`): an engine is asked to encode the same
+        # prompt more than once (a router's `/tokenize` before the request itself), a turn's
+        # prompt starts with the previous turn's, and a long prompt costs milliseconds of the
+        # host's CPU, which the simulated engines share.
+        self._texts: dict[tuple[str, bool], _Encoded] = {}
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
         """Token ids of `text`; special-token strings become their ids when `parse_special`."""
         known = self._texts.get((text, parse_special))
         if known is not None:
-            return list(known)
+            return list(known.ids)
         out: list[int] = []
-        parts = self._special_split.split(text) if parse_special else [text]
+        start = 0
+        if parse_special:
+            # Special tokens are split off before anything else, and none can overlap another,
+            # so the ids up to the last one of a text this one starts with are this one's too.
+            base = self._longest_known_head(text)
+            if base is not None:
+                out.extend(base.ids[: base.head_ids])
+                start = len(base.head)
+        head_chars, head_ids = start, len(out)
+        parts = self._special_split.split(text[start:]) if parse_special else [text]
         word_ids = self._word_ids.__getitem__
+        pos = start
         for part in parts:
             if not part:
                 continue
+            pos += len(part)
             special = self.special_ids.get(part) if parse_special else None
             if special is not None:
                 out.append(special)
+                head_chars, head_ids = pos, len(out)
                 continue
             out.extend(itertools.chain.from_iterable(map(word_ids, _PRETOKENIZE.findall(part))))
         if len(text) >= _TEXT_CACHE_MIN_CHARS:
             if len(self._texts) >= _TEXT_CACHE_SIZE:
                 self._texts.clear()  # not LRU: several threads encode; clear() is one step
-            self._texts[(text, parse_special)] = tuple(out)
+            head = text[:head_chars] if parse_special else ""
+            self._texts[(text, parse_special)] = _Encoded(tuple(out), head, head_ids)
         return out
+
+    def _longest_known_head(self, text: str) -> _Encoded | None:
+        best: _Encoded | None = None
+        for known in list(self._texts.values()):  # a copy: another thread may clear the dict
+            longer = best is None or len(known.head) > len(best.head)
+            if known.head_ids and longer and text.startswith(known.head):
+                best = known
+        return best
 
     def token_bytes(self, token_id: int) -> bytes:
         if token_id in self._special_by_id:

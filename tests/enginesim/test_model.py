@@ -17,7 +17,7 @@ from kvrelay.enginesim.kvpool import BlockPool, BlockPoolError, KVLayout
 from kvrelay.enginesim.model import ModelGeometry, SimModel
 from kvrelay.enginesim.reference import reference_chat, reference_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
-from kvrelay.enginesim.tokenizer import get_tokenizer
+from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
 TOK = get_tokenizer()
 
@@ -35,6 +35,24 @@ def test_a_long_text_encoded_again_gives_its_own_copy_of_the_same_ids() -> None:
     again = TOK.encode(text)
     assert again == first[:-1] and again is not first
     assert TOK.decode(again) == text
+
+
+_WORDS = ["a", " the", "\n", " ", "  ", "'s", "x1", "é", "...", "\t", " word"]
+_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_", "start|>"]
+_PIECES = st.sampled_from(_WORDS + _SPECIALS)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_PIECES, min_size=300, max_size=700), st.lists(_PIECES, max_size=60))
+def test_a_text_extending_a_known_one_encodes_as_if_new(head: list[str], tail: list[str]) -> None:
+    # The tokenizer reuses the ids of a text it encoded that this one starts with (up to its
+    # last special token, "<|im_" "start|>" pieces making one only when joined): the same ids
+    # as a tokenizer that never saw it.
+    first, extended = "".join(head), "".join(head + tail)
+    tok = Tokenizer()
+    tok.encode(first)
+    assert tok.encode(extended) == Tokenizer().encode(extended)
+    assert tok.encode(extended + first) == Tokenizer().encode(extended + first)
 
 
 def test_generated_tokens_can_retokenize_differently() -> None:
