@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import numpy as np
@@ -296,7 +296,9 @@ class EngineCore:
         # may see a different local hit). The connector is told the local hit, so it loads
         # only what lies beyond it. The last prompt token is always computed (its logits).
         usable = (len(req.all_token_ids) - 1) // self.pool.block_size
-        hit = self.pool.cached_prefix(self._cache_keys(req, 0, usable))
+        # Keys made as the lookup goes: it stops at the first miss, and a request the pool
+        # cannot take yet is looked up again every step.
+        hit = self.pool.cached_prefix(self._each_cache_key(req, 0, usable))
         local = len(hit) * self.pool.block_size
         n_ext, is_async = self._ask_connector(req, local)
         if first:
@@ -336,8 +338,13 @@ class EngineCore:
         """Prefix-cache keys of the request's full blocks [first, last): the prefix hash of
         each block's last position, under the request's `cache_salt` (vLLM seeds its block
         hashes with it, so requests of different salts share nothing)."""
+        return list(self._each_cache_key(req, first, last))
+
+    def _each_cache_key(
+        self, req: SimRequest, first: int, last: int
+    ) -> Iterator[tuple[str | None, int]]:
         bs, hashes, salt = self.pool.block_size, req.hashes, req.cache_salt
-        return [(salt, hashes[(b + 1) * bs - 1]) for b in range(first, last)]
+        return ((salt, hashes[(b + 1) * bs - 1]) for b in range(first, last))
 
     def _cache_computed(self, req: SimRequest, start: int, end: int) -> None:
         """Register the full blocks whose KV positions [start, end) just completed (and, with

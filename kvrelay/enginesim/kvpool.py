@@ -23,7 +23,7 @@ counts them alike): caching costs the pool nothing until the blocks are wanted.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -131,7 +131,7 @@ class BlockPool:
                 self._free[block] = None
 
     # ----- the prefix cache -------------------------------------------------------------------
-    def cached_prefix(self, keys: Sequence[Hashable]) -> list[int]:
+    def cached_prefix(self, keys: Iterable[Hashable]) -> list[int]:
         """The blocks holding the leading run of `keys` (one key per full block), in order."""
         if not self.prefix_caching:
             return []
