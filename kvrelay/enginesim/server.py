@@ -28,6 +28,7 @@ from kvrelay.connector.protocol import DO_REMOTE_PREFILL, KV_TRANSFER_PARAMS
 from kvrelay.enginesim import extras
 from kvrelay.enginesim.engine import EngineCore
 from kvrelay.enginesim.faults import Faults
+from kvrelay.enginesim.mailbox import Mailbox
 from kvrelay.enginesim.metrics import render_metrics
 from kvrelay.enginesim.openai_api import (
     ApiError,
@@ -63,6 +64,7 @@ class EngineServer:
         self.config = runner.core.config
         self.faults = Faults()
         self._ids = itertools.count()
+        self._mailbox: Mailbox | None = None
         self._metrics = render_metrics(
             lambda: {**self.runner.snapshot, "extra_waiting": self.faults.extra_waiting},
             self.config.model,
@@ -166,12 +168,15 @@ class EngineServer:
         except RecursionError:
             raise ApiError(400, "request body nests too deeply") from None
 
-    @staticmethod
     def _sink(
-        loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Output], stream: bool
+        self, loop: asyncio.AbstractEventLoop, q: asyncio.Queue[Output], stream: bool
     ) -> Callable[[Output], None]:
-        """Deliver outputs to the handler's loop; non-streaming requests only cross threads
-        once, at the end (per-token hops cost the engine thread and the loop alike)."""
+        """Deliver outputs to the handler's loop, a step's together (`Mailbox`); non-streaming
+        requests only cross threads once, at the end (per-token hops cost the engine thread and
+        the loop alike)."""
+        if self._mailbox is None or self._mailbox.loop is not loop:
+            self._mailbox = Mailbox(loop)
+        post = self._mailbox.post
         pending: list[str] = []
 
         def deliver(out: Output) -> None:
@@ -180,7 +185,7 @@ class EngineServer:
                 if not out.finished:
                     return
                 out.text = "".join(pending)
-            loop.call_soon_threadsafe(q.put_nowait, out)
+            post(q.put_nowait, out)
 
         return deliver
 
