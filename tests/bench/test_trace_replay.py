@@ -14,7 +14,7 @@ from aiohttp import web
 from bench import _trace as tr
 from bench import trace_replay
 from kvrelay.connector.config import ConnectorConfig
-from kvrelay.devtools import EngineFactory, ProxyFactory
+from kvrelay.devtools import EngineFactory, ProxyFactory, ThreadedApp, free_port
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.tokenizer import get_tokenizer
 
@@ -133,35 +133,29 @@ async def _serve_chat(request: web.Request) -> web.StreamResponse:
 
 
 def test_chat_streams_reads_events_cut_anywhere_and_raises_on_errors() -> None:
-    async def scenario() -> None:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", _serve_chat)
-        app.router.add_get("/v1/models", _serve_models)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            async with trace_replay.ChatStreams(f"http://127.0.0.1:{port}/", "k") as client:
-                model = await client.first_model()
-                ticks = iter(range(100))
-                answer = await client.stream(
-                    {"model": model, "stream": True}, {}, lambda: float(next(ticks))
-                )
-                assert [text for _, text in answer.deltas] == ["a", " b", " c"]
-                assert [t for t, _ in answer.deltas] == [0.0, 1.0, 2.0]
-                assert answer.usage is not None and answer.usage["completion_tokens"] == 3
-                assert answer.usage["kvrelay"] == {"routing": "spilled"}
-                assert answer.headers["x-request-id"] == "r1"
-                with pytest.raises(trace_replay.ApiError, match="429"):
-                    await client.stream({"model": "refused", "stream": True}, {}, float)
-                with pytest.raises(trace_replay.ApiError, match="engine died"):
-                    await client.stream({"model": "broken", "stream": True}, {}, float)
-        finally:
-            await runner.cleanup()
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", _serve_chat)
+    app.router.add_get("/v1/models", _serve_models)
 
-    asyncio.run(scenario())
+    async def scenario(url: str) -> None:
+        async with trace_replay.ChatStreams(url + "/", "k") as client:
+            model = await client.first_model()
+            ticks = iter(range(100))
+            answer = await client.stream(
+                {"model": model, "stream": True}, {}, lambda: float(next(ticks))
+            )
+            assert [text for _, text in answer.deltas] == ["a", " b", " c"]
+            assert [t for t, _ in answer.deltas] == [0.0, 1.0, 2.0]
+            assert answer.usage is not None and answer.usage["completion_tokens"] == 3
+            assert answer.usage["kvrelay"] == {"routing": "spilled"}
+            assert answer.headers["x-request-id"] == "r1"
+            with pytest.raises(trace_replay.ApiError, match="429"):
+                await client.stream({"model": "refused", "stream": True}, {}, float)
+            with pytest.raises(trace_replay.ApiError, match="engine died"):
+                await client.stream({"model": "broken", "stream": True}, {}, float)
+
+    with ThreadedApp(app, free_port(), "fake-chat") as server:
+        asyncio.run(scenario(server.url))
 
 
 def test_replay_through_kvrelay_sends_real_answers_as_history_and_reuses(
