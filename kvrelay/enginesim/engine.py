@@ -51,6 +51,9 @@ from kvrelay.enginesim.timeline import GpuTimeline
 from kvrelay.enginesim.token_gaps import TokenGaps
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
+# What a running request samples this step: the token, its prefix hash and its KV row.
+NextKV = tuple[int, int, np.ndarray[Any, Any]]
+
 
 class EngineInvariantError(RuntimeError):
     """The connector broke a rule vLLM's scheduler asserts (see module docstring)."""
@@ -451,12 +454,13 @@ class EngineCore:
                 self._sample(req, next_kv)
         return waited
 
-    def _next_kv(self, reqs: list[SimRequest]) -> dict[int, tuple[int, int, np.ndarray[Any, Any]]]:
+    def _next_kv(self, reqs: list[SimRequest]) -> dict[SimRequest, NextKV]:
         """The token each of `reqs` would sample now, its prefix hash and its KV, computed for
         all of them in one pass of the model (per request, the numpy calls of `kv_for` cost
-        more than the rest of a decode step): `id(req)` -> (token, hash, KV). The token follows
-        from the request's state alone, so a request preempted before its turn in the step
-        only leaves its entry unused."""
+        more than the rest of a decode step). Every request that is running has its digest, so
+        each one `_sample` is given has its entry. The token follows from the request's state
+        alone, so a request preempted before its turn in the step only leaves its entry
+        unused."""
         picks: list[tuple[SimRequest, int, int]] = []
         for req in reqs:
             if req.digest is None:
@@ -466,7 +470,7 @@ class EngineCore:
         if not picks:
             return {}
         kv = self.model.kv_for([h for _, _, h in picks])
-        return {id(req): (token, h, kv[i : i + 1]) for i, (req, token, h) in enumerate(picks)}
+        return {req: (token, h, kv[i : i + 1]) for i, (req, token, h) in enumerate(picks)}
 
     def _choose(self, req: SimRequest) -> int:
         assert req.digest is not None
@@ -532,11 +536,9 @@ class EngineCore:
         self.counters["preemptions"] += 1
         return victim
 
-    def _sample(
-        self, req: SimRequest, next_kv: dict[int, tuple[int, int, np.ndarray[Any, Any]]]
-    ) -> None:
-        assert req.digest is not None
-        token, prefix_hash, kv = next_kv.get(id(req)) or self._next_kv([req])[id(req)]
+    def _sample(self, req: SimRequest, next_kv: dict[SimRequest, NextKV]) -> None:
+        assert req.digest is not None  # running, so prefilled: `_next_kv` gave it an entry
+        token, prefix_hash, kv = next_kv[req]
         if req.num_output_tokens == 0:
             self._first_output(req)
         else:  # after a preemption the gap includes the recomputation, as in vLLM
