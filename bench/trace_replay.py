@@ -56,6 +56,7 @@ import aiohttp
 
 from bench import _common as c
 from bench import _trace as tr
+from kvrelay.devtools import sse
 
 DEFAULT_TRACE = (
     c.REPO_ROOT.parent / "shared" / "workloads" / "mooncake" / ("conversation_trace.jsonl")
@@ -202,21 +203,17 @@ class ChatStreams:
             if resp.status != 200:
                 raise ApiError(f"{resp.status}: {(await resp.text())[:300]}")
             answer = StreamedAnswer({k.lower(): v for k, v in resp.headers.items()})
-            pending = b""
-            async for data in resp.content.iter_any():
-                lines = (pending + data).split(b"\n")
-                pending = lines.pop()
-                for line in lines:
-                    self._event(line.rstrip(b"\r"), answer, clock)
-            self._event(pending.rstrip(b"\r"), answer, clock)
+            reader = sse.EventReader()
+            async for chunk in resp.content.iter_any():
+                for data in reader.feed(chunk):
+                    self._event(data, answer, clock)
+            for data in reader.end():
+                self._event(data, answer, clock)
             return answer
 
     @staticmethod
-    def _event(line: bytes, answer: StreamedAnswer, clock: Callable[[], float]) -> None:
-        if not line.startswith(b"data:"):
-            return  # blank separators, comments, `event:` lines
-        data = line[5:].strip()
-        if data == b"[DONE]":
+    def _event(data: str, answer: StreamedAnswer, clock: Callable[[], float]) -> None:
+        if data.strip() == "[DONE]":
             return
         event = json.loads(data)
         if "error" in event:

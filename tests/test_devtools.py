@@ -4,6 +4,7 @@ fleet, which stops every process it started."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvrelay.devtools import (
     LOOPBACK_UCX,
@@ -62,6 +65,42 @@ def test_sse_reads_lf_and_crlf_events_multiline_data_and_done() -> None:
     assert stream.events == [{"a": 1}, {"b": 2}]
     assert stream.done and stream.not_json == ["not json"]
     assert sse.events(raw.decode()) == [{"a": 1}, {"b": 2}]
+
+
+_SSE_STREAM = (
+    b'data: {"a": 1}\n\n'
+    b'data: {"b":\r\ndata: 2}\r\n\r\n'
+    b": comment only\n\n"
+    b"event: ping\ndata: not json\n\n"
+    b"data: [DONE]\n\n"
+    b"data: unended"
+)
+# Events with data ended once this many of the stream's blank lines arrived (the third one ends
+# the comment, which has none).
+_EVENTS_AFTER_BLANK_LINES = (0, 1, 2, 2, 3, 4)
+
+
+@given(st.lists(st.integers(min_value=0, max_value=len(_SSE_STREAM)), max_size=12))
+@settings(max_examples=200, deadline=None)
+def test_sse_event_reader_gives_each_event_once_its_blank_line_arrives(cuts: list[int]) -> None:
+    bounds = [0, *sorted(cuts), len(_SSE_STREAM)]
+    reader = sse.EventReader()
+    fed: list[str] = []
+    for start, stop in itertools.pairwise(bounds):
+        chunk = _SSE_STREAM[start:stop]
+        got = reader.feed(chunk)
+        # An event is handed out by the chunk that brings its blank line, not before.
+        ended = _SSE_STREAM[:stop].count(b"\n\n") + _SSE_STREAM[:stop].count(b"\r\n\r\n")
+        assert len(fed) + len(got) == _EVENTS_AFTER_BLANK_LINES[ended]
+        fed += got
+    assert fed + reader.end() == sse.data_fields(_SSE_STREAM)
+    assert sse.data_fields(_SSE_STREAM) == [
+        '{"a": 1}',
+        '{"b":\n2}',
+        "not json",
+        "[DONE]",
+        "unended",
+    ]
 
 
 def test_sse_text_of_chat_and_completion_streams() -> None:

@@ -1,28 +1,58 @@
 """Reading an OpenAI-style server-sent event stream as a client does.
 
 Events end at a blank line (LF or CRLF); an event's `data:` lines are joined with newlines; the
-stream's end is the `[DONE]` sentinel. `events` gives the decoded JSON payloads in order.
+stream's end is the `[DONE]` sentinel. `EventReader` reads a stream as its chunks arrive (a
+client that times each event), `data_fields` a whole body; `events` gives the decoded JSON
+payloads in order.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
-_EVENT_END = re.compile(rb"\r?\n\r?\n")
+
+class EventReader:
+    """The `data` of a stream's events as its chunks arrive, cut anywhere: `feed` returns the
+    events each chunk completes (at their blank line), `end` the one a stream left unended.
+    Events without data (comments, `event:` lines alone) are skipped."""
+
+    def __init__(self) -> None:
+        self._partial = b""  # a line whose end has not arrived
+        self._data: list[bytes] = []  # the `data:` lines of the event being read
+
+    def feed(self, chunk: bytes) -> list[str]:
+        """The data of each event that `chunk` completes, in order."""
+        lines = (self._partial + chunk).split(b"\n")
+        self._partial = lines.pop()
+        out: list[str] = []
+        for line in lines:
+            self._line(line.rstrip(b"\r"), out)
+        return out
+
+    def end(self) -> list[str]:
+        """The data of the event the stream ended in without its blank line, if any."""
+        out: list[str] = []
+        if self._partial:
+            self._line(self._partial.rstrip(b"\r"), out)
+            self._partial = b""
+        self._line(b"", out)
+        return out
+
+    def _line(self, line: bytes, out: list[str]) -> None:
+        if not line:
+            if self._data:
+                out.append(b"\n".join(self._data).decode("utf-8", errors="replace"))
+                self._data = []
+        elif line.startswith(b"data:"):
+            self._data.append(line[5:].removeprefix(b" "))
 
 
 def data_fields(raw: bytes) -> list[str]:
     """The `data` of every event in `raw`, in order (events without data are skipped)."""
-    out: list[str] = []
-    for block in _EVENT_END.split(raw):
-        lines = [line.rstrip(b"\r") for line in block.split(b"\n")]
-        data = [line[5:].removeprefix(b" ") for line in lines if line.startswith(b"data:")]
-        if data:
-            out.append(b"\n".join(data).decode("utf-8", errors="replace"))
-    return out
+    reader = EventReader()
+    return reader.feed(raw) + reader.end()
 
 
 @dataclass
