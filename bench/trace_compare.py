@@ -482,6 +482,67 @@ def routing_counts(records: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+# The routing decisions as the TTFT table groups them: P's two (by affinity, or by load) as one.
+_ROUTE_GROUPS = {
+    "prefill_affinity": "through P",
+    "prefill_chosen": "through P",
+    "decode_only": "decode-only",
+    "spilled": "spilled",
+}
+_ROUTE_COLUMNS = ("through P", "decode-only", "spilled")
+
+
+def ttft_by_route(records: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """The TTFTs (seconds) of the answered turns of each routing decision (`_ROUTE_GROUPS`),
+    first and later turns apart; empty for fronts that report no routing. Where a rate's
+    TTFT is lost is where the route its turns took says."""
+    out: dict[str, dict[str, list[float]]] = {"first": {}, "later": {}}
+    for r in records:
+        group = _ROUTE_GROUPS.get(r.get("routing") or "")
+        ttft = r.get("ttft_s")
+        if group is None or r.get("error") is not None or ttft is None or math.isnan(ttft):
+            continue
+        out["first" if r["turn"] == 1 else "later"].setdefault(group, []).append(ttft)
+    return out
+
+
+def _ttft_cell(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{c.percentile(values, 50):.2f} / {c.percentile(values, 90):.2f} ({len(values)})"
+
+
+def _ttft_route_table(
+    rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str, Any]
+) -> list[str]:
+    lines: list[str] = []
+    for label, by in rows.items():
+        for scale in sorted(by):
+            pooled: dict[str, dict[str, list[float]]] = {"first": {}, "later": {}}
+            for run in runs[label][str(scale)]:
+                for turns, groups in ttft_by_route(run.get("records") or []).items():
+                    for group, values in groups.items():
+                        pooled[turns].setdefault(group, []).extend(values)
+            if not pooled["first"] and not pooled["later"]:
+                continue
+            cells = [
+                _ttft_cell(pooled[t].get(g, [])) for t in ("first", "later") for g in _ROUTE_COLUMNS
+            ]
+            lines.append(f"| {label} | {by[scale]['rate']:.2f} | " + " | ".join(cells) + " |")
+    if not lines:
+        return []
+    heads = [f"{t} {g}" for t in ("first:", "later:") for g in _ROUTE_COLUMNS]
+    return [
+        "",
+        "TTFT by route, every round's turns together (kvrelay's `usage.kvrelay.routing`): "
+        "p50 / p90 in seconds (turns).",
+        "",
+        "| configuration | req/s | " + " | ".join(heads) + " |",
+        "|---|---:|" + "---:|" * len(heads),
+        *lines,
+    ]
+
+
 # --------------------------------------------------------------------------- rows and aims
 
 
@@ -851,6 +912,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     lines += ["", "| configuration | goodput req/s: median (per round) |", "|---|---:|"]
     lines += [f"| {label} | {gps[label].text()} |" for label in _ordered(rows)]
     lines += _routing_table({k: rows[k] for k in _ordered(rows)}, data["runs"])
+    lines += _ttft_route_table({k: rows[k] for k in _ordered(rows)}, data["runs"])
     families = sorted({cfg.family for cfg in configs.values()})
     best = [f"{family}: {best_of(family, configs, gps)}" for family in families]
     lines += ["", "Best configuration of each family in this run: " + "; ".join(best) + "."]

@@ -459,6 +459,39 @@ def test_the_routing_table_shows_the_pulls_and_those_into_d() -> None:
     assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2; from D 3 |"]
 
 
+def test_ttft_by_route_groups_p_s_two_decisions_and_skips_failed_and_unrouted_turns() -> None:
+    records = [
+        {"turn": 1, "routing": "prefill_chosen", "ttft_s": 4.0, "error": None},
+        {"turn": 2, "routing": "prefill_affinity", "ttft_s": 2.0, "error": None},
+        {"turn": 2, "routing": "prefill_chosen", "ttft_s": 6.0, "error": None},
+        {"turn": 3, "routing": "spilled", "ttft_s": 0.5, "error": None},
+        {"turn": 2, "routing": "decode_only", "ttft_s": 0.1, "error": None},
+        {"turn": 2, "routing": "spilled", "ttft_s": None, "error": "HTTP 500"},
+        {"turn": 2, "routing": None, "ttft_s": 1.0, "error": None},  # a front that reports none
+        {"turn": 2, "routing": "spilled", "ttft_s": math.nan, "error": None},  # no token came
+    ]
+    assert tc.ttft_by_route(records) == {
+        "first": {"through P": [4.0]},
+        "later": {"through P": [2.0, 6.0], "spilled": [0.5], "decode-only": [0.1]},
+    }
+
+
+def test_the_ttft_table_pools_the_rounds_of_each_rate() -> None:
+    def run(*ttfts: float) -> dict[str, object]:
+        turns = [{"turn": 2, "routing": "spilled", "ttft_s": t, "error": None} for t in ttfts]
+        return {"records": turns}
+
+    runs = {
+        "kvrelay": {"1.0": [run(1.0, 2.0), run(3.0)]},
+        "vllm-router": {"1.0": [{"records": []}]},
+    }
+    rows = {"kvrelay": {1.0: {"rate": 16.0}}, "vllm-router": {1.0: {"rate": 16.0}}}
+    lines = tc._ttft_route_table(rows, runs)
+    body = [line for line in lines if line.startswith("| kvrelay |")]
+    assert body == ["| kvrelay | 16.00 | - | - | - | - | - | 2.00 / 2.80 (3) |"]
+    assert not any(line.startswith("| vllm-router |") for line in lines)
+
+
 def test_rejudging_a_run_counts_its_requests_against_the_other_slo() -> None:
     records = [
         {"ttft_s": 1.0, "tpot_s": 0.020, "error": None},
