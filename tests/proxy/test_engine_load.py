@@ -290,6 +290,29 @@ def _paced(inter_token_s: float | None, age: float = 0.0) -> EngineLoad:
     )  # fmt: skip
 
 
+def test_a_spill_goes_to_the_holder_unless_another_d_would_be_done_with_the_turn_sooner() -> None:
+    """The holder prefills only what it does not hold (4,400 characters at 4 per token: 1,100
+    tokens, 400 held, 700 to compute), another D the whole turn (1,100); the turn goes to the D
+    done with it soonest counting each one's decode-only tokens queued, the holder on a tie."""
+    router, prefill, decode = _router(routing_policy="conditional")
+    p = prefill.add("http://p")
+    holder, other = decode.add("http://holder"), decode.add("http://other")
+    entry = _entry(holder.url, p.url, num_tokens=400, cpt=4.0)
+    with prefill.busy(p, 400_000):  # P's queue: far longer than any D's
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is holder and spill.holder
+        assert spill.tokens == 700
+        # The holder queued 400 decode-only tokens: 400 + 700 = 1,100, as the other D's 1,100.
+        holder.inflight, holder.outstanding_work = 1, 1 + 400
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is holder
+        # 401 queued: the other D, computing the whole prompt, is done with it sooner.
+        holder.outstanding_work = 1 + 401
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and not spill.holder
+        assert spill.tokens == 1100
+
+
 def test_a_d_decoding_slower_than_the_bound_takes_no_spilled_prefill() -> None:
     router, prefill, decode = _router(
         routing_policy="conditional", prefill_spill_max_inter_token_ms=50.0

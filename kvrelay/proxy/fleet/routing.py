@@ -23,7 +23,9 @@ behind skipping P. Which of them a turn uses is its policy's choice
   decodes already run slower than `prefill_spill_max_inter_token_ms` (its own inter-token
   histogram, read with the load gauges; 0, the default, turns that check off: on a P-bound
   fleet it moved more misses to TTFT than it saved in TPOT). D's prefill capacity, idle in a
-  P/D split whose P is the bottleneck, then takes the overflow.
+  P/D split whose P is the bottleneck, then takes the overflow. The D is the one that would be
+  done with the turn soonest: the holder (which prefills only what it does not hold), the
+  least loaded D, or a D whose prefix cache is expected to hold part of the prompt.
 
 An engine is *busy* when its own fresh load reading (`kvrelay.proxy.fleet.engine_load`) shows more
 than `decode_max_waiting` queued requests or KV usage above `decode_max_kv_usage`; busy engines
@@ -644,10 +646,10 @@ class Router:
         Yes (`prefill_spill_factor` > 0) when P's time, the least loaded
         P's queued prompt tokens plus what P would compute of this turn (the part D does not
         hold when there is an entry to pull), exceeds `prefill_spill_factor` times D's, its
-        decode-only tokens in flight plus what it would prefill of this turn. The D is the
+        decode-only tokens in flight plus what it would prefill of this turn. The D is, of the
         conversation's holder when it can take a decode-only turn (it then prefills only the
-        part it does not hold), else the least loaded D or, with `prompt`, a D whose own cache
-        is expected to hold part of it when that D would be done with the turn sooner
+        part it does not hold), the least loaded D and, with `prompt`, the Ds whose own cache
+        is expected to hold part of it, the one that would be done with the turn soonest
         (`_spill_decode`); never a busy or overloaded one, nor
         one whose decode-only tokens still to prefill reach `prefill_spill_max_inflight_tokens`
         or would pass it with this turn's (a decode-only turn's tokens count until its first
@@ -693,7 +695,12 @@ class Router:
             else tokens
         )
         uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
-        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt)
+        holder_uncached = (
+            uncached_tokens(entry, prompt_chars)
+            if entry is not None and entry.chars_per_token
+            else 0
+        )
+        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt, holder_uncached)
         if target is None:
             return None
         # D's own cache: the prompts of the turns it decoded (it read or computed them whole).
@@ -817,42 +824,56 @@ class Router:
         cached: Mapping[str, int] | None = None,
         tokens: int = 0,
         chars_per_token: float = 1.0,
+        holder_uncached: int = 0,
     ) -> tuple[Backend | None, bool]:
-        """The D a spilled turn would go to and whether it holds the conversation: the holder
-        when it can take a decode-only turn, else of the least loaded D and the Ds whose
+        """The D a spilled turn would go to and whether it holds the conversation: of the
+        holder (when it can take a decode-only turn), the least loaded D and the Ds whose
         prefix cache is expected to hold part of the prompt (`cached`: URL -> characters, with
-        prefix routing), the one that would be done with the turn soonest (its decode-only
-        tokens queued plus the `tokens` it would compute), the least loaded on a tie; none
-        busy or overloaded, each only within D's decode-only budget."""
+        prefix routing), the one that would be done with the turn soonest: its decode-only
+        tokens queued plus what it would compute of the turn's `tokens` (the holder only
+        `holder_uncached`, the part it does not hold). On a tie the holder (its hold is then
+        used, not released), then the least loaded. None busy or overloaded, each only within
+        D's decode-only budget. The holder is not taken whatever its queue: a holder behind
+        more work than another D's whole prefill of the turn would delay the turn more than
+        its history saves (spilled turns' TTFT p90, bench/RESULTS.md run Q)."""
+        holder: Backend | None = None
         if entry is not None and entry.chars_per_token:
-            holder = self.decode.get(entry.url)
+            d = self.decode.get(entry.url)
             if (
-                holder is not None
-                and holder.usable
-                and self._takes_spill(holder)
-                and not self.decode_only.withdrawn(holder.url, tenant)
+                d is not None
+                and d.usable
+                and self._takes_spill(d)
+                and not self.decode_only.withdrawn(d.url, tenant)
             ):
-                return holder, True
+                holder = d
         least = self.least_loaded(self.decode, set())
-        if least is None:
-            return None, False
-        if not cached:  # the common case: no D expected to cache any of it
-            return (least if self._takes_spill(least) else None), False
-        candidates = [least]
-        for url in cached:
+        candidates = [d for d in (holder, least) if d is not None]
+        if least is not None and least is not holder and not self._takes_spill(least):
+            candidates.remove(least)
+        for url in cached or ():
             d = self.decode.get(url)
-            if d is not None and d is not least and d.usable:
+            if (
+                d is not None
+                and d.usable
+                and all(d is not c for c in candidates)
+                and d is not least
+                and self._takes_spill(d)
+            ):
                 candidates.append(d)
-        eligible = [d for d in candidates if self._takes_spill(d)]
-        if len(eligible) <= 1:
-            return (eligible[0] if eligible else None), False
-        held_chars = cached
+        if len(candidates) <= 1:
+            best = candidates[0] if candidates else None
+            return best, best is not None and best is holder
 
-        def done_after(d: Backend) -> tuple[float, bool]:
-            held = min(tokens, round(held_chars.get(d.url, 0) / chars_per_token))
-            return d.outstanding_work - d.inflight + tokens - held, d is not least
+        def done_after(d: Backend) -> tuple[float, bool, bool]:
+            if d is holder:
+                computed = holder_uncached
+            else:
+                held = cached.get(d.url, 0) if cached else 0
+                computed = tokens - min(tokens, round(held / chars_per_token))
+            return d.outstanding_work - d.inflight + computed, d is not holder, d is not least
 
-        return min(eligible, key=done_after), False
+        best = min(candidates, key=done_after)
+        return best, best is holder
 
     def _takes_spill(self, d: Backend) -> bool:
         """D may take a spilled turn: neither overloaded nor busy, its decode-only tokens still
