@@ -26,6 +26,7 @@ SCRIPTS = (
     "http_clients",
     "multiturn",
     "multiturn_policies",
+    "sim_cpu",
 )
 # Benchmarks that are a mode of another script: (module, its arguments).
 MODES = {"multiturn_policies": ("multiturn", ("--policies",))}
