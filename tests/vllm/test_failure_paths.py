@@ -17,8 +17,10 @@ from typing import Any
 
 import pytest
 
+from kvrelay.connector.protocol import HoldRef, KVTransferParams
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.devtools import vllm_servers
+from kvrelay.proxy.turn import prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import FaultPair
 
@@ -53,13 +55,12 @@ def text(server: vllm_servers.VLLMServer, payload: dict[str, Any], rid: str | No
 def hold_on_prefill(pair: FaultPair, prompt: str) -> dict[str, Any]:
     """P computes `prompt` and holds its blocks for D (the proxy's P leg)."""
     rid = f"hold-{uuid.uuid4().hex[:8]}"
-    leg = {"do_remote_decode": True, "do_remote_prefill": False}
-    status, out = pair.prefill.post(
-        "/v1/completions", body(prompt, 1, kv_transfer_params=leg), {"X-Request-Id": rid}
-    )
+    leg = prefill_body(body(prompt, 1), None)
+    status, out = pair.prefill.post("/v1/completions", leg, {"X-Request-Id": rid})
     assert status == 200, out
     params: dict[str, Any] = out["kv_transfer_params"]
-    assert params["remote_block_ids"] and params["release_token"]
+    held = KVTransferParams.from_wire(params)
+    assert held is not None and held.remote_block_ids and held.release_token
     wait_until(lambda: pair.prefill.metric(HELD_BLOCKS) > 0, 10, what="P to hold the blocks")
     return params
 
@@ -111,10 +112,12 @@ def test_release_during_the_holders_step_frees_the_hold_once(fault_pair: FaultPa
     client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
     try:
         wait_until((faults / "send-stalled").exists, 60, what="P's step to stall mid-report")
-        assert params["remote_request_id"] in (faults / "send-stalled").read_text().split()
+        hold = HoldRef.from_params(params)
+        assert hold is not None
+        assert hold.remote_request_id in (faults / "send-stalled").read_text().split()
         assert client.release(
-            "127.0.0.1", params["remote_port"], params["remote_request_id"],
-            params["release_token"], reader_engine_id="faulty-D",
+            "127.0.0.1", hold.remote_port, hold.remote_request_id, hold.release_token,
+            reader_engine_id="faulty-D",
         ), "the release must land while P still holds the blocks"  # fmt: skip
     finally:
         (faults / "resume-send").touch()

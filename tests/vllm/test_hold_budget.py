@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools import free_port, vllm_servers
+from kvrelay.proxy.turn import decode_body
 from tests.harness import wait_until
 from tests.vllm.test_kvrelay_pd import HELD_BLOCKS, SYSTEM, completion_body
 
@@ -65,10 +67,8 @@ def test_holds_past_the_budget_free_the_oldest_and_the_history_stays_cached(
     for i in range(8):
         held_before = _held(d)
         freed_before = d.metric(FREED_BY_BUDGET)
-        body = {
-            **completion_body(_prompt(i), max_tokens=8),
-            "kv_transfer_params": {"hold_blocks": True},
-        }
+        # A decode-only turn asking D to hold its blocks, as the proxy's D leg sends it.
+        body = decode_body(completion_body(_prompt(i), max_tokens=8), None, None, hold=True)
         status, out = d.post("/v1/completions", body, timeout=60)
         assert status == 200, out
         # The hold is counted, or it pushed older ones out: either way the count moves.
@@ -103,11 +103,12 @@ def test_a_turn_alone_over_the_budget_is_not_held_and_its_history_stays_cached(
     ids = [3 + (7 * i) % 1000 for i in range((BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE)]
     held_before, over_before = _held(d), d.metric(OVER_BUDGET)
     body = {**completion_body("", max_tokens=4), "prompt": ids}
-    status, out = d.post("/v1/completions", {**body, "kv_transfer_params": {"hold_blocks": True}})
+    status, out = d.post("/v1/completions", decode_body(body, None, None, hold=True))
     assert status == 200, out
-    params = out["kv_transfer_params"]
-    assert params["hold_declined"] is True and params["kvr_prompt_tokens"] == len(ids)
-    assert not params.get("remote_block_ids") and not params.get("release_token")
+    params = KVTransferParams.from_wire(out["kv_transfer_params"])
+    assert params is not None
+    assert params.hold_declined is True and params.kvr_prompt_tokens == len(ids)
+    assert not params.remote_block_ids and not params.release_token
     wait_until(lambda: d.metric(OVER_BUDGET) > over_before, 10, what="D to count the decline")
     assert _held(d) == held_before, "the declined turn pinned blocks"
 

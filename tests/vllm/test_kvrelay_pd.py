@@ -12,7 +12,9 @@ from typing import Any
 
 import pytest
 
+from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools import sse, vllm_servers
+from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 
@@ -229,14 +231,12 @@ def test_decode_rejection_frees_prefill_blocks_by_connector(kvrelay_fleet: PDFle
     early_before = decode.metric(EARLY_RELEASES)
     prompt = SYSTEM + " Another request that D will refuse:"
     request_id = f"rej-{uuid.uuid4().hex[:8]}"
-    p_body = {
-        **completion_body(prompt, max_tokens=1),
-        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False},
-    }
+    p_body = prefill_body(completion_body(prompt), None)
     status, p_out = prefill.post("/v1/completions", p_body, {"X-Request-Id": request_id})
     assert status == 200, p_out
     params = p_out["kv_transfer_params"]
-    assert params["remote_block_ids"] and params["release_token"]
+    held = KVTransferParams.from_wire(params)
+    assert held is not None and held.remote_block_ids and held.release_token
     wait_until(lambda: _held_blocks(prefill) > 0, 10, what="P to report its held blocks")
 
     d_body = {
@@ -265,10 +265,8 @@ def test_decode_reclaims_holds_for_a_request_that_does_not_fit(kvrelay_fleet: PD
         if held >= usable - 8:
             break
         # Distinct prompts (no shared prefix-cache blocks), each held after it finishes.
-        body = {
-            **completion_body(f"Conversation {i}. " + SYSTEM * 2, max_tokens=8),
-            "kv_transfer_params": {"hold_blocks": True},
-        }
+        prompt = f"Conversation {i}. " + SYSTEM * 2
+        body = decode_body(completion_body(prompt, max_tokens=8), None, None, hold=True)
         status, out = decode.post("/v1/completions", body, timeout=60)
         assert status == 200, out
         wait_until(lambda h=held: _held_blocks(decode) > h, 10, what="D to hold the request")

@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, HoldRef, KVTransferParams
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.devtools import vllm_servers
+from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 
@@ -25,7 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 PROMPTS = 'vllm:prompt_tokens_total{engine="0",model_name="tiny"}'
 SOURCE = 'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="%s"}'
-P_LEG = {"do_remote_decode": True, "do_remote_prefill": False}
 SYSTEM = (
     "You answer questions about reuse. A block of the cache is reused only when every token "
     "before it and in it is the same as the one the engine computed before, turn after turn."
@@ -60,11 +61,49 @@ def chat(
     return out
 
 
+def p_leg(offered: dict[str, Any] | None = None) -> dict[str, Any]:
+    """P's `kv_transfer_params` as the proxy's P leg sends them; `offered`: D's answer's params,
+    whose hold P is offered to pull the history from."""
+    params: dict[str, Any] = prefill_body({}, parsed(offered))[KV_TRANSFER_PARAMS]
+    return params
+
+
+def d_leg(prefilled: dict[str, Any] | None) -> dict[str, Any]:
+    """D's `kv_transfer_params` as the proxy's D leg sends them, asking D to hold its blocks:
+    P's answer's params (`prefilled`; None: a decode-only turn)."""
+    params: dict[str, Any] = decode_body({}, parsed(prefilled), None, hold=True)[KV_TRANSFER_PARAMS]
+    return params
+
+
+def parsed(params: dict[str, Any] | None) -> KVTransferParams | None:
+    return KVTransferParams.from_wire(params)
+
+
 def reuse(params: dict[str, Any]) -> tuple[int, int, int, int, dict[str, int]]:
-    return (
-        params["kvr_prompt_tokens"], params["kvr_local_hit_tokens"], params["kvr_loaded_tokens"],
-        params["kvr_offered_blocks"], params["kvr_refused_blocks"],
-    )  # fmt: skip
+    """The connector's reuse report in an engine's answer: prompt, local hit and loaded
+    tokens, blocks offered, blocks refused by reason."""
+    got = parsed(params)
+    assert got is not None
+    prompt, local, loaded = got.kvr_prompt_tokens, got.kvr_local_hit_tokens, got.kvr_loaded_tokens
+    offered, refused = got.kvr_offered_blocks, got.kvr_refused_blocks
+    assert prompt is not None and local is not None and loaded is not None, params
+    assert offered is not None and refused is not None, params
+    return prompt, local, loaded, offered, refused
+
+
+def held_blocks(params: dict[str, Any]) -> int:
+    """How many blocks the hold in an engine's answer keeps."""
+    got = parsed(params)
+    assert got is not None and got.remote_block_ids, params
+    return len(got.remote_block_ids[0])
+
+
+def release(client: SideChannelClient, params: dict[str, Any]) -> bool:
+    hold = HoldRef.from_params(params)
+    assert hold is not None, params
+    return client.release(
+        hold.remote_host, hold.remote_port, hold.remote_request_id, hold.release_token
+    )
 
 
 def leg(
@@ -92,46 +131,44 @@ def test_engines_report_reuse_as_vllm_counts_it(kvrelay_fleet: PDFleet) -> None:
     p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
     question = f"Question {uuid.uuid4().hex[:6]}: what is reused?"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    p1, _, _ = leg(p, messages, P_LEG, 1)
+    p1, _, _ = leg(p, messages, p_leg(), 1)
     assert reuse(p1)[1:] == (0, 0, 0, {})
-    d_params = {**p1, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
-    d1, reply, _ = leg(d, messages, d_params, 12)
-    assert d1["kvr_loaded_tokens"] == d1["kvr_prompt_tokens"] - d1["kvr_local_hit_tokens"] - 1
+    d1, reply, _ = leg(d, messages, d_leg(p1), 12)
+    d_prompt, d_local, d_loaded, _, _ = reuse(d1)
+    assert d_loaded == d_prompt - d_local - 1
 
     # Affinity/always-P turn 2: P is offered D's hold and loads the history it verifies.
     messages += [{"role": "assistant", "content": reply},
                  {"role": "user", "content": "And which blocks are refused?"}]  # fmt: skip
-    p2, _, _ = leg(p, messages, {**d1, **P_LEG}, 1)
+    p2, _, _ = leg(p, messages, p_leg(d1), 1)
     _, local, loaded, offered, refused = reuse(p2)
     assert local == 0 and loaded >= vllm_servers.BLOCK_SIZE  # P has no prefix cache: all from D
-    assert offered == len(d1["remote_block_ids"][0])
+    assert offered == held_blocks(d1)
     assert sum(refused.values()) == offered - math.ceil(loaded / vllm_servers.BLOCK_SIZE)
     # vLLM's own figure for D (P's cached tokens) agrees.
-    assert p2["remote_prefill_cached_tokens"] == local + loaded
-    d_params = {**p2, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
-    d2, reply, _ = leg(d, messages, d_params, 12)
+    p2_params = parsed(p2)
+    assert p2_params is not None and p2_params.remote_prefill_cached_tokens == local + loaded
+    d2, reply, _ = leg(d, messages, d_leg(p2), 12)
 
     # A template that re-renders its first line: every offered block is refused by hash.
     rerendered = [{"role": "system", "content": "Now: " + SYSTEM}, *messages[1:],
                   {"role": "assistant", "content": reply}]  # fmt: skip
-    p3, _, split = leg(p, rerendered, {**d2, **P_LEG}, 1)
+    p3, _, split = leg(p, rerendered, p_leg(d2), 1)
     _, local, loaded, offered, refused = reuse(p3)
-    assert offered == len(d2["remote_block_ids"][0]) > 0
+    assert offered == held_blocks(d2) > 0
     assert (local, loaded, refused) == (0, 0, {"hash": offered})
     assert split["external_kv_transfer"] == 0
 
     # Decode-only turn on D: its prompt's history is in D's own prefix cache.
-    d4, _, split = leg(
-        d, [*messages, {"role": "assistant", "content": reply}], {"hold_blocks": True}, 4
-    )
-    assert d4["kvr_local_hit_tokens"] >= vllm_servers.BLOCK_SIZE and d4["kvr_offered_blocks"] == 0
+    d4, _, split = leg(d, [*messages, {"role": "assistant", "content": reply}], d_leg(None), 4)
+    _, d_local, _, d_offered, _ = reuse(d4)
+    assert d_local >= vllm_servers.BLOCK_SIZE and d_offered == 0
 
     # Leave nothing held for the next module (P refused and released D's turn-2 hold).
     client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
     try:
         for held in (p3, d4):
-            assert client.release(held["remote_host"], held["remote_port"],
-                                  held["remote_request_id"], held["release_token"])  # fmt: skip
+            assert release(client, held)
     finally:
         client.close()
 
@@ -145,23 +182,21 @@ def test_a_p_leg_asking_prompt_logprobs_reports_its_offer_not_taken(
     p, d = kvrelay_fleet.prefill, kvrelay_fleet.decode
     question = f"Question {uuid.uuid4().hex[:6]}: which tokens need logprobs?"
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    p1, _, _ = leg(p, messages, P_LEG, 1)
-    d_params = {**p1, "do_remote_prefill": True, "do_remote_decode": False, "hold_blocks": True}
-    d1, reply, _ = leg(d, messages, d_params, 12)
+    p1, _, _ = leg(p, messages, p_leg(), 1)
+    d1, reply, _ = leg(d, messages, d_leg(p1), 12)
     messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "More?"}]
     counted = Counted(p)
     out = chat(p, f"lp-{uuid.uuid4().hex[:8]}", messages, max_tokens=1, prompt_logprobs=1,
-               kv_transfer_params={**d1, **P_LEG})  # fmt: skip
+               kv_transfer_params=p_leg(d1))  # fmt: skip
     got = out["kv_transfer_params"]
     split = counted.split(out["usage"]["prompt_tokens"])
     _, local, loaded, offered, refused = reuse(got)
     assert (local, loaded) == (0, 0) == (split["local_cache_hit"], split["external_kv_transfer"])
-    assert offered == len(d1["remote_block_ids"][0]) > 0
+    assert offered == held_blocks(d1) > 0
     assert "local" not in refused and refused.get("threshold", 0) > 0, refused
     assert sum(refused.values()) == offered
     client = SideChannelClient(vllm_servers.CONNECTOR_SECRET.encode())
     try:
-        assert client.release(got["remote_host"], got["remote_port"],
-                              got["remote_request_id"], got["release_token"])  # fmt: skip
+        assert release(client, got)
     finally:
         client.close()
