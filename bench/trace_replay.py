@@ -194,6 +194,12 @@ class ChatStreams:
                 raise ApiError(f"GET /v1/models: {resp.status} {(await resp.text())[:300]}")
             return str((await resp.json())["data"][0]["id"])
 
+    async def end_conversation(self, conversation_id: str) -> None:
+        """`DELETE /v1/conversations/{id}`: the proxy releases what D holds for it."""
+        url = f"{self.base_url}/v1/conversations/{conversation_id}"
+        async with self.session.delete(url, timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            await resp.read()
+
     async def stream(
         self, body: dict[str, Any], headers: dict[str, str], clock: Callable[[], float]
     ) -> StreamedAnswer:
@@ -352,13 +358,12 @@ class Replayer:
         await asyncio.gather(*(self.run_turn(i) for i in range(len(self.plan.turns))))
         return self.now()
 
-    async def end_conversations(self, base_url: str) -> None:
-        """Ask the proxy to release what D still holds for the replay's conversations."""
+    async def end_conversations(self) -> None:
+        """Ask the proxy to release what D still holds for the replay's conversations (on the
+        client's session: its key, its connections)."""
         ids = sorted({r.conversation_id for r in self.records if r.conversation_id})
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
-            for conv_id in ids:
-                async with http.delete(f"{base_url}/v1/conversations/{conv_id}") as resp:
-                    await resp.read()
+        for conv_id in ids:
+            await self.client.end_conversation(conv_id)
 
 
 def within_slo(ttft_s: float, tpot_s: float | None, slo_ttft_s: float, slo_tpot_s: float) -> bool:
@@ -490,7 +495,7 @@ async def replay(plan: tr.Plan, args: argparse.Namespace) -> dict[str, Any]:
         replayer = Replayer(plan, client, model, args)
         wall = await replayer.run()
         if args.conversation_ids:
-            await replayer.end_conversations(args.base_url.rstrip("/"))
+            await replayer.end_conversations()
     records = replayer.records
     return {
         "model": model,

@@ -136,6 +136,14 @@ def test_chat_streams_reads_events_cut_anywhere_and_raises_on_errors() -> None:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", _serve_chat)
     app.router.add_get("/v1/models", _serve_models)
+    ended: list[str] = []
+
+    async def end(request: web.Request) -> web.Response:
+        assert request.headers["Authorization"] == "Bearer k"  # the client's key goes too
+        ended.append(request.match_info["conv"])
+        return web.json_response({"released": True})
+
+    app.router.add_delete("/v1/conversations/{conv}", end)
 
     async def scenario(url: str) -> None:
         async with trace_replay.ChatStreams(url + "/", "k") as client:
@@ -153,6 +161,8 @@ def test_chat_streams_reads_events_cut_anywhere_and_raises_on_errors() -> None:
                 await client.stream({"model": "refused", "stream": True}, {}, float)
             with pytest.raises(trace_replay.ApiError, match="engine died"):
                 await client.stream({"model": "broken", "stream": True}, {}, float)
+            await client.end_conversation("trace-c1")
+            assert ended == ["trace-c1"]
 
     with ThreadedApp(app, free_port(), "fake-chat") as server:
         asyncio.run(scenario(server.url))
