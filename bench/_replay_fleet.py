@@ -271,6 +271,9 @@ def engine_args(hw: Hardware, lease_s: float, hold_max: float | None = None) -> 
         *(["--hold-budget-fraction", f"{hw.hold_budget:g}"] if hw.hold_budget else []),
         *(["--hold-max-fraction", f"{hold_max:g}"] if hold_max else []),
         "--enable-prompt-tokens-details",
+        # Prompts encoded beside the engine, as vLLM's API server does: a router's /tokenize
+        # then never holds up the modelled steps (bench/RESULTS.md, run O).
+        "--tokenizer-process",
         "--log-level", "WARNING",
         *TINY_GEOMETRY,
     ]  # fmt: skip

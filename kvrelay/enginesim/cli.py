@@ -114,6 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="usage.prompt_tokens_details in answers (vLLM's flag of the same name)",
     )
     p.add_argument(
+        "--tokenizer-process",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="encode prompts in a child process, as vLLM's API server tokenizes apart from "
+        "its engine core (the engine's steps then never wait on an encoding)",
+    )
+    p.add_argument(
         "--chat-template-first-line",
         default="",
         help="a line the chat template renders before the messages; {messages} is replaced by "
@@ -202,6 +209,7 @@ _ENGINE_OPTIONS = (
     "eos_period",
     "params_in_stream",
     "enable_prompt_tokens_details",
+    "tokenizer_process",
     "chat_template_first_line",
     "kv_events_config",
 )
@@ -261,6 +269,7 @@ async def _amain(config: EngineConfig, host: str, port: int, exit_with_parent: b
         if watcher is not None:
             watcher.cancel()
         server.runner.stop()
+        server.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,9 @@ class EngineConfig:
     params_in_stream: bool = False
     # vLLM's `--enable-prompt-tokens-details`: `usage.prompt_tokens_details` in answers.
     enable_prompt_tokens_details: bool = False
+    # Encode prompts in a child process, as vLLM's API server tokenizes apart from its engine
+    # core (`tokenizer_process`): a fleet of engines on a few cores then steps on time.
+    tokenizer_process: bool = False
     # A first line the chat template renders ("{messages}": their number): a template that
     # re-renders its first line every turn, so no block of a previous turn matches.
     chat_template_first_line: str = ""

@@ -39,6 +39,8 @@ from kvrelay.enginesim.openai_api import (
 )
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
 from kvrelay.enginesim.runner import EngineRunner
+from kvrelay.enginesim.tokenizer import Tokenizer
+from kvrelay.enginesim.tokenizer_process import EncodingProcess
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,11 @@ class EngineServer:
         self.core: EngineCore = runner.core
         self.config = runner.core.config
         self.faults = Faults()
+        # What the HTTP side encodes prompts with: the engine's own tokenizer, or the same in a
+        # child process (`tokenizer_process`; decoding stays on the engine's).
+        self.tokenizer: Tokenizer = (
+            EncodingProcess() if self.config.tokenizer_process else runner.core.tokenizer
+        )
         self._ids = itertools.count()
         self._mailbox: Mailbox | None = None
         self._metrics = render_metrics(
@@ -85,11 +92,16 @@ class EngineServer:
         )
         extras.add_routes(
             self.app,
-            self.core.tokenizer,
+            self.tokenizer,
             self.config.model,
             self.config.max_model_len,
             self.config.chat_template_first_line,
         )
+
+    def close(self) -> None:
+        """Stop what the server started beside the engine: the tokenizer's process, if any."""
+        if isinstance(self.tokenizer, EncodingProcess):
+            self.tokenizer.close()
 
     # ----- simple endpoints --------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
@@ -212,7 +224,7 @@ class EngineServer:
         body: Any = None
         try:
             body = await self._json(request)
-            parsed = parse(body, self.core.tokenizer, self.config.model, self.config.max_model_len)
+            parsed = parse(body, self.tokenizer, self.config.model, self.config.max_model_len)
         except ApiError as exc:
             self._reject(client_id, body, [])
             return _error(exc, headers)
