@@ -687,20 +687,16 @@ class Router:
             cpt = prompt.total / len(prompt.tokens)
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
-        # With an entry P pulls the held history and computes only the rest; P's own cache
-        # may hold more (prefix routing).
-        uncached = (
+        # With an entry P pulls the held history and computes only the rest (what the holder
+        # would compute too); P's own cache may hold more (prefix routing).
+        held_rest = (
             uncached_tokens(entry, prompt_chars)
             if entry is not None and entry.chars_per_token
-            else tokens
+            else None
         )
+        uncached = tokens if held_rest is None else held_rest
         uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
-        holder_uncached = (
-            uncached_tokens(entry, prompt_chars)
-            if entry is not None and entry.chars_per_token
-            else 0
-        )
-        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt, holder_uncached)
+        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt, held_rest or 0)
         if target is None:
             return None
         # D's own cache: the prompts of the turns it decoded (it read or computed them whole).
@@ -847,18 +843,13 @@ class Router:
             ):
                 holder = d
         least = self.least_loaded(self.decode, set())
-        candidates = [d for d in (holder, least) if d is not None]
-        if least is not None and least is not holder and not self._takes_spill(least):
-            candidates.remove(least)
-        for url in cached or ():
-            d = self.decode.get(url)
-            if (
-                d is not None
-                and d.usable
-                and all(d is not c for c in candidates)
-                and d is not least
-                and self._takes_spill(d)
-            ):
+        candidates = [] if holder is None else [holder]
+        others = [] if least is None else [least]
+        others += [
+            d for url in cached or () if (d := self.decode.get(url)) is not None and d.usable
+        ]
+        for d in others:
+            if all(d is not c for c in candidates) and self._takes_spill(d):
                 candidates.append(d)
         if len(candidates) <= 1:
             best = candidates[0] if candidates else None
