@@ -518,11 +518,8 @@ def _ttft_route_table(
     lines: list[str] = []
     for label, by in rows.items():
         for scale in sorted(by):
-            pooled: dict[str, dict[str, list[float]]] = {"first": {}, "later": {}}
-            for run in runs[label][str(scale)]:
-                for turns, groups in ttft_by_route(run.get("records") or []).items():
-                    for group, values in groups.items():
-                        pooled[turns].setdefault(group, []).extend(values)
+            records = [r for run in runs[label][str(scale)] for r in run.get("records") or []]
+            pooled = ttft_by_route(records)
             if not pooled["first"] and not pooled["later"]:
                 continue
             cells = [
