@@ -24,6 +24,7 @@ from kvrelay.devtools import (
     ThreadedApp,
     fleet_env,
     free_port,
+    live_children,
     prometheus,
     sse,
     tcp_ready,
@@ -221,22 +222,8 @@ def test_fleet_env_keeps_a_set_secret_fills_ucx_and_puts_the_tree_first() -> Non
     assert "PYTHONPATH" not in first
 
 
-def _live_children() -> list[int]:
-    """Pids of this process's children that have not exited."""
-    me, found = os.getpid(), []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-        if int(ppid) == me and state != "Z":
-            found.append(int(stat.parent.name))
-    return found
-
-
 def test_dev_fleet_serves_a_turn_through_its_proxy_and_stops_every_process() -> None:
-    before = _live_children()
+    before = live_children()
     with DevFleet(prefill=1, decode=1, redis=True, name="t-") as fleet:
         assert fleet.proxy is not None and fleet.redis_server is not None
         assert [e.name for e in fleet.prefill_engines] == ["t-P0"]
@@ -250,14 +237,14 @@ def test_dev_fleet_serves_a_turn_through_its_proxy_and_stops_every_process() -> 
         assert status == 200, body
         assert fleet.decode_engines[0].metric("enginesim_requests_total") >= 1
         assert fleet.alive
-        assert len(_live_children()) == len(before) + 4  # redis, P, D, proxy
-    assert _live_children() == before
+        assert len(live_children()) == len(before) + 4  # redis, P, D, proxy
+    assert live_children() == before
 
 
 def test_dev_fleet_that_fails_to_start_stops_what_it_had_started() -> None:
-    before = _live_children()
+    before = live_children()
     fleet = DevFleet(prefill=1, decode=1, redis=True, engine_args=("--no-such-flag",))
     with pytest.raises(RuntimeError, match="exited"):
         fleet.start()
     assert not fleet.alive
-    assert _live_children() == before
+    assert live_children() == before

@@ -175,16 +175,17 @@ def json_request(
         return err.code, json.loads(err.read() or b"null")
 
 
-def live_children(name: str) -> list[int]:
-    """Pids of this process's children running `name` that have not exited (Linux `/proc`):
-    what a test session must have stopped before it ends."""
-    me, found = os.getpid(), []
+def live_children(name: str | None = None, parent: int | None = None) -> list[int]:
+    """Pids of the children of `parent` (default: this process) running `name` (default: any)
+    that have not exited (Linux `/proc`): what a test session must have stopped before it
+    ends."""
+    parent, found = os.getpid() if parent is None else parent, []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError):
             text = stat.read_text()
             comm = text[text.index("(") + 1 : text.rindex(")")]
             state, ppid = text[text.rindex(")") + 2 :].split()[:2]
-            if comm == name and int(ppid) == me and state != "Z":
+            if name in (None, comm) and int(ppid) == parent and state != "Z":
                 found.append(int(stat.parent.name))
     return sorted(found)
 

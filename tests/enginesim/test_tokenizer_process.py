@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.devtools import EngineFactory
+from kvrelay.devtools import EngineFactory, live_children
 from kvrelay.enginesim.chat import render_chat
 from kvrelay.enginesim.tokenizer import Tokenizer
 from kvrelay.enginesim.tokenizer_process import EncodingProcess
@@ -30,18 +30,6 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (FileNotFoundError, ProcessLookupError):
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def test_the_child_encodes_as_the_tokenizer_does_and_sends_its_errors_back() -> None:
@@ -89,7 +77,7 @@ def test_an_engine_with_a_tokenizer_process_serves_the_same_ids_and_stops_it() -
             connector=False,
         )  # fmt: skip
         assert engine.process is not None and engine.process.proc is not None
-        children = _children(engine.process.proc.pid)
+        children = live_children(parent=engine.process.proc.pid)
         assert children, "the engine started no tokenizer process"
         local = Tokenizer()
         tok = httpx.post(engine.url + "/tokenize", json={"prompt": TEXTS[0]}, timeout=30)
