@@ -8,6 +8,7 @@ import dataclasses
 import tracemalloc
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvrelay.prometheus_text import parse_samples
 from kvrelay.proxy.config import Settings
@@ -28,6 +29,12 @@ from kvrelay.proxy.turn import chat_shape, completion_shape
 MIN_EVIDENCE = 16  # decided holds before a tenant's share is trusted (fleet/hold_payoff.py)
 
 SYSTEM = "You are a careful assistant. " * 40  # 1160 characters shared by every request
+
+
+def _take(holds: HoldPayoff, tenant: str, key: tuple[str, object], read: bool = True) -> None:
+    """A next turn of `tenant` takes the hold under `key`, and its engine reads it (or not)."""
+    holds.taken(tenant, key)
+    holds.used(tenant, read)
 
 
 class Clock:
@@ -606,7 +613,7 @@ def test_holds_stop_once_enough_have_ended_unused_and_probe_to_see_a_change() ->
         if holds.worth_holding("t"):
             holds.made("t", ("t", f"d{i}"))
             clock.now += 5
-            holds.taken("t", ("t", f"d{i}"))
+            _take(holds, "t", ("t", f"d{i}"))
         clock.now += 1
     assert all(holds.worth_holding("t") for _ in range(10))
 
@@ -622,7 +629,7 @@ def test_a_hold_is_not_judged_before_its_patience_is_over() -> None:
         clock.now += 1
     for i in range(200):
         if i % 4 == 0:  # a quarter of the conversations continue
-            holds.taken("t", ("t", f"c{i}"))
+            _take(holds, "t", ("t", f"c{i}"))
         clock.now += 1
         assert holds.worth_holding("t")
 
@@ -644,7 +651,7 @@ def test_a_tenant_whose_next_turns_come_late_learns_to_wait_for_them() -> None:
             held.add(i)
         earlier = i - 300
         if earlier % 4 == 0 and earlier in held:  # its next turn: it takes the hold
-            holds.taken("t", ("t", earlier))
+            _take(holds, "t", ("t", earlier))
         clock.now += 1
     assert not all(decisions[:300])  # judged on a minute's patience before any take came
     assert all(decisions[-300:])
@@ -657,9 +664,37 @@ def test_holds_that_are_taken_keep_holding() -> None:
         assert holds.worth_holding("t")
         holds.made("t", ("t", f"c{i}"))
         if i % 5 == 0:  # a fifth of the holds taken: they pay
-            holds.taken("t", ("t", f"c{i}"))
+            _take(holds, "t", ("t", f"c{i}"))
         clock.now += 1
     assert HoldPayoff(min_use=0, patience_s=10, ttl_s=600).worth_holding("t")
+
+
+def test_holds_taken_but_never_read_stop_holding_as_unused_ones_do() -> None:
+    """Every conversation continues, but its next turn reads none of the hold (it goes to
+    another D, or P's own cache has the history): the holds pinned D for nothing, so the
+    tenant stops holding but for probes, and holds again once next turns read them."""
+    clock = Clock()
+    holds = HoldPayoff(min_use=0.1, patience_s=60, ttl_s=600, clock=clock)
+    unread = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", {"decision": "unread"})
+    decisions = []
+    for i in range(300):
+        hold = holds.worth_holding("t")
+        decisions.append(hold)
+        if hold:
+            holds.made("t", ("t", f"c{i}"))
+        if i >= 5 and decisions[i - 5]:  # its next turn takes the hold and reads nothing
+            _take(holds, "t", ("t", f"c{i - 5}"), read=False)
+        clock.now += 1
+    assert all(decisions[:16])  # until the evidence is in
+    assert 10 <= sum(decisions[150:]) <= 20  # one turn in ten probes
+    after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", {"decision": "unread"})
+    assert (after or 0.0) - (unread or 0.0) >= 16
+    for i in range(300):  # next turns now read what the probes held
+        if holds.worth_holding("t"):
+            holds.made("t", ("t", f"r{i}"))
+            _take(holds, "t", ("t", f"r{i}"))
+        clock.now += 1
+    assert all(holds.worth_holding("t") for _ in range(10))
 
 
 def test_a_take_of_a_hold_another_worker_made_counts() -> None:
@@ -667,7 +702,7 @@ def test_a_take_of_a_hold_another_worker_made_counts() -> None:
     holds = HoldPayoff(min_use=0.1, patience_s=10, ttl_s=600, clock=clock)
     for i in range(100):  # this worker's holds all end unused (their next turns went elsewhere)
         holds.made("t", ("t", f"mine{i}"))
-        holds.taken("t", ("t", f"theirs{i}"))  # ... and it serves other workers' next turns
+        _take(holds, "t", ("t", f"theirs{i}"))  # ... and it serves other workers' next turns
         clock.now += 1
         assert holds.worth_holding("t")
 
@@ -689,7 +724,7 @@ def test_holds_counted_unused_are_given_back_once_the_tenant_stops_paying() -> N
         assert holds.worth_holding("p")
         holds.made("p", ("p", f"c{i}"))
         if i % 3 == 0:
-            holds.taken("p", ("p", f"c{i}"))
+            _take(holds, "p", ("p", f"c{i}"))
         clock.now += 1
     clock.now += 120
     assert holds.worth_holding("p") and holds.unpaid("p") == []
@@ -718,7 +753,7 @@ def test_a_next_turn_that_finds_its_hold_given_back_still_teaches_the_tenant() -
             if earlier in given:
                 holds.missed("t", ("t", earlier))
             else:
-                holds.taken("t", ("t", earlier))
+                _take(holds, "t", ("t", earlier))
         clock.now += 1
     assert given  # the tenant was judged early, and its holds given back
     assert all(decisions[-300:])

@@ -670,3 +670,32 @@ async def test_a_turn_leads_its_prompt_while_it_is_tokenized() -> None:
         tokenizer.go.set()
         await releaser.drain()
         await kvmap.close()
+
+
+async def test_a_hold_the_next_turn_took_but_no_engine_read_counts_unused(rig: Rig) -> None:
+    """The payoff of holds (`hold_min_use`) learns from what the engines read, not from the
+    map's take: a next turn whose P loaded none of the held history (the read failed: its blocks
+    were gone) counts the hold unused (`decision="unread"`), one whose P loaded it read."""
+
+    def count(decision: str) -> float:
+        labels = {"decision": decision}
+        return REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
+
+    engines = FakeEngines({P1: [prefill_ok("r1")], D1: [decode_ok("r1")]})
+    await rig.turn("Hello there", "r1", engines, FakeClient()).run()
+    read, unread = count("read"), count("unread")
+    refused = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0, "kvr_loaded_tokens": 0,
+               "kvr_refused_blocks": {"failed": 3}}  # fmt: skip
+    engines = FakeEngines({P1: [_with_usage(prefill_ok("r2"), 0, **refused)],
+                           D1: [decode_ok("r2")]})  # fmt: skip
+    client = FakeClient()
+    await rig.turn("Hello there answer. And then?", "r2", engines, client).run()
+    assert client.json_status == 200
+    assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r1"  # taken
+    assert (count("read"), count("unread")) == (read, unread + 1)
+    loaded = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0, "kvr_loaded_tokens": 32}
+    engines = FakeEngines({P1: [_with_usage(prefill_ok("r3"), 32, **loaded)],
+                           D1: [decode_ok("r3")]})  # fmt: skip
+    await rig.turn("Hello there answer. And then? answer. More?", "r3", engines, client).run()
+    assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r2"
+    assert (count("read"), count("unread")) == (read + 1, unread + 1)

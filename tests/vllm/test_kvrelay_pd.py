@@ -114,10 +114,18 @@ def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet) -> None:
     )
 
 
+def _hold_decisions(fleet: PDFleet, decision: str) -> float:
+    return fleet.proxy.metrics().get(f'kvrelay_hold_decisions_total{{decision="{decision}"}}', 0.0)
+
+
 def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> None:
+    """Each later turn's P loads the history D holds (vLLM's counter on P), and the proxy
+    counts each of those holds read from P's own report, none unread (`hold_min_use`'s
+    evidence)."""
     headers = {"X-Conversation-Id": f"conv-{uuid.uuid4().hex[:8]}"}
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     loaded = [kvrelay_fleet.prefill.metric(TOKENS_LOADED)]
+    read, unread = (_hold_decisions(kvrelay_fleet, d) for d in ("read", "unread"))
     for turn, user in enumerate(USER_TURNS):
         messages.append({"role": "user", "content": user})
         body = chat_body(messages)
@@ -141,6 +149,13 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
             what=f"P to load turn {turn}'s history from D",
         )
         loaded.append(kvrelay_fleet.prefill.metric(TOKENS_LOADED))
+    later_turns = len(USER_TURNS) - 1
+    wait_until(
+        lambda: _hold_decisions(kvrelay_fleet, "read") == read + later_turns,
+        10,
+        what="the proxy to count each later turn's hold read",
+    )
+    assert _hold_decisions(kvrelay_fleet, "unread") == unread
     conversation = headers["X-Conversation-Id"]
     status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{conversation}")
     assert status in (200, 204)

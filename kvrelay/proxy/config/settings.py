@@ -564,9 +564,9 @@ class Settings(BaseSettings):
         le=1,
         description=(
             "A tenant's turns stop asking D to hold their blocks while fewer than this share "
-            "of its recent holds were taken by a next turn (holds that pay nothing pin D's "
-            "pool); one turn in 1/hold_min_use still holds, to see when that changes (0: "
-            "always hold)."
+            "of its recent holds were read by a next turn (taken, and loaded by P or served "
+            "from by the holder: holds that pay nothing pin D's pool); one turn in "
+            "1/hold_min_use still holds, to see when that changes (0: always hold)."
         ),
     )
     hold_judge_s: float = Field(

@@ -5,11 +5,14 @@ lease ends, and pinned blocks are blocks neither D's batches nor its prefix cach
 traffic that continues conversations many holds are taken; on traffic of one-off requests (a
 shared system prompt and a question, an agent's single calls) none are, and every hold is pool
 lost for nothing. So the proxy follows, per tenant, each hold its turns made until it is
-*decided*: taken by the conversation's next turn, or not taken within the tenant's *patience*
-and so counted unused. A take that comes later still counts as taken. A hold still pending
-decides nothing. The decided counts decay by `DECAY` per decision (about the last 64 weigh),
-and while fewer than `min_use` of them were taken the tenant's turns do not hold, except one
-in `1 / min_use`: those probe holds are how a change shows.
+*decided*: taken by the conversation's next turn and read by the engine that served it, or not
+taken within the tenant's *patience* and so counted unused. A take that comes later still
+counts as taken. A next turn that took the hold but read none of it (it went to another D, or
+P's own cache had the history, or the holder's blocks were gone) counts as unused too: the
+hold pinned D's pool for nothing all the same (`used`, from what the engines reported). A
+hold still pending decides nothing. The decided counts decay by `DECAY` per decision (about
+the last 64 weigh), and while fewer than `min_use` of them were read the tenant's turns do
+not hold, except one in `1 / min_use`: those probe holds are how a change shows.
 
 The patience depends on what the tenant has shown. Until one of its holds has been taken, it
 is `patience_s` (`hold_judge_s`, 60 s): a tenant sending only one-off requests is judged within
@@ -134,15 +137,22 @@ class HoldPayoff:
             pending.popitem(last=False)
 
     def taken(self, tenant: str, key: Hashable) -> None:
-        """A turn of `tenant` took the entry stored under `key`: decided taken, also when it
-        was already counted unused (a late take) or another worker made the hold (with several
-        workers each sees a share of the takes and of the holds; the ones it made and another's
-        turn took expire here unused). A take of a hold followed here sets the tenant's
-        patience to the TTL."""
+        """A turn of `tenant` took the entry stored under `key`: no longer pending, also when
+        it was already counted unused (a late take). A take of a hold followed here sets the
+        tenant's patience to the TTL (its conversations continue). Whether the hold paid is
+        decided once the turn's engines have said whether they read it (`used`)."""
         counts = self._counts(tenant)
         if counts.pending.pop(key, None) is not None or counts.judged.pop(key, None) is not None:
             counts.seen_take = True
-        counts.decide(taken=True)
+
+    def used(self, tenant: str, read: bool) -> None:
+        """The turn of `tenant` that took a hold (`taken`) is served: decided taken when an
+        engine `read` the held blocks, unused when none did (counted in
+        `kvrelay_hold_decisions_total{decision="read"|"unread"}`). Decided also when another worker
+        made the hold: with several workers each sees a share of the takes and of the holds
+        (the ones it made and another's turn took expire here unused)."""
+        metrics.HOLD_DECISIONS.labels("read" if read else "unread").inc()
+        self._counts(tenant).decide(taken=read)
 
     def missed(self, tenant: str, key: Hashable) -> None:
         """A turn of `tenant` looked up `key` and found no entry: if it was a hold given back

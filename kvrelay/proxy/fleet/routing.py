@@ -232,7 +232,7 @@ class Router:
     affinity: ReuseStanding = field(init=False)  # Ps whose affinity turns hit nothing locally
     prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
     blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
-    holds: HoldPayoff = field(init=False)  # whose holds are taken (hold_min_use)
+    holds: HoldPayoff = field(init=False)  # whose holds are read (hold_min_use)
     in_flight: PrefixesInFlight = field(init=False)  # prefixes being computed (prefix_wait)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
     pin_rests: PinRests = field(init=False)  # holders resting after late pins

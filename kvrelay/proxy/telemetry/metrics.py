@@ -361,11 +361,14 @@ HOLD_DECISIONS = Labelled(
     Counter(
         "kvrelay_hold_decisions_total",
         "Whether a turn that could continue asked D to hold (hold_min_use): kept (the "
-        "tenant's holds are taken often enough), declined (they are not), probe (declined "
+        "tenant's holds are read often enough), declined (they are not), probe (declined "
         "share, held to see whether that changed), released (a hold counted unused, given "
         "back before its lease ended because the tenant's holds do not pay, counted when D "
         "freed its blocks; one D had already ended is D's to count), over_budget (asked, and D "
-        "kept nothing: the turn alone is over D's hold_max_fraction of its pool).",
+        "kept nothing: the turn alone is over D's hold_max_fraction of its pool), read (a "
+        "hold its next turn took and an engine read, as its report says), unread (one its "
+        "next turn took but no engine read: the turn went to another D, P's own cache had "
+        "the history, or D's blocks were gone; counted unused).",
         ["decision"],
     )
 )

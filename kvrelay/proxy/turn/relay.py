@@ -148,6 +148,8 @@ class Turn:
             finally:
                 self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
+        if self.entry is not None:
+            holds.used(ctx.tenant, self._hold_read(plan, self.entry))
 
     def _lead_prompt(self, prompt: PromptPrefixes) -> None:
         """This turn computes `prompt` (as far as it knows: once planned it leads again on what
@@ -307,6 +309,19 @@ class Turn:
             )
         if d is not None and d.local_hit and d_url is not None:
             router.decode_served(d_url, d.local_hit, tenant)
+
+    def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
+        """Whether an engine read the held history this turn took (`HoldPayoff.used`): P
+        loaded from it, or its holder served the turn from it. A turn that went to another D
+        read nothing of it. Where the engine gave no figure it counts as read (a stock engine's
+        answer: the take is all that is known)."""
+        if plan.route is Route.THROUGH_P:
+            p = self.accounts.prefill
+            return p is None or p.loaded is None or p.loaded > 0
+        if not plan.to_holder or not entry.has_full_block:
+            return False  # another D, or a history that fills no block D could reuse
+        d = self.accounts.decode
+        return d is None or d.reused is None or d.reused > 0
 
 
 def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
