@@ -86,6 +86,12 @@ MODELLED_STEP = "modelled_step_seconds"
 BEHIND_MODEL = "behind_model_seconds"
 ENGINE_COUNTERS = (*PROMPT_SOURCES, GPU_PREFILL, MODELLED_STEP, BEHIND_MODEL)
 GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
+# Holds a next turn took, as the engines' reports judged them: read (loaded by P or served from
+# by the holder) or not (kvrelay's evidence for `hold_min_use`).
+HOLDS_TAKEN = {
+    "holds_read": 'kvrelay_hold_decisions_total{decision="read"}',
+    "holds_unread": 'kvrelay_hold_decisions_total{decision="unread"}',
+}
 PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
@@ -494,6 +500,8 @@ class EngineSampler:
                 # them as released, like the ones a next turn used.
                 page = await self.scrape(http, self.fleet.url)
                 out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
+                for name, sample in HOLDS_TAKEN.items():
+                    out[name] = page.get(sample, 0.0)
                 # Prefix pulls (prefix_pull): what came of the pins (both legs; pulls_d_*: a
                 # spilled turn's D's), the tokens the engines loaded.
                 for result in PULL_RESULTS:

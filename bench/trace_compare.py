@@ -760,11 +760,16 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
             )
             if "pins_on_d" in frees:  # runs before D's events were followed have none
                 pulls += f"; from D {frees['pins_on_d']:.0f}"
+            holds = (  # runs before the reads were counted have none
+                f"{frees['holds_read']:.0f} / {frees['holds_unread']:.0f}"
+                if "holds_read" in frees
+                else "-"
+            )
             lines.append(
                 f"| {label} | {by[scale]['rate']:.2f} | "
                 f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
                 f"{sum(later.get(k, 0) for k in through_p)} / {later.get('decode_only', 0)} / "
-                f"{later.get('spilled', 0)} | {pulls} |"
+                f"{later.get('spilled', 0)} | {pulls} | {holds} |"
             )
     if not lines:
         return []
@@ -776,11 +781,14 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         "`kvrelay_prefix_pulls_total`): pulled / pinned but not loaded / pin late or failed, "
         "and the tokens the engines reported loading from the pins; into D: pulled by a spilled "
         'turn\'s D (`leg="decode"`); from D: pinned on a D (`kvrelay_prefix_pins_total'
-        '{holder="decode"}`, a history or prefix in D\'s cache).',
+        '{holder="decode"}`, a history or prefix in D\'s cache). Holds taken: the holds a '
+        "next turn took that an engine then read (P loaded the history, or the holder served "
+        'the turn from it) / read none of (`kvrelay_hold_decisions_total{decision="read"|'
+        '"unread"}`).',
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
-        "decode-only / spilled | prefix pulls (tokens) |",
-        "|---|---:|---:|---:|---:|",
+        "decode-only / spilled | prefix pulls (tokens) | holds taken: read / unread |",
+        "|---|---:|---:|---:|---:|---:|",
         *lines,
     ]
 

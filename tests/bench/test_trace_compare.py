@@ -451,12 +451,18 @@ def test_the_routing_table_shows_the_pulls_and_those_into_d() -> None:
     rows = {"kvrelay": {1.0: {"rate": 16.0}}, "vllm-router": {1.0: {"rate": 16.0}}}
     lines = tc._routing_table(rows, runs)
     body = [line for line in lines if line.startswith("| kvrelay |")]
-    assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2 |"]
+    assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2 | - |"]
     assert not any(line.startswith("| vllm-router |") for line in lines)
     # A run that counted the pins made on a D says so.
     runs["kvrelay"]["1.0"][0]["frees"]["pins_on_d"] = 3
     body = [line for line in tc._routing_table(rows, runs) if line.startswith("| kvrelay |")]
-    assert body == ["| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2; from D 3 |"]
+    assert body == [
+        "| kvrelay | 16.00 | 3 / 2 | 0 / 0 / 0 | 4 / 1 / 2 (512); into D 2; from D 3 | - |"
+    ]
+    # A run that counted the holds its next turns read and did not read says so.
+    runs["kvrelay"]["1.0"][0]["frees"] |= {"holds_read": 5, "holds_unread": 7}
+    body = [line for line in tc._routing_table(rows, runs) if line.startswith("| kvrelay |")]
+    assert body[0].endswith("| 5 / 7 |")
 
 
 def test_ttft_by_route_groups_p_s_two_decisions_and_skips_failed_and_unrouted_turns() -> None:
