@@ -80,10 +80,12 @@ async def test_ttl_expiry_is_reported_once_and_entry_gone(kvmap: KVMap, recorder
     short, long_ = key("short"), key("long")
     taken = key("taken")
     e_short = make_entry(request_id="short")
-    await kvmap.put(short, e_short, ttl=0.2)
-    await kvmap.put(taken, make_entry(request_id="taken"), ttl=0.2)
-    await kvmap.put(long_, make_entry(request_id="long"), ttl=60)
+    # The taken entry's deadline passes before the reported one's, so a report of it would
+    # arrive first. Its TTL leaves a loaded machine time to take it before it expires.
+    await kvmap.put(taken, make_entry(request_id="taken"), ttl=1.0)
     assert await kvmap.take(taken) is not None
+    await kvmap.put(short, e_short, ttl=1.0)
+    await kvmap.put(long_, make_entry(request_id="long"), ttl=60)
 
     # Reported by the sweeper without anyone touching the key again.
     await eventually(lambda: len(recorder.events) >= 1, what="expiry report")
@@ -110,12 +112,13 @@ async def test_expired_entry_is_a_miss_before_any_sweep(kvmap: KVMap) -> None:
 async def test_delete_returns_entry_and_is_not_reported(kvmap: KVMap, recorder: Recorder) -> None:
     k = key("c")
     entry = make_entry()
-    await kvmap.put(k, entry, ttl=0.3)
+    # A TTL that leaves a loaded machine time to delete the entry before it expires.
+    await kvmap.put(k, entry, ttl=1.0)
     assert await kvmap.delete(k) == entry
     # Put another short-lived entry and wait for ITS expiry report: by then a report of the
     # deleted one would have arrived too.
     marker = key("marker")
-    await kvmap.put(marker, make_entry(request_id="marker"), ttl=0.3)
+    await kvmap.put(marker, make_entry(request_id="marker"), ttl=1.0)
     await eventually(lambda: len(recorder.events) >= 1, what="marker expiry")
     await drain(kvmap)
     assert [k_ for k_, _, _ in recorder.events] == [marker]

@@ -64,17 +64,19 @@ async def test_two_replicas_report_each_expiry_exactly_once(
     a = redis_map(redis, rec_a, sweep_interval=0.01)
     b = redis_map(redis, rec_b, sweep_interval=0.01)
     try:
-        expiring = [key(f"exp-{i}") for i in range(40)]
-        for i, k in enumerate(expiring):
-            await (a if i % 2 else b).put(k, make_entry(request_id=k.conversation_id), ttl=0.3)
+        # Taken and deleted first: their deadlines pass before the reported ones', and their
+        # TTL leaves a loaded machine time to take them before they expire.
         taken = [key(f"taken-{i}") for i in range(10)]
         deleted = [key(f"deleted-{i}") for i in range(10)]
         for k in taken + deleted:
-            await a.put(k, make_entry(request_id=k.conversation_id), ttl=0.3)
+            await a.put(k, make_entry(request_id=k.conversation_id), ttl=1.0)
         for k in taken:
             assert await b.take(k) is not None
         for k in deleted:
             assert await a.delete(k) is not None
+        expiring = [key(f"exp-{i}") for i in range(40)]
+        for i, k in enumerate(expiring):
+            await (a if i % 2 else b).put(k, make_entry(request_id=k.conversation_id), ttl=1.0)
 
         def reported() -> int:
             return len(rec_a.events) + len(rec_b.events)
