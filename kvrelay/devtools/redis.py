@@ -42,6 +42,8 @@ class RedisServer(ManagedServer):
         ]
         if self.password:
             argv += ["--requirepass", self.password]
+        # A server a test crashed is reaped, and its log removed, before it starts again.
+        self.stop()
         self.process = ServerProcess(
             argv, tcp_ready("127.0.0.1", self.port), name=f"redis-{self.port}", ready_timeout=15
         ).start()
