@@ -292,9 +292,10 @@ def _paced(inter_token_s: float | None, age: float = 0.0) -> EngineLoad:
 
 def test_a_spill_goes_to_the_holder_unless_another_d_would_be_done_with_the_turn_sooner() -> None:
     """The holder prefills only what it does not hold (4,400 characters at 4 per token: 1,100
-    tokens, 400 held, 700 to compute), another D the whole turn (1,100); the turn goes to the D
-    done with it soonest counting each one's decode-only tokens queued, the holder on a tie."""
-    router, prefill, decode = _router(routing_policy="conditional")
+    tokens, 400 held, 700 to compute), another D the whole turn (1,100) when it cannot pull the
+    history (`prefix_pull` off); the turn goes to the D done with it soonest counting each
+    one's decode-only tokens queued, the holder on a tie."""
+    router, prefill, decode = _router(routing_policy="conditional", prefix_pull=False)
     p = prefill.add("http://p")
     holder, other = decode.add("http://holder"), decode.add("http://other")
     entry = _entry(holder.url, p.url, num_tokens=400, cpt=4.0)
@@ -310,7 +311,49 @@ def test_a_spill_goes_to_the_holder_unless_another_d_would_be_done_with_the_turn
         holder.outstanding_work = 1 + 401
         spill = router.spill(entry, 4400)
         assert spill is not None and spill.backend is other and not spill.holder
+        assert spill.tokens == 1100 and spill.source is None
+
+
+def test_a_spill_past_a_queued_holder_reads_the_held_history_from_it() -> None:
+    """With `prefix_pull` another D reads the 400 held tokens from the holder (at `PULL_COST`,
+    0.4 a token: 160, no pin to wait for) and computes the other 700: 860 against the holder's
+    700 plus its queue. It reads them past a busy holder too, but not from an unhealthy one,
+    nor a history under `prefix_pull_min_tokens`."""
+    router, prefill, decode = _router(routing_policy="conditional")
+    p = prefill.add("http://p")
+    holder, other = decode.add("http://holder"), decode.add("http://other")
+    entry = _entry(holder.url, p.url, num_tokens=400, cpt=4.0)
+    with prefill.busy(p, 400_000):  # P's queue: far longer than any D's
+        holder.inflight, holder.outstanding_work = 1, 1 + 160  # 860 each: the holder
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is holder and spill.source is None
+        holder.outstanding_work = 1 + 161
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and not spill.holder
+        assert spill.source is not None and spill.source.held
+        assert (spill.source.backend, spill.source.tokens) == (holder, 400)
+        assert spill.tokens == 700  # what the other D computes; the read is not its compute
+        # Judged again on D's count (1,100 tokens, 400 held): still the read.
+        counted = spill.counted(1100, 400, 4400)
+        assert counted is not None and counted.source == spill.source
+        assert counted.tokens == 700
+        # A busy holder takes no spill, but its held blocks can still be read.
+        holder.load = _reading(waiting=5)
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and spill.source is not None
+        holder.load = None
+        # An unhealthy holder serves no read: the other D computes the whole turn.
+        decode.record_failure(holder, "down")
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and spill.source is None
         assert spill.tokens == 1100
+    short, short_p, short_d = _router(routing_policy="conditional", prefix_pull_min_tokens=401)
+    sp = short_p.add("http://p")
+    held, spare = short_d.add("http://holder"), short_d.add("http://other")
+    held.inflight, held.outstanding_work = 1, 1 + 10_000
+    with short_p.busy(sp, 400_000):
+        spill = short.spill(_entry(held.url, sp.url, num_tokens=400, cpt=4.0), 4400)
+        assert spill is not None and spill.backend is spare and spill.source is None
 
 
 def test_a_d_decoding_slower_than_the_bound_takes_no_spilled_prefill() -> None:

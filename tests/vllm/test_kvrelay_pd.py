@@ -1,8 +1,9 @@
 """Real vLLM P and D loading kvrelay's connector, behind the kvrelay proxy.
 
 Greedy outputs through the proxy must equal a plain vLLM server's; turn 2 and later must load
-the previous turn's KV from D (P's connector counters say so); a request D refuses before
-admission must free P's held blocks within a second, not at lease expiry.
+the previous turn's KV from D (P's connector counters say so), also when the turn spills past
+its holder to another D (P serving as one); a request D refuses before admission must free P's
+held blocks within a second, not at lease expiry.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.devtools import sse, vllm_servers
+from kvrelay.devtools import ProxyFactory, sse, vllm_servers
 from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
@@ -159,6 +160,86 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     conversation = headers["X-Conversation-Id"]
     status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{conversation}")
     assert status in (200, 204)
+
+
+def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
+    kvrelay_fleet: PDFleet,
+) -> None:
+    """P serves as a second D too (its connector is `kv_both`), behind a proxy of its own where
+    every turn spills (`prefill_spill_factor` 0.1: even an idle P's queue counts as longer than
+    D's). Turn 1 runs on D (P's D role drained) and is held there; turn 2, with D drained (it
+    serves what it holds but takes no turn), spills to P as a D, which reads the history from
+    D's held blocks over NIXL (vLLM's own counter on P) and answers as plain vLLM does; the read
+    frees D's hold, and the proxy counts it read and pulled."""
+    fleet = kvrelay_fleet
+    p, d = fleet.prefill, fleet.decode
+    admin_key = "spill-reads-hold-admin-key"
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url], [d.url, p.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET,
+            side_channels=vllm_servers.side_channels_setting(p, d),
+            routing_policy="conditional", admin_key=admin_key, prefill_spill_factor="0.1",
+            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
+        )  # fmt: skip
+
+        def admin(path: str, url: str) -> None:
+            status, out, _ = proxy.call(
+                "POST", path, {"role": "decode", "url": url},
+                headers={"Authorization": f"Bearer {admin_key}"},
+            )  # fmt: skip
+            assert status in (200, 201), out
+
+        def ask(body: dict[str, Any]) -> dict[str, Any]:
+            status, out, _ = proxy.call(
+                "POST", "/v1/chat/completions", body, headers=headers, timeout=120
+            )
+            assert status == 200, out
+            assert text_of(out) == reference_text(fleet.reference, "/v1/chat/completions", body)
+            return dict(out)
+
+        headers = {"X-Conversation-Id": f"dread-{uuid.uuid4().hex[:8]}"}
+        system = f"{SYSTEM} A busy holder lends its history to the engine next to it."
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+        held_before = _held_blocks(d)
+        p_loaded = p.metric(TOKENS_LOADED)
+        admin("/admin/backends/drain", p.url)
+        first = chat_body(list(messages))
+        out = ask(first)
+        prompt_tokens = int(out["usage"]["prompt_tokens"])
+        wait_until(lambda: _held_blocks(d) > held_before, 10, what="D to hold turn 1")
+        assert p.metric(TOKENS_LOADED) == p_loaded, "turn 1 spilled to D: P loaded nothing"
+        admin("/admin/backends", p.url)
+        admin("/admin/backends/drain", d.url)
+        messages += [
+            {"role": "assistant", "content": text_of(out)},
+            {"role": "user", "content": "Who reads it now?"},
+        ]
+        ask(chat_body(list(messages)))
+        # Turn 1's prompt in whole blocks, less one (the template may render its last block
+        # differently once the reply follows it), came from D's hold.
+        wait_until(
+            lambda: (
+                p.metric(TOKENS_LOADED) - p_loaded
+                >= vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
+            ),
+            30,
+            what="P, as the spilled turn's D, to load the history from D",
+        )
+        m = proxy.metrics()
+        assert m.get('kvrelay_routing_decisions_total{decision="spilled"}', 0) == 2
+        assert m.get('kvrelay_hold_decisions_total{decision="read"}', 0) == 1
+        assert m.get('kvrelay_hold_decisions_total{decision="unread"}', 0) == 0
+        assert m.get('kvrelay_prefix_pulls_total{leg="decode",result="pulled"}', 0) == 1
+        wait_until(
+            lambda: _held_blocks(d) <= held_before, 15, what="D's hold to end once P read it"
+        )
+        admin("/admin/backends", d.url)
+        conversation = headers["X-Conversation-Id"]
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    finally:
+        factory.close()
 
 
 def test_streamed_turn_is_reused_by_the_next_turn(kvrelay_fleet: PDFleet) -> None:

@@ -513,7 +513,10 @@ class Settings(BaseSettings):
             "done first, the P that would be pulls that prefix from it over NIXL instead of "
             "computing it. The holder keeps the prefix for the pull through a one-token "
             "request of its own (a pin); the engines should run --scheduling-policy "
-            "priority, so a pin does not wait in the holder's queue."
+            "priority, so a pin does not wait in the holder's queue. With or without "
+            "events, a turn spilled to a D other than the conversation's holder reads the "
+            "held history from the holder (no pin: the hold keeps it) where that costs less "
+            "than computing it."
         ),
     )
     prefix_pull_min_tokens: int = Field(

@@ -181,11 +181,14 @@ class PrefixSource(NamedTuple):
     """Another engine whose cache holds a prefix of the turn's prompt, which the chosen P (or a
     spill's D) pulls from it (`prefix_pull`): that engine, the prefix's tokens (whole blocks,
     as its events said) and its pool's role ("prefill", or "decode": a D's cache keeps the
-    prompts it decoded, a conversation's history among them)."""
+    prompts it decoded, a conversation's history among them). `held`: the prefix is the
+    conversation's history that D keeps for this turn (the taken entry's blocks), read without
+    a pin."""
 
     backend: Backend
     tokens: int
     holder: str = "prefill"
+    held: bool = False
 
 
 class PrefillPick(NamedTuple):
@@ -660,7 +663,9 @@ class Router:
         readings already kept, so this costs a pass over the engines and nothing else. A spill
         found here is judged again on D's own count before it is taken (`Spill.counted`).
         With `prompt` (prefix routing) P's side is the P that `pick_prefill` would choose:
-        its queue, and only what it would compute beyond the prefix its cache holds."""
+        its queue, and only what it would compute beyond the prefix its cache holds. A D
+        other than the holder pulls the history the holder keeps (`_held_source`) where that
+        costs less than computing it, as P would."""
         s = self.settings
         if s.prefill_spill_factor <= 0:
             return None
@@ -696,7 +701,10 @@ class Router:
         )
         uncached = tokens if held_rest is None else held_rest
         uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
-        target, holder = self._spill_decode(entry, tenant, cached, tokens, cpt, held_rest or 0)
+        held = self._held_source(entry)
+        target, holder = self._spill_decode(
+            entry, tenant, cached, tokens, cpt, held_rest or 0, held.tokens if held else 0
+        )
         if target is None:
             return None
         # D's own cache: the prompts of the turns it decoded (it read or computed them whole).
@@ -708,6 +716,10 @@ class Router:
             # A D without the history may pull the prompt's prefix from the engine caching
             # it, as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars, target)
+        if not holder and held is not None and (source is None or held.tokens >= source.tokens):
+            # Or the history its holder keeps for this turn, as P would read it: no pin to
+            # wait for.
+            source, pin_wait = held, 0.0
         uncached, d_work, d_tokens, source = _weigh_pull(
             tokens, uncached, d_tokens, d_cached, source, pin_wait
         )
@@ -740,6 +752,23 @@ class Router:
             return False
         ds = self.decode.backends
         return any(chars > p_cached and url in ds for url, chars in cached.items())
+
+    def _held_source(self, entry: KVEntry | None) -> PrefixSource | None:
+        """With `prefix_pull`, the conversation's held history as a prefix a spilled turn's D
+        other than the holder reads from the holder, as P does on a turn through P: the
+        holder healthy (busy or not: a read takes none of its steps) and its pins on time,
+        the history a whole block and at least `prefix_pull_min_tokens`."""
+        if (
+            entry is None
+            or not self.settings.prefix_pull
+            or entry.num_tokens < self.settings.prefix_pull_min_tokens
+            or not entry.has_full_block
+        ):
+            return None
+        holder = self.decode.get(entry.url)
+        if holder is None or not holder.healthy or not self.serves_pulls(holder.url):
+            return None
+        return PrefixSource(holder, entry.num_tokens, "decode", held=True)
 
     def _spill_source(
         self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int, reader: Backend
@@ -821,17 +850,20 @@ class Router:
         tokens: int = 0,
         chars_per_token: float = 1.0,
         holder_uncached: int = 0,
+        held_pull: int = 0,
     ) -> tuple[Backend | None, bool]:
         """The D a spilled turn would go to and whether it holds the conversation: of the
         holder (when it can take a decode-only turn), the least loaded D and the Ds whose
         prefix cache is expected to hold part of the prompt (`cached`: URL -> characters, with
         prefix routing), the one that would be done with the turn soonest: its decode-only
         tokens queued plus what it would compute of the turn's `tokens` (the holder only
-        `holder_uncached`, the part it does not hold). On a tie the holder (its hold is then
-        used, not released), then the least loaded. None busy or overloaded, each only within
-        D's decode-only budget. The holder is not taken whatever its queue: a holder behind
-        more work than another D's whole prefill of the turn would delay the turn more than
-        its history saves (spilled turns' TTFT p90, bench/RESULTS.md run Q)."""
+        `holder_uncached`, the part it does not hold; another D, when it can read the
+        `held_pull` tokens of history from the holder, those at `PULL_COST`). On a tie the
+        holder (its hold is then used, not released), then the least loaded. None busy or
+        overloaded, each only within D's decode-only budget. The holder is not taken whatever
+        its queue: a holder behind more work than another D's whole prefill of the turn would
+        delay the turn more than its history saves (spilled turns' TTFT p90, bench/RESULTS.md
+        run Q); the other D then reads the history from it where it can (`_held_source`)."""
         holder: Backend | None = None
         if entry is not None and entry.chars_per_token:
             d = self.decode.get(entry.url)
@@ -860,7 +892,10 @@ class Router:
                 computed = holder_uncached
             else:
                 held = cached.get(d.url, 0) if cached else 0
-                computed = tokens - min(tokens, round(held / chars_per_token))
+                local = min(tokens, round(held / chars_per_token))
+                computed = tokens - local
+                if held_pull:
+                    computed = min(computed, with_pull(tokens, held_pull, 0.0, local))
             return d.outstanding_work - d.inflight + computed, d is not holder, d is not least
 
         best = min(candidates, key=done_after)

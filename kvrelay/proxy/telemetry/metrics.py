@@ -291,7 +291,8 @@ PREFIX_PULLS = Labelled(
     Counter(
         "kvrelay_prefix_pulls_total",
         "Prefix pulls from the engine caching a prompt's prefix (prefix_pull), by the leg that "
-        "pulls (prefill: the turn's P; decode: a spilled turn's D) and what came of them: "
+        "pulls (prefill: the turn's P; decode: a spilled turn's D, from a pin or from the "
+        "conversation's holder) and what came of them: "
         "pinned (the holder kept the prefix for the pull), pulled (the engine reported "
         "loading it), not_pulled (the engine loaded none of it: its own cache held it, or "
         "the blocks were refused), pin_failed (the holder answered no hold), pin_timeout (no "

@@ -60,6 +60,7 @@ class Turn:
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
     _lead: Lead | None = None  # prefixes this turn computes that others wait for (prefix_wait)
+    _reads_hold = False  # a spill's D other than the holder was sent the held history
 
     def __init__(self, crew: TurnCrew, client: Client, ctx: TurnContext) -> None:
         self.crew, self.client, self.ctx = crew, client, ctx
@@ -92,6 +93,7 @@ class Turn:
             # itself (skipped or failed load).
             self.owed.settle(Debt.PREFILL_BLOCKS)
             self.owed.settle(Debt.PINNED_PREFIX)
+            self.owed.settle(Debt.PREVIOUS_HOLD)  # a spill's D read the held history
 
     async def _run(self) -> None:
         crew, ctx, report = self.crew, self.ctx, self.report
@@ -142,11 +144,14 @@ class Turn:
             await self._decode_step(plan)
         else:
             # Straight to a D: the holder serves the history from the held blocks (its
-            # prefix-cache hit), so the old hold is given back only once D is done.
+            # prefix-cache hit), so the old hold is given back only once D is done. A spill's
+            # other D that reads the history from the holder frees it as P would: owed until
+            # D's answer is complete (released at once if that D was never sent it).
             try:
                 await self._decode_step(plan)
             finally:
-                self.owed.release(Debt.PREVIOUS_HOLD)
+                if not self._reads_hold:
+                    self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
         if self.entry is not None:
             holds.used(ctx.tenant, self._hold_read(plan, self.entry))
@@ -232,9 +237,13 @@ class Turn:
         """D's leg, its answer relayed, its params stored, the answer's last bytes."""
         crew, ctx, report, settings = self.crew, self.ctx, self.report, self.crew.settings
         p_params = p_url = None
-        d_pulls = False  # a spill's D is sent a prefix pinned on a P
+        d_pulls = False  # a spill's D is sent a prefix pinned on a P, or the held history
         if self.prefill is not None:
             p_params, p_url = self.prefill.params, self.prefill.backend.url
+        elif plan.pull_from is not None and plan.pull_from.held and self.entry is not None:
+            # A spill to a D other than the holder: it reads the held history as P would.
+            p_params, p_url = self.entry.to_kv_transfer_params(), self.entry.url
+            d_pulls = self._reads_hold = True
         elif plan.pull_from is not None and self._prompt is not None and self._prompt.tokens:
             # A spill whose D pulls the prompt's prefix from the P caching it: pinned there,
             # owed until D's answer is complete (D's connector reads or releases it).
@@ -311,16 +320,18 @@ class Turn:
             router.decode_served(d_url, d.local_hit, tenant)
 
     def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
-        """Whether an engine read the held history this turn took (`HoldPayoff.used`): P
-        loaded from it, or its holder served the turn from it. A turn that went to another D
-        read nothing of it. Where the engine gave no figure it counts as read (a stock engine's
-        answer: the take is all that is known)."""
+        """Whether an engine read the held history this turn took (`HoldPayoff.used`): P, or
+        a spill's other D, loaded from it, or its holder served the turn from it. A turn that
+        went to another D without it read nothing of it. Where the engine gave no figure it
+        counts as read (a stock engine's answer: the take is all that is known)."""
         if plan.route is Route.THROUGH_P:
             p = self.accounts.prefill
             return p is None or p.loaded is None or p.loaded > 0
+        d = self.accounts.decode
+        if self._reads_hold:  # another D, sent the held history to read
+            return d is None or d.loaded is None or d.loaded > 0
         if not plan.to_holder or not entry.has_full_block:
             return False  # another D, or a history that fills no block D could reuse
-        d = self.accounts.decode
         return d is None or d.reused is None or d.reused > 0
 
 
