@@ -24,6 +24,7 @@ from kvrelay.enginesim.reference import reference_chat, reference_completion
 from tests.harness import wait_until
 from tests.proxy.accounting_turns import Asker, returned_account
 from tests.proxy.client import MODEL
+from tests.proxy.idle_engines import idle_around
 from tests.proxy.sdk_turns import MODES
 
 pytestmark = pytest.mark.nixl
@@ -71,11 +72,7 @@ def engines() -> Iterator[Engines]:
 @pytest.fixture
 def idle(engines: Engines) -> Iterator[Engines]:
     every = (engines.p_cached, engines.p_plain, engines.d_cached, engines.d_plain)
-    for engine in every:
-        engine.wait_idle()
-    yield engines
-    for engine in every:
-        engine.wait_idle(15)
+    yield from idle_around(engines, every)
 
 
 class Counted:

@@ -16,6 +16,7 @@ import pytest
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
+from tests.proxy.idle_engines import idle_around
 
 pytestmark = pytest.mark.nixl
 
@@ -43,12 +44,7 @@ def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
 @pytest.fixture
 def idle(engines: tuple[EngineSim, EngineSim]) -> Iterator[tuple[EngineSim, EngineSim]]:
     """The engines, idle and without faults before and after the test."""
-    for engine in engines:
-        engine.wait_idle()
-    yield engines
-    for engine in engines:
-        engine.request("/admin/faults", {"extra_waiting": 0})
-        engine.wait_idle(15)
+    yield from idle_around(engines, engines, clear_faults=True)
 
 
 def _proxy(proxy_factory: Any, p: EngineSim, d: EngineSim, policy: str) -> ProxyServer:

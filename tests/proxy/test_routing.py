@@ -24,6 +24,7 @@ from kvrelay.devtools import (
 )
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
+from tests.proxy.idle_engines import idle_around
 
 pytestmark = pytest.mark.nixl
 
@@ -56,11 +57,7 @@ def idle(
     engines: tuple[EngineSim, EngineSim, EngineSim],
 ) -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """The engines, idle before and after the test."""
-    for engine in engines:
-        engine.wait_idle()
-    yield engines
-    for engine in engines:
-        engine.wait_idle(15)
+    yield from idle_around(engines, engines)
 
 
 def _events_proxy(

@@ -16,6 +16,7 @@ import pytest
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import chat_body, post, reply_of
+from tests.proxy.idle_engines import idle_around
 
 pytestmark = pytest.mark.nixl
 
@@ -49,12 +50,7 @@ def idle(
     engines: tuple[EngineSim, EngineSim, EngineSim],
 ) -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """The engines, idle and without faults before and after the test."""
-    for engine in engines:
-        engine.wait_idle()
-    yield engines
-    for engine in engines:
-        engine.request("/admin/faults", {"extra_waiting": 0})
-        engine.wait_idle(15)
+    yield from idle_around(engines, engines, clear_faults=True)
 
 
 def _waiting(proxy: ProxyServer, role: str, url: str) -> float | None:
