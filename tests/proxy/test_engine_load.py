@@ -347,6 +347,15 @@ def test_a_spill_past_a_queued_holder_reads_the_held_history_from_it() -> None:
         spill = router.spill(entry, 4400)
         assert spill is not None and spill.backend is other and spill.source is None
         assert spill.tokens == 1100
+        # A holder withdrawn from this tenant's decode-only turns may still take the turn as
+        # any D would, computing it whole: never reading from itself.
+        decode.record_success(holder, probe=True)  # readmitted (readmit_after 1)
+        holder.inflight, holder.outstanding_work = 0, 0  # the least loaded D
+        other.inflight, other.outstanding_work = 3, 3 + 10_000
+        router.decode_only_served(holder.url, 0, "t")
+        spill = router.spill(entry, 4400, "t")
+        assert spill is not None and spill.backend is holder and not spill.holder
+        assert spill.source is None and spill.tokens == 1100
     short, short_p, short_d = _router(routing_policy="conditional", prefix_pull_min_tokens=401)
     sp = short_p.add("http://p")
     held, spare = short_d.add("http://holder"), short_d.add("http://other")

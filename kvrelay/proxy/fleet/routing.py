@@ -716,7 +716,12 @@ class Router:
             # A D without the history may pull the prompt's prefix from the engine caching
             # it, as a P would (`_by_prefix`): both sides then count the pull.
             source, pin_wait = self._spill_source(prompt, cpt, prompt_chars, target)
-        if not holder and held is not None and (source is None or held.tokens >= source.tokens):
+        if (
+            not holder
+            and held is not None
+            and held.backend is not target  # a holder withdrawn from decode-only turns
+            and (source is None or held.tokens >= source.tokens)
+        ):
             # Or the history its holder keeps for this turn, as P would read it: no pin to
             # wait for.
             source, pin_wait = held, 0.0
@@ -894,7 +899,7 @@ class Router:
                 held = cached.get(d.url, 0) if cached else 0
                 local = min(tokens, round(held / chars_per_token))
                 computed = tokens - local
-                if held_pull:
+                if held_pull and (entry is None or d.url != entry.url):
                     computed = min(computed, with_pull(tokens, held_pull, 0.0, local))
             return d.outstanding_work - d.inflight + computed, d is not holder, d is not least
 
