@@ -71,6 +71,11 @@ class Plan:
     check: CountCheck | None = None  # the decode-only count check, when one was made
     pull_from: PrefixSource | None = None  # a spill: the P whose cached prefix D pulls
 
+    @property
+    def reads_held(self) -> bool:
+        """A spill whose D, not the holder, reads the conversation's held history from it."""
+        return self.pull_from is not None and self.pull_from.held
+
 
 class TurnPolicy(Protocol):
     """A routing policy: the plan for one turn, from the conversation's usable entry (None for

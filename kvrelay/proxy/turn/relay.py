@@ -60,7 +60,6 @@ class Turn:
     _decode: DecodeLeg | None = None
     _prompt: PromptPrefixes | None = None  # the prompt's prefixes, when P is chosen by them
     _lead: Lead | None = None  # prefixes this turn computes that others wait for (prefix_wait)
-    _reads_hold = False  # a spill's D other than the holder was sent the held history
 
     def __init__(self, crew: TurnCrew, client: Client, ctx: TurnContext) -> None:
         self.crew, self.client, self.ctx = crew, client, ctx
@@ -150,7 +149,7 @@ class Turn:
             try:
                 await self._decode_step(plan)
             finally:
-                if not self._reads_hold:
+                if not plan.reads_held:
                     self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
         if self.entry is not None:
@@ -240,10 +239,10 @@ class Turn:
         d_pulls = False  # a spill's D is sent a prefix pinned on a P, or the held history
         if self.prefill is not None:
             p_params, p_url = self.prefill.params, self.prefill.backend.url
-        elif plan.pull_from is not None and plan.pull_from.held and self.entry is not None:
+        elif plan.reads_held and self.entry is not None:
             # A spill to a D other than the holder: it reads the held history as P would.
             p_params, p_url = self.entry.to_kv_transfer_params(), self.entry.url
-            d_pulls = self._reads_hold = True
+            d_pulls = True
         elif plan.pull_from is not None and self._prompt is not None and self._prompt.tokens:
             # A spill whose D pulls the prompt's prefix from the P caching it: pinned there,
             # owed until D's answer is complete (D's connector reads or releases it).
@@ -325,14 +324,19 @@ class Turn:
         went to another D without it read nothing of it. Where the engine gave no figure it
         counts as read (a stock engine's answer: the take is all that is known)."""
         if plan.route is Route.THROUGH_P:
-            p = self.accounts.prefill
-            return p is None or p.loaded is None or p.loaded > 0
-        d = self.accounts.decode
-        if self._reads_hold:  # another D, sent the held history to read
-            return d is None or d.loaded is None or d.loaded > 0
+            return _loaded_some(self.accounts.prefill)
+        if plan.reads_held:  # another D, sent the held history to read
+            return _loaded_some(self.accounts.decode)
         if not plan.to_holder or not entry.has_full_block:
             return False  # another D, or a history that fills no block D could reuse
+        d = self.accounts.decode
         return d is None or d.reused is None or d.reused > 0
+
+
+def _loaded_some(account: PromptAccount | None) -> bool:
+    """The engine reported loading some of the offered blocks, or gave no figure (a stock
+    engine's answer)."""
+    return account is None or account.loaded is None or account.loaded > 0
 
 
 def _then(first: Callable[[], None] | None, then: Callable[[], None]) -> Callable[[], None]:
