@@ -30,7 +30,7 @@ from kvrelay.proxy.engines import (
     UpstreamError,
     UpstreamTimeout,
 )
-from kvrelay.proxy.fleet import Fleet, Pool
+from kvrelay.proxy.fleet import EngineLoad, Fleet, Pool
 from kvrelay.proxy.turn import (
     ClientStream,
     EngineAnswer,
@@ -699,3 +699,49 @@ async def test_a_hold_the_next_turn_took_but_no_engine_read_counts_unused(rig: R
     await rig.turn("Hello there answer. And then? answer. More?", "r3", engines, client).run()
     assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r2"
     assert (count("read"), count("unread")) == (read + 1, unread + 1)
+
+
+async def test_a_retry_that_lands_on_the_holder_is_not_sent_its_own_blocks() -> None:
+    """A turn spills past its busy holder D1 to D2, which is to read the held history from D1.
+    D2 refuses, and the retry's only D is the holder itself: it is sent no params naming its
+    own blocks (it serves the history from its cache), and the proxy frees the old hold, which
+    no connector read."""
+    config = Settings(
+        _env_file=None, prefill=[P1], decode=[D1, D2], retries=1, routing_policy="conditional",
+        prefix_pull_min_tokens=16,
+    )  # fmt: skip
+    prefill = Pool("prefill", eject_after=3, readmit_after=1)
+    decode = Pool("decode", eject_after=3, readmit_after=1)
+    prefill.add(P1)
+    holder, other = decode.add(D1), decode.add(D2)
+    releaser, kvmap = FakeReleaser(), MemoryMap()
+    # The fleet's engine client answers only `/tokenize`: the D's count of the spilled turn.
+    fleet = Fleet(config, prefill, decode, kvmap, FakeTokenizer(connect_timeout=1.0), releaser)
+    rig = Rig(fleet, releaser, kvmap)
+    first = "You are terse. Tell me about otters."
+    try:
+        engines = FakeEngines({P1: [prefill_ok("r1")], D1: [decode_ok("r1", "Otters swim.")]})
+        await rig.turn(first, "r1", engines, FakeClient()).run()
+        # P is backed up and D1 busy: the next turn spills to D2, which reads D1's hold.
+        prefill.backends[P1].outstanding_work = 1_000_000
+        holder.load = EngineLoad(running=1.0, waiting=50.0, kv_usage=0.1, at=time.monotonic())
+        engines = FakeEngines({D2: [FakeAnswer(503, b"overloaded")], D1: [decode_ok("r2")]})
+        client = FakeClient()
+        turn = rig.turn(first + " Otters swim. And beavers?", "r2", engines, client)
+        await turn.run()
+        assert turn.routing == "spilled" and client.json_status == 200
+        (to_other,) = engines.bodies(D2)
+        assert to_other["kv_transfer_params"]["remote_url"] == D1
+        assert to_other["kv_transfer_params"]["release_token"] == "d-token-r1"
+        (to_holder,) = engines.bodies(D1)
+        sent = to_holder["kv_transfer_params"]
+        assert "do_remote_prefill" not in sent and "release_token" not in sent
+        assert sent["hold_blocks"] is True
+        await releaser.drain()
+        assert rig.released() == [("decode", "d-token-r1")]  # freed by the proxy, once
+        stored = await _stored(rig)
+        assert stored is not None and stored.url == D1 and stored.release_token == "d-token-r2"
+        assert other.failures == 1
+    finally:
+        await releaser.drain()
+        await kvmap.close()

@@ -4,7 +4,8 @@ the conversation can continue, holds its blocks for the next turn.
 D is chosen by the router (`kvrelay.proxy.fleet.Router.pick_decode`: the D that holds the
 conversation unless it is overloaded or busy, else the least loaded). A failure before the
 first byte (connect error, timeout, 5xx or 429; judged in `kvrelay.proxy.turn.attempts`) makes
-the leg try another D with the same P params; the first D that answers 2xx is `Served`: the
+the leg try another D with the same P params (none to the engine they name, which serves
+them from its own cache); the first D that answers 2xx is `Served`: the
 turn relays its answer (`kvrelay.proxy.turn.answer`) and stores its params
 (`kvrelay.proxy.turn.store`) while the leg keeps it open. When no D could serve, the client
 gets a shaped 502/503, or 504 `decode_timeout` when every attempt timed out on a healthy
@@ -40,6 +41,10 @@ class Served:
     start: float  # when the attempt began (`time.monotonic()`)
     prefilled: Callable[[], None] | None  # call at a stream's first token: D's prompt is done
     busy: Busy  # D's count of this request, entered by the leg, left by `__exit__`
+    # D is the engine the params named (a retry on a held history's holder, or on a P that is
+    # also a D): it was sent none and served the prompt from its own cache, so no connector
+    # read or released those blocks.
+    own_blocks: bool = False
 
     def __enter__(self) -> Served:
         return self
@@ -111,7 +116,10 @@ class DecodeLeg:
             # A stream carries no params on stock engines: only ask D to hold when the proxy
             # can fetch them from D's side channel afterwards (else they would be stranded).
             d_hold = hold and (not stream or self._side_channel_of(backend) is not None)
-            payload = jsoncodec.dumps(decode_body(ctx.body, p_params, p_url, d_hold, ctx.tenant))
+            # Never params naming D's own blocks: a read from itself is no read.
+            own = p_params is not None and backend.url == p_url
+            reads = None if own else p_params
+            payload = jsoncodec.dumps(decode_body(ctx.body, reads, p_url, d_hold, ctx.tenant))
             start = time.monotonic()
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only
             # turn until its first token (what the router weighs against D's prefill budget).
@@ -138,7 +146,7 @@ class DecodeLeg:
                         raise upstream_error_from_body(resp.status, await resp.read(), "decode")
                     report.holding(d_hold)
                     prefilled = busy.prefilled if decode_tokens else None
-                    served = Served(backend, resp, d_hold, start, prefilled, busy)
+                    served = Served(backend, resp, d_hold, start, prefilled, busy, own)
                     return served
                 except BaseException:
                     resp.close()  # closing (not pooling) the connection tells D to stop

@@ -286,7 +286,12 @@ class Turn:
                     await settle.after(relayed, served)
                     await answer.finish(relayed, self.routing)
         report.leg_ended("decode")
-        if d_pulls and self.accounts.decode is not None:
+        if served.own_blocks:
+            # D served the blocks the params named from its own cache (`Served.own_blocks`):
+            # no connector read them, so the proxy frees them now that D is done.
+            for debt in (Debt.PREFILL_BLOCKS, Debt.PINNED_PREFIX, Debt.PREVIOUS_HOLD):
+                self.owed.release(debt)
+        elif d_pulls and self.accounts.decode is not None:
             _count_pull("decode", served.backend.url, self.accounts.decode)
 
     def _learn(self, plan: Plan) -> None:
@@ -325,9 +330,10 @@ class Turn:
         counts as read (a stock engine's answer: the take is all that is known)."""
         if plan.route is Route.THROUGH_P:
             return _loaded_some(self.accounts.prefill)
-        if plan.reads_held:  # another D, sent the held history to read
+        to_holder = plan.to_holder or self.decode_url == entry.url  # a retry can land on it
+        if plan.reads_held and not to_holder:  # another D, sent the held history to read
             return _loaded_some(self.accounts.decode)
-        if not plan.to_holder or not entry.has_full_block:
+        if not to_holder or not entry.has_full_block:
             return False  # another D, or a history that fills no block D could reuse
         d = self.accounts.decode
         return d is None or d.reused is None or d.reused > 0
