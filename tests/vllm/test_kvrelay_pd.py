@@ -18,10 +18,12 @@ from kvrelay.devtools import ProxyFactory, sse, vllm_servers
 from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
+from tests.vllm.refusing_decode import FakeRefusingDecode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
+CACHE_HITS = "vllm:prefix_cache_hits_total"
 HELD_BLOCKS = "vllm:kvrelay_held_blocks"
 EARLY_RELEASES = "vllm:kvrelay_early_releases_total"
 FREED_BY_RECLAIM = "vllm:kvrelay_freed_by_reclaim_total"
@@ -240,6 +242,84 @@ def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
     finally:
         factory.close()
+
+
+def test_a_retry_that_lands_on_the_holder_serves_its_own_history(kvrelay_fleet: PDFleet) -> None:
+    """Turn 1 is held on D. Turn 2 spills past D, busy by its KV usage (`decode_max_kv_usage`
+    0), to a second D (a fake that refuses with 503, as an overloaded vLLM does), sent to read
+    the history from D's hold; the retry's only D is the holder itself. It is sent no params
+    naming its own blocks: D serves the history from its prefix cache (vLLM's own counters: hits,
+    nothing loaded), answers as plain vLLM does, and the proxy frees the old hold, which no
+    connector read (D confirms it freed it)."""
+    fleet = kvrelay_fleet
+    p, d = fleet.prefill, fleet.decode
+    admin_key = "retry-on-holder-admin-key"
+    refusing = FakeRefusingDecode(d.url).start()
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url], [d.url, refusing.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET,
+            side_channels=vllm_servers.side_channels_setting(p, d),
+            routing_policy="conditional", admin_key=admin_key, prefill_spill_factor="0.1",
+            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE), decode_max_kv_usage="0",
+            load_poll_interval_s="0.5",
+        )  # fmt: skip
+        auth = {"Authorization": f"Bearer {admin_key}"}
+
+        def admin(path: str, url: str) -> None:
+            status, out, _ = proxy.call("POST", path, {"role": "decode", "url": url}, headers=auth)
+            assert status in (200, 201), out
+
+        def d_kv_usage() -> float:
+            status, out, _ = proxy.call("GET", "/admin/backends", headers=auth)
+            assert status == 200, out
+            (view,) = [b for b in out["decode"] if b["url"] == d.url]
+            return float(view["load"]["kv_usage"]) if view["load"] else 0.0
+
+        def ask(body: dict[str, Any]) -> dict[str, Any]:
+            status, out, _ = proxy.call(
+                "POST", "/v1/chat/completions", body, headers=headers, timeout=120
+            )
+            assert status == 200, out
+            assert text_of(out) == reference_text(fleet.reference, "/v1/chat/completions", body)
+            return dict(out)
+
+        headers = {"X-Conversation-Id": f"retry-{uuid.uuid4().hex[:8]}"}
+        system = f"{SYSTEM} A refused turn comes back to the engine that holds its history."
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+        admin("/admin/backends/drain", refusing.url)
+        out = ask(chat_body(list(messages)))
+        prompt_tokens = int(out["usage"]["prompt_tokens"])
+        admin("/admin/backends", refusing.url)
+        # D holds turn 1: its KV usage, read by the proxy, makes it busy for turn 2.
+        wait_until(lambda: d_kv_usage() > 0, 15, what="the proxy to read D's KV usage")
+        loaded, hits = d.metric(TOKENS_LOADED), d.metric(CACHE_HITS)
+        messages += [
+            {"role": "assistant", "content": text_of(out)},
+            {"role": "user", "content": "Who serves it now?"},
+        ]
+        ask(chat_body(list(messages)))
+        assert refusing.refused == 1  # the spill went to the other D first
+        m = proxy.metrics()
+        assert m.get('kvrelay_retries_total{leg="decode"}', 0) == 1
+        assert d.metric(TOKENS_LOADED) == loaded, "D read nothing from itself"
+        whole_blocks = vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
+        assert d.metric(CACHE_HITS) - hits >= whole_blocks, "D served the history from its cache"
+        # The old hold, freed by the proxy once D was done: D confirms it freed it.
+        wait_until(
+            lambda: (
+                proxy.metrics().get('kvrelay_releases_total{holder="decode",result="released"}', 0)
+                == 1
+            ),
+            15,
+            what="the proxy to free the hold no connector read",
+        )
+        conversation = headers["X-Conversation-Id"]
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
+    finally:
+        factory.close()
+        refusing.stop()
 
 
 def test_streamed_turn_is_reused_by_the_next_turn(kvrelay_fleet: PDFleet) -> None:
