@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.devtools import ProxyFactory, sse, vllm_servers
+from kvrelay.devtools import ProxyFactory, ProxyServer, sse, vllm_servers
 from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
@@ -164,6 +164,25 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     assert status in (200, 204)
 
 
+def _decode_admin(proxy: ProxyServer, admin_key: str, path: str, url: str) -> None:
+    """Add (`/admin/backends`) or drain (`/admin/backends/drain`) the D at `url`."""
+    status, out, _ = proxy.call(
+        "POST", path, {"role": "decode", "url": url},
+        headers={"Authorization": f"Bearer {admin_key}"},
+    )  # fmt: skip
+    assert status in (200, 201), out
+
+
+def _ask_as_plain_vllm(
+    proxy: ProxyServer, fleet: PDFleet, body: dict[str, Any], headers: dict[str, str]
+) -> dict[str, Any]:
+    """A chat turn through `proxy`, answered 200 with plain vLLM's text."""
+    status, out, _ = proxy.call("POST", "/v1/chat/completions", body, headers=headers, timeout=120)
+    assert status == 200, out
+    assert text_of(out) == reference_text(fleet.reference, "/v1/chat/completions", body)
+    return dict(out)
+
+
 def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
     kvrelay_fleet: PDFleet,
 ) -> None:
@@ -187,19 +206,10 @@ def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
         )  # fmt: skip
 
         def admin(path: str, url: str) -> None:
-            status, out, _ = proxy.call(
-                "POST", path, {"role": "decode", "url": url},
-                headers={"Authorization": f"Bearer {admin_key}"},
-            )  # fmt: skip
-            assert status in (200, 201), out
+            _decode_admin(proxy, admin_key, path, url)
 
         def ask(body: dict[str, Any]) -> dict[str, Any]:
-            status, out, _ = proxy.call(
-                "POST", "/v1/chat/completions", body, headers=headers, timeout=120
-            )
-            assert status == 200, out
-            assert text_of(out) == reference_text(fleet.reference, "/v1/chat/completions", body)
-            return dict(out)
+            return _ask_as_plain_vllm(proxy, fleet, body, headers)
 
         headers = {"X-Conversation-Id": f"dread-{uuid.uuid4().hex[:8]}"}
         system = f"{SYSTEM} A busy holder lends its history to the engine next to it."
@@ -265,25 +275,19 @@ def test_a_retry_that_lands_on_the_holder_serves_its_own_history(kvrelay_fleet: 
             prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE), decode_max_kv_usage="0",
             load_poll_interval_s="0.5",
         )  # fmt: skip
-        auth = {"Authorization": f"Bearer {admin_key}"}
 
         def admin(path: str, url: str) -> None:
-            status, out, _ = proxy.call("POST", path, {"role": "decode", "url": url}, headers=auth)
-            assert status in (200, 201), out
+            _decode_admin(proxy, admin_key, path, url)
 
         def d_kv_usage() -> float:
+            auth = {"Authorization": f"Bearer {admin_key}"}
             status, out, _ = proxy.call("GET", "/admin/backends", headers=auth)
             assert status == 200, out
             (view,) = [b for b in out["decode"] if b["url"] == d.url]
             return float(view["load"]["kv_usage"]) if view["load"] else 0.0
 
         def ask(body: dict[str, Any]) -> dict[str, Any]:
-            status, out, _ = proxy.call(
-                "POST", "/v1/chat/completions", body, headers=headers, timeout=120
-            )
-            assert status == 200, out
-            assert text_of(out) == reference_text(fleet.reference, "/v1/chat/completions", body)
-            return dict(out)
+            return _ask_as_plain_vllm(proxy, fleet, body, headers)
 
         headers = {"X-Conversation-Id": f"retry-{uuid.uuid4().hex[:8]}"}
         system = f"{SYSTEM} A refused turn comes back to the engine that holds its history."
