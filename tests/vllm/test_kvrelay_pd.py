@@ -164,6 +164,21 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     assert status in (200, 204)
 
 
+def _spilling_proxy(
+    factory: ProxyFactory, fleet: PDFleet, decode: list[str], admin_key: str, **settings: str
+) -> ProxyServer:
+    """A proxy of the test's own in front of the fleet's P and `decode`, where every turn
+    spills (`prefill_spill_factor` 0.1: even an idle P's queue counts as longer than D's) and a
+    history of two blocks or more is read from its holder; `settings` on top."""
+    p, d = fleet.prefill, fleet.decode
+    return factory(
+        [p.url], decode, ready_path="/ready", connector_secret=vllm_servers.CONNECTOR_SECRET,
+        side_channels=vllm_servers.side_channels_setting(p, d), routing_policy="conditional",
+        admin_key=admin_key, prefill_spill_factor="0.1",
+        prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE), **settings,
+    )  # fmt: skip
+
+
 def _decode_admin(proxy: ProxyServer, admin_key: str, path: str, url: str) -> None:
     """Add (`/admin/backends`) or drain (`/admin/backends/drain`) the D at `url`."""
     status, out, _ = proxy.call(
@@ -197,13 +212,7 @@ def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
     admin_key = "spill-reads-hold-admin-key"
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url], [d.url, p.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET,
-            side_channels=vllm_servers.side_channels_setting(p, d),
-            routing_policy="conditional", admin_key=admin_key, prefill_spill_factor="0.1",
-            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
-        )  # fmt: skip
+        proxy = _spilling_proxy(factory, fleet, [d.url, p.url], admin_key)
 
         def admin(path: str, url: str) -> None:
             _decode_admin(proxy, admin_key, path, url)
@@ -262,18 +271,14 @@ def test_a_retry_that_lands_on_the_holder_serves_its_own_history(kvrelay_fleet: 
     nothing loaded), answers as plain vLLM does, and the proxy frees the old hold, which no
     connector read (D confirms it freed it)."""
     fleet = kvrelay_fleet
-    p, d = fleet.prefill, fleet.decode
+    d = fleet.decode
     admin_key = "retry-on-holder-admin-key"
     refusing = FakeRefusingDecode(d.url).start()
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url], [d.url, refusing.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET,
-            side_channels=vllm_servers.side_channels_setting(p, d),
-            routing_policy="conditional", admin_key=admin_key, prefill_spill_factor="0.1",
-            prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE), decode_max_kv_usage="0",
-            load_poll_interval_s="0.5",
+        proxy = _spilling_proxy(
+            factory, fleet, [d.url, refusing.url], admin_key,
+            decode_max_kv_usage="0", load_poll_interval_s="0.5",
         )  # fmt: skip
 
         def admin(path: str, url: str) -> None:
