@@ -288,7 +288,8 @@ class Turn:
         report.leg_ended("decode")
         if served.own_blocks:
             # D served the blocks the params named from its own cache (`Served.own_blocks`):
-            # no connector read them, so the proxy frees them now that D is done.
+            # no connector read them, so the proxy frees them now that D is done (whichever
+            # of the three debts named them; any other still owed is freed right after anyway).
             for debt in (Debt.PREFILL_BLOCKS, Debt.PINNED_PREFIX, Debt.PREVIOUS_HOLD):
                 self.owed.release(debt)
         elif d_pulls and self.accounts.decode is not None:
