@@ -365,6 +365,43 @@ def test_a_spill_past_a_queued_holder_reads_the_held_history_from_it() -> None:
         assert spill is not None and spill.backend is spare and spill.source is None
 
 
+def test_a_spill_weighs_a_held_read_by_how_often_the_holders_holds_were_still_there() -> None:
+    """The entry names the blocks the holder held when the turn ended; the holder may have ended
+    that hold since (its hold budget, block pressure), and readers then report the read failed.
+    Once four reads of a holder's blocks found them gone, another D is not expected to read its
+    held history: it would compute all 1,100 tokens, and the holder (its 700 plus 300 queued)
+    takes the turn. Reads that find their blocks again bring the read back, weighed by the
+    share found (`HeldReads`)."""
+    router, prefill, decode = _router(routing_policy="conditional")
+    p = prefill.add("http://p")
+    holder, other = decode.add("http://holder"), decode.add("http://other")
+    entry = _entry(holder.url, p.url, num_tokens=400, cpt=4.0)
+    with prefill.busy(p, 400_000):  # P's queue: far longer than any D's
+        holder.inflight, holder.outstanding_work = 1, 1 + 300  # 700 + 300 = 1,000
+        for _ in range(3):
+            router.held_read(holder.url, False)
+        # Three reads are not evidence yet: the other D reads 400 (1,100 - 400 + 160 = 860).
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and spill.source is not None
+        assert spill.source.tokens == 400
+        router.held_read(holder.url, False)
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is holder and spill.holder
+        assert spill.source is None and spill.tokens == 700
+        for _ in range(12):
+            router.held_read(holder.url, True)
+        share = router.held_reads.share(holder.url)
+        assert 0.5 < share < 1
+        spill = router.spill(entry, 4400)
+        assert spill is not None and spill.backend is other and spill.source is not None
+        assert spill.source.tokens == round(400 * share)
+        assert spill.tokens == 1100 - round(400 * share)  # what D computes after the read
+        # Judged again on D's count, P's side still reads the history only that often.
+        counted = spill.counted(1100, 400, 4400)
+        assert counted is not None and counted.held_share == share
+        assert counted.source == spill.source
+
+
 def test_a_d_decoding_slower_than_the_bound_takes_no_spilled_prefill() -> None:
     router, prefill, decode = _router(
         routing_policy="conditional", prefill_spill_max_inter_token_ms=50.0

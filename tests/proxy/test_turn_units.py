@@ -681,9 +681,14 @@ async def test_a_hold_the_next_turn_took_but_no_engine_read_counts_unused(rig: R
         labels = {"decision": decision}
         return REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
 
+    def reads(result: str) -> float:
+        labels = {"result": result}
+        return REGISTRY.get_sample_value("kvrelay_held_reads_total", labels) or 0.0
+
     engines = FakeEngines({P1: [prefill_ok("r1")], D1: [decode_ok("r1")]})
     await rig.turn("Hello there", "r1", engines, FakeClient()).run()
     read, unread = count("read"), count("unread")
+    found, gone = reads("found"), reads("gone")
     refused = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0, "kvr_loaded_tokens": 0,
                "kvr_refused_blocks": {"failed": 3}}  # fmt: skip
     engines = FakeEngines({P1: [_with_usage(prefill_ok("r2"), 0, **refused)],
@@ -693,12 +698,15 @@ async def test_a_hold_the_next_turn_took_but_no_engine_read_counts_unused(rig: R
     assert client.json_status == 200
     assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r1"  # taken
     assert (count("read"), count("unread")) == (read, unread + 1)
+    # P's report says the read failed: D1's hold was gone (`HeldReads`, a spill's weighing).
+    assert (reads("found"), reads("gone")) == (found, gone + 1)
     loaded = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0, "kvr_loaded_tokens": 32}
     engines = FakeEngines({P1: [_with_usage(prefill_ok("r3"), 32, **loaded)],
                            D1: [decode_ok("r3")]})  # fmt: skip
     await rig.turn("Hello there answer. And then? answer. More?", "r3", engines, client).run()
     assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r2"
     assert (count("read"), count("unread")) == (read + 1, unread + 1)
+    assert (reads("found"), reads("gone")) == (found + 1, gone + 1)
 
 
 async def test_a_retry_that_lands_on_the_holder_is_not_sent_its_own_blocks() -> None:

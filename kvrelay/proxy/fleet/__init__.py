@@ -31,6 +31,7 @@ from kvrelay.proxy.fleet.fleet_sync import (
     RedisFleetSync,
     open_fleet_sync,
 )
+from kvrelay.proxy.fleet.held_reads import HeldReads
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.kv_events import EngineEvents, KVEventsFeed, events_endpoint
 from kvrelay.proxy.fleet.load_reading import EngineLoad
@@ -91,6 +92,7 @@ __all__ = [
     "Fleet",
     "FleetSync",
     "HealthChecker",
+    "HeldReads",
     "HoldPayoff",
     "KVEventsFeed",
     "KubeRoleWatch",

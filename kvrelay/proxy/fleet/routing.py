@@ -54,6 +54,7 @@ from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet.block_index import BlockIndex
 from kvrelay.proxy.fleet.engine_load import fresh_load
+from kvrelay.proxy.fleet.held_reads import HeldReads
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.fleet.pools import Backend, Pool
@@ -99,6 +100,9 @@ class Spill:
     # prefill_spill_max_inflight_tokens: D's decode-only tokens queued plus this turn's
     # may not pass it (one spilled long prompt stalls every decode on D until it is done).
     d_budget: float = math.inf
+    # The share of the holder's held reads that found their blocks (`HeldReads`): P, too,
+    # reads the held history only that often.
+    held_share: float = 1.0
 
     def counted(self, prompt_tokens: int, held_tokens: int, prompt_chars: int) -> Spill | None:
         """This spill judged again with the prompt's tokens as D counts them (`held_tokens`:
@@ -107,7 +111,10 @@ class Spill:
         when it no longer pays, and the turn goes through P."""
         per_char = prompt_tokens / max(prompt_chars, 1)
         p_cached = round(self.p_cached_chars * per_char)
-        uncached = max(0, prompt_tokens - max(held_tokens, p_cached))  # what P would compute
+        # What P would compute: it reads the held history as often as the holder's holds
+        # were there to read (`held_share`).
+        p_held = round(held_tokens * self.held_share)
+        uncached = max(0, prompt_tokens - max(p_held, p_cached))
         d_cached = round(self.d_cached_chars * per_char)
         d_tokens = prompt_tokens - (held_tokens if self.holder else min(d_cached, prompt_tokens))
         d_tokens = max(0, d_tokens)
@@ -131,6 +138,7 @@ class Spill:
             self.pin_wait_tokens,
             self.d_cached_chars,
             self.d_budget,
+            self.held_share,
         )
 
 
@@ -236,6 +244,7 @@ class Router:
     prefixes: PrefixIndex | None = field(init=False)  # what each P caches (prefix_routing)
     blocks: BlockIndex | None = field(init=False)  # what each P says it caches (KV events)
     holds: HoldPayoff = field(init=False)  # whose holds are read (hold_min_use)
+    held_reads: HeldReads = field(default_factory=HeldReads)  # whose holds last to their read
     in_flight: PrefixesInFlight = field(init=False)  # prefixes being computed (prefix_wait)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
     pin_rests: PinRests = field(init=False)  # holders resting after late pins
@@ -693,14 +702,20 @@ class Router:
         cpt = cpt or self._chars_per_token.value
         tokens = round(prompt_chars / cpt)
         # With an entry P pulls the held history and computes only the rest (what the holder
-        # would compute too); P's own cache may hold more (prefix routing).
+        # would compute too), as often as the holder's holds were there to read (`HeldReads`);
+        # P's own cache may hold more (prefix routing).
         held_rest = (
             uncached_tokens(entry, prompt_chars)
             if entry is not None and entry.chars_per_token
             else None
         )
-        uncached = tokens if held_rest is None else held_rest
-        uncached = min(uncached, max(0, round((prompt_chars - p_cached) / cpt)))
+        uncached = p_uncached = tokens if held_rest is None else held_rest
+        held_share = 1.0
+        if held_rest is not None and entry is not None:
+            held_share = self.held_reads.share(entry.url)
+            p_uncached = tokens - round((tokens - held_rest) * held_share)
+        p_cache_rest = max(0, round((prompt_chars - p_cached) / cpt))
+        uncached, p_uncached = min(uncached, p_cache_rest), min(p_uncached, p_cache_rest)
         held = self._held_source(entry)
         target, holder = self._spill_decode(
             entry, tenant, cached, tokens, cpt, held_rest or 0, held.tokens if held else 0
@@ -725,10 +740,10 @@ class Router:
             # Or the history its holder keeps for this turn, as P would read it: no pin to
             # wait for.
             source, pin_wait = held, 0.0
-        uncached, d_work, d_tokens, source = _weigh_pull(
-            tokens, uncached, d_tokens, d_cached, source, pin_wait
+        p_uncached, d_work, d_tokens, source = _weigh_pull(
+            tokens, p_uncached, d_tokens, d_cached, source, pin_wait
         )
-        p_time = p_queued / cpt + uncached
+        p_time = p_queued / cpt + p_uncached
         d_queued = target.outstanding_work - target.inflight
         if p_time <= s.prefill_spill_factor * (d_queued + d_work):
             return None
@@ -748,6 +763,7 @@ class Router:
             pin_wait,
             d_cached_chars,
             s.prefill_spill_max_inflight_tokens,
+            held_share,
         )
 
     def _d_caches_more(self, cached: Mapping[str, int] | None, p_cached: int) -> bool:
@@ -773,7 +789,12 @@ class Router:
         holder = self.decode.get(entry.url)
         if holder is None or not holder.healthy or not self.serves_pulls(holder.url):
             return None
-        return PrefixSource(holder, entry.num_tokens, "decode", held=True)
+        # Weighed by how often this holder's holds were still there to read (`HeldReads`):
+        # the entry names blocks D may have freed since (its budget, block pressure).
+        tokens = round(entry.num_tokens * self.held_reads.share(holder.url))
+        if tokens < self.settings.prefix_pull_min_tokens:
+            return None
+        return PrefixSource(holder, tokens, "decode", held=True)
 
     def _spill_source(
         self, prompt: PromptPrefixes, chars_per_token: float, prompt_chars: int, reader: Backend
@@ -928,6 +949,11 @@ class Router:
         return gap is not None and gap * 1000 > bound_ms
 
     # -- learning from what the engines reused -------------------------------------------------
+
+    def held_read(self, url: str, found: bool) -> None:
+        """An engine was sent the history the D at `url` held for the turn: it loaded some of
+        it (`found`), or its read failed, D no longer holding the blocks (`HeldReads`)."""
+        self.held_reads.read(url, found)
 
     def decode_only_served(self, url: str, cached_tokens: int, tenant: str = "") -> None:
         """D served `tenant` a decode-only turn from `cached_tokens` of its own (its report),

@@ -373,6 +373,18 @@ HOLD_DECISIONS = Labelled(
         ["decision"],
     )
 )
+HELD_READS = Labelled(
+    Counter(
+        "kvrelay_held_reads_total",
+        "Reads of a conversation's held history by an engine other than its holder (P on a "
+        "turn through P, or a spilled turn's D), as the reader reported them: found (it loaded "
+        "some of the blocks) or gone (its read failed: the holder had ended the hold, for its "
+        "hold budget or block pressure, before the next turn came). Per holder the share found "
+        "weighs a later spill's read from it; a high gone share says D's hold budget is too "
+        "small for its conversations' think times.",
+        ["result"],
+    )
+)
 PREFILL_SPILLED = Labelled(
     Counter(
         "kvrelay_prefill_spilled_total",

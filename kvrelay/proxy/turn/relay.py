@@ -22,7 +22,7 @@ import functools
 import logging
 from collections.abc import Callable, Sequence
 
-from kvrelay.connector.protocol import REFUSED_HASH, KVTransferParams
+from kvrelay.connector.protocol import REFUSED_FAILED, REFUSED_HASH, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.fleet import Backend, Lead, Plan, PrefixSource, PromptPrefixes, Route
 from kvrelay.proxy.telemetry import metrics
@@ -154,6 +154,7 @@ class Turn:
         self._learn(plan)
         if self.entry is not None:
             holds.used(ctx.tenant, self._hold_read(plan, self.entry))
+            self._learn_held_read(plan, self.entry)
 
     def _lead_prompt(self, prompt: PromptPrefixes) -> None:
         """This turn computes `prompt` (as far as it knows: once planned it leads again on what
@@ -324,6 +325,21 @@ class Turn:
         if d is not None and d.local_hit and d_url is not None:
             router.decode_served(d_url, d.local_hit, tenant)
 
+    def _learn_held_read(self, plan: Plan, entry: KVEntry) -> None:
+        """Tell the router whether the engine sent the held history (P, or a spill's D other
+        than the holder) found its blocks still held (`HeldReads`: how the next spills weigh a
+        read from that holder)."""
+        if plan.route is Route.THROUGH_P:
+            account = self.accounts.prefill
+        elif plan.reads_held and not plan.to_holder and self.decode_url != entry.url:
+            account = self.accounts.decode
+        else:
+            return  # the holder served the turn, or no engine was sent the history
+        found = _read_found(account)
+        if found is not None:
+            metrics.HELD_READS.labels("found" if found else "gone").inc()
+            self.crew.router.held_read(entry.url, found)
+
     def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
         """Whether an engine read the held history this turn took (`HoldPayoff.used`): P, or
         a spill's other D, loaded from it, or its holder served the turn from it. A turn that
@@ -338,6 +354,20 @@ class Turn:
             return False  # another D, or a history that fills no block D could reuse
         d = self.accounts.decode
         return d is None or d.reused is None or d.reused > 0
+
+
+def _read_found(account: PromptAccount | None) -> bool | None:
+    """Whether an engine sent a holder's blocks found them: it loaded some (True), or its read
+    of them failed (False: the holder no longer had them, as a rule); None when its report says
+    neither (no report, or nothing to load: its own cache had the history, the blocks described
+    another prompt)."""
+    if account is None or account.loaded is None:
+        return None
+    if account.loaded > 0:
+        return True
+    if any(reason == REFUSED_FAILED for reason, _ in account.refused):
+        return False
+    return None
 
 
 def _loaded_some(account: PromptAccount | None) -> bool:
