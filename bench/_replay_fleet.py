@@ -92,6 +92,12 @@ HOLDS_TAKEN = {
     "holds_read": 'kvrelay_hold_decisions_total{decision="read"}',
     "holds_unread": 'kvrelay_hold_decisions_total{decision="unread"}',
 }
+# Reads of a held history by another engine (P, or a spilled turn's D), as the readers
+# reported them: found, or gone (the holder had ended the hold; `HeldReads`).
+HELD_READS = {
+    "held_found": 'kvrelay_held_reads_total{result="found"}',
+    "held_gone": 'kvrelay_held_reads_total{result="gone"}',
+}
 PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
@@ -500,7 +506,7 @@ class EngineSampler:
                 # them as released, like the ones a next turn used.
                 page = await self.scrape(http, self.fleet.url)
                 out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
-                for name, sample in HOLDS_TAKEN.items():
+                for name, sample in (*HOLDS_TAKEN.items(), *HELD_READS.items()):
                     out[name] = page.get(sample, 0.0)
                 # Prefix pulls (prefix_pull): what came of the pins (both legs; pulls_d_*: a
                 # spilled turn's D's), the tokens the engines loaded.

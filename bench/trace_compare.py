@@ -765,6 +765,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
                 if "holds_read" in frees
                 else "-"
             )
+            if "held_gone" in frees:  # runs before the readers' outcomes were counted have none
+                holds += f" ({frees['held_found']:.0f} / {frees['held_gone']:.0f})"
             lines.append(
                 f"| {label} | {by[scale]['rate']:.2f} | "
                 f"{sum(first.get(k, 0) for k in through_p)} / {first.get('spilled', 0)} | "
@@ -784,7 +786,9 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         '{holder="decode"}`, a history or prefix in D\'s cache). Holds taken: the holds a '
         "next turn took that an engine then read (P loaded the history, or the holder served "
         'the turn from it) / read none of (`kvrelay_hold_decisions_total{decision="read"|'
-        '"unread"}`).',
+        '"unread"}`); in brackets, the reads of a held history by another engine (P, or a '
+        "spilled turn's D) that found the blocks / found the hold gone "
+        "(`kvrelay_held_reads_total`).",
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
         "decode-only / spilled | prefix pulls (tokens) | holds taken: read / unread |",
