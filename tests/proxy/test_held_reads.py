@@ -14,7 +14,20 @@ def test_a_holder_counts_as_holding_until_four_reads_say_otherwise() -> None:
     assert reads.share("http://d") == 1.0  # three reads are not evidence yet
     reads.read("http://d", found=False)
     assert reads.share("http://d") == 0.0
-    assert reads.share("http://other") == 1.0  # one holder's reads say nothing of another's
+
+
+def test_a_holder_read_less_than_four_times_takes_every_holders_share() -> None:
+    reads = HeldReads()
+    for url in ("http://a", "http://b", "http://c", "http://d"):
+        reads.read(url, found=url != "http://a")  # a's hold was gone, the others' there
+    every = reads.share("http://e")  # never read: the pool's share
+    assert 0.7 < every < 0.8
+    assert reads.share("http://a") == every  # one read of its own is not evidence yet
+    for _ in range(3):
+        reads.read("http://e", found=True)
+    assert reads.share("http://e") < 1.0  # three of its own: still the pool's
+    reads.read("http://e", found=True)
+    assert reads.share("http://e") == 1.0  # four of its own: its share
 
 
 def test_the_share_follows_the_recent_reads() -> None:
@@ -40,6 +53,6 @@ def test_the_holders_followed_are_bounded() -> None:
             reads.read(url, found=False)
     for _ in range(4):
         reads.read("http://a", found=False)  # a is the most recently read
-    reads.read("http://c", found=False)  # over the bound: b, the least recently read, goes
-    assert reads.share("http://b") == 1.0
+    reads.read("http://c", found=True)  # over the bound: b, the least recently read, goes
     assert reads.share("http://a") == 0.0
+    assert reads.share("http://b") == reads.share("http://d")  # forgotten: the pool's share

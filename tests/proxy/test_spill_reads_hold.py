@@ -28,6 +28,8 @@ HELD = "enginesim_requests_held"
 READ = 'kvrelay_hold_decisions_total{decision="read"}'
 UNREAD = 'kvrelay_hold_decisions_total{decision="unread"}'
 PULLED = 'kvrelay_prefix_pulls_total{leg="decode",result="pulled"}'
+FOUND = 'kvrelay_held_reads_total{result="found"}'
+GONE = 'kvrelay_held_reads_total{result="gone"}'
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,7 @@ def test_a_spill_past_a_busy_holder_reads_the_held_history_from_it(
     m = proxy.metrics()
     assert m[READ] == 1 and m.get(UNREAD, 0.0) == 0
     assert m[PULLED] == 1
+    assert m[FOUND] == 1 and m.get(GONE, 0.0) == 0  # the other D's report: the hold was there
     # The read freed the holder's blocks; the other D holds the new turn.
     wait_until(lambda: holder.metric(HELD) == 0, 10, what="the holder's hold to end")
     wait_until(lambda: other.metric(HELD) == 1, 10, what="the other D to hold turn 2")
@@ -161,6 +164,7 @@ def test_without_prefix_pull_the_other_d_computes_the_history_and_the_hold_is_gi
     m = proxy.metrics()
     assert m[UNREAD] == 1 and m.get(READ, 0.0) == 0
     assert m.get(PULLED, 0.0) == 0
+    assert m.get(FOUND, 0.0) == m.get(GONE, 0.0) == 0  # no engine was sent the held history
     wait_until(lambda: holder.metric(HELD) == 0, 10, what="the proxy to give the hold back")
     wait_until(lambda: other.metric(HELD) == 1, 10, what="the other D to hold turn 2")
     assert proxy.call("DELETE", "/v1/conversations/computes-history")[0] == 200

@@ -15,8 +15,11 @@ planning weighs a held history by it (`Router._held_source`): a holder whose hol
 usually gone by the next turn is not counted on for a read. A read that refused nothing for a
 failure (the reader's own cache had the history) says nothing and is not counted.
 
-Until a holder has shown four reads (`MIN_READS`, decayed) its holds count as there (the connector
-keeps a hold until one of the ends above, which on most fleets is the common case). No probe is
+A holder not yet read four times (`MIN_READS`, decayed) takes the share of every holder's reads
+together: what ends holds (D's budget against the conversations' think times, block pressure)
+is much the same on every D of a pool, and each D alone sees few reads (a spilled turn's D or P
+reads a held history on a few later turns in ten). Until four reads in all, holds count as
+there (the connector keeps a hold until one of the ends above). No probe is
 needed to see a holder's holds last again: every turn through P whose conversation has an entry
 still has P read it, whatever the share, and counts here. Per worker process, at most
 `MAX_HOLDERS` holders (least recently read forgotten first: a forgotten holder counts as there
@@ -38,6 +41,14 @@ class _Reads:
     found: float = 0.0  # reads that loaded some of the held blocks, decayed
     reads: float = 0.0  # reads that loaded some or found the hold gone, decayed alike
 
+    def add(self, found: bool) -> None:
+        self.reads = self.reads * (1 - DECAY) + 1
+        self.found = self.found * (1 - DECAY) + (1 if found else 0)
+
+    def share(self) -> float | None:
+        """The share that found their blocks; None before `MIN_READS`."""
+        return None if self.reads < MIN_READS else self.found / self.reads
+
 
 @dataclass
 class HeldReads:
@@ -45,6 +56,7 @@ class HeldReads:
 
     limit: int = MAX_HOLDERS
     _holders: OrderedDict[str, _Reads] = field(default_factory=OrderedDict)
+    _all: _Reads = field(default_factory=_Reads)  # every holder's reads together
 
     def read(self, url: str, found: bool) -> None:
         """An engine was sent the blocks the D at `url` held for a turn: it loaded some
@@ -57,13 +69,14 @@ class HeldReads:
                 holders.popitem(last=False)
         else:
             holders.move_to_end(url)
-        counts.reads = counts.reads * (1 - DECAY) + 1
-        counts.found = counts.found * (1 - DECAY) + (1 if found else 0)
+        counts.add(found)
+        self._all.add(found)
 
     def share(self, url: str) -> float:
         """The share of a held history of the D at `url` a planned read is expected to load:
-        1.0 until the holder has shown four reads, then the share that found theirs."""
+        that holder's found share once it has shown four reads, else every holder's, else 1.0."""
         counts = self._holders.get(url)
-        if counts is None or counts.reads < MIN_READS:
-            return 1.0
-        return counts.found / counts.reads
+        share = counts.share() if counts is not None else None
+        if share is None:
+            share = self._all.share()
+        return 1.0 if share is None else share
