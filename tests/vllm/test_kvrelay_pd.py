@@ -117,6 +117,31 @@ def test_streamed_chat_matches_reference(kvrelay_fleet: PDFleet) -> None:
     )
 
 
+class _AnswersAsPlainVllm:
+    """Chat turns through a proxy, each answered 200, their texts checked against plain vLLM's
+    (the reference server) by `check` once the test's checks on the proxy and the engines are
+    done. Asked between the steps, a reference slowed by a busy host (its call may take 120 s)
+    can outlast the suite's 120 s lease: in a CI run the stored entry's TTL (the lease less 5 s)
+    ran out before the test's DELETE; under a CPU hog here the test failed so two times in three
+    and passes with the reference asked last."""
+
+    def __init__(self, proxy: ProxyServer, fleet: PDFleet, headers: dict[str, str]) -> None:
+        self._proxy, self._fleet, self._headers = proxy, fleet, headers
+        self._asked: list[tuple[dict[str, Any], str]] = []
+
+    def ask(self, body: dict[str, Any]) -> dict[str, Any]:
+        status, out, _ = self._proxy.call(
+            "POST", "/v1/chat/completions", body, headers=self._headers, timeout=120
+        )
+        assert status == 200, out
+        self._asked.append((body, text_of(out)))
+        return dict(out)
+
+    def check(self) -> None:
+        for body, text in self._asked:
+            assert text == reference_text(self._fleet.reference, "/v1/chat/completions", body)
+
+
 def _hold_decisions(fleet: PDFleet, decision: str) -> float:
     return fleet.proxy.metrics().get(f'kvrelay_hold_decisions_total{{decision="{decision}"}}', 0.0)
 
@@ -126,21 +151,14 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     counts each of those holds read from P's own report, none unread (`hold_min_use`'s
     evidence)."""
     headers = {"X-Conversation-Id": f"conv-{uuid.uuid4().hex[:8]}"}
+    answers = _AnswersAsPlainVllm(kvrelay_fleet.proxy, kvrelay_fleet, headers)
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
     loaded = [kvrelay_fleet.prefill.metric(TOKENS_LOADED)]
     read, unread = (_hold_decisions(kvrelay_fleet, d) for d in ("read", "unread"))
     for turn, user in enumerate(USER_TURNS):
         messages.append({"role": "user", "content": user})
-        body = chat_body(messages)
-
-        status, out = proxy_post(kvrelay_fleet, "/v1/chat/completions", body, headers)
-
-        assert status == 200, out
-        reply = text_of(out)
-        assert reply == reference_text(kvrelay_fleet.reference, "/v1/chat/completions", body), (
-            f"turn {turn}"
-        )
-        messages.append({"role": "assistant", "content": reply})
+        out = answers.ask(chat_body(list(messages)))
+        messages.append({"role": "assistant", "content": text_of(out)})
         if turn == 0:
             loaded.append(kvrelay_fleet.prefill.metric(TOKENS_LOADED))
             assert loaded[-1] == loaded[0], "turn 1 has nothing to load from D"
@@ -162,6 +180,7 @@ def test_multi_turn_loads_previous_turn_from_decode(kvrelay_fleet: PDFleet) -> N
     conversation = headers["X-Conversation-Id"]
     status, _, _ = kvrelay_fleet.proxy.call("DELETE", f"/v1/conversations/{conversation}")
     assert status in (200, 204)
+    answers.check()
 
 
 def _spilling_proxy(
@@ -186,31 +205,6 @@ def _decode_admin(proxy: ProxyServer, admin_key: str, path: str, url: str) -> No
         headers={"Authorization": f"Bearer {admin_key}"},
     )  # fmt: skip
     assert status in (200, 201), out
-
-
-class _AnswersAsPlainVllm:
-    """Chat turns through a proxy, each answered 200, their texts checked against plain vLLM's
-    (the reference server) by `check` once the test's checks on the proxy and the engines are
-    done. Asked between the steps, a reference slowed by a busy host (its call may take 120 s)
-    can outlast the suite's 120 s lease: in a CI run the stored entry's TTL (the lease less 5 s)
-    ran out before the test's DELETE; under a CPU hog here the test failed so two times in three
-    and passes with the reference asked last."""
-
-    def __init__(self, proxy: ProxyServer, fleet: PDFleet, headers: dict[str, str]) -> None:
-        self._proxy, self._fleet, self._headers = proxy, fleet, headers
-        self._asked: list[tuple[dict[str, Any], str]] = []
-
-    def ask(self, body: dict[str, Any]) -> dict[str, Any]:
-        status, out, _ = self._proxy.call(
-            "POST", "/v1/chat/completions", body, headers=self._headers, timeout=120
-        )
-        assert status == 200, out
-        self._asked.append((body, text_of(out)))
-        return dict(out)
-
-    def check(self) -> None:
-        for body, text in self._asked:
-            assert text == reference_text(self._fleet.reference, "/v1/chat/completions", body)
 
 
 def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
