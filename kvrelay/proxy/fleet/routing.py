@@ -709,14 +709,15 @@ class Router:
             if entry is not None and entry.chars_per_token
             else None
         )
+        held_share = self.held_reads.share(entry.url) if entry is not None else 1.0
         uncached = p_uncached = tokens if held_rest is None else held_rest
-        held_share = 1.0
-        if held_rest is not None and entry is not None:
-            held_share = self.held_reads.share(entry.url)
+        p_share = 1.0  # what P's side reads of the held history (`Spill.held_share`)
+        if held_rest is not None:
+            p_share = held_share
             p_uncached = tokens - round((tokens - held_rest) * held_share)
         p_cache_rest = max(0, round((prompt_chars - p_cached) / cpt))
         uncached, p_uncached = min(uncached, p_cache_rest), min(p_uncached, p_cache_rest)
-        held = self._held_source(entry)
+        held = self._held_source(entry, held_share)
         target, holder = self._spill_decode(
             entry, tenant, cached, tokens, cpt, held_rest or 0, held.tokens if held else 0
         )
@@ -763,7 +764,7 @@ class Router:
             pin_wait,
             d_cached_chars,
             s.prefill_spill_max_inflight_tokens,
-            held_share,
+            p_share,
         )
 
     def _d_caches_more(self, cached: Mapping[str, int] | None, p_cached: int) -> bool:
@@ -774,11 +775,12 @@ class Router:
         ds = self.decode.backends
         return any(chars > p_cached and url in ds for url, chars in cached.items())
 
-    def _held_source(self, entry: KVEntry | None) -> PrefixSource | None:
+    def _held_source(self, entry: KVEntry | None, share: float) -> PrefixSource | None:
         """With `prefix_pull`, the conversation's held history as a prefix a spilled turn's D
         other than the holder reads from the holder, as P does on a turn through P: the
         holder healthy (busy or not: a read takes none of its steps) and its pins on time,
-        the history a whole block and at least `prefix_pull_min_tokens`."""
+        the history a whole block and at least `prefix_pull_min_tokens`, weighed by `share`
+        (the holder's `HeldReads.share`) at least that long."""
         if (
             entry is None
             or not self.settings.prefix_pull
@@ -789,9 +791,9 @@ class Router:
         holder = self.decode.get(entry.url)
         if holder is None or not holder.healthy or not self.serves_pulls(holder.url):
             return None
-        # Weighed by how often this holder's holds were still there to read (`HeldReads`):
-        # the entry names blocks D may have freed since (its budget, block pressure).
-        tokens = round(entry.num_tokens * self.held_reads.share(holder.url))
+        # Weighed by `share`, how often this holder's holds were still there to read
+        # (`HeldReads`): the entry names blocks D may have freed since (budget, pressure).
+        tokens = round(entry.num_tokens * share)
         if tokens < self.settings.prefix_pull_min_tokens:
             return None
         return PrefixSource(holder, tokens, "decode", held=True)

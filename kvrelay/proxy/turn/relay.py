@@ -329,27 +329,33 @@ class Turn:
         """Tell the router whether the engine sent the held history (P, or a spill's D other
         than the holder) found its blocks still held (`HeldReads`: how the next spills weigh a
         read from that holder)."""
-        if plan.route is Route.THROUGH_P:
-            account = self.accounts.prefill
-        elif plan.reads_held and not plan.to_holder and self.decode_url != entry.url:
-            account = self.accounts.decode
-        else:
+        sent, account = self._other_reader(plan, entry)
+        if not sent:
             return  # the holder served the turn, or no engine was sent the history
         found = _read_found(account)
         if found is not None:
             metrics.HELD_READS.labels("found" if found else "gone").inc()
             self.crew.router.held_read(entry.url, found)
 
+    def _other_reader(self, plan: Plan, entry: KVEntry) -> tuple[bool, PromptAccount | None]:
+        """Whether an engine other than the holder was sent the held history to read (P, or
+        a spill's other D), and that engine's account (None: it gave none)."""
+        if plan.route is Route.THROUGH_P:
+            return True, self.accounts.prefill
+        to_holder = plan.to_holder or self.decode_url == entry.url  # a retry can land on it
+        if plan.reads_held and not to_holder:
+            return True, self.accounts.decode
+        return False, None
+
     def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
         """Whether an engine read the held history this turn took (`HoldPayoff.used`): P, or
         a spill's other D, loaded from it, or its holder served the turn from it. A turn that
         went to another D without it read nothing of it. Where the engine gave no figure it
         counts as read (a stock engine's answer: the take is all that is known)."""
-        if plan.route is Route.THROUGH_P:
-            return _loaded_some(self.accounts.prefill)
-        to_holder = plan.to_holder or self.decode_url == entry.url  # a retry can land on it
-        if plan.reads_held and not to_holder:  # another D, sent the held history to read
-            return _loaded_some(self.accounts.decode)
+        sent, account = self._other_reader(plan, entry)
+        if sent:
+            return _loaded_some(account)
+        to_holder = plan.to_holder or self.decode_url == entry.url
         if not to_holder or not entry.has_full_block:
             return False  # another D, or a history that fills no block D could reuse
         d = self.accounts.decode
