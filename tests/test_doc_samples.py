@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -16,11 +17,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FENCE = re.compile(r"^```(?:python|py)[ \t]*\n(.*?)^```", re.S | re.M)
-SKIP_DIRS = {".venv", ".venv-vllm", "node_modules", ".git"}
+SKIP_DIRS = {"node_modules", "build"}
 
 
 def doc_files(root: Path) -> list[Path]:
-    readmes = [p for p in root.rglob("README.md") if not SKIP_DIRS & set(p.relative_to(root).parts)]
+    """The repository's READMEs and docs/*.md. Hidden folders (.git, the virtual environments)
+    are pruned before they are entered, not filtered after: CI builds .venv-vllm while this
+    module is collected, and a walk into a folder pip is rewriting can find it gone."""
+    readmes = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in SKIP_DIRS]
+        if "README.md" in files:
+            readmes.append(Path(folder) / "README.md")
     return sorted(readmes + list((root / "docs").glob("*.md")))
 
 
