@@ -172,6 +172,17 @@ class ProxyServer(ManagedServer):
             raise RuntimeError(f"/admin/prefix-cache answered {status}: {answer}")
         return {e["url"]: int(e["events_tokens"]) for e in answer[role]}
 
+    def events_blocks(self, role: str = "prefill") -> dict[str, int]:
+        """Per engine URL of the `role` pool, the blocks its KV events put in the proxy's index
+        (`GET /admin/backends`' `kv_events_blocks`, with the admin key the proxy was given)."""
+        key = self.settings.get("admin_key", "")
+        status, answer, _ = self.call(
+            "GET", "/admin/backends", headers={"Authorization": f"Bearer {key}"}
+        )
+        if status != 200:
+            raise RuntimeError(f"/admin/backends answered {status}: {answer}")
+        return {b["url"]: int(b.get("kv_events_blocks") or 0) for b in answer[role]}
+
     def metrics_text(self) -> str:
         """`/metrics`, sending the metrics key when the proxy was given one."""
         key = self.settings.get("metrics_key")

@@ -24,6 +24,7 @@ from kvrelay.devtools import (
 )
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import chat_body, post, reply_of, stream, streamed_text
+from tests.proxy.events_heard import until_events_heard
 
 pytestmark = pytest.mark.nixl
 
@@ -58,7 +59,7 @@ def _proxy(
     p0, p1, d = engines
     followed = [(p0, "P0"), (p1, "P1"), *([(d, "D")] if ds else [])]
     endpoints = ",".join(f"{e.url}=tcp://127.0.0.1:{EVENTS_PORTS[n]}" for e, n in followed)
-    return proxy_factory(
+    proxy = proxy_factory(
         [p0, p1],
         [d],
         ready_path="/ready",
@@ -66,6 +67,9 @@ def _proxy(
         kv_events_endpoints=endpoints,
         prefix_pull_min_tokens="32",
     )
+    for engine, name in followed:
+        until_events_heard(proxy, engine, "decode" if name == "D" else "prefill")
+    return proxy
 
 
 def _admin(proxy: ProxyServer, path: str, role: str, url: str) -> None:

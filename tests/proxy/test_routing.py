@@ -24,6 +24,7 @@ from kvrelay.devtools import (
 )
 from kvrelay.enginesim.reference import reference_chat
 from tests.proxy.client import MODEL, chat_body, post, reply_of, stream, streamed_text
+from tests.proxy.events_heard import until_events_heard
 from tests.proxy.idle_engines import idle_around
 
 pytestmark = pytest.mark.nixl
@@ -69,7 +70,7 @@ def _events_proxy(
     endpoints = ",".join(
         f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
     )
-    return proxy_factory(
+    proxy = proxy_factory(
         [p0, p1],
         [d],
         ready_path="/ready",
@@ -78,6 +79,9 @@ def _events_proxy(
         prefix_index_ttl_s="0.001",
         **settings,
     )
+    for p in (p0, p1):
+        until_events_heard(proxy, p)
+    return proxy
 
 
 def _turn(

@@ -74,8 +74,9 @@ async def list_backends(request: web.Request) -> web.StreamResponse:
 
     def view(b: Backend) -> dict[str, object]:
         described = b.describe()
-        if blocks is not None and b.role == "prefill":
-            # What the engine's KV events say it caches (prefix routing's exact index).
+        if blocks is not None:
+            # What the engine's KV events say it caches (the exact index: a P's for prefix
+            # routing, a D's for pulls); 0 for an engine whose events are not followed or heard.
             described["kv_events_blocks"] = blocks.blocks_of(b.url)
         return described
 
