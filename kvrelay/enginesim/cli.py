@@ -132,6 +132,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="vLLM's flag: a JSON object; with enable_kv_cache_events, the prefix cache's "
         "stored and evicted blocks are published on a ZMQ PUB socket at its endpoint",
     )
+    p.add_argument(
+        "--kv-cache-metrics",
+        action="store_true",
+        help="vLLM's flag: the KV cache residency metrics (a sampled block's idle time before "
+        "eviction, vllm:kv_block_idle_before_evict_seconds)",
+    )
+    p.add_argument(
+        "--kv-cache-metrics-sample",
+        type=float,
+        default=0.01,
+        help="vLLM's flag: the share of allocated blocks the residency metrics follow",
+    )
     p.add_argument("--kv-recompute-threshold", type=int, default=0)
     p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"], default="recompute")
     p.add_argument("--lease-seconds", type=float, help="default: the connector's")
@@ -212,6 +224,8 @@ _ENGINE_OPTIONS = (
     "tokenizer_process",
     "chat_template_first_line",
     "kv_events_config",
+    "kv_cache_metrics",
+    "kv_cache_metrics_sample",
 )
 
 

@@ -14,6 +14,7 @@ from kvrelay.enginesim.costs import (
 )
 from kvrelay.enginesim.kvpool import BlockPool, KVLayout
 from kvrelay.enginesim.model import ModelGeometry
+from kvrelay.enginesim.residency import BlockResidency
 
 DEFAULT_MODEL = "kvrelay-sim"
 
@@ -75,16 +76,24 @@ class EngineConfig:
     connector: ConnectorConfig | None = None
     # vLLM's `--kv-events-config` JSON (`kvrelay.enginesim.kv_events`); None: no events.
     kv_events_config: str | None = None
+    # vLLM's `--kv-cache-metrics` and `--kv-cache-metrics-sample`: the residency metrics
+    # (`residency.py`), kept for that share of the blocks allocated.
+    kv_cache_metrics: bool = False
+    kv_cache_metrics_sample: float = 0.01
 
     def new_pool(self) -> BlockPool:
-        """The engine's KV pool, as this config describes it (prefix caching in it or not)."""
-        return BlockPool(
+        """The engine's KV pool, as this config describes it (prefix caching in it or not,
+        residency metrics kept or not)."""
+        pool = BlockPool(
             self.num_blocks,
             self.block_size,
             self.geometry,
             self.kv_layout,
             prefix_caching=self.enable_prefix_caching,
         )
+        if self.kv_cache_metrics:
+            pool.residency = BlockResidency(self.kv_cache_metrics_sample)
+        return pool
 
     def validate(self) -> None:
         if self.max_model_len < 2:
@@ -97,6 +106,8 @@ class EngineConfig:
             )
         if self.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be positive")
+        if not 0 < self.kv_cache_metrics_sample <= 1:
+            raise ValueError("kv_cache_metrics_sample must be in (0, 1] (vLLM's bound)")
         if self.scheduling_policy not in ("fcfs", "priority"):
             raise ValueError("scheduling_policy must be 'fcfs' or 'priority'")
         if self.max_num_batched_tokens < 1:

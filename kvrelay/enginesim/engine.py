@@ -42,13 +42,13 @@ from kvrelay.connector.protocol import (
 )
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.costs import CostProfile, get_link, get_profile
+from kvrelay.enginesim.histogram import ITL_BUCKETS, Histogram
 from kvrelay.enginesim.kv_events import StoredBlock
 from kvrelay.enginesim.kvhost import ConnectorOutput, KVHost, NoConnector
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import DECODE_WINDOW, SimModel
 from kvrelay.enginesim.request import EngineError, Output, ReqState, SimRequest
 from kvrelay.enginesim.timeline import GpuTimeline
-from kvrelay.enginesim.token_gaps import TokenGaps
 from kvrelay.enginesim.tokenizer import Tokenizer, get_tokenizer
 
 # What a running request samples this step: the token, its prefix hash and its KV row.
@@ -110,7 +110,7 @@ class EngineCore:
         self._outbox: list[tuple[SimRequest, Output]] = []
         # vLLM's `vllm:inter_token_latency_seconds`: the gap before each output token after a
         # request's first, as the engine's clock saw it when the step ended.
-        self.token_gaps = TokenGaps()
+        self.token_gaps = Histogram(ITL_BUCKETS)
         self._step_end = 0.0
         self.counters: dict[str, int] = {
             "requests_finished": 0,

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from kvrelay.enginesim.model import ModelGeometry
+from kvrelay.enginesim.residency import BlockResidency
 
 
 class KVLayout(StrEnum):
@@ -84,6 +85,8 @@ class BlockPool:
         # The keys of evicted blocks, for KV cache events (None: nobody follows them); the
         # engine hands its own list of changes here, so evictions and stores keep their order.
         self.evicted_keys: list[Hashable] | None = None
+        # vLLM's residency metrics (`--kv-cache-metrics`); None: not kept.
+        self.residency: BlockResidency | None = None
 
     @property
     def num_free(self) -> int:
@@ -114,6 +117,8 @@ class BlockPool:
                 if self.evicted_keys is not None:
                     self.evicted_keys.append(key)
             self._refs[block] = 1
+            if self.residency is not None:
+                self.residency.allocated(block)
             out.append(block)
         return out
 
@@ -153,6 +158,8 @@ class BlockPool:
             if self._refs[block] == 0:
                 del self._free[block]
             self._refs[block] += 1
+            if self.residency is not None:
+                self.residency.hit(block)
 
     def cache(self, block: int, key: Hashable) -> bool:
         """Register a full block whose KV is final under `key` (a block already cached under

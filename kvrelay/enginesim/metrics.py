@@ -147,6 +147,16 @@ def _vllm_prompt_counters(snap: dict[str, Any], model: str) -> Iterator[Metric]:
     )
     itl.add_metric(values, snap.get("itl_buckets") or [("+Inf", 0)], snap.get("itl_sum", 0.0))
     yield itl
+    residency = snap.get("idle_before_evict")
+    if residency is not None:  # only with --kv-cache-metrics, as vLLM
+        idle = HistogramMetricFamily(
+            "vllm:kv_block_idle_before_evict_seconds",
+            "Histogram of idle time before KV cache block eviction. Sampled metrics "
+            "(controlled by --kv-cache-metrics-sample).",
+            labels=labels,
+        )
+        idle.add_metric(values, residency[0], residency[1])
+        yield idle
 
 
 def render_metrics(snapshot: Callable[[], dict[str, Any]], model: str) -> Callable[[], bytes]:

@@ -125,6 +125,12 @@ class EngineRunner:
             behind_model_seconds=core.timeline.behind_s,
             itl_buckets=core.token_gaps.cumulative(),
             itl_sum=core.token_gaps.sum,
+            idle_before_evict=None
+            if core.pool.residency is None
+            else (
+                core.pool.residency.idle_before_evict.cumulative(),
+                core.pool.residency.idle_before_evict.sum,
+            ),
             at=time.time(),
         )
         self.snapshot = snap

@@ -5,12 +5,15 @@ use (a running or held request's) is never evicted; answers stay the reference's
 
 from __future__ import annotations
 
+import random
+
 from kvrelay.enginesim.config import EngineConfig
 from kvrelay.enginesim.engine import EngineCore, run_to_completion
 from kvrelay.enginesim.kvpool import BlockPool
 from kvrelay.enginesim.model import ModelGeometry
 from kvrelay.enginesim.reference import reference_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
+from kvrelay.enginesim.residency import BlockResidency
 from kvrelay.enginesim.tokenizer import get_tokenizer
 
 HISTORY = "The cache keeps whole blocks of the prompt so that the next turn can skip them. " * 4
@@ -113,3 +116,48 @@ def test_requests_share_cached_blocks_only_under_the_same_cache_salt() -> None:
     assert core.counters["prompt_tokens_cached"] == 0
     assert _complete(core, "a2", HISTORY, salt="tenant-a") == answer
     assert core.counters["prompt_tokens_cached"] > 0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_residency_metrics_observe_a_blocks_idle_time_since_its_last_hit_when_it_is_evicted() -> (
+    None
+):
+    # vLLM's `--kv-cache-metrics` at sample 1.0: a block's idle time runs from its allocation
+    # or its last prefix-cache hit to the allocation that takes it again.
+    clock = _Clock()
+    pool = BlockPool(2, 4, ModelGeometry(), prefix_caching=True)
+    pool.residency = BlockResidency(1.0, clock)
+    a = pool.allocate(2)
+    assert a is not None
+    pool.cache(a[0], "k0")
+    pool.cache(a[1], "k1")
+    pool.free(a)
+    clock.now += 5  # k1 untouched since its allocation; k0 hit 5 s in, freed again
+    pool.share([a[0]])
+    pool.free([a[0]])
+    clock.now += 2
+    assert pool.allocate(1) == [a[1]]  # evicted after 7 s idle
+    clock.now += 1
+    assert pool.allocate(1) == [a[0]]  # evicted 3 s after its hit
+    idle = pool.residency.idle_before_evict
+    assert idle.count == 2 and idle.sum == 10.0
+    assert dict(idle.cumulative())["2.0"] == 0 and dict(idle.cumulative())["5.0"] == 1
+    assert dict(idle.cumulative())["10.0"] == 2
+
+
+def test_residency_metrics_follow_only_the_sampled_share_of_blocks() -> None:
+    pool = BlockPool(64, 4, ModelGeometry(), prefix_caching=True)
+    pool.residency = BlockResidency(0.25, _Clock(), random.Random(1))
+    for _ in range(40):  # every allocation takes the whole pool again: 64 evictions a round
+        blocks = pool.allocate(64)
+        assert blocks is not None
+        pool.free(blocks)
+    observed = pool.residency.idle_before_evict.count
+    assert 0.15 * 39 * 64 < observed < 0.35 * 39 * 64
