@@ -269,6 +269,9 @@ class Hardware:
         return self.engines * self.pool_blocks() * self.block_size() // trace_block_tokens
 
 
+D_RESIDENCY_SAMPLE = 0.05
+
+
 def engine_args(hw: Hardware, lease_s: float, hold_max: float | None = None) -> list[str]:
     """enginesim flags of one engine of `hw` whose hold lease is `lease_s` (replay seconds)
     and whose one hold may pin `hold_max` of its pool (None: `hw.hold_max`)."""
@@ -300,6 +303,11 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
     d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
     p_args = [engine_args(hw, hw.unscaled_lease_s) for _ in range(n_p)]
     d_args = [engine_args(hw, d_lease, system.d_hold_max) for _ in range(hw.engines - n_p)]
+    for args in d_args:
+        # D reports how long its cache keeps an unused block (vLLM's residency histogram), which
+        # the proxy weighs holds against; a twentieth of the blocks sampled (vLLM's default is
+        # a hundredth) for enough evictions within a replay of a few minutes.
+        args += ["--kv-cache-metrics", "--kv-cache-metrics-sample", str(D_RESIDENCY_SAMPLE)]
     if system.kv_events:
         for args in (*p_args, *d_args):
             args += kv_events_args(free_port())

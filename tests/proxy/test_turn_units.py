@@ -30,7 +30,7 @@ from kvrelay.proxy.engines import (
     UpstreamError,
     UpstreamTimeout,
 )
-from kvrelay.proxy.fleet import EngineLoad, Fleet, Pool
+from kvrelay.proxy.fleet import CacheResidence, EngineLoad, Fleet, Pool
 from kvrelay.proxy.turn import (
     ClientStream,
     EngineAnswer,
@@ -707,6 +707,41 @@ async def test_a_hold_the_next_turn_took_but_no_engine_read_counts_unused(rig: R
     assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r2"
     assert (count("read"), count("unread")) == (read + 1, unread + 1)
     assert (reads("found"), reads("gone")) == (found + 1, gone + 1)
+
+
+async def test_a_hold_read_sooner_than_its_holders_cache_keeps_a_block_counts_unused(
+    rig: Rig,
+) -> None:
+    """D1's residency histogram says its cache keeps an unused block about 30 s lately; the
+    next turn takes the hold within a second and P loads it: read, but D's cache would have
+    kept the history unheld, so the hold counts unused (`decision="cache_kept"`). Without the
+    histogram the same read counts as a read."""
+
+    def count(decision: str) -> float:
+        labels = {"decision": decision}
+        return REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
+
+    loaded = {"kvr_prompt_tokens": 40, "kvr_local_hit_tokens": 0, "kvr_loaded_tokens": 32}
+    holder = rig.fleet.router.decode.get(D1)
+    assert holder is not None
+    for residence, decision in (
+        (CacheResidence((1.0, 60.0, float("inf")), (0.0, 20.0, 20.0), (0.0, 20.0, 0.0)),
+         "cache_kept"),
+        (None, "read"),
+    ):  # fmt: skip
+        holder.load = EngineLoad(
+            running=0.0, waiting=0.0, kv_usage=0.1, at=time.monotonic(), residence=residence
+        )
+        assert rig.fleet.router.cache_keeps_s(D1) == (30.5 if residence else None)
+        engines = FakeEngines({P1: [prefill_ok("r1")], D1: [decode_ok("r1")]})
+        await rig.turn("Hello there", "r1", engines, FakeClient()).run()
+        before = count(decision)
+        engines = FakeEngines({P1: [_with_usage(prefill_ok("r2"), 32, **loaded)],
+                               D1: [decode_ok("r2")]})  # fmt: skip
+        await rig.turn("Hello there answer. And then?", "r2", engines, FakeClient()).run()
+        assert engines.bodies(P1)[0]["kv_transfer_params"]["remote_request_id"] == "r1"
+        assert count(decision) == before + 1
+        await _stored(rig)  # the next round starts a new conversation
 
 
 async def test_a_retry_that_lands_on_the_holder_is_not_sent_its_own_blocks() -> None:

@@ -153,7 +153,12 @@ def kvrelay_fleet(
         trust = "--trust-request-chat-template"
         pair[0].extra_args = ["--no-enable-prefix-caching", trust]
         # A small D, so that its holds for next turns can fill it (block-pressure test).
-        pair[1].extra_args = ["--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS), trust]
+        # D reports its cache's residency (every block sampled: test_kvrelay_pd's residence
+        # test counts a few evictions).
+        pair[1].extra_args = [
+            "--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS), trust,
+            "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
+        ]  # fmt: skip
         return _fleet(
             pair, reference_launch, side_channels=vllm_servers.side_channels_setting(*pair)
         )

@@ -477,3 +477,79 @@ def test_decode_reclaims_holds_for_a_request_that_does_not_fit(kvrelay_fleet: PD
         10,
         what="D to count the reclaimed holds",
     )
+
+
+IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
+
+
+def _idle_buckets(server: vllm_servers.VLLMServer) -> dict[float, float]:
+    """D's own residency histogram: the cumulative count per bucket bound (+Inf included)."""
+    out: dict[float, float] = {}
+    for series, value in server.metrics().items():
+        if series.startswith(IDLE_BEFORE_EVICT + "_bucket{"):
+            bound = float(series.split('le="', 1)[1].split('"', 1)[0])
+            out[bound] = out.get(bound, 0.0) + value
+    return out
+
+
+def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogram(
+    kvrelay_fleet: PDFleet,
+) -> None:
+    """D serves vLLM's residency histogram (`--kv-cache-metrics`, every block sampled). Prompts
+    sent to D itself, each new from its first block, fill its small pool, so allocations evict
+    cached blocks. The proxy's reading of D then says how long D's cache keeps a block nobody
+    uses (`/admin/backends`' `cache_keeps_s`, what holds are weighed against): a figure within
+    the buckets vLLM itself counted those evictions in."""
+    fleet, admin_key = kvrelay_fleet, "residence-admin-key"
+    d = fleet.decode
+    factory = ProxyFactory()
+
+    def reading() -> dict[str, Any] | None:
+        status, out, _ = proxy.call(
+            "GET", "/admin/backends", headers={"Authorization": f"Bearer {admin_key}"}
+        )
+        assert status == 200, out
+        load: dict[str, Any] | None = out["decode"][0]["load"]
+        return load
+
+    try:
+        proxy = factory(
+            [fleet.prefill.url], [d.url], ready_path="/ready", admin_key=admin_key,
+            connector_secret=vllm_servers.CONNECTOR_SECRET, load_poll_interval_s="0.2",
+        )  # fmt: skip
+        # Its first reading is where the proxy starts counting D's evictions.
+        wait_until(lambda: reading() is not None, 10, what="the proxy's first reading of D")
+        before = _idle_buckets(d)
+        assert before, "D serves no residency histogram"
+        sent = 0
+
+        def evicted() -> float:
+            return _idle_buckets(d)[float("inf")] - before[float("inf")]
+
+        def one_more_prompt() -> bool:
+            nonlocal sent
+            if evicted() >= 16:
+                return True
+            prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
+            status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
+            assert status == 200, out
+            sent += 1
+            return False
+
+        wait_until(one_more_prompt, 120, interval=0.05, what="D to evict 16 sampled blocks")
+        wait_until(
+            lambda: (reading() or {}).get("cache_keeps_s") is not None,
+            10,
+            what="the proxy's figure for D's cache",
+        )
+        keeps = (reading() or {})["cache_keeps_s"]
+        after = _idle_buckets(d)
+        bounds = sorted(after)
+        new = {b: after[b] - before.get(b, 0.0) for b in bounds}
+        per_bucket = {b: new[b] - (new[bounds[i - 1]] if i else 0.0) for i, b in enumerate(bounds)}
+        filled = [i for i, b in enumerate(bounds) if per_bucket[b] > 0]
+        low = bounds[filled[0] - 1] if filled[0] > 0 else 0.0
+        high = bounds[filled[-1]]
+        assert low <= keeps <= high, (keeps, per_bucket, sent)
+    finally:
+        factory.close()

@@ -5,6 +5,7 @@ versions, and `Fleet`, what a worker's turns share.
 """
 
 from kvrelay.proxy.fleet.block_index import EXPECT_S, BlockIndex
+from kvrelay.proxy.fleet.cache_residence import CacheResidence
 from kvrelay.proxy.fleet.discovery import (
     Discovered,
     DnsSource,
@@ -82,6 +83,7 @@ __all__ = [
     "Backend",
     "BlockIndex",
     "Busy",
+    "CacheResidence",
     "Conditional",
     "CountCheck",
     "Discovered",

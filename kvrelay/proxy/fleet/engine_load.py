@@ -18,6 +18,7 @@ import time
 
 from kvrelay.prometheus_text import parse_samples, series_sum
 from kvrelay.proxy.engines import UpstreamError
+from kvrelay.proxy.fleet.cache_residence import CacheResidence
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.pools import Backend, EngineRounds, Pool
 
@@ -35,7 +36,8 @@ def load_from_metrics(
     text: str, at: float, previous: EngineLoad | None = None
 ) -> EngineLoad | None:
     """The load gauges of a `/metrics` page (summed over label sets), or None without them;
-    with the engine's `previous` reading, also its mean inter-token gap since then."""
+    with the engine's `previous` reading, also its mean inter-token gap since then and its
+    recent evictions' idle times (`CacheResidence`)."""
     samples = parse_samples(text)
     names = {key.split("{", 1)[0] for key in samples}
     if RUNNING not in names and WAITING not in names:
@@ -54,6 +56,7 @@ def load_from_metrics(
         itl_sum=itl_sum,
         itl_count=itl_count,
         inter_token_s=_mean_gap(previous, itl_sum, itl_count),
+        residence=CacheResidence.read(samples, previous.residence if previous else None),
     )
 
 

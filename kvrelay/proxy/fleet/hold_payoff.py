@@ -136,23 +136,34 @@ class HoldPayoff:
         if len(pending) > MAX_PENDING:
             pending.popitem(last=False)
 
-    def taken(self, tenant: str, key: Hashable) -> None:
+    def taken(self, tenant: str, key: Hashable) -> float | None:
         """A turn of `tenant` took the entry stored under `key`: no longer pending, also when
         it was already counted unused (a late take). A take of a hold followed here sets the
         tenant's patience to the TTL (its conversations continue). Whether the hold paid is
-        decided once the turn's engines have said whether they read it (`used`)."""
+        decided once the turn's engines have said whether they read it (`used`). Returns the
+        hold's age (None: this worker did not make it, or no longer follows it)."""
         counts = self._counts(tenant)
-        if counts.pending.pop(key, None) is not None or counts.judged.pop(key, None) is not None:
-            counts.seen_take = True
+        made = counts.pending.pop(key, None)
+        if made is None:
+            made = counts.judged.pop(key, None)
+        if made is None:
+            return None
+        counts.seen_take = True
+        return self.clock() - made
 
-    def used(self, tenant: str, read: bool) -> None:
+    def used(self, tenant: str, read: bool, cache_kept: bool = False) -> None:
         """The turn of `tenant` that took a hold (`taken`) is served: decided taken when an
-        engine `read` the held blocks, unused when none did (counted in
-        `kvrelay_hold_decisions_total{decision="read"|"unread"}`). Decided also when another worker
-        made the hold: with several workers each sees a share of the takes and of the holds
-        (the ones it made and another's turn took expire here unused)."""
-        metrics.HOLD_DECISIONS.labels("read" if read else "unread").inc()
-        self._counts(tenant).decide(taken=read)
+        engine `read` the held blocks, unused when none did, and unused too when the take came
+        sooner than the holder's prefix cache keeps an unheld block (`cache_kept`: the hold
+        pinned D's pool for what the cache would have kept anyway). Counted in
+        `kvrelay_hold_decisions_total{decision="read"|"unread"|"cache_kept"}`. Decided also when
+        another worker made the hold: with several workers each sees a share of the takes and of
+        the holds (the ones it made and another's turn took expire here unused)."""
+        paid = read and not cache_kept
+        metrics.HOLD_DECISIONS.labels(
+            "cache_kept" if read and cache_kept else "read" if read else "unread"
+        ).inc()
+        self._counts(tenant).decide(taken=paid)
 
     def missed(self, tenant: str, key: Hashable) -> None:
         """A turn of `tenant` looked up `key` and found no entry: if it was a hold given back

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrelay.proxy.fleet.cache_residence import CacheResidence
+
 
 @dataclass(frozen=True)
 class EngineLoad:
@@ -21,3 +23,6 @@ class EngineLoad:
     itl_sum: float | None = None
     itl_count: float | None = None
     inter_token_s: float | None = None
+    # How long its prefix cache keeps an unused block, from vLLM's residency histogram (None:
+    # the engine serves none, `--kv-cache-metrics` off).
+    residence: CacheResidence | None = None

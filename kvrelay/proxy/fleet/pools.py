@@ -132,8 +132,17 @@ class Backend:
                 if self.load.inter_token_s is None
                 else round(self.load.inter_token_s * 1000, 3),
                 "age_s": round(time.monotonic() - self.load.at, 3),
+                # How long its prefix cache lately keeps a block nobody uses (None: it
+                # serves no residency histogram, or too few evictions to tell).
+                "cache_keeps_s": _rounded(self.load.residence.keeps_s())
+                if self.load.residence is not None
+                else None,
             },
         }
+
+
+def _rounded(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds, 3)
 
 
 # Tenants remembered per engine for disputed 5xx (bounds memory under many API keys).

@@ -952,6 +952,14 @@ class Router:
 
     # -- learning from what the engines reused -------------------------------------------------
 
+    def cache_keeps_s(self, url: str) -> float | None:
+        """How long the D at `url`'s prefix cache keeps an unused block lately, as its own
+        residency histogram says (`CacheResidence`; None: it serves none, or too few
+        evictions to tell). Read whatever its age: a cache's pressure changes slowly."""
+        backend = self.decode.get(url)
+        load = backend.load if backend is not None else None
+        return load.residence.keeps_s() if load is not None and load.residence else None
+
     def held_read(self, url: str, found: bool) -> None:
         """An engine was sent the history the D at `url` held for the turn: it loaded some of
         it (`found`), or its read failed, D no longer holding the blocks (`HeldReads`)."""

@@ -369,7 +369,10 @@ HOLD_DECISIONS = Labelled(
         "kept nothing: the turn alone is over D's hold_max_fraction of its pool), read (a "
         "hold its next turn took and an engine read, as its report says), unread (one its "
         "next turn took but no engine read: the turn went to another D, P's own cache had "
-        "the history, or D's blocks were gone; counted unused).",
+        "the history, or D's blocks were gone; counted unused), cache_kept (read, but taken "
+        "sooner than the holder's prefix cache lately keeps a block nobody uses, by its "
+        "vllm:kv_block_idle_before_evict_seconds: the cache would have kept the history "
+        "unheld; counted unused).",
         ["decision"],
     )
 )

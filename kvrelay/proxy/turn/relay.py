@@ -54,6 +54,7 @@ class Turn:
     entry: KVEntry | None = None  # the conversation's entry, taken from the map and usable
     plan: Plan | None = None  # the routing policy's plan
     hold: bool = False  # D is asked to hold its blocks for a next turn
+    _hold_age: float | None = None  # the taken entry's hold's age (`HoldPayoff.taken`)
     prefill: PrefillAnswer | None = None  # P's answer; None: no P (decode-only, or none answered)
     routing: str | None = None  # the routing decision, as reported (`usage.kvrelay.routing`)
     decode_url: str | None = None  # the D that served
@@ -105,7 +106,7 @@ class Turn:
                 taken = await crew.take.take(ctx, report, self.owed)
             self.entry, self.hold = taken.entry, self.hold and taken.map_available
             if taken.entry is not None:
-                holds.taken(ctx.tenant, ctx.lookup_key)
+                self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
             elif ctx.lookup_key is not None:
                 holds.missed(ctx.tenant, ctx.lookup_key)
             if crew.router.routes_by_prefix:
@@ -153,7 +154,7 @@ class Turn:
                     self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
         if self.entry is not None:
-            holds.used(ctx.tenant, self._hold_read(plan, self.entry))
+            holds.used(ctx.tenant, self._hold_read(plan, self.entry), self._cache_kept(self.entry))
             self._learn_held_read(plan, self.entry)
 
     def _lead_prompt(self, prompt: PromptPrefixes) -> None:
@@ -346,6 +347,13 @@ class Turn:
         if plan.reads_held and not to_holder:
             return True, self.accounts.decode
         return False, None
+
+    def _cache_kept(self, entry: KVEntry) -> bool:
+        """The hold was taken sooner than its holder's prefix cache lately keeps a block nobody
+        uses (`Router.cache_keeps_s`): unheld, the history would most likely have been there
+        all the same. False where either figure is unknown (holds are judged by reads alone)."""
+        keeps = self.crew.router.cache_keeps_s(entry.url)
+        return self._hold_age is not None and keeps is not None and self._hold_age < keeps
 
     def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
         """Whether an engine read the held history this turn took (`HoldPayoff.used`): P, or
