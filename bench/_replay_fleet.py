@@ -91,7 +91,16 @@ GIVEN_BACK = 'kvrelay_hold_decisions_total{decision="released"}'
 HOLDS_TAKEN = {
     "holds_read": 'kvrelay_hold_decisions_total{decision="read"}',
     "holds_unread": 'kvrelay_hold_decisions_total{decision="unread"}',
+    # Read, but sooner than the holder's cache keeps an unused block (D's residency histogram).
+    "holds_cache_kept": 'kvrelay_hold_decisions_total{decision="cache_kept"}',
+    # Turns that asked D to hold, and those that did not (their tenant's holds did not pay).
+    "holds_kept": 'kvrelay_hold_decisions_total{decision="kept"}',
+    "holds_probe": 'kvrelay_hold_decisions_total{decision="probe"}',
+    "holds_declined": 'kvrelay_hold_decisions_total{decision="declined"}',
 }
+# D's residency histogram (vLLM's name), summed over the Ds: how long their caches kept an
+# unused block, for the record beside the holds.
+IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 # Reads of a held history by another engine (P, or a spilled turn's D), as the readers
 # reported them: found, or gone (the holder had ended the hold; `HeldReads`).
 HELD_READS = {
@@ -508,6 +517,12 @@ class EngineSampler:
                     for key, value in (await self.scrape(http, e.url)).items():
                         if key.startswith(prefix):
                             name = f"{role}_{key.removeprefix(prefix)}"
+                            out[name] = out.get(name, 0.0) + value
+                        elif role == "d" and key.startswith(IDLE_BEFORE_EVICT + "_"):
+                            # d_idle_<le> per bucket bound (cumulative), _count and _sum
+                            tail = key.removeprefix(IDLE_BEFORE_EVICT + "_")
+                            le = tail.split('le="', 1)[1].split('"', 1)[0] if "le=" in tail else ""
+                            name = f"d_idle_{le}" if le else f"d_idle_{tail.split('{', 1)[0]}"
                             out[name] = out.get(name, 0.0) + value
             if self.fleet.system.front == "kvrelay":
                 # Holds kvrelay gave back unused (its tenant's holds did not pay): D counts

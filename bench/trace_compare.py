@@ -765,6 +765,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
                 if "holds_read" in frees
                 else "-"
             )
+            if "holds_cache_kept" in frees:  # runs before D's residency was weighed have none
+                holds += f" / {frees['holds_cache_kept']:.0f} cache-kept"
             if "held_gone" in frees:  # runs before the readers' outcomes were counted have none
                 holds += f" ({frees['held_found']:.0f} / {frees['held_gone']:.0f})"
             lines.append(
@@ -788,7 +790,8 @@ def _routing_table(rows: dict[str, dict[float, dict[str, Any]]], runs: dict[str,
         'the turn from it) / read none of (`kvrelay_hold_decisions_total{decision="read"|'
         '"unread"}`); in brackets, the reads of a held history by another engine (P, or a '
         "spilled turn's D) that found the blocks / found the hold gone "
-        "(`kvrelay_held_reads_total`).",
+        "(`kvrelay_held_reads_total`); cache-kept: read, but sooner than the holder's cache "
+        "keeps an unused block, by its residency histogram (counted unused).",
         "",
         "| configuration | req/s | first turns: through P / spilled | later turns: through P / "
         "decode-only / spilled | prefix pulls (tokens) | holds taken: read / unread |",
