@@ -10,6 +10,10 @@ readings began, decayed by `HALF_LIFE` evictions (a cache's pressure changes wit
 and takes their median (`keeps_s`), interpolated within its bucket as Prometheus'
 `histogram_quantile` does. An engine that evicted nothing lately has no figure (None): its
 cache keeps everything it has, or it was never asked to say.
+
+A hold's age (`HoldPayoff.taken`) counts from the end of its turn, a block's idle time from its
+allocation or last hit, which for a history is its turn's start: a take judged against the
+median is late by up to a turn's length, seconds, where conversations' think times are minutes.
 """
 
 from __future__ import annotations
