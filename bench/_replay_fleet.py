@@ -70,7 +70,7 @@ import aiohttp
 from bench import _common as c
 from kvrelay.devtools import ServerProcess, free_port, http_ready, kv_events_args
 from kvrelay.enginesim.costs import DEFAULT_TRANSFER_LAYOUT
-from kvrelay.prometheus_text import parse_samples
+from kvrelay.prometheus_text import bucket_counts, parse_samples, series_sum
 
 # enginesim's KV tensors: one layer, one KV head of 8 values. The cost profile models the
 # real model's time and block count; these only size the bytes NIXL really moves, and keep
@@ -514,16 +514,20 @@ class EngineSampler:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
             for role, engines in (("p", self.fleet.prefill), ("d", self.fleet.holders)):
                 for e in engines:
-                    for key, value in (await self.scrape(http, e.url)).items():
+                    page = await self.scrape(http, e.url)
+                    for key, value in page.items():
                         if key.startswith(prefix):
                             name = f"{role}_{key.removeprefix(prefix)}"
                             out[name] = out.get(name, 0.0) + value
-                        elif role == "d" and key.startswith(IDLE_BEFORE_EVICT + "_"):
-                            # d_idle_<le> per bucket bound (cumulative), _count and _sum
-                            tail = key.removeprefix(IDLE_BEFORE_EVICT + "_")
-                            le = tail.split('le="', 1)[1].split('"', 1)[0] if "le=" in tail else ""
-                            name = f"d_idle_{le}" if le else f"d_idle_{tail.split('{', 1)[0]}"
-                            out[name] = out.get(name, 0.0) + value
+                    if role == "d" and (idle := bucket_counts(page, IDLE_BEFORE_EVICT)):
+                        # d_idle_<le> per bucket bound (cumulative, le as the page writes it),
+                        # d_idle_count and d_idle_sum
+                        for bound, count in idle.items():
+                            le = "+Inf" if bound == math.inf else repr(bound)
+                            out[f"d_idle_{le}"] = out.get(f"d_idle_{le}", 0.0) + count
+                        for part in ("count", "sum"):
+                            total = series_sum(page, f"{IDLE_BEFORE_EVICT}_{part}")
+                            out[f"d_idle_{part}"] = out.get(f"d_idle_{part}", 0.0) + total
             if self.fleet.system.front == "kvrelay":
                 # Holds kvrelay gave back unused (its tenant's holds did not pay): D counts
                 # them as released, like the ones a next turn used.

@@ -1,10 +1,11 @@
 """Reading a Prometheus text page (`/metrics`): the one parser kvrelay has.
 
 The proxy reads engines' load gauges with it (`kvrelay.proxy.fleet`); the demo, tests and
-benchmarks read pages through `kvrelay.devtools.prometheus`, which adds fetching. Two views:
+benchmarks read pages through `kvrelay.devtools.prometheus`, which adds fetching. Three views:
 `parse_samples` keeps every series apart under its full `name{labels}` key; `totals` folds the
-series of each metric together (a counter summed over its labels). Comment lines and
-unparsable values are skipped; an optional timestamp after the value is ignored.
+series of each metric together (a counter summed over its labels); `bucket_counts` reads one
+histogram's buckets by bound. Comment lines and unparsable values are skipped; an optional
+timestamp after the value is ignored.
 """
 
 from __future__ import annotations
@@ -48,3 +49,21 @@ def totals(samples: dict[str, float]) -> dict[str, float]:
 def series_sum(samples: dict[str, float], name: str) -> float:
     """Sum of every series of metric `name` (0 when it has none)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def bucket_counts(samples: dict[str, float], name: str) -> dict[float, float]:
+    """Histogram `name`'s cumulative count per bucket bound (`le`, +Inf as `math.inf`), summed
+    over its other labels (an engine's cores); empty when the page has no such histogram."""
+    out: dict[float, float] = {}
+    prefix = name + "_bucket{"
+    for series, value in samples.items():
+        if not series.startswith(prefix):
+            continue
+        start = series.find('le="')
+        if start < 0:
+            continue
+        start += 4
+        with contextlib.suppress(ValueError):  # float() reads "+Inf" as inf
+            bound = float(series[start : series.find('"', start)])
+            out[bound] = out.get(bound, 0.0) + value
+    return out

@@ -18,8 +18,9 @@ median is late by up to a turn's length, seconds, where conversations' think tim
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
+
+from kvrelay.prometheus_text import bucket_counts
 
 IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 HALF_LIFE = 64.0  # sampled evictions after which an older one weighs half
@@ -36,30 +37,21 @@ class CacheResidence:
 
     @classmethod
     def read(
-        cls, samples: Mapping[str, float], previous: CacheResidence | None
+        cls, samples: dict[str, float], previous: CacheResidence | None
     ) -> CacheResidence | None:
         """The page's histogram (None: the engine serves none), its evictions since
         `previous` added to the decayed ones (a count that went back is a restarted engine:
         its figures start over)."""
-        by_bound: dict[float, float] = {}
-        prefix = IDLE_BEFORE_EVICT + "_bucket{"
-        for series, value in samples.items():
-            if series.startswith(prefix):
-                bound = _le(series)
-                if bound is not None:
-                    by_bound[bound] = by_bound.get(bound, 0.0) + value
+        by_bound = bucket_counts(samples, IDLE_BEFORE_EVICT)
         if not by_bound:
             return None
         bounds = tuple(sorted(by_bound))
         cumulative = tuple(by_bound[b] for b in bounds)
-        per_bucket = [c - b for c, b in zip(cumulative, (0.0, *cumulative[:-1]), strict=True)]
         if previous is None or previous.bounds != bounds:
             return cls(bounds, cumulative, tuple(0.0 for _ in bounds))
-        before = [
-            c - b
-            for c, b in zip(previous.cumulative, (0.0, *previous.cumulative[:-1]), strict=True)
-        ]
-        new = [now - then for now, then in zip(per_bucket, before, strict=True)]
+        since = [now - then for now, then in zip(cumulative, previous.cumulative, strict=True)]
+        # Per bucket: the cumulative counts' growth less the growth of the bucket below.
+        new = [c - b for c, b in zip(since, (0.0, *since[:-1]), strict=True)]
         if any(n < 0 for n in new):  # a restart: its counters began again
             return cls(bounds, cumulative, tuple(0.0 for _ in bounds))
         keep = 0.5 ** (sum(new) / HALF_LIFE)
@@ -80,16 +72,3 @@ class CacheResidence:
             running += count
             lower = bound if bound != float("inf") else lower
         return lower
-
-
-def _le(series: str) -> float | None:
-    """The `le` label's bound of a bucket series (None: it has none, or not a number)."""
-    start = series.find('le="')
-    if start < 0:
-        return None
-    start += 4
-    end = series.find('"', start)
-    try:
-        return float(series[start:end])  # "+Inf" reads as inf
-    except ValueError:
-        return None
