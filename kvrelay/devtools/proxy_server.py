@@ -160,27 +160,27 @@ class ProxyServer(ManagedServer):
     def metrics(self) -> dict[str, float]:
         return parse_samples(self.metrics_text())
 
-    def events_cached(self, body: dict[str, Any], role: str = "prefill") -> dict[str, int]:
-        """Per engine URL of the `role` pool, the tokens of `body`'s prompt that its own KV
-        events say it caches (`POST /admin/prefix-cache`, with the admin key the proxy was
-        given)."""
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        """An admin API call with the admin key the proxy was given; its answer (any status
+        but 200 raises)."""
         key = self.settings.get("admin_key", "")
         status, answer, _ = self.call(
-            "POST", "/admin/prefix-cache", body, headers={"Authorization": f"Bearer {key}"}
+            method, path, body, headers={"Authorization": f"Bearer {key}"}
         )
         if status != 200:
-            raise RuntimeError(f"/admin/prefix-cache answered {status}: {answer}")
+            raise RuntimeError(f"{path} answered {status}: {answer}")
+        return answer
+
+    def events_cached(self, body: dict[str, Any], role: str = "prefill") -> dict[str, int]:
+        """Per engine URL of the `role` pool, the tokens of `body`'s prompt that its own KV
+        events say it caches (`POST /admin/prefix-cache`)."""
+        answer = self.admin("POST", "/admin/prefix-cache", body)
         return {e["url"]: int(e["events_tokens"]) for e in answer[role]}
 
     def events_blocks(self, role: str = "prefill") -> dict[str, int]:
         """Per engine URL of the `role` pool, the blocks its KV events put in the proxy's index
-        (`GET /admin/backends`' `kv_events_blocks`, with the admin key the proxy was given)."""
-        key = self.settings.get("admin_key", "")
-        status, answer, _ = self.call(
-            "GET", "/admin/backends", headers={"Authorization": f"Bearer {key}"}
-        )
-        if status != 200:
-            raise RuntimeError(f"/admin/backends answered {status}: {answer}")
+        (`GET /admin/backends`' `kv_events_blocks`)."""
+        answer = self.admin("GET", "/admin/backends")
         return {b["url"]: int(b.get("kv_events_blocks") or 0) for b in answer[role]}
 
     def metrics_text(self) -> str:

@@ -15,6 +15,7 @@ from kvrelay.enginesim.reference import reference_completion
 from kvrelay.enginesim.request import Output, SamplingParams, SimRequest
 from kvrelay.enginesim.residency import BlockResidency
 from kvrelay.enginesim.tokenizer import get_tokenizer
+from tests.enginesim.fakes import ModelledClock
 
 HISTORY = "The cache keeps whole blocks of the prompt so that the next turn can skip them. " * 4
 
@@ -118,22 +119,14 @@ def test_requests_share_cached_blocks_only_under_the_same_cache_salt() -> None:
     assert core.counters["prompt_tokens_cached"] > 0
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_residency_metrics_observe_a_blocks_idle_time_since_its_last_hit_when_it_is_evicted() -> (
     None
 ):
     # vLLM's `--kv-cache-metrics` at sample 1.0: a block's idle time runs from its allocation
     # or its last prefix-cache hit to the allocation that takes it again.
-    clock = _Clock()
+    clock = ModelledClock()
     pool = BlockPool(2, 4, ModelGeometry(), prefix_caching=True)
-    pool.residency = BlockResidency(1.0, clock)
+    pool.residency = BlockResidency(1.0, clock.clock)
     a = pool.allocate(2)
     assert a is not None
     pool.cache(a[0], "k0")
@@ -154,7 +147,7 @@ def test_residency_metrics_observe_a_blocks_idle_time_since_its_last_hit_when_it
 
 def test_residency_metrics_follow_only_the_sampled_share_of_blocks() -> None:
     pool = BlockPool(64, 4, ModelGeometry(), prefix_caching=True)
-    pool.residency = BlockResidency(0.25, _Clock(), random.Random(1))
+    pool.residency = BlockResidency(0.25, ModelledClock().clock, random.Random(1))
     for _ in range(40):  # every allocation takes the whole pool again: 64 evictions a round
         blocks = pool.allocate(64)
         assert blocks is not None

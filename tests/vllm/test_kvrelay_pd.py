@@ -15,6 +15,7 @@ import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools import ProxyFactory, ProxyServer, sse, vllm_servers
+from kvrelay.prometheus_text import bucket_counts
 from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
@@ -484,12 +485,7 @@ IDLE_BEFORE_EVICT = "vllm:kv_block_idle_before_evict_seconds"
 
 def _idle_buckets(server: vllm_servers.VLLMServer) -> dict[float, float]:
     """D's own residency histogram: the cumulative count per bucket bound (+Inf included)."""
-    out: dict[float, float] = {}
-    for series, value in server.metrics().items():
-        if series.startswith(IDLE_BEFORE_EVICT + "_bucket{"):
-            bound = float(series.split('le="', 1)[1].split('"', 1)[0])
-            out[bound] = out.get(bound, 0.0) + value
-    return out
+    return bucket_counts(server.metrics(), IDLE_BEFORE_EVICT)
 
 
 def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogram(
@@ -505,11 +501,7 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
     factory = ProxyFactory()
 
     def reading() -> dict[str, Any] | None:
-        status, out, _ = proxy.call(
-            "GET", "/admin/backends", headers={"Authorization": f"Bearer {admin_key}"}
-        )
-        assert status == 200, out
-        load: dict[str, Any] | None = out["decode"][0]["load"]
+        load: dict[str, Any] | None = proxy.admin("GET", "/admin/backends")["decode"][0]["load"]
         return load
 
     try:
