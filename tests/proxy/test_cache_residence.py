@@ -115,3 +115,33 @@ def test_holds_taken_sooner_than_the_cache_keeps_a_block_stop_holding_but_for_pr
         assert age is not None
         paying.used("t", read=True, cache_kept=age < 1.0)
     assert paying.taken("t", ("t", "never made")) is None
+
+
+def test_a_conversation_that_came_back_sooner_than_the_cache_keeps_does_not_hold() -> None:
+    """The per-conversation rule: a turn whose conversation came back sooner than its D's
+    cache keeps an unused block asks for no hold (`cache_keeps`), from the first such turn, with
+    no tenant-wide evidence. The turn that ended unheld leaves its gap and its D for the next
+    turn (`unheld`, read back once by `missed`); past the TTL it is forgotten."""
+    now = [0.0]
+    holds = HoldPayoff(min_use=0.05, patience_s=60, ttl_s=600, clock=lambda: now[0])
+    labels = {"decision": "cache_keeps"}
+    before = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
+    assert holds.worth_holding("t")  # a first turn: nothing known, it holds
+    assert not holds.worth_holding("t", sooner_than_cache=True)
+    after = REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
+    assert after == before + 1
+    # Every turn holds where hold_min_use is 0: the rule does not apply, nothing is followed.
+    always = HoldPayoff(min_use=0, patience_s=60, ttl_s=600, clock=lambda: now[0])
+    assert always.worth_holding("t", sooner_than_cache=True)
+    always.unheld("t", ("t", "c"), "http://d1")
+    assert always.missed("t", ("t", "c")) is None
+    # The gap of a conversation whose last turn ended unheld, and the D that served it.
+    holds.unheld("t", ("t", "c"), "http://d1")
+    now[0] += 7.5
+    assert holds.missed("t", ("t", "c")) == (7.5, "http://d1")
+    assert holds.missed("t", ("t", "c")) is None  # read back once
+    assert holds.missed("other", ("t", "c")) is None  # another tenant's conversation
+    holds.unheld("t", ("t", "late"), "http://d2")
+    now[0] += 601
+    holds.worth_holding("t")  # the tenant's bookkeeping runs; the TTL has passed
+    assert holds.missed("t", ("t", "late")) is None

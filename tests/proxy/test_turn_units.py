@@ -744,6 +744,50 @@ async def test_a_hold_read_sooner_than_its_holders_cache_keeps_a_block_counts_un
         await _stored(rig)  # the next round starts a new conversation
 
 
+async def test_a_conversation_back_sooner_than_its_ds_cache_keeps_a_block_stops_holding(
+    rig: Rig,
+) -> None:
+    """Both Ds' caches keep an unused block about 30 s lately. The first turn holds (nothing is
+    known of the conversation); the second comes back within a second, so it asks D for no hold
+    and stores no entry (`decision="cache_keeps"`); the third finds no entry, but its
+    conversation's last turn ended unheld a moment ago on a D whose cache keeps the history:
+    no hold again. Once the Ds' figure is unknown (no histogram), the next turn holds."""
+
+    def count(decision: str) -> float:
+        labels = {"decision": decision}
+        return REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
+
+    def keeps(residence: CacheResidence | None) -> None:
+        for url in (D1, D2):
+            backend = rig.fleet.router.decode.get(url)
+            assert backend is not None
+            backend.load = EngineLoad(
+                running=0.0, waiting=0.0, kv_usage=0.1, at=time.monotonic(), residence=residence
+            )
+
+    keeps(CacheResidence((1.0, 60.0, float("inf")), (0.0, 20.0, 20.0), (0.0, 20.0, 0.0)))
+    assert rig.fleet.router.cache_keeps_s(D1) == 30.5
+    prompt, held = "Hello there", []
+    for i in range(4):
+        if i == 3:
+            keeps(None)
+        before = count("cache_keeps")
+        answers = [decode_ok(f"r{i}")]
+        engines = FakeEngines({P1: [prefill_ok(f"r{i}")], P2: [prefill_ok(f"r{i}")],
+                               D1: answers, D2: list(answers)})  # fmt: skip
+        turn = rig.turn(prompt, f"r{i}", engines, FakeClient())
+        await turn.run()
+        decode_bodies = engines.bodies(D1) + engines.bodies(D2)
+        held.append(decode_bodies[0]["kv_transfer_params"].get("hold_blocks") is True)
+        assert count("cache_keeps") == before + (1 if i in (1, 2) else 0)
+        stored = await _stored(rig)
+        assert (stored is not None) == held[-1]
+        if stored is not None:
+            await rig.kvmap.put(ConversationKey(TENANT, "conv-1"), stored, 600)  # put back
+        prompt += f" answer. And then {i}?"
+    assert held == [True, False, False, True]
+
+
 async def test_a_retry_that_lands_on_the_holder_is_not_sent_its_own_blocks() -> None:
     """A turn spills past its busy holder D1 to D2, which is to read the held history from D1.
     D2 refuses, and the retry's only D is the holder itself: it is sent no params naming its

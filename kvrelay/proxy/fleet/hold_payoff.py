@@ -31,6 +31,14 @@ history and computes it; that next turn counts as a take all the same (`missed`)
 judged too early on a patience shorter than its think times waits the TTL from then on and
 holds again.
 
+A conversation also decides for itself, turn by turn: where its last turn came back sooner than
+the D that served it keeps a block nobody uses (`Router.cache_keeps_s`, read from D's own
+histogram), its next turn most likely finds the history in that D's prefix cache unheld, so
+this turn does not hold (`worth_holding(sooner_than_cache=True)`, counted `cache_keeps`). The
+gap is the age of the hold its turn took (`taken`) or, where its last turn held nothing, the
+time since that turn ended (`unheld`, read back by `missed`): a conversation whose turns slow
+down past the cache's memory holds again at once, with no tenant-wide evidence to wait for.
+
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
 until it has shown otherwise), each following at most `MAX_PENDING` holds (the oldest dropped
@@ -64,6 +72,9 @@ class _Counts:
     # Holds given back (`unpaid`), until the TTL: key -> when made. A next turn that looks one
     # up finds no entry, but its conversation did continue: that counts as a take.
     given_back: OrderedDict[Hashable, float] = field(default_factory=OrderedDict)
+    # Turns that ended without a hold: key -> (when, the D that served it), until the TTL: the
+    # conversation's next turn reads its gap back (`missed`).
+    unheld: OrderedDict[Hashable, tuple[float, str]] = field(default_factory=OrderedDict)
     seen_take: bool = False  # one of the holds followed here was taken (late ones too)
     since_probe: int = 0  # turns declined since the last probe hold
     # Before this (the clock's time) no hold followed here is due to be decided or forgotten:
@@ -90,14 +101,19 @@ class HoldPayoff:
     clock: Callable[[], float] = time.monotonic
     _tenants: OrderedDict[str, _Counts] = field(default_factory=OrderedDict)
 
-    def worth_holding(self, tenant: str) -> bool:
-        """Should this turn of `tenant` ask D to hold its blocks?"""
+    def worth_holding(self, tenant: str, sooner_than_cache: bool = False) -> bool:
+        """Should this turn of `tenant` ask D to hold its blocks? `sooner_than_cache`: the
+        conversation's last turn came back sooner than its D's cache keeps an unused block
+        (see the module's docstring): declined, unless every turn holds (`min_use` 0)."""
         min_use = self.min_use
         if min_use <= 0:
             return True
         counts = self._tenants.get(tenant)
         if counts is not None:
             self._expire(counts)
+        if sooner_than_cache:
+            metrics.HOLD_DECISIONS.labels("cache_keeps").inc()
+            return False
         if counts is None or not self._declining(counts):  # unjudged, or holds that pay
             metrics.HOLD_DECISIONS.labels("kept").inc()
             return True
@@ -165,14 +181,32 @@ class HoldPayoff:
         ).inc()
         self._counts(tenant).decide(taken=paid)
 
-    def missed(self, tenant: str, key: Hashable) -> None:
+    def unheld(self, tenant: str, key: Hashable, url: str) -> None:
+        """A turn of `tenant` that could have held under `key` ended without a hold, served by
+        the D at `url`: its conversation's next turn learns its gap from it (`missed`)."""
+        if self.min_use <= 0:
+            return  # every turn holds: no gap is ever asked for
+        counts = self._counts(tenant)
+        unheld, now = counts.unheld, self.clock()
+        unheld.pop(key, None)
+        unheld[key] = (now, url)
+        counts.next_due = min(counts.next_due, now + self.ttl_s)  # forgotten at the TTL
+        if len(unheld) > MAX_PENDING:
+            unheld.popitem(last=False)
+
+    def missed(self, tenant: str, key: Hashable) -> tuple[float, str] | None:
         """A turn of `tenant` looked up `key` and found no entry: if it was a hold given back
         (`unpaid`), its conversation continued all the same, so it counts as taken (late), as
-        `taken` counts it; otherwise nothing is known of it."""
+        `taken` counts it. Returns, where the conversation's last turn ended unheld
+        (`unheld`), the time since and the D that served it; else None."""
         counts = self._tenants.get(tenant)
-        if counts is not None and counts.given_back.pop(key, None) is not None:
+        if counts is None:
+            return None
+        if counts.given_back.pop(key, None) is not None:
             counts.seen_take = True
             counts.decide(taken=True)
+        last = counts.unheld.pop(key, None)
+        return None if last is None else (self.clock() - last[0], last[1])
 
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept
@@ -200,6 +234,13 @@ class HoldPayoff:
                     due = min(due, made + self.ttl_s)
                     break
                 del kept[key]
+        unheld = counts.unheld
+        while unheld:
+            key, (ended, _) = next(iter(unheld.items()))
+            if now - ended < self.ttl_s:
+                due = min(due, ended + self.ttl_s)
+                break
+            del unheld[key]
         counts.next_due = due
 
     def _counts(self, tenant: str) -> _Counts:

@@ -362,7 +362,9 @@ HOLD_DECISIONS = Labelled(
     Counter(
         "kvrelay_hold_decisions_total",
         "Whether a turn that could continue asked D to hold (hold_min_use): kept (the "
-        "tenant's holds are read often enough), declined (they are not), probe (declined "
+        "tenant's holds are read often enough), declined (they are not), cache_keeps (not "
+        "asked: the conversation's last turn came back sooner than the D that served it "
+        "keeps a block nobody uses, so its cache most likely keeps the history), probe (declined "
         "share, held to see whether that changed), released (a hold counted unused, given "
         "back before its lease ended because the tenant's holds do not pay, counted when D "
         "freed its blocks; one D had already ended is D's to count), over_budget (asked, and D "

@@ -98,17 +98,27 @@ class Turn:
     async def _run(self) -> None:
         crew, ctx, report = self.crew, self.ctx, self.report
         holds = crew.router.holds
-        self.hold = ctx.store_key is not None and holds.worth_holding(ctx.tenant)
-        crew.give_back(holds.unpaid(ctx.tenant))
         plan: Plan | None = None
         try:
             with report.take_scope():
                 taken = await crew.take.take(ctx, report, self.owed)
-            self.entry, self.hold = taken.entry, self.hold and taken.map_available
+            self.entry = taken.entry
+            # Whether the conversation's last turn came back sooner than its D's cache keeps
+            # an unused block (`HoldPayoff`: then this turn does not hold either).
+            sooner = False
             if taken.entry is not None:
                 self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
+                sooner = self._cache_kept(taken.entry)
             elif ctx.lookup_key is not None:
-                holds.missed(ctx.tenant, ctx.lookup_key)
+                last = holds.missed(ctx.tenant, ctx.lookup_key)
+                if last is not None:
+                    sooner = self._sooner_than_cache(*last)
+            self.hold = (
+                ctx.store_key is not None
+                and taken.map_available
+                and holds.worth_holding(ctx.tenant, sooner)
+            )
+            crew.give_back(holds.unpaid(ctx.tenant))
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
                 if self._prompt is not None and crew.router.in_flight.on:
@@ -153,6 +163,8 @@ class Turn:
                 if not plan.reads_held:
                     self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
+        if not self.hold and ctx.store_key is not None and self.decode_url is not None:
+            holds.unheld(ctx.tenant, ctx.store_key, self.decode_url)  # its next turn's gap
         if self.entry is not None:
             holds.used(ctx.tenant, self._hold_read(plan, self.entry), self._cache_kept(self.entry))
             self._learn_held_read(plan, self.entry)
@@ -352,8 +364,13 @@ class Turn:
         """The hold was taken sooner than its holder's prefix cache lately keeps a block nobody
         uses (`Router.cache_keeps_s`): unheld, the history would most likely have been there
         all the same. False where either figure is unknown (holds are judged by reads alone)."""
-        keeps = self.crew.router.cache_keeps_s(entry.url)
-        return self._hold_age is not None and keeps is not None and self._hold_age < keeps
+        return self._hold_age is not None and self._sooner_than_cache(self._hold_age, entry.url)
+
+    def _sooner_than_cache(self, gap_s: float, url: str) -> bool:
+        """`gap_s` is shorter than the D at `url` lately keeps a block nobody uses; False where
+        that D's figure is unknown (vLLM without `--kv-cache-metrics`)."""
+        keeps = self.crew.router.cache_keeps_s(url)
+        return keeps is not None and gap_s < keeps
 
     def _hold_read(self, plan: Plan, entry: KVEntry) -> bool:
         """Whether an engine read the held history this turn took (`HoldPayoff.used`): P, or
