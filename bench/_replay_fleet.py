@@ -97,6 +97,8 @@ HOLDS_TAKEN = {
     "holds_kept": 'kvrelay_hold_decisions_total{decision="kept"}',
     "holds_probe": 'kvrelay_hold_decisions_total{decision="probe"}',
     "holds_declined": 'kvrelay_hold_decisions_total{decision="declined"}',
+    # Turns that did not ask: their conversation came back sooner than its D's cache keeps.
+    "holds_cache_keeps": 'kvrelay_hold_decisions_total{decision="cache_keeps"}',
 }
 # D's residency histogram (vLLM's name), summed over the Ds: how long their caches kept an
 # unused block, for the record beside the holds.
