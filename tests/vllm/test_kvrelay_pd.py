@@ -545,3 +545,62 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
         assert low <= keeps <= high, (keeps, per_bucket, sent)
     finally:
         factory.close()
+
+
+def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_holds_nothing_on_d(
+    kvrelay_fleet: PDFleet,
+) -> None:
+    """Prompts sent to D itself fill its pool until the proxy reads from vLLM's residency
+    histogram that D's cache keeps an unused block a second or more. A conversation's first
+    turn is held on D (vLLM's held-blocks gauge rises); its second comes back at once, far
+    sooner than that, so the proxy asks D for no hold (`decision="cache_keeps"`): once the second
+    turn has read the first's hold, D holds nothing for the conversation (vLLM's gauge back where
+    it was) and the proxy stores no entry."""
+    fleet, admin_key = kvrelay_fleet, "pace-admin-key"
+    p, d = fleet.prefill, fleet.decode
+    factory = ProxyFactory()
+
+    def keeps() -> float | None:
+        load = proxy.admin("GET", "/admin/backends")["decode"][0]["load"] or {}
+        figure: float | None = load.get("cache_keeps_s")
+        return figure
+
+    def keeps_a_second() -> bool:
+        figure = keeps()
+        if figure is not None and figure >= 1.0:
+            return True
+        prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
+        status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
+        assert status == 200, out
+        return False
+
+    try:
+        proxy = factory(
+            [p.url], [d.url], ready_path="/ready", admin_key=admin_key,
+            connector_secret=vllm_servers.CONNECTOR_SECRET, load_poll_interval_s="0.2",
+        )  # fmt: skip
+        wait_until(keeps_a_second, 180, interval=0.05, what="D's cache to keep an unused block 1 s")
+        headers = {"X-Conversation-Id": f"pace-{uuid.uuid4().hex[:8]}"}
+        answers = _AnswersAsPlainVllm(proxy, fleet, headers)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello."}]
+        held_before = _held_blocks(d)
+        out = answers.ask(chat_body(list(messages)))
+        wait_until(lambda: _held_blocks(d) > held_before, 10, what="D to hold turn 1")
+        messages += [
+            {"role": "assistant", "content": text_of(out)},
+            {"role": "user", "content": "And then?"},
+        ]
+        answers.ask(chat_body(list(messages)))
+        m = proxy.metrics()
+        assert m.get('kvrelay_hold_decisions_total{decision="kept"}', 0) == 1
+        assert m.get('kvrelay_hold_decisions_total{decision="cache_keeps"}', 0) == 1
+        wait_until(
+            lambda: _held_blocks(d) <= held_before,
+            15,
+            what="D to hold nothing once turn 2 read turn 1's hold",
+        )
+        conversation = headers["X-Conversation-Id"]
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 404
+        answers.check()
+    finally:
+        factory.close()
