@@ -744,48 +744,63 @@ async def test_a_hold_read_sooner_than_its_holders_cache_keeps_a_block_counts_un
         await _stored(rig)  # the next round starts a new conversation
 
 
+@pytest.mark.parametrize("events", [True, False])
 async def test_a_conversation_back_sooner_than_its_ds_cache_keeps_a_block_stops_holding(
-    rig: Rig,
+    events: bool,
 ) -> None:
-    """Both Ds' caches keep an unused block about 30 s lately. The first turn holds (nothing is
+    """D's cache keeps an unused block about 30 s lately, and the proxy follows D's cache by the
+    engines' KV events (`conditional`, `decode_only_cached`). The first turn holds (nothing is
     known of the conversation); the second comes back within a second, so it asks D for no hold
     and stores no entry (`decision="cache_keeps"`); the third finds no entry, but its
-    conversation's last turn ended unheld a moment ago on a D whose cache keeps the history:
-    no hold again. Once the Ds' figure is unknown (no histogram), the next turn holds."""
+    conversation's last turn ended unheld a moment ago on a D whose cache keeps the history: no
+    hold again. Once D's figure is unknown (no histogram), the next turn holds. Without the
+    events an unheld history could not be found in D's cache: every turn holds."""
+    events_port = {"kv_events_port": 5557} if events else {}
+    config = Settings(
+        _env_file=None, prefill=[P1], decode=[D1], retries=1, routing_policy="conditional",
+        **events_port,
+    )  # fmt: skip
+    prefill = Pool("prefill", eject_after=3, readmit_after=1)
+    decode = Pool("decode", eject_after=3, readmit_after=1)
+    prefill.add(P1)
+    holder = decode.add(D1)
+    releaser, kvmap = FakeReleaser(), MemoryMap()
+    # The fleet's engine client answers only `/tokenize` (the events' token lookup).
+    fleet = Fleet(config, prefill, decode, kvmap, FakeTokenizer(connect_timeout=1.0), releaser)
+    rig = Rig(fleet, releaser, kvmap)
+    assert fleet.router.finds_unheld_history is events
 
     def count(decision: str) -> float:
         labels = {"decision": decision}
         return REGISTRY.get_sample_value("kvrelay_hold_decisions_total", labels) or 0.0
 
     def keeps(residence: CacheResidence | None) -> None:
-        for url in (D1, D2):
-            backend = rig.fleet.router.decode.get(url)
-            assert backend is not None
-            backend.load = EngineLoad(
-                running=0.0, waiting=0.0, kv_usage=0.1, at=time.monotonic(), residence=residence
-            )
+        holder.load = EngineLoad(
+            running=0.0, waiting=0.0, kv_usage=0.1, at=time.monotonic(), residence=residence
+        )
 
-    keeps(CacheResidence((1.0, 60.0, float("inf")), (0.0, 20.0, 20.0), (0.0, 20.0, 0.0)))
-    assert rig.fleet.router.cache_keeps_s(D1) == 30.5
-    prompt, held = "Hello there", []
-    for i in range(4):
-        if i == 3:
-            keeps(None)
-        before = count("cache_keeps")
-        answers = [decode_ok(f"r{i}")]
-        engines = FakeEngines({P1: [prefill_ok(f"r{i}")], P2: [prefill_ok(f"r{i}")],
-                               D1: answers, D2: list(answers)})  # fmt: skip
-        turn = rig.turn(prompt, f"r{i}", engines, FakeClient())
-        await turn.run()
-        decode_bodies = engines.bodies(D1) + engines.bodies(D2)
-        held.append(decode_bodies[0]["kv_transfer_params"].get("hold_blocks") is True)
-        assert count("cache_keeps") == before + (1 if i in (1, 2) else 0)
-        stored = await _stored(rig)
-        assert (stored is not None) == held[-1]
-        if stored is not None:
-            await rig.kvmap.put(ConversationKey(TENANT, "conv-1"), stored, 600)  # put back
-        prompt += f" answer. And then {i}?"
-    assert held == [True, False, False, True]
+    try:
+        keeps(CacheResidence((1.0, 60.0, float("inf")), (0.0, 20.0, 20.0), (0.0, 20.0, 0.0)))
+        assert fleet.router.cache_keeps_s(D1) == 30.5
+        prompt, held = "Hello there", []
+        for i in range(4):
+            if i == 3:
+                keeps(None)
+            before = count("cache_keeps")
+            engines = FakeEngines({P1: [prefill_ok(f"r{i}")], D1: [decode_ok(f"r{i}")]})
+            await rig.turn(prompt, f"r{i}", engines, FakeClient()).run()
+            sent = engines.bodies(D1)[0].get("kv_transfer_params") or {}
+            held.append(sent.get("hold_blocks") is True)
+            assert count("cache_keeps") == before + (1 if events and i in (1, 2) else 0)
+            stored = await _stored(rig)
+            assert (stored is not None) == held[-1]
+            if stored is not None:
+                await kvmap.put(ConversationKey(TENANT, "conv-1"), stored, 600)  # put back
+            prompt += f" answer. And then {i}?"
+        assert held == ([True, False, False, True] if events else [True] * 4)
+    finally:
+        await releaser.drain()
+        await kvmap.close()
 
 
 async def test_a_retry_that_lands_on_the_holder_is_not_sent_its_own_blocks() -> None:

@@ -38,6 +38,8 @@ this turn does not hold (`worth_holding(sooner_than_cache=True)`, counted `cache
 gap is the age of the hold its turn took (`taken`) or, where its last turn held nothing, the
 time since that turn ended (`unheld`, read back by `missed`): a conversation whose turns slow
 down past the cache's memory holds again at once, with no tenant-wide evidence to wait for.
+The turn weighs this only where the router can find an unheld history in D's cache
+(`Router.finds_unheld_history`: KV events followed, decode-only turns by them).
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again

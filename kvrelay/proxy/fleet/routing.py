@@ -309,6 +309,18 @@ class Router:
         return self.blocks is not None and self.settings.prefix_pull
 
     @property
+    def finds_unheld_history(self) -> bool:
+        """A turn whose history nobody holds can still be sent to the D whose prefix cache has
+        it: the engines' KV events say what each D caches and a turn goes decode-only by them
+        (`decode_only_cached` under `conditional`). Only then may a conversation's pace stand
+        in for a hold (`HoldPayoff`'s `cache_keeps`): without it an unheld history is computed
+        again."""
+        s = self.settings
+        return (
+            self.blocks is not None and s.decode_only_cached and s.routing_policy == "conditional"
+        )
+
+    @property
     def wants_tokens(self) -> bool:
         """P is chosen by the engines' KV events: the prompt's token ids are looked up."""
         return self.blocks is not None and self.routes_by_prefix

@@ -105,13 +105,14 @@ class Turn:
             self.entry = taken.entry
             # Whether the conversation's last turn came back sooner than its D's cache keeps
             # an unused block (`HoldPayoff`: then this turn does not hold either).
-            sooner = False
+            # Weighed only where an unheld history can be found in D's cache at all.
+            sooner, by_pace = False, crew.router.finds_unheld_history
             if taken.entry is not None:
                 self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
-                sooner = self._cache_kept(taken.entry)
+                sooner = by_pace and self._cache_kept(taken.entry)
             elif ctx.lookup_key is not None:
                 last = holds.missed(ctx.tenant, ctx.lookup_key)
-                if last is not None:
+                if by_pace and last is not None:
                     sooner = self._sooner_than_cache(*last)
             self.hold = (
                 ctx.store_key is not None
@@ -163,7 +164,12 @@ class Turn:
                 if not plan.reads_held:
                     self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
-        if not self.hold and ctx.store_key is not None and self.decode_url is not None:
+        if (
+            not self.hold
+            and ctx.store_key is not None
+            and self.decode_url is not None
+            and crew.router.finds_unheld_history
+        ):
             holds.unheld(ctx.tenant, ctx.store_key, self.decode_url)  # its next turn's gap
         if self.entry is not None:
             holds.used(ctx.tenant, self._hold_read(plan, self.entry), self._cache_kept(self.entry))
