@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.devtools import ProxyFactory, ProxyServer, vllm_servers
+from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, kv_events_args, vllm_servers
 from kvrelay.devtools import tiny_model as tiny_llama
 from tests.vllm.faulty_pair import faulty_pair
 
@@ -59,6 +59,8 @@ def reference_launch(tiny_model: Path) -> Iterator[Reference]:
 
 class PDFleet:
     """A vLLM P and D, a kvrelay proxy in front of them, and the reference server."""
+
+    decode_events = ""  # D's KV events, as kv_events_endpoints (where D publishes them)
 
     def __init__(
         self,
@@ -155,13 +157,23 @@ def kvrelay_fleet(
         # A small D, so that its holds for next turns can fill it (block-pressure test).
         # D reports its cache's residency (every block sampled: test_kvrelay_pd's residence
         # test counts a few evictions).
+        # D publishes its KV events, followed only by the proxies of the tests that say so
+        # (test_kvrelay_pd's pace test: an unheld history found in D's cache).
+        events_port = free_port()
         pair[1].extra_args = [
             "--num-gpu-blocks-override", str(vllm_servers.DECODE_BLOCKS), trust,
             "--kv-cache-metrics", "--kv-cache-metrics-sample", "1.0",
+            *kv_events_args(events_port),
         ]  # fmt: skip
-        return _fleet(
+        fleets = _fleet(
             pair, reference_launch, side_channels=vllm_servers.side_channels_setting(*pair)
         )
+        try:
+            fleet = next(fleets)
+            fleet.decode_events = f"{pair[1].url}=tcp://127.0.0.1:{events_port}"
+            yield fleet
+        finally:
+            fleets.close()
 
     try:
         yield kept_kvrelay_fleet.get(start)

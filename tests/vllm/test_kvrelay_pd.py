@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 TOKENS_LOADED = "vllm:kvrelay_tokens_loaded_total"
 CACHE_HITS = "vllm:prefix_cache_hits_total"
+REQUESTS = "vllm:request_success_total"
 HELD_BLOCKS = "vllm:kvrelay_held_blocks"
 EARLY_RELEASES = "vllm:kvrelay_early_releases_total"
 FREED_BY_RECLAIM = "vllm:kvrelay_freed_by_reclaim_total"
@@ -543,5 +544,108 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
         low = bounds[filled[0] - 1] if filled[0] > 0 else 0.0
         high = bounds[filled[-1]]
         assert low <= keeps <= high, (keeps, per_bucket, sent)
+    finally:
+        factory.close()
+
+
+def _settled(server: vllm_servers.VLLMServer, name: str) -> float:
+    """A counter once two reads agree (vLLM publishes its stats a moment after answering)."""
+    seen = [server.metric(name)]
+
+    def stable() -> bool:
+        seen.append(server.metric(name))
+        return seen[-1] == seen[-2]
+
+    wait_until(stable, 10, interval=0.5, what=f"{name} to settle")
+    return seen[-1]
+
+
+def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld_from_it(
+    kvrelay_fleet: PDFleet,
+) -> None:
+    """The proxy follows D's KV events (`conditional`, `decode_only_cached`: an unheld history
+    can be found in D's cache). Prompts sent to D itself fill its pool until the proxy reads
+    from vLLM's residency histogram that D's cache keeps an unused block a second or more.
+    Turn 1 is held on D (vLLM's held-blocks gauge rises). Turn 2 comes back at once, far sooner
+    than that, so it asks D for no hold (`decision="cache_keeps"`): once it has read turn 1's
+    hold, D holds nothing for the conversation (vLLM's gauge back where it was) and the proxy
+    stores no entry. Turn 3, also back at once, holds nothing either and, with no held history,
+    goes to D by D's own events: no P is asked and vLLM's prefix-cache hits on D grow by turn 2's
+    prompt. Every answer equals plain vLLM's."""
+    fleet, admin_key = kvrelay_fleet, "pace-admin-key"
+    p, d = fleet.prefill, fleet.decode
+    factory = ProxyFactory()
+
+    def keeps() -> float | None:
+        load = proxy.admin("GET", "/admin/backends")["decode"][0]["load"] or {}
+        figure: float | None = load.get("cache_keeps_s")
+        return figure
+
+    def keeps_a_second() -> bool:
+        figure = keeps()
+        if figure is not None and figure >= 1.0:
+            return True
+        prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
+        status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
+        assert status == 200, out
+        return False
+
+    def decisions(kind: str, decision: str) -> float:
+        name = f'kvrelay_{kind}_decisions_total{{decision="{decision}"}}'
+        return proxy.metrics().get(name, 0.0)
+
+    try:
+        # The routing-fed index forgets at once: D's own events are what find the history.
+        proxy = factory(
+            [p.url], [d.url], ready_path="/ready", admin_key=admin_key,
+            connector_secret=vllm_servers.CONNECTOR_SECRET, load_poll_interval_s="0.2",
+            routing_policy="conditional", decode_only_cached="true", prefill_spill_factor="0",
+            prefix_index_ttl_s="0.001", kv_events_endpoints=fleet.decode_events,
+        )  # fmt: skip
+        wait_until(keeps_a_second, 180, interval=0.05, what="D's cache to keep an unused block 1 s")
+        conversation = f"pace-{uuid.uuid4().hex[:8]}"
+        answers = _AnswersAsPlainVllm(proxy, fleet, {"X-Conversation-Id": conversation})
+        system = f"{SYSTEM} The history stays in the decode engine's cache unheld. " * 2
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
+        held_before = _held_blocks(d)
+        out = answers.ask(chat_body(list(messages)))
+        wait_until(lambda: _held_blocks(d) > held_before, 10, what="D to hold turn 1")
+        assert decisions("hold", "kept") == 1
+        messages += [
+            {"role": "assistant", "content": text_of(out)},
+            {"role": "user", "content": "And then?"},
+        ]
+        out = answers.ask(chat_body(list(messages)))
+        second_prompt = int(out["usage"]["prompt_tokens"])
+        assert decisions("hold", "cache_keeps") == 1
+        wait_until(
+            lambda: _held_blocks(d) <= held_before,
+            15,
+            what="D to hold nothing once turn 2 read turn 1's hold",
+        )
+        assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 404
+        messages += [
+            {"role": "assistant", "content": text_of(out)},
+            {"role": "user", "content": "Go on."},
+        ]
+        third = chat_body(list(messages))
+        wait_until(
+            lambda: proxy.events_cached(third, "decode")[d.url] >= second_prompt // 2,
+            10,
+            what="D's events to show turn 2's prompt",
+        )
+        p_requests, d_hits = _settled(p, REQUESTS), _settled(d, CACHE_HITS)
+        decode_only = decisions("routing", "decode_only")
+        answers.ask(third)
+        assert decisions("hold", "cache_keeps") == 2
+        assert decisions("routing", "decode_only") == decode_only + 1
+        assert _settled(p, REQUESTS) == p_requests
+        # Turn 2's prompt in whole blocks, less one: the template may render its last block
+        # differently once the reply follows it.
+        hit = _settled(d, CACHE_HITS) - d_hits
+        block = vllm_servers.BLOCK_SIZE
+        assert hit >= block * (second_prompt // block - 1), hit
+        assert _held_blocks(d) <= held_before
+        answers.check()
     finally:
         factory.close()
