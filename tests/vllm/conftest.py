@@ -18,6 +18,7 @@ import pytest
 
 from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, kv_events_args, vllm_servers
 from kvrelay.devtools import tiny_model as tiny_llama
+from tests.harness import wait_until
 from tests.vllm.faulty_pair import faulty_pair
 
 
@@ -73,6 +74,19 @@ class PDFleet:
         self.decode = decode
         self.proxy = proxy
         self.reference = reference
+
+
+def settled(server: vllm_servers.VLLMServer, name: str) -> float:
+    """A counter of `server` once two reads agree (vLLM publishes its stats a moment after
+    answering)."""
+    seen = [server.metric(name)]
+
+    def stable() -> bool:
+        seen.append(server.metric(name))
+        return seen[-1] == seen[-2]
+
+    wait_until(stable, 10, interval=0.5, what=f"{name} to settle")
+    return seen[-1]
 
 
 def _fleet(

@@ -18,7 +18,7 @@ from kvrelay.devtools import ProxyFactory, ProxyServer, sse, vllm_servers
 from kvrelay.prometheus_text import bucket_counts
 from kvrelay.proxy.turn import decode_body, prefill_body
 from tests.harness import wait_until
-from tests.vllm.conftest import PDFleet
+from tests.vllm.conftest import PDFleet, settled
 from tests.vllm.refusing_decode import FakeRefusingDecode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
@@ -548,18 +548,6 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
         factory.close()
 
 
-def _settled(server: vllm_servers.VLLMServer, name: str) -> float:
-    """A counter once two reads agree (vLLM publishes its stats a moment after answering)."""
-    seen = [server.metric(name)]
-
-    def stable() -> bool:
-        seen.append(server.metric(name))
-        return seen[-1] == seen[-2]
-
-    wait_until(stable, 10, interval=0.5, what=f"{name} to settle")
-    return seen[-1]
-
-
 def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld_from_it(
     kvrelay_fleet: PDFleet,
 ) -> None:
@@ -634,15 +622,15 @@ def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld
             10,
             what="D's events to show turn 2's prompt",
         )
-        p_requests, d_hits = _settled(p, REQUESTS), _settled(d, CACHE_HITS)
+        p_requests, d_hits = settled(p, REQUESTS), settled(d, CACHE_HITS)
         decode_only = decisions("routing", "decode_only")
         answers.ask(third)
         assert decisions("hold", "cache_keeps") == 2
         assert decisions("routing", "decode_only") == decode_only + 1
-        assert _settled(p, REQUESTS) == p_requests
+        assert settled(p, REQUESTS) == p_requests
         # Turn 2's prompt in whole blocks, less one: the template may render its last block
         # differently once the reply follows it.
-        hit = _settled(d, CACHE_HITS) - d_hits
+        hit = settled(d, CACHE_HITS) - d_hits
         block = vllm_servers.BLOCK_SIZE
         assert hit >= block * (second_prompt // block - 1), hit
         assert _held_blocks(d) <= held_before

@@ -35,7 +35,7 @@ from kvrelay.devtools import ProxyFactory, ProxyServer, free_port, kv_events_arg
 from kvrelay.proxy.tenants import CacheScopes
 from kvrelay.proxy.turn import tenant_of
 from tests.harness import wait_until
-from tests.vllm.conftest import Reference
+from tests.vllm.conftest import Reference, settled
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
@@ -179,18 +179,6 @@ def _reference(fleet: CachedFleet, body: dict[str, Any]) -> str:
     return str(out["choices"][0]["message"]["content"])
 
 
-def _settled(server: vllm_servers.VLLMServer, name: str) -> float:
-    """A counter once two reads agree (vLLM publishes its stats a moment after answering)."""
-    seen = [server.metric(name)]
-
-    def stable() -> bool:
-        seen.append(server.metric(name))
-        return seen[-1] == seen[-2]
-
-    wait_until(stable, 10, interval=0.5, what=f"{name} to settle")
-    return seen[-1]
-
-
 def test_p_with_prefix_caching_loads_only_beyond_its_local_hit(cached_fleet: CachedFleet) -> None:
     fleet, p = cached_fleet, cached_fleet.prefill
     conversation = f"aff-{uuid.uuid4().hex[:8]}"
@@ -199,7 +187,7 @@ def test_p_with_prefix_caching_loads_only_beyond_its_local_hit(cached_fleet: Cac
     for turn, user in enumerate(USER_TURNS):
         messages.append({"role": "user", "content": user})
         body = _body(messages)
-        loaded, hits = _settled(p, TOKENS_LOADED), _settled(p, CACHE_HITS)
+        loaded, hits = settled(p, TOKENS_LOADED), settled(p, CACHE_HITS)
         out = _ask(fleet.proxies["affinity"], body, conversation)
         reply = out["choices"][0]["message"]["content"]
         assert reply == _reference(fleet, body), f"turn {turn}"
@@ -209,8 +197,8 @@ def test_p_with_prefix_caching_loads_only_beyond_its_local_hit(cached_fleet: Cac
             # only what lies beyond them (the previous reply's blocks) comes from D.
             prompt = previous["usage"]["prompt_tokens"]
             reply_tokens = previous["usage"]["completion_tokens"]
-            hit = _settled(p, CACHE_HITS) - hits
-            pulled = _settled(p, TOKENS_LOADED) - loaded
+            hit = settled(p, CACHE_HITS) - hits
+            pulled = settled(p, TOKENS_LOADED) - loaded
             assert hit >= (prompt // vllm_servers.BLOCK_SIZE) * vllm_servers.BLOCK_SIZE, (
                 hit,
                 prompt,
@@ -233,17 +221,17 @@ def test_conditional_serves_a_short_follow_up_on_the_holding_decode(
     for turn, user in enumerate(USER_TURNS):
         messages.append({"role": "user", "content": user})
         body = _body(messages)
-        d_hits = _settled(fleet.decode, CACHE_HITS)
+        d_hits = settled(fleet.decode, CACHE_HITS)
         out = _ask(proxy, body, conversation)
         reply = out["choices"][0]["message"]["content"]
         assert reply == _reference(fleet, body), f"turn {turn}"
         messages.append({"role": "assistant", "content": reply})
         if turn == 0:
-            p_requests = _settled(fleet.prefill, REQUESTS)
+            p_requests = settled(fleet.prefill, REQUESTS)
             continue
         # No P leg: D found the history in its held blocks.
-        assert _settled(fleet.prefill, REQUESTS) == p_requests
-        assert _settled(fleet.decode, CACHE_HITS) - d_hits >= vllm_servers.BLOCK_SIZE
+        assert settled(fleet.prefill, REQUESTS) == p_requests
+        assert settled(fleet.decode, CACHE_HITS) - d_hits >= vllm_servers.BLOCK_SIZE
     decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
     assert decisions == len(USER_TURNS) - 1
     assert fleet.decode.metric(HELD_BLOCKS) > 0  # the last turn, for a next one
@@ -276,11 +264,11 @@ def test_a_request_sharing_only_a_system_prompt_goes_to_the_p_that_cached_it(
     out = _ask(proxy, first, f"first-{uuid.uuid4().hex[:8]}")
     assert out["choices"][0]["message"]["content"] == _reference(fleet, first)
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": second.url})
-    before = {s.name: (_settled(s, REQUESTS), _settled(s, CACHE_HITS)) for s in (p, second)}
+    before = {s.name: (settled(s, REQUESTS), settled(s, CACHE_HITS)) for s in (p, second)}
     out = _ask(proxy, second_body, f"second-{uuid.uuid4().hex[:8]}")
     assert out["choices"][0]["message"]["content"] == _reference(fleet, second_body)
-    served = {s.name: _settled(s, REQUESTS) - before[s.name][0] for s in (p, second)}
-    hits = {s.name: _settled(s, CACHE_HITS) - before[s.name][1] for s in (p, second)}
+    served = {s.name: settled(s, REQUESTS) - before[s.name][0] for s in (p, second)}
+    hits = {s.name: settled(s, CACHE_HITS) - before[s.name][1] for s in (p, second)}
     assert out["usage"]["prompt_tokens"] > 3 * vllm_servers.BLOCK_SIZE
     if label == "prefix routing":
         assert served == {p.name: 1, second.name: 0}
@@ -306,11 +294,11 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     def ask(user: str) -> tuple[dict[str, float], dict[str, float]]:
         """Ask via the proxy; per P, requests served and prompt tokens hit in its cache."""
         sent = body(user)
-        before = {s.name: (_settled(s, REQUESTS), _settled(s, CACHE_HITS)) for s in (p, p2)}
+        before = {s.name: (settled(s, REQUESTS), settled(s, CACHE_HITS)) for s in (p, p2)}
         out = _ask(proxy, sent, f"events-{uuid.uuid4().hex[:8]}")
         assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
-        served = {s.name: _settled(s, REQUESTS) - before[s.name][0] for s in (p, p2)}
-        hits = {s.name: _settled(s, CACHE_HITS) - before[s.name][1] for s in (p, p2)}
+        served = {s.name: settled(s, REQUESTS) - before[s.name][0] for s in (p, p2)}
+        hits = {s.name: settled(s, CACHE_HITS) - before[s.name][1] for s in (p, p2)}
         return served, hits
 
     probe, two_blocks = body("?"), 2 * vllm_servers.BLOCK_SIZE
@@ -375,13 +363,13 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
         probe, two_blocks = _with_system(system, "?"), 2 * vllm_servers.BLOCK_SIZE
         assert proxy.events_cached(probe)[p2.url] == 0  # cached, not that this proxy knows
         _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
-        hits = _settled(p2, CACHE_HITS)
+        hits = settled(p2, CACHE_HITS)
         # Long enough to fill whole blocks after the cached prefix: vLLM stores (and reports)
         # only full blocks, and those are what name their parent.
         sent = _with_system(system, "After the proxy, " + "tell me about the blocks. " * 12)
         out = _ask(proxy, sent, f"adopt-{uuid.uuid4().hex[:8]}")
         assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
-        assert _settled(p2, CACHE_HITS) - hits >= two_blocks  # P2 had it cached
+        assert settled(p2, CACHE_HITS) - hits >= two_blocks  # P2 had it cached
         wait_until(
             lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
             30,
@@ -431,12 +419,12 @@ def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d
                 10,
                 what="D's events to show the system prompt",
             )
-        p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
-        d_hits = _settled(d, CACHE_HITS)
+        p_requests = settled(p, REQUESTS) + settled(p2, REQUESTS)
+        d_hits = settled(d, CACHE_HITS)
         out = _ask(proxy, other, conversations[1])
         assert out["choices"][0]["message"]["content"] == _reference(fleet, other)
-        assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
-        assert _settled(d, CACHE_HITS) - d_hits >= 2 * vllm_servers.BLOCK_SIZE
+        assert settled(p, REQUESTS) + settled(p2, REQUESTS) == p_requests
+        assert settled(d, CACHE_HITS) - d_hits >= 2 * vllm_servers.BLOCK_SIZE
         decisions = proxy.metrics()['kvrelay_routing_decisions_total{decision="decode_only"}']
         assert decisions == 1
         for conversation in conversations[1:] if events else conversations:
@@ -487,15 +475,15 @@ def test_an_idle_p_yields_a_turn_whose_history_only_ds_cache_holds(
         second = turn("Say more about the blocks: " + "which engine computed them and when. " * 8)
         assert decisions("decode_only") == 1
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
-        p_requests = _settled(p, REQUESTS) + _settled(p2, REQUESTS)
-        d_hits = _settled(d, CACHE_HITS)
+        p_requests = settled(p, REQUESTS) + settled(p2, REQUESTS)
+        d_hits = settled(d, CACHE_HITS)
         spilled = decisions("spilled")
         turn("Go on.")
         assert decisions("spilled") == spilled + 1
-        assert _settled(p, REQUESTS) + _settled(p2, REQUESTS) == p_requests
+        assert settled(p, REQUESTS) + settled(p2, REQUESTS) == p_requests
         # Turn 2's prompt in whole blocks, less one: the template may render its last block
         # differently once the reply follows it.
-        hit = _settled(d, CACHE_HITS) - d_hits
+        hit = settled(d, CACHE_HITS) - d_hits
         assert hit >= vllm_servers.BLOCK_SIZE * (second // vllm_servers.BLOCK_SIZE - 1), hit
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200
     finally:
@@ -531,7 +519,7 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
             assert status in (200, 201), out
 
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello."}]
-        held_before = _settled(d, HELD_BLOCKS)  # the module's earlier conversations' holds
+        held_before = settled(d, HELD_BLOCKS)  # the module's earlier conversations' holds
         admin("/admin/backends/drain", p2.url)
         first = _body(list(messages))
         out = _ask(proxy, first, conversation)
@@ -552,10 +540,10 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
             what="D's events to show the history",
         )
         assert proxy.events_cached(second)[p2.url] == 0
-        loaded = _settled(p2, TOKENS_LOADED)
+        loaded = settled(p2, TOKENS_LOADED)
         out = _ask(proxy, second, conversation)
         assert out["choices"][0]["message"]["content"] == _reference(fleet, second)
-        got = _settled(p2, TOKENS_LOADED) - loaded
+        got = settled(p2, TOKENS_LOADED) - loaded
         # Turn 1's prompt in whole blocks, less one (the template may render its last block
         # differently once the reply follows it), came from D's pin.
         assert got >= vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
