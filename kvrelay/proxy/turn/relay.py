@@ -98,6 +98,9 @@ class Turn:
     async def _run(self) -> None:
         crew, ctx, report = self.crew, self.ctx, self.report
         holds = crew.router.holds
+        # Whether a conversation's pace may stand in for a hold: only where an unheld history
+        # can be found in D's cache at all (`HoldPayoff`).
+        by_pace = crew.router.finds_unheld_history
         plan: Plan | None = None
         try:
             with report.take_scope():
@@ -105,8 +108,7 @@ class Turn:
             self.entry = taken.entry
             # Whether the conversation's last turn came back sooner than its D's cache keeps
             # an unused block (`HoldPayoff`: then this turn does not hold either).
-            # Weighed only where an unheld history can be found in D's cache at all.
-            sooner, by_pace = False, crew.router.finds_unheld_history
+            sooner = False
             if taken.entry is not None:
                 self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
                 sooner = by_pace and self._cache_kept(taken.entry)
@@ -164,12 +166,7 @@ class Turn:
                 if not plan.reads_held:
                     self.owed.release(Debt.PREVIOUS_HOLD)
         self._learn(plan)
-        if (
-            not self.hold
-            and ctx.store_key is not None
-            and self.decode_url is not None
-            and crew.router.finds_unheld_history
-        ):
+        if by_pace and not self.hold and ctx.store_key is not None and self.decode_url is not None:
             holds.unheld(ctx.tenant, ctx.store_key, self.decode_url)  # its next turn's gap
         if self.entry is not None:
             holds.used(ctx.tenant, self._hold_read(plan, self.entry), self._cache_kept(self.entry))
