@@ -489,6 +489,14 @@ def _idle_buckets(server: vllm_servers.VLLMServer) -> dict[float, float]:
     return bucket_counts(server.metrics(), IDLE_BEFORE_EVICT)
 
 
+def _send_new_prompt(d: vllm_servers.VLLMServer) -> None:
+    """A prompt sent to D itself, new from its first block: its allocation evicts cached blocks
+    once D's small pool is full."""
+    prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
+    status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
+    assert status == 200, out
+
+
 def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogram(
     kvrelay_fleet: PDFleet,
 ) -> None:
@@ -523,9 +531,7 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
             nonlocal sent
             if evicted() >= 16:
                 return True
-            prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
-            status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
-            assert status == 200, out
+            _send_new_prompt(d)
             sent += 1
             return False
 
@@ -573,9 +579,7 @@ def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld
         figure = keeps()
         if figure is not None and figure >= 1.0:
             return True
-        prompt = f"{uuid.uuid4().hex} fills the decode pool. " + SYSTEM
-        status, out = d.post("/v1/completions", completion_body(prompt, 4), timeout=60)
-        assert status == 200, out
+        _send_new_prompt(d)
         return False
 
     def decisions(kind: str, decision: str) -> float:
