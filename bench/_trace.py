@@ -31,9 +31,13 @@ turn: a new conversation. The ids cannot tell a conversation whose first turn is
 block plus a partial one from a new conversation with the same system block.
 
 Messages (positions in tokens of the trace, scaled by `block_tokens / 512`):
-- first turn r: a system message with positions [0, s) where s is the prefix r shares with
-  any earlier request of the slice (nothing when s = 0; at most the prompt less one token),
-  then a user message with positions [s, L_r);
+- first turn r: a system message with positions [0, s) where s is the longer of the prefix r
+  shares with any earlier request of the slice and the prefix it shares with any other first
+  turn, earlier or later (nothing when s = 0; at most the prompt less one token), then a user
+  message with positions [s, L_r). An application sends its system prompt as a system message
+  from its first request on: were the first of the conversations sharing it sent as one user
+  message, the chat template's role header would make its blocks differ from every later
+  request's from the first token, and every system would compute that prefix twice;
 - later turn r of q: q's messages exactly as q sent them, then the answer q received from the
   engine as the assistant message (the trace counts q's output inside r's input: positions
   [L_q, L_q + O_q) of r are that answer), then a user message with positions
@@ -406,9 +410,35 @@ def reconstruct(
         turns.append(turn)
         trie.insert(r.hash_ids)
         trie.ending.setdefault(trie.walk(r.hash_ids[:-1])[-1], []).append(len(turns) - 1)
+    for turn, shared_blocks in zip(turns, _shared_with_other_first_turns(turns), strict=True):
+        if turn.predecessor is None and shared_blocks:
+            system_end = min(shared_blocks * block_tokens, turn.input_tokens - 1)
+            if system_end > turn.system_end:
+                turn.system_end = turn.user_start = system_end
     plan = Plan(turns, block_tokens, conversations)
     plan.stats = plan_stats(plan)
     return plan
+
+
+def _shared_with_other_first_turns(turns: Sequence[PlannedTurn]) -> list[int]:
+    """Per turn: the leading blocks its prompt shares with another first turn of the slice,
+    earlier or later (0 for a later turn): the system prompt conversations have in common."""
+    trie = _Trie()
+    passing: dict[int, int] = {}  # node -> first turns whose prompt passes through it
+    for t in turns:
+        if t.predecessor is None:
+            for node in trie.insert(t.request.hash_ids)[1:]:
+                passing[node] = passing.get(node, 0) + 1
+    out = []
+    for t in turns:
+        shared = 0
+        if t.predecessor is None:
+            for depth, node in enumerate(trie.walk(t.request.hash_ids)[1:], start=1):
+                if passing[node] < 2:
+                    break
+                shared = depth
+        out.append(shared)
+    return out
 
 
 def keep_conversations(plan: Plan, count: int, min_turns: int = 1) -> Plan:

@@ -69,7 +69,9 @@ def test_reconstruction_links_turns_and_keeps_shared_system_prefixes_apart() -> 
     got = [(t.conversation, t.turn, t.predecessor) for t in plan.turns]
     assert got == [(1, 1, None), (2, 1, None), (1, 2, 0), (3, 1, None), (1, 3, 2)]
     assert (plan.turns[1].system_end, plan.turns[1].user_start) == (512, 512)
-    assert plan.turns[0].system_end == 0
+    # The first of the conversations sharing block 0 sends it as a system message too (the
+    # later first turns share it); blocks it shares only with its own later turns are not.
+    assert (plan.turns[0].system_end, plan.turns[0].user_start) == (512, 512)
     # Later turn: the user message holds what the trace adds after the previous answer.
     assert (plan.turns[2].user_start, plan.turns[4].user_start) == (1300 + 100, 1900 + 80)
     assert plan.stats["later_turns"] == 2
@@ -79,12 +81,28 @@ def test_reconstruction_links_turns_and_keeps_shared_system_prefixes_apart() -> 
 def test_a_system_block_many_requests_start_with_does_not_chain_them() -> None:
     # The slice opens with a request of one full (system) block plus a partial one: the
     # requests after it start with the same block, nothing before it shows that block is
-    # shared, and only the slice's branching at that block says they are new conversations.
+    # shared, and only the slice's branching at that block says they are new conversations
+    # (the first sends the block as a system message all the same: the later ones share it).
     trace = [req(0, 0, 900, 10, [0, 1])]
     trace += [req(i, i * 10, 1300, 10, [0, 10 + i, 20 + i]) for i in range(1, 9)]
     plan = tr.reconstruct(trace)
     assert [t.turn for t in plan.turns] == [1] * 9
-    assert [t.system_end for t in plan.turns] == [0] + [512] * 8
+    assert [t.system_end for t in plan.turns] == [512] * 9
+
+
+def test_a_first_turn_sends_as_system_the_longest_prefix_any_other_first_turn_shares() -> None:
+    trace = [
+        req(0, 0, 1100, 10, [0, 1, 2]),
+        req(1, 10, 1100, 10, [0, 1, 3]),  # shares two blocks with 0, no longer: a first turn
+        req(2, 20, 900, 10, [0, 4]),  # shares only block 0
+        req(3, 30, 1100, 10, [0, 1, 2]),  # the same prompt as 0
+    ]
+    plan = tr.reconstruct(trace)
+    assert [t.turn for t in plan.turns] == [1] * 4
+    # 0 and 3 share every block (the system message keeps all but one token, the user message
+    # that one), though 0 has no earlier request; 1 shares [0, 1] with them; 2 only block 0.
+    assert [t.system_end for t in plan.turns] == [1099, 1024, 512, 1099]
+    assert [t.user_start for t in plan.turns] == [1099, 1024, 512, 1099]
 
 
 def test_the_trace_file_is_checked_line_by_line(tmp_path: Path) -> None:
