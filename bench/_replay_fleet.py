@@ -114,6 +114,12 @@ PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
 PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
 PINS = "kvrelay_prefix_pins_total"
+# Turns that waited for another turn computing most of their prompt (`prefix_wait_max_s`):
+# it computed it in time, or the wait ran out.
+PREFIX_WAITS = {
+    "prefix_waits_computed": 'kvrelay_prefix_waits_total{result="computed"}',
+    "prefix_waits_timeout": 'kvrelay_prefix_waits_total{result="timeout"}',
+}
 
 
 @dataclass(frozen=True)
@@ -535,7 +541,11 @@ class EngineSampler:
                 # them as released, like the ones a next turn used.
                 page = await self.scrape(http, self.fleet.url)
                 out["d_given_back"] = page.get(GIVEN_BACK, 0.0)
-                for name, sample in (*HOLDS_TAKEN.items(), *HELD_READS.items()):
+                for name, sample in (
+                    *HOLDS_TAKEN.items(),
+                    *HELD_READS.items(),
+                    *PREFIX_WAITS.items(),
+                ):
                     out[name] = page.get(sample, 0.0)
                 # Prefix pulls (prefix_pull): what came of the pins (both legs; pulls_d_*: a
                 # spilled turn's D's), the tokens the engines loaded.
