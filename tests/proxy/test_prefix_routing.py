@@ -80,6 +80,37 @@ def test_chat_prefixes_are_message_histories_in_characters() -> None:
     assert a.keys[1] != b.keys[1]  # different questions
 
 
+def test_the_last_messages_leading_runs_are_prefixes_too() -> None:
+    """A document that requests share at the start of their new message is a prefix: the last
+    message's leading runs of 512 characters, named after the history and the message's role,
+    come before the whole prompt; earlier messages are prefixes whole."""
+    document = "The shared document says what the answer is. " * 30  # 1380 characters
+    a = _prefixes(_chat(document + "First question?"))
+    b = _prefixes(_chat(document + "Second question?"))
+    n = len(SYSTEM)
+    assert a.chars == (n, n + 512, n + 1024, a.total)
+    assert a.keys[:3] == b.keys[:3] and a.keys[3] != b.keys[3]
+    # The same text as a system message renders differently: none of its runs is shared.
+    as_system = _prefixes(
+        {"model": "m", "messages": [{"role": "system", "content": SYSTEM + document + "?"}]}
+    )
+    assert set(as_system.keys).isdisjoint(a.keys)
+    # A message of exactly two runs has one run key (its whole text is the message's key).
+    exact = _prefixes(_chat("y" * 1024))
+    assert exact.chars == (n, n + 512, n + 1024)
+    # Once the message is history, it is one prefix again.
+    later = {
+        **_chat(document + "First question?"),
+        "messages": [
+            *_chat(document + "First question?")["messages"],  # type: ignore[misc]
+            {"role": "assistant", "content": "An answer."},
+            {"role": "user", "content": "And then?"},
+        ],
+    }
+    assert _prefixes(later).chars == (n, a.total, a.total + 10, a.total + 19)
+    assert _prefixes(later).keys[1] == a.keys[-1]
+
+
 def test_prefixes_are_scoped_by_cache_salt_and_by_what_renders_the_prompt() -> None:
     body = _chat("q")
     assert _prefixes(body, "salt-a").keys[0] != _prefixes(body, "salt-b").keys[0]
@@ -791,6 +822,14 @@ def test_a_turn_waits_only_for_a_leader_computing_most_of_its_prompt() -> None:
     # The shared system prompt is under half of this prompt: not worth waiting for.
     mostly_new = _prefixes(_chat("x" * 3000, system=long_system))
     assert in_flight.leader_of(mostly_new) is None
+    # A document shared at the start of the user message: found through its runs.
+    document = "The shared document says what the answer is. " * 30
+    with_document = _prefixes(_chat(document + "First question?", system="Be brief. "))
+    document_lead = in_flight.lead(with_document, {})
+    assert document_lead is not None
+    asking_again = _prefixes(_chat(document + "Second question?", system="Be brief. "))
+    assert in_flight.leader_of(asking_again) is document_lead
+    document_lead.done()
     other = PrefixesInFlight(max_wait_s=5, min_chars=2000)
     other.lead(first, {})
     assert other.leader_of(follower) is None  # the shared prefix is under the minimum

@@ -2,8 +2,9 @@
 (`prefix_wait_max_s`), on enginesim P and D (real NIXL) whose prefills take modelled time: the
 second of two requests sharing a long system prompt, sent while the first's P computes it, is
 sent only once that P answered, to that P, which serves the system prompt from its cache (its
-own counter); a request spilled to D and streamed leads until D's first token. Without the wait
-the system prompt is computed twice."""
+own counter), and so does one sharing a document at the start of its user message; a request
+spilled to D and streamed leads until D's first token. Without the wait the shared prefix is
+computed twice."""
 
 from __future__ import annotations
 
@@ -49,17 +50,29 @@ def _ask(proxy: ProxyServer, messages: list[dict[str, Any]], answers: list[str])
     answers.append(reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages))))
 
 
+def _shared(prefix: str, question: str, as_system: bool) -> list[dict[str, Any]]:
+    """A prompt sharing `prefix`: as its system message, or as the start of its user message
+    (a document the question follows)."""
+    if as_system:
+        return [{"role": "system", "content": prefix}, {"role": "user", "content": question}]
+    return [{"role": "user", "content": prefix + question}]
+
+
+@pytest.mark.parametrize("as_system", [True, False], ids=["system", "in-user-message"])
 @pytest.mark.parametrize("wait_s", ["10", "0"])
 def test_a_request_waits_for_the_turn_computing_its_system_prompt(
-    engines: tuple[EngineSim, EngineSim, EngineSim], proxy_factory: ProxyFactory, wait_s: str
+    engines: tuple[EngineSim, EngineSim, EngineSim],
+    proxy_factory: ProxyFactory,
+    wait_s: str,
+    as_system: bool,
 ) -> None:
     p0, p1, d = engines
     for engine in engines:
         engine.wait_idle()
     proxy = proxy_factory([p0, p1], [d], ready_path="/ready", prefix_wait_max_s=wait_s)
-    system = f"You wait for the prefix another request is computing ({wait_s}). " * 24
-    first = [{"role": "system", "content": system}, {"role": "user", "content": "Who computes?"}]
-    second = [{"role": "system", "content": system}, {"role": "user", "content": "Who waits?"}]
+    system = f"You wait for the prefix another request is computing ({wait_s}, {as_system}). " * 24
+    first = _shared(system, "Who computes?", as_system)
+    second = _shared(system, "Who waits?", as_system)
     before = [p.metrics() for p in (p0, p1)]
     # The second is sent once the first is on its way to a P (its prompt is in the proxy's
     # index, which it enters as it is sent).

@@ -5,7 +5,8 @@
 - `conditional`: a short follow-up goes straight to the D holding the conversation; D serves
   the history from its held blocks (prefix-cache hit) and the answer equals plain vLLM's.
 - Prefix routing, with a second P: a request that shares only a system prompt with an earlier
-  one goes to the P that computed it, whose own counter shows the prefix served from its cache;
+  one (or a document its user message starts with) goes to the P that computed it, whose own
+  counter shows the prefix served from its cache;
   by load alone it goes to the idle P, which computes it all.
 - Prefix routing from vLLM's own KV events (both Ps publish them): the index shows a stored
   block once P2 computed it and forgets it once P2's events say it was evicted, and the routing
@@ -247,18 +248,29 @@ def _admin(proxy: ProxyServer, method: str, path: str, body: dict[str, Any]) -> 
     assert status in (200, 201), answer
 
 
-@pytest.mark.parametrize("label", ["prefix routing", "by load"])
+def _sharing(prefix: str, question: str, as_system: bool) -> dict[str, Any]:
+    """A request sharing `prefix`: as its system message, or as the start of its user message
+    (a document the question follows)."""
+    if as_system:
+        return _with_system(prefix, question)
+    return _body([{"role": "user", "content": prefix + question}])
+
+
+@pytest.mark.parametrize(
+    ("label", "as_system"),
+    [("prefix routing", True), ("by load", True), ("prefix routing", False)],
+    ids=["prefix routing", "by load", "prefix routing, in the user message"],
+)
 def test_a_request_sharing_only_a_system_prompt_goes_to_the_p_that_cached_it(
-    cached_fleet: CachedFleet, label: str
+    cached_fleet: CachedFleet, label: str, as_system: bool
 ) -> None:
     fleet = cached_fleet
     proxy, p, second = fleet.proxies[label], fleet.prefill, fleet.second
-    # New to every cache (the module's other tests send SYSTEM): one system prompt, two users.
-    system = f"{SYSTEM} This fleet routes by {label}. " * 2
-    first = _body([{"role": "system", "content": system}, {"role": "user", "content": "Hello."}])
-    second_body = _body(
-        [{"role": "system", "content": system}, {"role": "user", "content": "Where from?"}]
-    )
+    # New to every cache (the module's other tests send SYSTEM): one shared prefix, two
+    # questions; the prefix a system prompt, or a document the user message starts with.
+    system = f"{SYSTEM} This fleet routes by {label} ({as_system}). " * 2
+    first = _sharing(system, "Hello.", as_system)
+    second_body = _sharing(system, "Where from?", as_system)
     # The first request goes to P (the second P drained), then both Ps are candidates again.
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": second.url})
     out = _ask(proxy, first, f"first-{uuid.uuid4().hex[:8]}")

@@ -21,8 +21,11 @@ Prefixes (`PromptPrefixes`) are named within the request's cache scope (its `cac
 the engines cache per tenant, `kvrelay.proxy.tenants.cache_scope`): a prefix one tenant sent
 never routes another's request, so routing shows no tenant what another sent. A chat prompt's
 prefixes are its message histories (the chained message fingerprints the proxy computes
-anyway, `kvrelay.proxy.turn.conversation`); a text prompt's are its leading runs of
-`TEXT_CHUNK_CHARS` characters. Sizes are in characters, as the router's other estimates.
+anyway, `kvrelay.proxy.turn.conversation`) and, within its last message, that message's
+leading runs of `TEXT_CHUNK_CHARS` characters after the history before it (a document or
+context that requests share at the start of their new message, with a question after it); a
+text prompt's are its leading runs of `TEXT_CHUNK_CHARS` characters. Sizes are in characters,
+as the router's other estimates.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 TEXT_CHUNK_CHARS = 512  # a text prompt's prefixes: every 512 characters (about 128 tokens)
@@ -58,12 +61,20 @@ class PromptPrefixes(NamedTuple):
         cls, scope: str, chain: Sequence[str], messages: Sequence[object]
     ) -> PromptPrefixes | None:
         """A chat prompt's prefixes: `chain[i]` fingerprints `messages[:i]` (`chain[0]` the
-        empty history, not a prefix). None when there are no messages."""
+        empty history, not a prefix), and before the whole prompt the runs of its last
+        message's text content (`_runs`). None when there are no messages."""
         if len(chain) < 2:
             return None
         keys, chars, total = [], [], 0
-        for fingerprint, message in zip(chain[1:], messages, strict=False):
+        last = len(chain) - 2  # the index of the last message a fingerprint covers
+        for i, (fingerprint, message) in enumerate(zip(chain[1:], messages, strict=False)):
             content = message.get("content") if isinstance(message, dict) else None
+            if i == last and isinstance(message, dict) and isinstance(content, str):
+                # After the history's fingerprint, what renders before the text: role, name.
+                head = f"kvrelay-chat-run-v1\n{chain[i]}\n{message.get('role')}\n"
+                for key, end in _runs(head + str(message.get("name", "")), content):
+                    keys.append(scope + "\x00" + key)
+                    chars.append(total + end)
             total += len(str(content)) if content else 0
             keys.append(scope + "\x00" + fingerprint)
             chars.append(total)
@@ -76,14 +87,23 @@ class PromptPrefixes(NamedTuple):
         if len(text) < TEXT_CHUNK_CHARS:
             return None
         seed = b"kvrelay-text-prefix-v1\n" + model.encode("utf-8", "surrogatepass")
-        digest = hashlib.sha256(seed).digest()
-        keys, chars = [], []
-        for end in range(TEXT_CHUNK_CHARS, len(text) + 1, TEXT_CHUNK_CHARS):
-            run = text[end - TEXT_CHUNK_CHARS : end].encode("utf-8", "surrogatepass")
-            digest = hashlib.sha256(digest + run).digest()
-            keys.append(scope + "\x00" + digest[:16].hex())
-            chars.append(end)
-        return cls(tuple(keys), tuple(chars), len(text))
+        runs = list(_runs(seed, text, whole=True))
+        keys = tuple(scope + "\x00" + key for key, _ in runs)
+        return cls(keys, tuple(end for _, end in runs), len(text))
+
+
+def _runs(seed: str | bytes, text: str, whole: bool = False) -> Iterator[tuple[str, int]]:
+    """`text`'s leading runs of `TEXT_CHUNK_CHARS` characters, each named by a digest chained
+    from `seed` over the runs before it, with the characters it ends at; the text itself only
+    when `whole` (a chat message's whole text has the message's own key)."""
+    if isinstance(seed, str):
+        seed = seed.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(seed).digest()
+    stop = len(text) + 1 if whole else len(text)
+    for end in range(TEXT_CHUNK_CHARS, stop, TEXT_CHUNK_CHARS):
+        run = text[end - TEXT_CHUNK_CHARS : end].encode("utf-8", "surrogatepass")
+        digest = hashlib.sha256(digest + run).digest()
+        yield digest[:16].hex(), end
 
 
 class PrefixIndex:

@@ -182,8 +182,8 @@ class PromptShape:
 
     def prefixes(self, scope: str, body: dict[str, Any]) -> PromptPrefixes | None:
         """The prompt's prefixes for the P routing's index, named within `scope` (the
-        request's cache scope): a chat's message histories, a text prompt's runs of characters
-        (token-id prompts and batches: None)."""
+        request's cache scope): a chat's message histories and its last message's runs of
+        characters, a text prompt's runs of characters (token-id prompts and batches: None)."""
         if self.kind == "chat":
             return PromptPrefixes.of_chat(scope, self._chain, body["messages"])
         if self.kind == "text" and self._text is not None:
