@@ -6,9 +6,9 @@ What is sent (`bench/_trace.py` has the rules and the block-to-message mapping):
 that extends an earlier one is a later turn of that conversation and is sent as a chat
 history with the earlier turn's messages, the answer the engine actually gave (as streamed
 back), and a new user message; other requests are first turns, with the prefix they share
-with earlier requests (a common system prompt) as a system message. A later turn whose trace
-time comes before its predecessor's answer is complete waits for that answer (counted in
-`waited_for_predecessor`).
+with earlier requests or other first turns (a common system prompt) as a system message. A later
+turn whose trace time comes before its predecessor's answer is complete waits for that answer
+(counted in `waited_for_predecessor`).
 
 How: `ChatStreams`, a lean client of the chat API on one aiohttp session (the OpenAI wire:
 JSON request, server-sent events, the usage in the last event; not the `openai` SDK, whose
