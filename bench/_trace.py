@@ -411,7 +411,7 @@ def reconstruct(
         trie.insert(r.hash_ids)
         trie.ending.setdefault(trie.walk(r.hash_ids[:-1])[-1], []).append(len(turns) - 1)
     for turn, shared_blocks in zip(turns, _shared_with_other_first_turns(turns), strict=True):
-        if turn.predecessor is None and shared_blocks:
+        if shared_blocks:
             system_end = min(shared_blocks * block_tokens, turn.input_tokens - 1)
             if system_end > turn.system_end:
                 turn.system_end = turn.user_start = system_end
@@ -425,18 +425,17 @@ def _shared_with_other_first_turns(turns: Sequence[PlannedTurn]) -> list[int]:
     earlier or later (0 for a later turn): the system prompt conversations have in common."""
     trie = _Trie()
     passing: dict[int, int] = {}  # node -> first turns whose prompt passes through it
-    for t in turns:
-        if t.predecessor is None:
-            for node in trie.insert(t.request.hash_ids)[1:]:
-                passing[node] = passing.get(node, 0) + 1
+    paths = [trie.insert(t.request.hash_ids)[1:] if t.predecessor is None else [] for t in turns]
+    for path in paths:
+        for node in path:
+            passing[node] = passing.get(node, 0) + 1
     out = []
-    for t in turns:
+    for path in paths:
         shared = 0
-        if t.predecessor is None:
-            for depth, node in enumerate(trie.walk(t.request.hash_ids)[1:], start=1):
-                if passing[node] < 2:
-                    break
-                shared = depth
+        for depth, node in enumerate(path, start=1):
+            if passing[node] < 2:
+                break
+            shared = depth
         out.append(shared)
     return out
 

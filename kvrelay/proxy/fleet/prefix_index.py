@@ -72,7 +72,8 @@ class PromptPrefixes(NamedTuple):
             if i == last and isinstance(message, dict) and isinstance(content, str):
                 # After the history's fingerprint, what renders before the text: role, name.
                 head = f"kvrelay-chat-run-v1\n{chain[i]}\n{message.get('role')}\n"
-                for key, end in _runs(head + str(message.get("name", "")), content):
+                head += str(message.get("name", ""))
+                for key, end in _runs(head.encode("utf-8", "surrogatepass"), content):
                     keys.append(scope + "\x00" + key)
                     chars.append(total + end)
             total += len(str(content)) if content else 0
@@ -92,12 +93,10 @@ class PromptPrefixes(NamedTuple):
         return cls(keys, tuple(end for _, end in runs), len(text))
 
 
-def _runs(seed: str | bytes, text: str, whole: bool = False) -> Iterator[tuple[str, int]]:
+def _runs(seed: bytes, text: str, whole: bool = False) -> Iterator[tuple[str, int]]:
     """`text`'s leading runs of `TEXT_CHUNK_CHARS` characters, each named by a digest chained
     from `seed` over the runs before it, with the characters it ends at; the text itself only
     when `whole` (a chat message's whole text has the message's own key)."""
-    if isinstance(seed, str):
-        seed = seed.encode("utf-8", "surrogatepass")
     digest = hashlib.sha256(seed).digest()
     stop = len(text) + 1 if whole else len(text)
     for end in range(TEXT_CHUNK_CHARS, stop, TEXT_CHUNK_CHARS):
