@@ -74,6 +74,9 @@ class HoldEntry:
     next_turn: bool = False
     # Whose hold it is (the proxy's `hold_owner`: a tenant), for the fair share of the budget.
     owner: str = ""
+    # A brief hold (the proxy's `hold_brief_s`): over the share one hold may pin, bounded by its
+    # short lease instead of the budget, which neither counts nor frees it.
+    brief: bool = False
 
     @property
     def num_blocks(self) -> int:
@@ -246,7 +249,11 @@ class HoldTable:
         now = time.monotonic() if now is None else now
         freed = 0
         with self._lock:
-            live = [e for e in self._entries.values() if e.freeing is None and e.next_turn]
+            live = [
+                e
+                for e in self._entries.values()
+                if e.freeing is None and e.next_turn and not e.brief
+            ]
             excess = sum(e.num_blocks for e in live) - max_blocks
             if excess <= 0:
                 return 0

@@ -86,6 +86,7 @@ class ConnectorScheduler:
             "freed_by_reclaim",
             "freed_by_budget",
             "holds_over_budget",
+            "holds_brief",
             "tokens_loaded",
             "loads_started",
             "loads_failed",
@@ -105,11 +106,13 @@ class ConnectorScheduler:
         self._compat = config.compat_hash()
         self._hold_budget: int | None = None
         self._hold_max: int | None = None  # the most blocks one next-turn hold may pin
+        self._brief_max: int | None = None  # ... and one the proxy asked to be brief
         if num_blocks is not None:
             if config.hold_budget_fraction < 1.0:
                 self._hold_budget = int(config.hold_budget_fraction * num_blocks)
             if config.hold_max_fraction < 1.0:
                 self._hold_max = int(config.hold_max_fraction * num_blocks)
+                self._brief_max = int(config.hold_brief_max_fraction * num_blocks)
         self._handshake_md: dict[int, dict[str, Any]] | None = None
         self._server: SideChannelServer | None = None
         self._pending: dict[str, _PendingLoad] = {}
@@ -450,8 +453,16 @@ class ConnectorScheduler:
         nblocks = min(math.ceil(num_tokens / bs), len(group))
         if nblocks == 0 or len(block_ids) != 1:
             return False, None
+        lease = self.config.lease_seconds
+        brief = False
         if self._hold_max is not None and nblocks > self._hold_max and not params.do_remote_decode:
-            return False, self._declined(req, report)
+            # Over the share one hold may pin: kept only as a brief hold, where the proxy expects
+            # the next turn within seconds, and within the larger share such a hold may pin.
+            asked = params.hold_brief_s
+            if asked is None or asked <= 0 or self._brief_max is None or nblocks > self._brief_max:
+                return False, self._declined(req, report)
+            lease, brief = min(lease, asked), True
+            self.counters.inc("holds_brief")
         num_tokens = min(num_tokens, nblocks * bs)
         held = [list(group[:nblocks])]
         now_wall, now_mono = time.time(), time.monotonic()
@@ -460,10 +471,11 @@ class ConnectorScheduler:
             client_request_id=req.client_request_id,
             block_ids=held,
             num_tokens=num_tokens,
-            expires_at=now_mono + self.config.lease_seconds,
+            expires_at=now_mono + lease,
             release_token=secrets.token_urlsafe(24),
             next_turn=not params.do_remote_decode,
             owner=params.hold_owner or "",
+            brief=brief,
         )
         scope = (req.lora_name, req.cache_salt)
         tail = tail_hash(all_tokens[:num_tokens], bs, self._compat, *scope)
@@ -477,14 +489,14 @@ class ConnectorScheduler:
             remote_block_ids=held,
             remote_num_tokens=num_tokens,
             tp_size=self.config.tp_size,
-            remote_blocks_expiry_time=now_wall + self.config.lease_seconds,
+            remote_blocks_expiry_time=now_wall + lease,
             remote_block_hashes=block_hashes(all_tokens[:num_tokens], bs, self._compat, *scope),
             **({REMOTE_TAIL_HASH: tail} if tail is not None else {}),
             release_token=entry.release_token,
             **report.to_params(),
         ).to_wire()
         self.holds.add(entry)
-        if self._hold_budget is not None and entry.next_turn:
+        if self._hold_budget is not None and entry.next_turn and not brief:
             # Frees go out with the next step's metadata, as a reclaim's or an expiry's do.
             self.holds.trim(self._hold_budget, keep=rid)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]

@@ -158,6 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the KV pool one hold may pin; a larger turn is not held "
         "(default: the connector's, 1.0)",
     )
+    p.add_argument(
+        "--hold-brief-max-fraction",
+        type=float,
+        help="share of the KV pool one hold the proxy asked to be brief may pin "
+        "(default: the connector's)",
+    )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument(
         "--claim-timeout",
@@ -205,6 +211,7 @@ _CONNECTOR_OPTIONS = (
     "lease_seconds",
     "hold_budget_fraction",
     "hold_max_fraction",
+    "hold_brief_max_fraction",
     "publish_finished_params",
 )
 _ENGINE_OPTIONS = (

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import FreeReason, HoldEntry, HoldTable
 from kvrelay.connector.metadata import RequestView
-from kvrelay.connector.protocol import HOLD_BLOCKS, KVTransferParams
+from kvrelay.connector.protocol import HOLD_BLOCKS, HOLD_BRIEF_S, KVTransferParams
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.stats import Counters
@@ -90,11 +90,15 @@ def test_the_newest_hold_is_kept_even_alone_over_the_budget(
 
 
 def finish(
-    sched: ConnectorScheduler, rid: str, n_tokens: int
+    sched: ConnectorScheduler, rid: str, n_tokens: int, brief_s: float | None = None
 ) -> tuple[bool, dict[str, Any] | None]:
-    """D finishes `rid` (`n_tokens` of prompt, 4 per block) asked to hold it for a next turn."""
+    """D finishes `rid` (`n_tokens` of prompt, 4 per block) asked to hold it for a next turn
+    (`brief_s`: asked as a brief hold of that many seconds)."""
     tokens = list(range(n_tokens + 1))
-    view = RequestView(rid, f"client-{rid}", tokens[:n_tokens], tokens, {HOLD_BLOCKS: True})
+    asked: dict[str, Any] = {HOLD_BLOCKS: True}
+    if brief_s is not None:
+        asked[HOLD_BRIEF_S] = brief_s
+    view = RequestView(rid, f"client-{rid}", tokens[:n_tokens], tokens, asked)
     return sched.request_finished(view, [list(range(100, 100 + n_tokens // 4 + 1))])
 
 
@@ -126,6 +130,53 @@ def test_hold_max_fraction_sets_the_largest_hold_apart_from_the_budget(
     assert finish(sched, "five-blocks", 20)[0]  # over the budget alone, within the max
     assert not finish(sched, "nine-blocks", 36)[0]  # over the max (8 blocks)
     assert sched.stats()["holds_over_budget"] == 1
+
+
+def test_a_brief_hold_is_kept_over_the_max_for_its_short_lease_outside_the_budget(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # 40 blocks: budget and max 4 blocks, a brief hold up to half the pool (20 blocks).
+    sched = make_scheduler(num_blocks=40, lease_seconds=600.0)
+    assert finish(sched, "small", 12)[0]  # 3 blocks, within the budget
+    before = time.time()
+    delay, params = finish(sched, "large", 40, brief_s=5.0)  # 10 blocks: over the max
+    assert delay, "a brief hold keeps its blocks"
+    parsed = KVTransferParams.from_wire(params or {})
+    assert parsed is not None and not parsed.hold_declined and parsed.has_remote_blocks
+    expiry = parsed.remote_blocks_expiry_time
+    assert expiry is not None and before + 5.0 <= expiry <= time.time() + 5.0, "its lease"
+    # The budget neither counts it nor frees another hold for it.
+    assert drain(sched) == set() and sched.holds.is_held("small")
+    assert sched.holds.is_held("large")
+    stats = sched.stats()
+    assert stats["holds_brief"] == 1 and stats["holds_over_budget"] == 0
+    # Nor does a later hold push the brief one out: the budget frees only counted holds.
+    assert finish(sched, "next", 8)[0]
+    assert drain(sched) == {"small"} and sched.holds.is_held("large")
+    # Its short lease ends it.
+    assert "large" in sched.holds.reap(now=time.monotonic() + 5.0)
+
+
+def test_a_brief_hold_past_its_share_or_not_asked_brief_is_declined(
+    make_scheduler: MakeScheduler,
+) -> None:
+    sched = make_scheduler(num_blocks=40, hold_brief_max_fraction=0.25)  # 10 blocks
+    assert not finish(sched, "eleven-blocks", 44, brief_s=5.0)[0]
+    assert not finish(sched, "not-brief", 40)[0]
+    assert not finish(sched, "zero", 40, brief_s=0.0)[0]
+    assert finish(sched, "ten-blocks", 40, brief_s=5.0)[0]
+    stats = sched.stats()
+    assert stats["holds_over_budget"] == 3 and stats["holds_brief"] == 1
+
+
+def test_a_brief_holds_lease_is_never_longer_than_the_engines(
+    make_scheduler: MakeScheduler,
+) -> None:
+    sched = make_scheduler(num_blocks=40, lease_seconds=2.0)
+    params = finish(sched, "large", 40, brief_s=30.0)[1]
+    parsed = KVTransferParams.from_wire(params or {})
+    assert parsed is not None and parsed.remote_blocks_expiry_time is not None
+    assert parsed.remote_blocks_expiry_time <= time.time() + 2.0
 
 
 def test_a_p_legs_hold_is_never_declined_by_the_max(make_scheduler: MakeScheduler) -> None:

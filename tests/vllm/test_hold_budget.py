@@ -4,7 +4,9 @@ come, keeps the newest, and never lets the held blocks grow past the budget. A f
 blocks stay in vLLM's prefix cache, so the conversation's next turn still finds its history
 there (vLLM's own `local_cache_hit` counter says so). With `hold_max_fraction` at the budget's
 share a turn alone over the budget is not held at all: D says so in its params, pins nothing,
-and the next turn still finds the history in vLLM's prefix cache.
+and the next turn still finds the history in vLLM's prefix cache, unless the proxy asked the
+hold to be brief: then D keeps it (up to `hold_brief_max_fraction`, half the pool by default)
+for the seconds asked, outside the budget, and frees it when they are over.
 
 One vLLM D with kvrelay's connector (no P, no proxy): requests ask it to hold their blocks
 directly, as the proxy's decode leg does.
@@ -12,6 +14,7 @@ directly, as the proxy's decode leg does.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,6 +32,7 @@ BUDGET_FRACTION = 0.25
 BUDGET_BLOCKS = int(BUDGET_FRACTION * vllm_servers.DECODE_BLOCKS)  # the connector's rule
 FREED_BY_BUDGET = "vllm:kvrelay_freed_by_budget_total"
 OVER_BUDGET = "vllm:kvrelay_holds_over_budget_total"
+BRIEF = "vllm:kvrelay_holds_brief_total"
 LOCAL_HIT = (
     'vllm:prompt_tokens_by_source_total{engine="0",model_name="tiny",source="local_cache_hit"}'
 )
@@ -119,3 +123,33 @@ def test_a_turn_alone_over_the_budget_is_not_held_and_its_history_stays_cached(
         lambda: d.metric(LOCAL_HIT) - hit_before >= BUDGET_BLOCKS * vllm_servers.BLOCK_SIZE, 30,
         what="vLLM to count the next turn's prefix-cache hit on the unheld history",
     )  # fmt: skip
+
+
+def test_a_turn_over_the_max_asked_brief_is_held_for_its_short_lease(
+    budget_d: vllm_servers.VLLMServer,
+) -> None:
+    d = budget_d
+    # Four blocks more than the one-hold max, under half the pool.
+    ids = [5 + (11 * i) % 1000 for i in range((BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE)]
+    held_before, brief_before = _held(d), d.metric(BRIEF)
+    freed_before = d.metric(FREED_BY_BUDGET)
+    body = {**completion_body("", max_tokens=4), "prompt": ids}
+    asked = time.time()
+    status, out = d.post("/v1/completions", decode_body(body, None, None, True, "", 4.0))
+    assert status == 200, out
+    params = KVTransferParams.from_wire(out["kv_transfer_params"])
+    assert params is not None and not params.hold_declined
+    assert params.remote_block_ids and params.release_token
+    expiry = params.remote_blocks_expiry_time
+    assert expiry is not None and asked + 4.0 <= expiry <= time.time() + 4.0
+    wait_until(lambda: d.metric(BRIEF) > brief_before, 10, what="D to count the brief hold")
+    # Held whole, and no hold of the budget's was freed for it.
+    wait_until(
+        lambda: _held(d) - held_before >= BUDGET_BLOCKS + 4, 10, what="D to pin the brief hold"
+    )
+    assert d.metric(FREED_BY_BUDGET) == freed_before
+    # Its four seconds over, D frees it at its next step (a request makes one).
+    wait_until(lambda: time.time() > expiry, 10, what="the brief hold's lease to end")
+    status, out = d.post("/v1/completions", completion_body("Step.", max_tokens=2))
+    assert status == 200, out
+    wait_until(lambda: _held(d) <= held_before, 30, what="D to free the brief hold")

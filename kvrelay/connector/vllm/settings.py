@@ -21,6 +21,7 @@ EXTRA_KEYS = (
     "lease_seconds",
     "hold_budget_fraction",
     "hold_max_fraction",
+    "hold_brief_max_fraction",
     "claim_timeout_s",
     "publish_finished_params",
     "finished_params_ttl_s",
