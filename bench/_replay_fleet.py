@@ -109,6 +109,10 @@ HELD_READS = {
     "held_found": 'kvrelay_held_reads_total{result="found"}',
     "held_gone": 'kvrelay_held_reads_total{result="gone"}',
 }
+D_HOLDS = {
+    "enginesim_connector_holds_over_budget": "d_holds_declined",
+    "enginesim_connector_holds_brief": "d_holds_brief",
+}
 PULLS = "kvrelay_prefix_pulls_total"
 PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
@@ -194,6 +198,13 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
+    # No brief holds: a history over D's hold_max_fraction is never held (the default before).
+    System(
+        "kvrelay no brief holds",
+        "kvrelay",
+        "default",
+        proxy_settings=(("KVRELAY_HOLD_BRIEF_S", "0"),),
+    ),
     System("kvrelay kv events", "kvrelay", "default", kv_events=True),
     System("kvrelay kv events holds off", "kvrelay", "default", holds=False, kv_events=True),
     System(
@@ -526,6 +537,10 @@ class EngineSampler:
                     for key, value in page.items():
                         if key.startswith(prefix):
                             name = f"{role}_{key.removeprefix(prefix)}"
+                            out[name] = out.get(name, 0.0) + value
+                        elif role == "d" and key in D_HOLDS:
+                            # Holds declined as over D's max, and those kept brief instead.
+                            name = D_HOLDS[key]
                             out[name] = out.get(name, 0.0) + value
                     if role == "d" and (idle := bucket_counts(page, IDLE_BEFORE_EVICT)):
                         # d_idle_<le> per bucket bound (cumulative, le as the page writes it),

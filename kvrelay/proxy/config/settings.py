@@ -582,6 +582,17 @@ class Settings(BaseSettings):
             "one-off requests stops pinning D sooner."
         ),
     )
+    hold_brief_s: float = Field(
+        default=30.0,
+        ge=0,
+        description=(
+            "A tenant whose conversations lately answer sooner than this at the median (an "
+            "agent's loop) has D asked to keep a hold over its hold_max_fraction for this "
+            "many seconds instead of declining it (up to the connector's "
+            "hold_brief_max_fraction of D's pool, never past its lease; outside its hold "
+            "budget). 0: such holds are always declined."
+        ),
+    )
     reuse_probe_interval_s: float = Field(
         default=60.0,
         gt=0,

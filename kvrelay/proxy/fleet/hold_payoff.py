@@ -41,6 +41,14 @@ down past the cache's memory holds again at once, with no tenant-wide evidence t
 The turn weighs this only where the router can find an unheld history in D's cache
 (`Router.finds_unheld_history`: KV events followed, decode-only turns by them).
 
+A tenant whose conversations answer at once (an agent's loop: the next turn sent as the answer
+ends) also has its holds asked *brief* (`brief`): where the gaps of its last turns, from a
+turn's end to its conversation's next one (the age of each hold taken, and each unheld gap read
+back by `missed`), are shorter than `brief_s` at the median, D is asked to keep a hold over its
+`hold_max_fraction` for `brief_s` instead of declining it. Such a history is one D's unheld
+cache most often loses first, when its pool is busy: its next turn would compute it all again
+within a second of its eviction (measured: bench/RESULTS.md, "trace compare (conversation)").
+
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
 until it has shown otherwise), each following at most `MAX_PENDING` holds (the oldest dropped
@@ -50,7 +58,7 @@ undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -60,6 +68,8 @@ DECAY = 1 / 64  # each decided hold ages the counts by this share
 MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
 MAX_TENANTS = 4096
 MAX_PENDING = 4096  # holds followed per tenant
+GAPS_KEPT = 31  # the last gaps between turns a tenant's median is read from
+MIN_GAPS = 4  # gaps seen before a tenant's pace is trusted
 
 
 @dataclass(slots=True)
@@ -78,6 +88,10 @@ class _Counts:
     # conversation's next turn reads its gap back (`missed`).
     unheld: OrderedDict[Hashable, tuple[float, str]] = field(default_factory=OrderedDict)
     seen_take: bool = False  # one of the holds followed here was taken (late ones too)
+    # The latest gaps from a turn's end to its conversation's next turn, oldest first.
+    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))
+    # `brief`'s answer, worked out again only when a gap comes in.
+    soon: bool = False
     since_probe: int = 0  # turns declined since the last probe hold
     # Before this (the clock's time) no hold followed here is due to be decided or forgotten:
     # `_expire` returns at once, as it does on most turns (the oldest hold is seldom due).
@@ -86,6 +100,12 @@ class _Counts:
     def decide(self, taken: bool) -> None:
         self.decided = self.decided * (1 - DECAY) + 1
         self.taken = self.taken * (1 - DECAY) + (1 if taken else 0)
+
+    def gap(self, seconds: float, brief_s: float) -> None:
+        gaps = self.gaps
+        gaps.append(seconds)
+        if len(gaps) >= MIN_GAPS:
+            self.soon = sorted(gaps)[len(gaps) // 2] < brief_s
 
     def patience(self, floor_s: float, ttl_s: float) -> float:
         """How long a hold waits for its take: `floor_s` until the tenant has shown a take,
@@ -100,6 +120,7 @@ class HoldPayoff:
     min_use: float
     patience_s: float  # the least a hold waits for its take before it counts as unused
     ttl_s: float  # the most: no turn can take a hold after the conversation TTL
+    brief_s: float = 0.0  # a tenant's median gap under this: its holds asked brief (0: never)
     clock: Callable[[], float] = time.monotonic
     _tenants: OrderedDict[str, _Counts] = field(default_factory=OrderedDict)
 
@@ -126,6 +147,13 @@ class HoldPayoff:
             return True
         metrics.HOLD_DECISIONS.labels("declined").inc()
         return False
+
+    def brief(self, tenant: str) -> float | None:
+        """The lease to ask D for a hold of `tenant`'s over its `hold_max_fraction`, `brief_s`,
+        where the tenant's conversations lately answer sooner than that at the median (see the
+        module's docstring); None: not asked (such a hold is declined)."""
+        counts = self._tenants.get(tenant)
+        return self.brief_s if counts is not None and counts.soon else None
 
     def unpaid(self, tenant: str) -> list[Hashable]:
         """The keys of `tenant`'s holds counted unused, while its holds do not pay: to give
@@ -167,7 +195,10 @@ class HoldPayoff:
         if made is None:
             return None
         counts.seen_take = True
-        return self.clock() - made
+        age = self.clock() - made
+        if self.brief_s > 0:
+            counts.gap(age, self.brief_s)
+        return age
 
     def used(self, tenant: str, read: bool, cache_kept: bool = False) -> None:
         """The turn of `tenant` that took a hold (`taken`) is served: decided taken when an
@@ -184,10 +215,11 @@ class HoldPayoff:
         self._counts(tenant).decide(taken=paid)
 
     def unheld(self, tenant: str, key: Hashable, url: str) -> None:
-        """A turn of `tenant` that could have held under `key` ended without a hold, served by
-        the D at `url`: its conversation's next turn learns its gap from it (`missed`)."""
-        if self.min_use <= 0:
-            return  # every turn holds: no gap is ever asked for
+        """A turn of `tenant` that could have held under `key` ended without a hold (not asked,
+        or D declined it), served by the D at `url`: its conversation's next turn learns its gap
+        from it (`missed`)."""
+        if self.min_use <= 0 and self.brief_s <= 0:
+            return  # every turn holds and none is brief: no gap is ever asked for
         counts = self._counts(tenant)
         unheld, now = counts.unheld, self.clock()
         unheld.pop(key, None)
@@ -208,7 +240,12 @@ class HoldPayoff:
             counts.seen_take = True
             counts.decide(taken=True)
         last = counts.unheld.pop(key, None)
-        return None if last is None else (self.clock() - last[0], last[1])
+        if last is None:
+            return None
+        gap = self.clock() - last[0]
+        if self.brief_s > 0:
+            counts.gap(gap, self.brief_s)
+        return gap, last[1]
 
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept

@@ -265,7 +265,7 @@ class Router:
         prefixes = PrefixIndex(ttl, s.prefix_index_max_entries) if s.prefix_routing else None
         object.__setattr__(self, "prefixes", prefixes)
         object.__setattr__(self, "blocks", BlockIndex(s.kv_events_max_blocks) if events else None)
-        holds = HoldPayoff(s.hold_min_use, s.hold_judge_s, s.conversation_ttl_s)
+        holds = HoldPayoff(s.hold_min_use, s.hold_judge_s, s.conversation_ttl_s, s.hold_brief_s)
         object.__setattr__(self, "holds", holds)
         wait_s = s.prefix_wait_max_s if s.prefix_routing else 0.0
         min_chars = s.prefix_pull_min_tokens * _DEFAULT_CHARS_PER_TOKEN

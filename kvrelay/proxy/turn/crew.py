@@ -69,6 +69,7 @@ class TurnCrew:
                 turn_settings,
                 fleet.side_channel_of,
                 router.holds.made,
+                router.holds.unheld,
             ),
         )
 

@@ -309,6 +309,7 @@ class TurnReport:
             "conversation": conversation_hash(ctx.lookup_key),
             "stored_as": conversation_hash(ctx.store_key) if self.hold else None,
             "lookup": self.reuse,
+            "routing": self.routing,
             "tokens_offered": self.tokens_offered,
             "tokens_reused": accounts.settled.reused if accounts.settled is not None else None,
             "prefilled_by": accounts.prefilled_by,

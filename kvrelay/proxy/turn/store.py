@@ -48,6 +48,10 @@ class Storing:
     # Told once an entry is in the map (tenant, key): from then on the next turn can take the
     # hold (`HoldPayoff.made`: a hold's patience counts from here).
     stored: Callable[[str, ConversationKey], None]
+    # Told when D declined the hold (tenant, key, D's URL): the next turn reads the gap since
+    # (`HoldPayoff.unheld`, then `missed`), so a tenant learns its pace from turns over D's max
+    # too (`HoldPayoff.brief`).
+    declined: Callable[[str, ConversationKey, str], None]
 
 
 class Store:
@@ -90,6 +94,7 @@ class Store:
             # D kept nothing: the turn alone is over its hold_max_fraction of the pool.
             if key is not None and hold:
                 report.hold_declined()
+                storing.declined(ctx.tenant, key, backend.url)
             return
         stock = not params.release_token and not params.remote_block_hashes
         if key is None or not hold:
