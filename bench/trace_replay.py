@@ -78,6 +78,7 @@ def _defaults() -> dict[str, float]:
         "entry_safety_margin_s": default(Settings, "entry_safety_margin_s"),
         "prefix_index_ttl_s": default(Settings, "prefix_index_ttl_s"),
         "hold_judge_s": default(Settings, "hold_judge_s"),
+        "hold_brief_s": default(Settings, "hold_brief_s"),
     }
 
 
@@ -95,6 +96,10 @@ def scaled_settings(scale: float, lease_s: float | None = None) -> dict[str, Any
             "KVRELAY_ENTRY_SAFETY_MARGIN_S": f"{base['entry_safety_margin_s'] / scale:g}",
             "KVRELAY_PREFIX_INDEX_TTL_S": f"{base['prefix_index_ttl_s'] / scale:g}",
             "KVRELAY_HOLD_JUDGE_S": f"{base['hold_judge_s'] / scale:g}",
+            # What counts as an answer at once is a think time (D's brief lease is not scaled:
+            # it also covers the reader's queue, which runs in real time; D's scaled lease caps
+            # it).
+            "KVRELAY_HOLD_BRIEF_S": f"{base['hold_brief_s'] / scale:g}",
         },
         "enginesim_args": ["--lease-seconds", f"{lease:g}"],
         "vllm_kv_connector_extra_config": {"lease_seconds": float(f"{lease:g}")},

@@ -74,7 +74,7 @@ class HoldEntry:
     next_turn: bool = False
     # Whose hold it is (the proxy's `hold_owner`: a tenant), for the fair share of the budget.
     owner: str = ""
-    # A brief hold (the proxy's `hold_brief_s`): over the share one hold may pin, bounded by its
+    # A brief hold (the proxy's `hold_brief`): over the share one hold may pin, bounded by its
     # short lease instead of the budget, which neither counts nor frees it.
     brief: bool = False
 

@@ -44,8 +44,8 @@ HOLD_BLOCKS = "hold_blocks"
 HOLD_OWNER = "hold_owner"
 # Asked by the proxy with `hold_blocks` where the conversation's next turn is expected within
 # seconds (an agent's loop answering at once): a hold over `hold_max_fraction` of the pool is
-# then kept for at most this many seconds instead of declined, up to `hold_brief_max_fraction`.
-HOLD_BRIEF_S = "hold_brief_s"
+# then kept for `hold_brief_lease_s` instead of declined, up to `hold_brief_max_fraction`.
+HOLD_BRIEF = "hold_brief"
 # Set by a holder on the params of a turn it was asked to hold and did not: the turn alone is
 # over its `hold_max_fraction` of the pool (its blocks stay in the prefix cache, unpinned).
 HOLD_DECLINED = "hold_declined"
@@ -166,7 +166,7 @@ class KVTransferParams(BaseModel):
     release_token: StrictStr | None = None
     hold_blocks: StrictBool = False
     hold_owner: StrictStr | None = None
-    hold_brief_s: StrictFloat | None = None  # used only when > 0
+    hold_brief: StrictBool = False
     hold_declined: StrictBool = False
     remote_url: StrictStr | None = None
     remote_prefill_cached_tokens: StrictInt | None = None

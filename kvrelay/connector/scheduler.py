@@ -458,10 +458,9 @@ class ConnectorScheduler:
         if self._hold_max is not None and nblocks > self._hold_max and not params.do_remote_decode:
             # Over the share one hold may pin: kept only as a brief hold, where the proxy expects
             # the next turn within seconds, and within the larger share such a hold may pin.
-            asked = params.hold_brief_s
-            if asked is None or asked <= 0 or self._brief_max is None or nblocks > self._brief_max:
+            if not params.hold_brief or self._brief_max is None or nblocks > self._brief_max:
                 return False, self._declined(req, report)
-            lease, brief = min(lease, asked), True
+            lease, brief = min(lease, self.config.hold_brief_lease_s), True
             self.counters.inc("holds_brief")
         num_tokens = min(num_tokens, nblocks * bs)
         held = [list(group[:nblocks])]

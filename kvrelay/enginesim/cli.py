@@ -164,6 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the KV pool one hold the proxy asked to be brief may pin "
         "(default: the connector's)",
     )
+    p.add_argument(
+        "--hold-brief-lease-s",
+        type=float,
+        help="seconds D keeps such a brief hold, never past --lease-seconds "
+        "(default: the connector's)",
+    )
     p.add_argument("--handshake-timeout", type=float, default=5.0)
     p.add_argument(
         "--claim-timeout",
@@ -212,6 +218,7 @@ _CONNECTOR_OPTIONS = (
     "hold_budget_fraction",
     "hold_max_fraction",
     "hold_brief_max_fraction",
+    "hold_brief_lease_s",
     "publish_finished_params",
 )
 _ENGINE_OPTIONS = (

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from kvrelay.connector.config import ConnectorConfig
 from kvrelay.connector.holds import FreeReason, HoldEntry, HoldTable
 from kvrelay.connector.metadata import RequestView
-from kvrelay.connector.protocol import HOLD_BLOCKS, HOLD_BRIEF_S, KVTransferParams
+from kvrelay.connector.protocol import HOLD_BLOCKS, HOLD_BRIEF, KVTransferParams
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.connector.stats import Counters
@@ -90,14 +90,14 @@ def test_the_newest_hold_is_kept_even_alone_over_the_budget(
 
 
 def finish(
-    sched: ConnectorScheduler, rid: str, n_tokens: int, brief_s: float | None = None
+    sched: ConnectorScheduler, rid: str, n_tokens: int, brief: bool = False
 ) -> tuple[bool, dict[str, Any] | None]:
     """D finishes `rid` (`n_tokens` of prompt, 4 per block) asked to hold it for a next turn
-    (`brief_s`: asked as a brief hold of that many seconds)."""
+    (`brief`: as a brief hold)."""
     tokens = list(range(n_tokens + 1))
     asked: dict[str, Any] = {HOLD_BLOCKS: True}
-    if brief_s is not None:
-        asked[HOLD_BRIEF_S] = brief_s
+    if brief:
+        asked[HOLD_BRIEF] = True
     view = RequestView(rid, f"client-{rid}", tokens[:n_tokens], tokens, asked)
     return sched.request_finished(view, [list(range(100, 100 + n_tokens // 4 + 1))])
 
@@ -136,10 +136,10 @@ def test_a_brief_hold_is_kept_over_the_max_for_its_short_lease_outside_the_budge
     make_scheduler: MakeScheduler,
 ) -> None:
     # 40 blocks: budget and max 4 blocks, a brief hold up to half the pool (20 blocks).
-    sched = make_scheduler(num_blocks=40, lease_seconds=600.0)
+    sched = make_scheduler(num_blocks=40, lease_seconds=600.0, hold_brief_lease_s=5.0)
     assert finish(sched, "small", 12)[0]  # 3 blocks, within the budget
     before = time.time()
-    delay, params = finish(sched, "large", 40, brief_s=5.0)  # 10 blocks: over the max
+    delay, params = finish(sched, "large", 40, brief=True)  # 10 blocks: over the max
     assert delay, "a brief hold keeps its blocks"
     parsed = KVTransferParams.from_wire(params or {})
     assert parsed is not None and not parsed.hold_declined and parsed.has_remote_blocks
@@ -161,19 +161,18 @@ def test_a_brief_hold_past_its_share_or_not_asked_brief_is_declined(
     make_scheduler: MakeScheduler,
 ) -> None:
     sched = make_scheduler(num_blocks=40, hold_brief_max_fraction=0.25)  # 10 blocks
-    assert not finish(sched, "eleven-blocks", 44, brief_s=5.0)[0]
+    assert not finish(sched, "eleven-blocks", 44, brief=True)[0]
     assert not finish(sched, "not-brief", 40)[0]
-    assert not finish(sched, "zero", 40, brief_s=0.0)[0]
-    assert finish(sched, "ten-blocks", 40, brief_s=5.0)[0]
+    assert finish(sched, "ten-blocks", 40, brief=True)[0]
     stats = sched.stats()
-    assert stats["holds_over_budget"] == 3 and stats["holds_brief"] == 1
+    assert stats["holds_over_budget"] == 2 and stats["holds_brief"] == 1
 
 
 def test_a_brief_holds_lease_is_never_longer_than_the_engines(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=40, lease_seconds=2.0)
-    params = finish(sched, "large", 40, brief_s=30.0)[1]
+    sched = make_scheduler(num_blocks=40, lease_seconds=2.0)  # brief lease: 30 s by default
+    params = finish(sched, "large", 40, brief=True)[1]
     parsed = KVTransferParams.from_wire(params or {})
     assert parsed is not None and parsed.remote_blocks_expiry_time is not None
     assert parsed.remote_blocks_expiry_time <= time.time() + 2.0

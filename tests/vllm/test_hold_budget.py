@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -30,6 +31,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 BUDGET_FRACTION = 0.25
 BUDGET_BLOCKS = int(BUDGET_FRACTION * vllm_servers.DECODE_BLOCKS)  # the connector's rule
+BRIEF_LEASE_S = 4.0  # how long D keeps a brief hold
 FREED_BY_BUDGET = "vllm:kvrelay_freed_by_budget_total"
 OVER_BUDGET = "vllm:kvrelay_holds_over_budget_total"
 BRIEF = "vllm:kvrelay_holds_brief_total"
@@ -42,7 +44,10 @@ LOCAL_HIT = (
 def budget_d(tiny_model: Path) -> Iterator[vllm_servers.VLLMServer]:
     side = free_port()
     config = vllm_servers.kvrelay_transfer_config(
-        side, hold_budget_fraction=BUDGET_FRACTION, hold_max_fraction=BUDGET_FRACTION
+        side,
+        hold_budget_fraction=BUDGET_FRACTION,
+        hold_max_fraction=BUDGET_FRACTION,
+        hold_brief_lease_s=BRIEF_LEASE_S,
     )
     d = vllm_servers.VLLMServer(
         "budget-D", tiny_model, 1, config, side_channel_port=side,
@@ -99,18 +104,29 @@ def test_holds_past_the_budget_free_the_oldest_and_the_history_stays_cached(
     )  # fmt: skip
 
 
+def _over_the_max(
+    d: vllm_servers.VLLMServer, seed: int, brief: bool
+) -> tuple[dict[str, Any], KVTransferParams]:
+    """A decode-only turn four blocks over the budget and the one-hold max (token ids: their
+    count is exact whatever the tokenizer), under half the pool, asking D to hold it (`brief`:
+    as a brief hold): its body and D's params."""
+    size = (BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE
+    ids = [seed + (7 * i + seed) % 1000 for i in range(size)]
+    body = {**completion_body("", max_tokens=4), "prompt": ids}
+    status, out = d.post("/v1/completions", decode_body(body, None, None, True, "", brief))
+    assert status == 200, out
+    params = KVTransferParams.from_wire(out["kv_transfer_params"])
+    assert params is not None
+    return body, params
+
+
 def test_a_turn_alone_over_the_budget_is_not_held_and_its_history_stays_cached(
     budget_d: vllm_servers.VLLMServer,
 ) -> None:
     d = budget_d
-    # Four blocks more than the budget (token ids: their count is exact whatever the tokenizer).
-    ids = [3 + (7 * i) % 1000 for i in range((BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE)]
     held_before, over_before = _held(d), d.metric(OVER_BUDGET)
-    body = {**completion_body("", max_tokens=4), "prompt": ids}
-    status, out = d.post("/v1/completions", decode_body(body, None, None, hold=True))
-    assert status == 200, out
-    params = KVTransferParams.from_wire(out["kv_transfer_params"])
-    assert params is not None
+    body, params = _over_the_max(d, 3, False)
+    ids = body["prompt"]
     assert params.hold_declined is True and params.kvr_prompt_tokens == len(ids)
     assert not params.remote_block_ids and not params.release_token
     wait_until(lambda: d.metric(OVER_BUDGET) > over_before, 10, what="D to count the decline")
@@ -129,26 +145,21 @@ def test_a_turn_over_the_max_asked_brief_is_held_for_its_short_lease(
     budget_d: vllm_servers.VLLMServer,
 ) -> None:
     d = budget_d
-    # Four blocks more than the one-hold max, under half the pool.
-    ids = [5 + (11 * i) % 1000 for i in range((BUDGET_BLOCKS + 4) * vllm_servers.BLOCK_SIZE)]
     held_before, brief_before = _held(d), d.metric(BRIEF)
     freed_before = d.metric(FREED_BY_BUDGET)
-    body = {**completion_body("", max_tokens=4), "prompt": ids}
     asked = time.time()
-    status, out = d.post("/v1/completions", decode_body(body, None, None, True, "", 4.0))
-    assert status == 200, out
-    params = KVTransferParams.from_wire(out["kv_transfer_params"])
-    assert params is not None and not params.hold_declined
+    params = _over_the_max(d, 5, True)[1]
+    assert not params.hold_declined
     assert params.remote_block_ids and params.release_token
     expiry = params.remote_blocks_expiry_time
-    assert expiry is not None and asked + 4.0 <= expiry <= time.time() + 4.0
+    assert expiry is not None and asked + BRIEF_LEASE_S <= expiry <= time.time() + BRIEF_LEASE_S
     wait_until(lambda: d.metric(BRIEF) > brief_before, 10, what="D to count the brief hold")
     # Held whole, and no hold of the budget's was freed for it.
     wait_until(
         lambda: _held(d) - held_before >= BUDGET_BLOCKS + 4, 10, what="D to pin the brief hold"
     )
     assert d.metric(FREED_BY_BUDGET) == freed_before
-    # Its four seconds over, D frees it at its next step (a request makes one).
+    # Its lease over, D frees it at its next step (a request makes one).
     wait_until(lambda: time.time() > expiry, 10, what="the brief hold's lease to end")
     status, out = d.post("/v1/completions", completion_body("Step.", max_tokens=2))
     assert status == 200, out

@@ -22,6 +22,7 @@ EXTRA_KEYS = (
     "hold_budget_fraction",
     "hold_max_fraction",
     "hold_brief_max_fraction",
+    "hold_brief_lease_s",
     "claim_timeout_s",
     "publish_finished_params",
     "finished_params_ttl_s",

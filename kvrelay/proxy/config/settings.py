@@ -587,10 +587,10 @@ class Settings(BaseSettings):
         ge=0,
         description=(
             "A tenant whose conversations lately answer sooner than this at the median (an "
-            "agent's loop) has D asked to keep a hold over its hold_max_fraction for this "
-            "many seconds instead of declining it (up to the connector's "
-            "hold_brief_max_fraction of D's pool, never past its lease; outside its hold "
-            "budget). 0: such holds are always declined."
+            "agent's loop) has D asked to keep a hold over its hold_max_fraction as a brief "
+            "hold instead of declining it (D keeps it for its hold_brief_lease_s, up to its "
+            "hold_brief_max_fraction of the pool, outside its hold budget). 0: such holds are "
+            "always declined."
         ),
     )
     reuse_probe_interval_s: float = Field(

@@ -45,9 +45,9 @@ A tenant whose conversations answer at once (an agent's loop: the next turn sent
 ends) also has its holds asked *brief* (`brief`): where the gaps of its last turns, from a
 turn's end to its conversation's next one (the age of each hold taken, and each unheld gap read
 back by `missed`), are shorter than `brief_s` at the median, D is asked to keep a hold over its
-`hold_max_fraction` for `brief_s` instead of declining it. Such a history is one D's unheld
-cache most often loses first, when its pool is busy: its next turn would compute it all again
-within a second of its eviction (measured: bench/RESULTS.md, "trace compare (conversation)").
+`hold_max_fraction` as a brief hold (for its `hold_brief_lease_s`) instead of declining it. Such a
+history is one a busy D's unheld cache loses within seconds, and its next turn would compute it
+all again (measured: bench/RESULTS.md, "trace compare (conversation)").
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -148,12 +148,12 @@ class HoldPayoff:
         metrics.HOLD_DECISIONS.labels("declined").inc()
         return False
 
-    def brief(self, tenant: str) -> float | None:
-        """The lease to ask D for a hold of `tenant`'s over its `hold_max_fraction`, `brief_s`,
-        where the tenant's conversations lately answer sooner than that at the median (see the
-        module's docstring); None: not asked (such a hold is declined)."""
+    def brief(self, tenant: str) -> bool:
+        """Whether D is asked to keep a hold of `tenant`'s over its `hold_max_fraction` as a
+        brief hold: the tenant's conversations lately answer sooner than `brief_s` at the median
+        (see the module's docstring). False: such a hold is declined."""
         counts = self._tenants.get(tenant)
-        return self.brief_s if counts is not None and counts.soon else None
+        return counts is not None and counts.soon
 
     def unpaid(self, tenant: str) -> list[Hashable]:
         """The keys of `tenant`'s holds counted unused, while its holds do not pay: to give

@@ -90,13 +90,13 @@ class DecodeLeg:
         hold: bool,
         decode_tokens: int | None,
         prompt: PromptPrefixes | None = None,
-        brief_s: float | None = None,
+        brief: bool = False,
     ) -> Served:
         """The first D that answers 2xx, its answer open until the turn leaves `with served:`
         (closed when the block raises: that tells D to stop). `p_params`: the blocks D reads
         from the P at `p_url` (P's prefill, or on a spill a prefix pinned there; None: D
         prefills alone); `first`: the D to try first (the conversation's holder, or a spill's
-        D); `hold`: ask D to hold for a next turn (`brief_s`: over its max, for that long);
+        D); `hold`: ask D to hold for a next turn (`brief`: over its max, briefly);
         `decode_tokens`: D's own prefill work on a
         turn that skipped P (counted against D's budget); `prompt`: the prompt with its token
         ids when the KV events' index wants them (`Router.sent_to`). A plain coroutine and a
@@ -121,7 +121,7 @@ class DecodeLeg:
             # Never params naming D's own blocks: a read from itself is no read.
             own = p_params is not None and backend.url == p_url
             reads = None if own else p_params
-            body = decode_body(ctx.body, reads, p_url, d_hold, ctx.tenant, brief_s)
+            body = decode_body(ctx.body, reads, p_url, d_hold, ctx.tenant, brief)
             payload = jsoncodec.dumps(body)
             start = time.monotonic()
             # D's outstanding work: 1 per request, plus the prompt tokens of a decode-only

@@ -15,7 +15,7 @@ from kvrelay.connector.protocol import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
     HOLD_BLOCKS,
-    HOLD_BRIEF_S,
+    HOLD_BRIEF,
     HOLD_OWNER,
     KV_TRANSFER_PARAMS,
     REMOTE_BLOCK_IDS,
@@ -65,12 +65,12 @@ def decode_body(
     prefill_url: str | None,
     hold: bool,
     owner: str = "",
-    brief_s: float | None = None,
+    brief: bool = False,
 ) -> dict[str, Any]:
     """D's request: the client's, with P's params (parsed where P's answer came in; none:
     decode-only) and `hold_blocks` with the hold's `owner` (the tenant: D shares its hold
-    budget fairly among owners) and, with `brief_s`, `hold_brief_s` (a hold over D's max is
-    kept that long instead of declined)."""
+    budget fairly among owners) and, with `brief`, `hold_brief` (a hold over D's max is kept
+    for D's brief lease instead of declined)."""
     out = strip_connector_fields(dict(body))
     params: dict[str, Any] = {}
     # The model's own set of given fields and its extras (pinned in tests/test_private_apis.py):
@@ -86,8 +86,8 @@ def decode_body(
         params[HOLD_BLOCKS] = True
         if owner:
             params[HOLD_OWNER] = owner
-        if brief_s:
-            params[HOLD_BRIEF_S] = float(brief_s)
+        if brief:
+            params[HOLD_BRIEF] = True
     if params:
         out[KV_TRANSFER_PARAMS] = params
     return out

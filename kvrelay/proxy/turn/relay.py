@@ -54,7 +54,7 @@ class Turn:
     entry: KVEntry | None = None  # the conversation's entry, taken from the map and usable
     plan: Plan | None = None  # the routing policy's plan
     hold: bool = False  # D is asked to hold its blocks for a next turn
-    _brief_s: float | None = None  # ... and to keep it over its max for that long (`brief`)
+    _brief: bool = False  # ... and to keep it over its max briefly (`HoldPayoff.brief`)
     _hold_age: float | None = None  # the taken entry's hold's age (`HoldPayoff.taken`)
     prefill: PrefillAnswer | None = None  # P's answer; None: no P (decode-only, or none answered)
     routing: str | None = None  # the routing decision, as reported (`usage.kvrelay.routing`)
@@ -123,7 +123,7 @@ class Turn:
                 and holds.worth_holding(ctx.tenant, sooner)
             )
             if self.hold:
-                self._brief_s = holds.brief(ctx.tenant)
+                self._brief = holds.brief(ctx.tenant)
             crew.give_back(holds.unpaid(ctx.tenant))
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
@@ -289,7 +289,7 @@ class Turn:
                 self.hold,
                 plan.decode_tokens,
                 self._prompt,
-                self._brief_s,
+                self._brief,
             )
             lead = self._lead
             if lead is not None and ctx.stream:
