@@ -72,12 +72,13 @@ class ConnectorConfig(BaseModel):
     # holds from 11-16% to 5-6% ("One hold no larger than D's hold budget", runs K and L).
     hold_max_fraction: float = Field(default=0.1, gt=0, le=1)
     # A hold the proxy asks to be brief (`hold_brief`: the conversation answers at once, as an
-    # agent's loop does) is kept over `hold_max_fraction`, up to this share of the pool, for
-    # `hold_brief_lease_s` (never past the lease); the budget neither counts nor frees it (its
-    # short lease bounds it; block pressure still reclaims it). Declined past this share.
-    # Measured on the conversation trace (bench/RESULTS.md, "trace compare (conversation)").
+    # agent's loop does) is kept over `hold_max_fraction` for `hold_brief_lease_s` (never past
+    # the lease). Brief holds pin at most this share of the pool together (past it the least
+    # recently used go, reason `budget`; one alone past it is declined); the hold budget neither
+    # counts nor frees them, and block pressure still reclaims them. Measured on the
+    # conversation trace (bench/RESULTS.md, "trace compare (conversation)").
     hold_brief_max_fraction: float = Field(default=0.5, gt=0, le=1)
-    hold_brief_lease_s: float = Field(default=30.0, gt=0)
+    hold_brief_lease_s: float = Field(default=10.0, gt=0)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

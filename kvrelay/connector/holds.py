@@ -75,7 +75,8 @@ class HoldEntry:
     # Whose hold it is (the proxy's `hold_owner`: a tenant), for the fair share of the budget.
     owner: str = ""
     # A brief hold (the proxy's `hold_brief`): over the share one hold may pin, bounded by its
-    # short lease instead of the budget, which neither counts nor frees it.
+    # short lease and a share of its own instead of the budget, which neither counts nor frees
+    # it.
     brief: bool = False
 
     @property
@@ -233,9 +234,16 @@ class HoldTable:
                 freed += gain
         return freed
 
-    def trim(self, max_blocks: int, keep: str | None = None, now: float | None = None) -> int:
+    def trim(
+        self,
+        max_blocks: int,
+        keep: str | None = None,
+        now: float | None = None,
+        brief: bool = False,
+    ) -> int:
         """Free unpinned next-turn holds until the live ones pin `max_blocks` blocks at most;
-        returns the blocks queued.
+        returns the blocks queued. The budget's holds, or with `brief` the brief ones (their
+        own bound: `hold_brief_max_fraction`).
 
         From the owner that pins the most blocks first (see the module docstring), and each
         owner's least recently used first: a hold is used last when its turn finishes, and a
@@ -252,7 +260,7 @@ class HoldTable:
             live = [
                 e
                 for e in self._entries.values()
-                if e.freeing is None and e.next_turn and not e.brief
+                if e.freeing is None and e.next_turn and e.brief == brief
             ]
             excess = sum(e.num_blocks for e in live) - max_blocks
             if excess <= 0:

@@ -106,7 +106,7 @@ class ConnectorScheduler:
         self._compat = config.compat_hash()
         self._hold_budget: int | None = None
         self._hold_max: int | None = None  # the most blocks one next-turn hold may pin
-        self._brief_max: int | None = None  # ... and one the proxy asked to be brief
+        self._brief_max: int | None = None  # ... and brief holds, one or together
         if num_blocks is not None:
             if config.hold_budget_fraction < 1.0:
                 self._hold_budget = int(config.hold_budget_fraction * num_blocks)
@@ -495,7 +495,10 @@ class ConnectorScheduler:
             **report.to_params(),
         ).to_wire()
         self.holds.add(entry)
-        if self._hold_budget is not None and entry.next_turn and not brief:
+        if brief and self._brief_max is not None:
+            # Brief holds have a bound of their own: the oldest go past it.
+            self.holds.trim(self._brief_max, keep=rid, brief=True)
+        elif self._hold_budget is not None and entry.next_turn:
             # Frees go out with the next step's metadata, as a reclaim's or an expiry's do.
             self.holds.trim(self._hold_budget, keep=rid)
         self._new_holds[rid] = out[REMOTE_BLOCKS_EXPIRY_TIME]

@@ -168,10 +168,25 @@ def test_a_brief_hold_past_its_share_or_not_asked_brief_is_declined(
     assert stats["holds_over_budget"] == 2 and stats["holds_brief"] == 1
 
 
+def test_brief_holds_together_stay_within_their_share_the_oldest_going_first(
+    make_scheduler: MakeScheduler,
+) -> None:
+    # 40 blocks: brief holds may pin 20 together; each of these is 8 blocks.
+    sched = make_scheduler(num_blocks=40, hold_brief_max_fraction=0.5)
+    assert finish(sched, "small", 12)[0]  # a budget's hold: not a brief hold's to free
+    for rid in ("b0", "b1"):
+        assert finish(sched, rid, 32, brief=True)[0]
+    assert drain(sched) == set()
+    assert finish(sched, "b2", 32, brief=True)[0]
+    assert drain(sched) == {"b0"}
+    assert all(sched.holds.is_held(r) for r in ("small", "b1", "b2"))
+    assert sched.stats()["freed_by_budget"] == 1
+
+
 def test_a_brief_holds_lease_is_never_longer_than_the_engines(
     make_scheduler: MakeScheduler,
 ) -> None:
-    sched = make_scheduler(num_blocks=40, lease_seconds=2.0)  # brief lease: 30 s by default
+    sched = make_scheduler(num_blocks=40, lease_seconds=2.0, hold_brief_lease_s=30.0)
     params = finish(sched, "large", 40, brief=True)[1]
     parsed = KVTransferParams.from_wire(params or {})
     assert parsed is not None and parsed.remote_blocks_expiry_time is not None
