@@ -586,11 +586,11 @@ class Settings(BaseSettings):
         default=30.0,
         ge=0,
         description=(
-            "A tenant whose conversations lately answer sooner than this at the median (an "
-            "agent's loop) has D asked to keep a hold over its hold_max_fraction as a brief "
-            "hold instead of declining it (D keeps it for its hold_brief_lease_s, up to its "
-            "hold_brief_max_fraction of the pool, outside its hold budget). 0: such holds are "
-            "always declined."
+            "A later turn whose conversation came back sooner than this since its last turn "
+            "(an agent's loop) has D asked to keep its hold over D's hold_max_fraction as a "
+            "brief hold instead of declining it (D keeps it for its hold_brief_lease_s, brief "
+            "holds together within its hold_brief_max_fraction of the pool, outside its hold "
+            "budget). 0: such holds are always declined."
         ),
     )
     reuse_probe_interval_s: float = Field(

@@ -41,13 +41,14 @@ down past the cache's memory holds again at once, with no tenant-wide evidence t
 The turn weighs this only where the router can find an unheld history in D's cache
 (`Router.finds_unheld_history`: KV events followed, decode-only turns by them).
 
-A tenant whose conversations answer at once (an agent's loop: the next turn sent as the answer
-ends) also has its holds asked *brief* (`brief`): where the gaps of its last turns, from a
-turn's end to its conversation's next one (the age of each hold taken, and each unheld gap read
-back by `missed`), are shorter than `brief_s` at the median, D is asked to keep a hold over its
-`hold_max_fraction` as a brief hold (for its `hold_brief_lease_s`) instead of declining it. Such a
-history is one a busy D's unheld cache loses within seconds, and its next turn would compute it
-all again (measured: bench/RESULTS.md, "trace compare (conversation)").
+A conversation that answers at once (an agent's loop: the next turn sent as the answer ends)
+also has its holds asked *brief* (`brief`): where its last gap, from its last turn's end to this
+turn (the age of the hold this turn took, or the time since its last turn ended unheld or with
+its hold declined, read back by `missed`), is shorter than `brief_s`, D is asked to keep a hold
+over its `hold_max_fraction` as a brief hold (for its `hold_brief_lease_s`) instead of declining
+it. Such a history is one a busy D's unheld cache loses within seconds, and its next turn would
+compute it all again (measured: bench/RESULTS.md, "trace compare (conversation)"). A first turn
+has shown no pace and is not asked: most conversations end after their first turn.
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
@@ -58,7 +59,7 @@ undecided). Decisions are counted in `kvrelay_hold_decisions_total{decision}`.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
@@ -68,8 +69,6 @@ DECAY = 1 / 64  # each decided hold ages the counts by this share
 MIN_EVIDENCE = 16.0  # decided holds (decayed) before a tenant's share is trusted
 MAX_TENANTS = 4096
 MAX_PENDING = 4096  # holds followed per tenant
-GAPS_KEPT = 31  # the last gaps between turns a tenant's median is read from
-MIN_GAPS = 4  # gaps seen before a tenant's pace is trusted
 
 
 @dataclass(slots=True)
@@ -88,10 +87,6 @@ class _Counts:
     # conversation's next turn reads its gap back (`missed`).
     unheld: OrderedDict[Hashable, tuple[float, str]] = field(default_factory=OrderedDict)
     seen_take: bool = False  # one of the holds followed here was taken (late ones too)
-    # The latest gaps from a turn's end to its conversation's next turn, oldest first.
-    gaps: deque[float] = field(default_factory=lambda: deque(maxlen=GAPS_KEPT))
-    # `brief`'s answer, worked out again only when a gap comes in.
-    soon: bool = False
     since_probe: int = 0  # turns declined since the last probe hold
     # Before this (the clock's time) no hold followed here is due to be decided or forgotten:
     # `_expire` returns at once, as it does on most turns (the oldest hold is seldom due).
@@ -100,12 +95,6 @@ class _Counts:
     def decide(self, taken: bool) -> None:
         self.decided = self.decided * (1 - DECAY) + 1
         self.taken = self.taken * (1 - DECAY) + (1 if taken else 0)
-
-    def gap(self, seconds: float, brief_s: float) -> None:
-        gaps = self.gaps
-        gaps.append(seconds)
-        if len(gaps) >= MIN_GAPS:
-            self.soon = sorted(gaps)[len(gaps) // 2] < brief_s
 
     def patience(self, floor_s: float, ttl_s: float) -> float:
         """How long a hold waits for its take: `floor_s` until the tenant has shown a take,
@@ -120,7 +109,7 @@ class HoldPayoff:
     min_use: float
     patience_s: float  # the least a hold waits for its take before it counts as unused
     ttl_s: float  # the most: no turn can take a hold after the conversation TTL
-    brief_s: float = 0.0  # a tenant's median gap under this: its holds asked brief (0: never)
+    brief_s: float = 0.0  # a conversation's last gap under this: its hold asked brief (0: never)
     clock: Callable[[], float] = time.monotonic
     _tenants: OrderedDict[str, _Counts] = field(default_factory=OrderedDict)
 
@@ -148,12 +137,11 @@ class HoldPayoff:
         metrics.HOLD_DECISIONS.labels("declined").inc()
         return False
 
-    def brief(self, tenant: str) -> bool:
-        """Whether D is asked to keep a hold of `tenant`'s over its `hold_max_fraction` as a
-        brief hold: the tenant's conversations lately answer sooner than `brief_s` at the median
-        (see the module's docstring). False: such a hold is declined."""
-        counts = self._tenants.get(tenant)
-        return counts is not None and counts.soon
+    def brief(self, gap_s: float | None) -> bool:
+        """Whether D is asked to keep this turn's hold over its `hold_max_fraction` as a brief
+        hold: its conversation's last gap `gap_s` (None: none known, a first turn) is shorter
+        than `brief_s` (see the module's docstring). False: such a hold is declined."""
+        return gap_s is not None and gap_s < self.brief_s
 
     def unpaid(self, tenant: str) -> list[Hashable]:
         """The keys of `tenant`'s holds counted unused, while its holds do not pay: to give
@@ -195,10 +183,7 @@ class HoldPayoff:
         if made is None:
             return None
         counts.seen_take = True
-        age = self.clock() - made
-        if self.brief_s > 0:
-            counts.gap(age, self.brief_s)
-        return age
+        return self.clock() - made
 
     def used(self, tenant: str, read: bool, cache_kept: bool = False) -> None:
         """The turn of `tenant` that took a hold (`taken`) is served: decided taken when an
@@ -240,12 +225,7 @@ class HoldPayoff:
             counts.seen_take = True
             counts.decide(taken=True)
         last = counts.unheld.pop(key, None)
-        if last is None:
-            return None
-        gap = self.clock() - last[0]
-        if self.brief_s > 0:
-            counts.gap(gap, self.brief_s)
-        return gap, last[1]
+        return None if last is None else (self.clock() - last[0], last[1])
 
     def _expire(self, counts: _Counts) -> None:
         """Holds past the tenant's patience were not taken: each is decided unused (and kept

@@ -110,20 +110,22 @@ class Turn:
             # Whether the conversation's last turn came back sooner than its D's cache keeps
             # an unused block (`HoldPayoff`: then this turn does not hold either).
             sooner = False
+            gap: float | None = None  # since the conversation's last turn, where known
             if taken.entry is not None:
-                self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
+                gap = self._hold_age = holds.taken(ctx.tenant, ctx.lookup_key)
                 sooner = by_pace and self._cache_kept(taken.entry)
             elif ctx.lookup_key is not None:
                 last = holds.missed(ctx.tenant, ctx.lookup_key)
-                if by_pace and last is not None:
-                    sooner = self._sooner_than_cache(*last)
+                if last is not None:
+                    gap = last[0]
+                    sooner = by_pace and self._sooner_than_cache(*last)
             self.hold = (
                 ctx.store_key is not None
                 and taken.map_available
                 and holds.worth_holding(ctx.tenant, sooner)
             )
             if self.hold:
-                self._brief = holds.brief(ctx.tenant)
+                self._brief = holds.brief(gap)
             crew.give_back(holds.unpaid(ctx.tenant))
             if crew.router.routes_by_prefix:
                 self._prompt = ctx.shape.prefixes(ctx.body.get(CACHE_SALT) or "", ctx.body)
