@@ -78,7 +78,7 @@ class ConnectorConfig(BaseModel):
     # counts nor frees them, and block pressure still reclaims them. Measured on the
     # conversation trace (bench/RESULTS.md, "trace compare (conversation)").
     hold_brief_max_fraction: float = Field(default=0.5, gt=0, le=1)
-    hold_brief_lease_s: float = Field(default=10.0, gt=0)
+    hold_brief_lease_s: float = Field(default=5.0, gt=0)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)
