@@ -68,6 +68,7 @@ from typing import Any
 import aiohttp
 
 from bench import _common as c
+from bench import trace_replay
 from kvrelay.devtools import ServerProcess, free_port, http_ready, kv_events_args
 from kvrelay.enginesim.costs import DEFAULT_TRANSFER_LAYOUT
 from kvrelay.prometheus_text import bucket_counts, parse_samples, series_sum
@@ -331,7 +332,9 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
     d_lease = scaled if system.holds else HOLDS_OFF_LEASE_S
     p_args = [engine_args(hw, hw.unscaled_lease_s) for _ in range(n_p)]
     d_args = [engine_args(hw, d_lease, system.d_hold_max) for _ in range(hw.engines - n_p)]
+    brief = trace_replay.brief_lease_s(time_scale)
     for args in d_args:
+        args += ["--hold-brief-lease-s", f"{brief:g}"]
         # D reports how long its cache keeps an unused block (vLLM's residency histogram), which
         # the proxy weighs holds against; a twentieth of the blocks sampled (vLLM's default is
         # a hundredth) for enough evictions within a replay of a few minutes.

@@ -74,6 +74,7 @@ def _defaults() -> dict[str, float]:
 
     return {
         "lease_seconds": default(ConnectorConfig, "lease_seconds"),
+        "hold_brief_lease_s": default(ConnectorConfig, "hold_brief_lease_s"),
         "conversation_ttl_s": default(Settings, "conversation_ttl_s"),
         "entry_safety_margin_s": default(Settings, "entry_safety_margin_s"),
         "prefix_index_ttl_s": default(Settings, "prefix_index_ttl_s"),
@@ -82,12 +83,22 @@ def _defaults() -> dict[str, float]:
     }
 
 
+def brief_lease_s(scale: float) -> float:
+    """D's brief-hold lease at `scale`: the part before the proxy's safety margin covers the
+    next turn's queue on its reader, which runs in real time (not scaled); the margin is scaled
+    as the other TTLs are."""
+    base = _defaults()
+    margin = base["entry_safety_margin_s"]
+    return max(0.0, base["hold_brief_lease_s"] - margin) + margin / scale
+
+
 def scaled_settings(scale: float, lease_s: float | None = None) -> dict[str, Any]:
     """The fleet settings that keep think times and leases in proportion at `scale`."""
     base = _defaults()
     if lease_s is not None:
         base["lease_seconds"] = lease_s
     lease = base["lease_seconds"] / scale
+    brief = brief_lease_s(scale)
     return {
         "time_scale": scale,
         "unscaled": base,
@@ -101,8 +112,16 @@ def scaled_settings(scale: float, lease_s: float | None = None) -> dict[str, Any
             # it).
             "KVRELAY_HOLD_BRIEF_S": f"{base['hold_brief_s'] / scale:g}",
         },
-        "enginesim_args": ["--lease-seconds", f"{lease:g}"],
-        "vllm_kv_connector_extra_config": {"lease_seconds": float(f"{lease:g}")},
+        "enginesim_args": [
+            "--lease-seconds",
+            f"{lease:g}",
+            "--hold-brief-lease-s",
+            f"{brief:g}",
+        ],
+        "vllm_kv_connector_extra_config": {
+            "lease_seconds": float(f"{lease:g}"),
+            "hold_brief_lease_s": float(f"{brief:g}"),
+        },
     }
 
 

@@ -76,9 +76,10 @@ class ConnectorConfig(BaseModel):
     # the lease). Brief holds pin at most this share of the pool together (past it the least
     # recently used go, reason `budget`; one alone past it is declined); the hold budget neither
     # counts nor frees them, and block pressure still reclaims them. Measured on the
-    # conversation trace (bench/RESULTS.md, "trace compare (conversation)").
+    # conversation trace (bench/RESULTS.md, "trace compare (conversation)"). The proxy uses no
+    # hold within its entry_safety_margin_s (5 s) of expiry: 10 s leaves the next turn 5 s.
     hold_brief_max_fraction: float = Field(default=0.5, gt=0, le=1)
-    hold_brief_lease_s: float = Field(default=5.0, gt=0)
+    hold_brief_lease_s: float = Field(default=10.0, gt=0)
     claim_timeout_s: float = Field(default=30.0, gt=0)
     publish_finished_params: bool = True
     finished_params_ttl_s: float = Field(default=600.0, gt=0)

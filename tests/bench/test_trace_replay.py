@@ -116,8 +116,16 @@ def test_the_trace_file_is_checked_line_by_line(tmp_path: Path) -> None:
 def test_scaled_settings_divide_the_lease_and_ttls_by_the_scale() -> None:
     settings = trace_replay.scaled_settings(4.0)
     lease = ConnectorConfig.model_fields["lease_seconds"].default / 4
-    assert settings["enginesim_args"] == ["--lease-seconds", f"{lease:g}"]
+    # A brief hold keeps the 5 s it leaves the next turn unscaled; the proxy's margin is scaled.
+    assert settings["enginesim_args"] == [
+        "--lease-seconds",
+        f"{lease:g}",
+        "--hold-brief-lease-s",
+        "6.25",
+    ]
     assert settings["proxy_env"]["KVRELAY_CONVERSATION_TTL_S"] == "150"
+    assert settings["proxy_env"]["KVRELAY_ENTRY_SAFETY_MARGIN_S"] == "1.25"
+    assert settings["proxy_env"]["KVRELAY_HOLD_BRIEF_S"] == "7.5"
     assert f"--lease-seconds) must be {lease:g} s" in trace_replay.scale_warning(4.0, settings)
     assert trace_replay.scaled_settings(4.0, 120.0)["enginesim_args"][1] == "30"
 
