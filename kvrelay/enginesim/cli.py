@@ -161,8 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hold-brief-max-fraction",
         type=float,
-        help="share of the KV pool one hold the proxy asked to be brief may pin "
-        "(default: the connector's)",
+        help="share of the KV pool holds the proxy asked to be brief may pin, one or "
+        "together (default: the connector's)",
     )
     p.add_argument(
         "--hold-brief-lease-s",

@@ -97,9 +97,9 @@ class DecodeLeg:
         from the P at `p_url` (P's prefill, or on a spill a prefix pinned there; None: D
         prefills alone); `first`: the D to try first (the conversation's holder, or a spill's
         D); `hold`: ask D to hold for a next turn (`brief`: over its max, briefly);
-        `decode_tokens`: D's own prefill work on a
-        turn that skipped P (counted against D's budget); `prompt`: the prompt with its token
-        ids when the KV events' index wants them (`Router.sent_to`). A plain coroutine and a
+        `decode_tokens`: D's own prefill work on a turn that skipped P (counted against D's
+        budget); `prompt`: the prompt with its token ids when the KV events' index wants them
+        (`Router.sent_to`). A plain coroutine and a
         context-manager `Served` rather than an `asynccontextmanager`: it runs on every turn,
         and the generator machinery costs about eight calls per turn (`bench/instructions.py`).
         """

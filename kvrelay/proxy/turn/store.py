@@ -48,9 +48,9 @@ class Storing:
     # Told once an entry is in the map (tenant, key): from then on the next turn can take the
     # hold (`HoldPayoff.made`: a hold's patience counts from here).
     stored: Callable[[str, ConversationKey], None]
-    # Told when D declined the hold (tenant, key, D's URL): the next turn reads the gap since
-    # (`HoldPayoff.unheld`, then `missed`), so a tenant learns its pace from turns over D's max
-    # too (`HoldPayoff.brief`).
+    # Told when D declined the hold (tenant, key, D's URL): the conversation's next turn reads
+    # the gap since (`HoldPayoff.unheld`, then `missed`), and holds brief where it came back at
+    # once (`HoldPayoff.brief`).
     declined: Callable[[str, ConversationKey, str], None]
 
 
