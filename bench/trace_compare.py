@@ -12,8 +12,10 @@ when it is shorter), whole conversations sampled with probability `--sample`, re
 `bench/trace_replay.py` (its lean chat client, streamed, each later turn carrying the answer the
 engine gave) at each `--time-scales` factor. A scale of S replays S times faster: the request
 rate is the sample's requests over the slice's span / S, and think times, D's hold lease and
-the proxy's TTL and safety margin are all divided by S, so the think-time race is the trace's at
-every rate.
+the proxy's TTL, safety margin and brief-hold gap (`hold_brief_s`) are all divided by S, so the
+think-time race is the trace's at every rate. A brief hold's lease keeps unscaled the part it
+leaves the next turn before the proxy's margin (it covers the reader's queue, which runs in real
+time: `trace_replay.brief_lease_s`).
 
 Rounds (`--rounds`): at each rate every configuration runs once per round, in an order rotated
 from round to round and rate to rate, so a slow minute of a shared machine falls on different
@@ -854,9 +856,11 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         + " (request rates "
         + ", ".join(f"{data['rates'][str(s)]:.2f}" for s in data["scales"])
         + " req/s: the sample's requests over the slice's span / S); think times, D's hold "
-        f"lease ({hw['unscaled_lease_s']:g} s / S) and the proxy's conversation TTL and safety "
-        "margin are divided by S together (P's lease, which covers only the P -> D pull of "
-        "the same turn, stays unscaled)."
+        f"lease ({hw['unscaled_lease_s']:g} s / S) and the proxy's conversation TTL, safety "
+        "margin and brief-hold gap are divided by S together (P's lease, which covers only the "
+        "P -> D pull of the same turn, stays unscaled; a brief hold's lease keeps unscaled the "
+        "part it leaves the next turn before the margin, the reader's queue running in real "
+        "time)."
     )
     lines += [
         "",
