@@ -140,6 +140,9 @@ class System:
     kv_events: bool = False  # the Ps publish KV cache events, the proxy follows them
     # Share of a D's pool one hold may pin (its `hold_max_fraction`; None: the hardware's).
     d_hold_max: float | None = None
+    # The proxy's `hold_brief_s` in unscaled seconds (0: the default's), divided by the time
+    # scale as the other think-time settings are.
+    brief_s: float = 0.0
 
     @property
     def disaggregated(self) -> bool:
@@ -199,13 +202,9 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
-    # No brief holds: a history over D's hold_max_fraction is never held (the default before).
-    System(
-        "kvrelay no brief holds",
-        "kvrelay",
-        "default",
-        proxy_settings=(("KVRELAY_HOLD_BRIEF_S", "0"),),
-    ),
+    # Brief holds: a later turn back within 30 s (unscaled) since its last turn keeps a history
+    # over D's hold_max_fraction as a brief hold (the default for run AL only).
+    System("kvrelay brief holds", "kvrelay", "default", brief_s=30.0),
     System("kvrelay kv events", "kvrelay", "default", kv_events=True),
     System("kvrelay kv events holds off", "kvrelay", "default", holds=False, kv_events=True),
     System(
@@ -363,6 +362,8 @@ def proxy_env(system: System, settings: dict[str, Any]) -> dict[str, str]:
     own settings."""
     env = dict(settings["proxy_env"])
     env.update(system.proxy_settings)
+    if system.brief_s:
+        env["KVRELAY_HOLD_BRIEF_S"] = f"{system.brief_s / settings['time_scale']:g}"
     if system.policy != "default":
         env["KVRELAY_ROUTING_POLICY"] = system.policy
     return env

@@ -125,7 +125,7 @@ def test_scaled_settings_divide_the_lease_and_ttls_by_the_scale() -> None:
     ]
     assert settings["proxy_env"]["KVRELAY_CONVERSATION_TTL_S"] == "150"
     assert settings["proxy_env"]["KVRELAY_ENTRY_SAFETY_MARGIN_S"] == "1.25"
-    assert settings["proxy_env"]["KVRELAY_HOLD_BRIEF_S"] == "7.5"
+    assert settings["proxy_env"]["KVRELAY_HOLD_BRIEF_S"] == "0"  # off by default
     assert f"--lease-seconds) must be {lease:g} s" in trace_replay.scale_warning(4.0, settings)
     assert trace_replay.scaled_settings(4.0, 120.0)["enginesim_args"][1] == "30"
 

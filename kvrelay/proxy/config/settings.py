@@ -583,14 +583,15 @@ class Settings(BaseSettings):
         ),
     )
     hold_brief_s: float = Field(
-        default=30.0,
+        default=0.0,
         ge=0,
         description=(
             "A later turn whose conversation came back sooner than this since its last turn "
             "(an agent's loop) has D asked to keep its hold over D's hold_max_fraction as a "
             "brief hold instead of declining it (D keeps it for its hold_brief_lease_s, brief "
             "holds together within its hold_brief_max_fraction of the pool, outside its hold "
-            "budget). 0: such holds are always declined."
+            "budget). 0 (the default: at 30 s it cost D's pool and bought no reuse on the "
+            "conversation trace, bench/RESULTS.md run AL): such holds are always declined."
         ),
     )
     reuse_probe_interval_s: float = Field(

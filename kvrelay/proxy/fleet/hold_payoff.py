@@ -47,8 +47,10 @@ turn (the age of the hold this turn took, or the time since its last turn ended 
 its hold declined, read back by `missed`), is shorter than `brief_s`, D is asked to keep a hold
 over its `hold_max_fraction` as a brief hold (for its `hold_brief_lease_s`) instead of declining
 it. Such a history is one a busy D's unheld cache loses within seconds, and its next turn would
-compute it all again (measured: bench/RESULTS.md, "trace compare (conversation)"). A first turn
-has shown no pace and is not asked: most conversations end after their first turn.
+compute it all again. A first turn has shown no pace and is not asked: most conversations end
+after their first turn. Off by default (`brief_s` 0): on the conversation trace brief holds
+bought no reuse and pinned more of D's pool (bench/RESULTS.md, "trace compare (conversation)",
+run AL).
 
 Counts are per worker process (each learns from the turns it serves) and per tenant, for at most
 `MAX_TENANTS` tenants (least recently seen forgotten first: a forgotten tenant holds again
