@@ -69,7 +69,10 @@ class TurnCrew:
                 turn_settings,
                 fleet.side_channel_of,
                 router.holds.made,
-                router.holds.unheld,
+                # A declined turn's gap is read by brief holds and by the pace rule only.
+                router.holds.unheld
+                if router.holds.brief_s > 0 or router.finds_unheld_history
+                else None,
             ),
         )
 

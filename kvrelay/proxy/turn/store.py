@@ -50,8 +50,9 @@ class Storing:
     stored: Callable[[str, ConversationKey], None]
     # Told when D declined the hold (tenant, key, D's URL): the conversation's next turn reads
     # the gap since (`HoldPayoff.unheld`, then `missed`), and holds brief where it came back at
-    # once (`HoldPayoff.brief`).
-    declined: Callable[[str, ConversationKey, str], None]
+    # once (`HoldPayoff.brief`) or weighs it against D's cache (the pace rule). None where
+    # neither reads a gap: nothing is recorded.
+    declined: Callable[[str, ConversationKey, str], None] | None
 
 
 class Store:
@@ -94,7 +95,8 @@ class Store:
             # D kept nothing: the turn alone is over its hold_max_fraction of the pool.
             if key is not None and hold:
                 report.hold_declined()
-                storing.declined(ctx.tenant, key, backend.url)
+                if storing.declined is not None:
+                    storing.declined(ctx.tenant, key, backend.url)
             return
         stock = not params.release_token and not params.remote_block_hashes
         if key is None or not hold:
