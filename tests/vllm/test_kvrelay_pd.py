@@ -40,6 +40,15 @@ USER_TURNS = [
     "And what did the decode engine do with it?",
     "Write one more sentence about the next turn.",
 ]
+# The question of a spilled second turn. The router weighs a spill on its estimate of the
+# tokens D does not hold (characters over turn 1's characters per token; the random model's
+# reply has its own, which skews the estimate by up to its length) against a tenth of what the
+# spill's D would pull. A few words can be estimated at nothing, and the turn then rightly goes
+# through P (`Router.spill`); a question this long spills whatever the reply.
+SPILLED_QUESTION = (
+    "Who reads it now? Say which engine computed each block of this conversation, which one "
+    "holds the history, and which one reads it over the link before the answer is decoded."
+)
 
 
 def completion_body(prompt: str, max_tokens: int = 24) -> dict[str, Any]:
@@ -245,7 +254,7 @@ def test_a_spill_past_a_draining_holder_reads_the_held_history_from_it(
         admin("/admin/backends/drain", d.url)
         messages += [
             {"role": "assistant", "content": text_of(out)},
-            {"role": "user", "content": "Who reads it now?"},
+            {"role": "user", "content": SPILLED_QUESTION},
         ]
         ask(chat_body(list(messages)))
         # Turn 1's prompt in whole blocks, less one (the template may render its last block
@@ -316,11 +325,12 @@ def test_a_retry_that_lands_on_the_holder_serves_its_own_history(kvrelay_fleet: 
         loaded, hits = d.metric(TOKENS_LOADED), d.metric(CACHE_HITS)
         messages += [
             {"role": "assistant", "content": text_of(out)},
-            {"role": "user", "content": "Who serves it now?"},
+            {"role": "user", "content": SPILLED_QUESTION},
         ]
         ask(chat_body(list(messages)))
         assert refusing.refused == 1  # the spill went to the other D first
         m = proxy.metrics()
+        assert m.get('kvrelay_routing_decisions_total{decision="spilled"}', 0) == 2
         assert m.get('kvrelay_retries_total{leg="decode"}', 0) == 1
         assert d.metric(TOKENS_LOADED) == loaded, "D read nothing from itself"
         whole_blocks = vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
