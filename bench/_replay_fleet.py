@@ -11,9 +11,11 @@ system serves from all of them.
   uncapped); `kvrelay always_p`; `kvrelay holds off` (the default
   policy, D's hold lease cut to `HOLDS_OFF_LEASE_S`, so nothing D keeps for a conversation
   outlives its turn: what holding buys is the difference to `kvrelay`); `kvrelay always hold`
-  (every turn that can continue holds: `hold_min_use` 0); `kvrelay load routing` (P by load
-  and conversation affinity, every turn holding: the default before prefix routing and
-  `hold_min_use`); `kvrelay kv events` (the default, its P chosen by the Ps' own KV cache
+  (every turn that can continue holds: `hold_min_use` 0); `kvrelay long spills` (a D takes
+  spilled turns up to 128k prompt tokens still to prefill, `prefill_spill_max_inflight_tokens`
+  131072, so a prompt over the default's 32k no longer waits for P); `kvrelay load routing`
+  (P by load and conversation affinity, every turn holding: the default before prefix routing
+  and `hold_min_use`); `kvrelay kv events` (the default, its P chosen by the Ps' own KV cache
   events: each P started with `--kv-events-config` and `--scheduling-policy priority`, the
   proxy with `kv_events_endpoints`; a P pulls a prefix another P caches: `prefix_pull`);
   `kvrelay kv events no pull` (the same with `prefix_pull` off: each P computes what it lacks);
@@ -160,6 +162,10 @@ PREFIX_WAIT = ("KVRELAY_PREFIX_WAIT_MAX_S", "2")
 # A turn spills to a D once P's queued prompt work is as long as D's (the default since
 # 2026-12-01; before, twice as long, sparing D's decodes the prefill).
 SPILL_1 = ("KVRELAY_PREFILL_SPILL_FACTOR", "1")
+# Long prompts spill too: a D takes spilled turns up to 128k prompt tokens still to prefill (a
+# D's whole pool at the comparison's scale) instead of 32k, so a prompt over 32k tokens no
+# longer waits for P's queue whatever its length.
+SPILL_LONG = ("KVRELAY_PREFILL_SPILL_MAX_INFLIGHT_TOKENS", "131072")
 
 # The defaults before 2026-12-01 (decode_only_cached off, no prefix wait, spill factor 2; D's
 # one hold uncapped), so the systems that name a step from them keep measuring that step.
@@ -202,6 +208,7 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay always_p", "kvrelay", "always_p"),
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
+    System("kvrelay long spills", "kvrelay", "default", proxy_settings=(SPILL_LONG,)),
     # Brief holds: a later turn back within 30 s (unscaled) since its last turn keeps a history
     # over D's hold_max_fraction as a brief hold (the default for run AL only).
     System("kvrelay brief holds", "kvrelay", "default", brief_s=30.0),
