@@ -571,3 +571,34 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
         )
     finally:
         factory.close()
+
+
+def test_ps_requests_carry_a_priority_by_size_and_answer_as_plain_vllm(
+    cached_fleet: CachedFleet,
+) -> None:
+    """`prefill_priority_tokens` on real vLLM: P's request carries a `priority` (the prompt's
+    tokens over 16 here), which P2 (`--scheduling-policy priority`) schedules by and P (fcfs)
+    ignores. Either way P computes the prompt (its own count of requests served) and the
+    answer equals plain vLLM's."""
+    fleet = cached_fleet
+    factory = ProxyFactory()
+    try:
+        for p in (fleet.second, fleet.prefill):
+            proxy = factory(
+                [p.url], [fleet.decode.url], ready_path="/ready",
+                connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+                prefill_priority_tokens="16",
+            )  # fmt: skip
+            served = settled(p, REQUESTS)
+            system = f"{SYSTEM} Shorter prompts go first ({uuid.uuid4().hex[:8]})."
+            body = _body(
+                [{"role": "system", "content": system}, {"role": "user", "content": "Hi."}]
+            )
+            out = _ask(proxy, body, f"prio-{uuid.uuid4().hex[:8]}")
+            assert out["choices"][0]["message"]["content"] == _reference(fleet, body)
+            assert out["usage"]["kvrelay"]["routing"] in ("prefill_chosen", "prefill_affinity")
+            wait_until(
+                lambda p=p, served=served: settled(p, REQUESTS) > served, 10, what="P to count it"
+            )
+    finally:
+        factory.close()

@@ -453,6 +453,17 @@ class Settings(BaseSettings):
             "time-per-output-token target (0: no bound; needs load_poll_interval_s)."
         ),
     )
+    prefill_priority_tokens: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "A turn's request to P carries a vLLM priority: the prompt tokens P is expected to "
+            "compute (those of a held history it pulls left out) over this many, rounded down, "
+            "so a P started with --scheduling-policy priority admits shorter prefills ahead of "
+            "longer ones queued (0: no priority is set; a client's own priority passes through "
+            "to P unchanged). On, it replaces the client's priority on P's request only."
+        ),
+    )
     prefix_routing: bool = Field(
         default=True,
         description=(

@@ -708,10 +708,7 @@ class Router:
             # factor >= 1 can spill the turn. Said here, before the pass over the D pool: the
             # common case at low load.
             return None
-        cpt = entry.chars_per_token if entry is not None else None
-        if prompt is not None and prompt.tokens:  # tokenized for the Ps' events: exact
-            cpt = prompt.total / len(prompt.tokens)
-        cpt = cpt or self._chars_per_token.value
+        cpt = self.chars_per_token(entry, prompt)
         tokens = round(prompt_chars / cpt)
         # With an entry P pulls the held history and computes only the rest (what the holder
         # would compute too), as often as the holder's holds were there to read (`HeldReads`);
@@ -778,6 +775,16 @@ class Router:
             s.prefill_spill_max_inflight_tokens,
             p_share,
         )
+
+    def chars_per_token(self, entry: KVEntry | None, prompt: PromptPrefixes | None) -> float:
+        """Characters per token for sizing this turn's prompt: exact when it was tokenized (for
+        the KV events' index), else its conversation's last turn's, else the latest an entry
+        carried."""
+        if prompt is not None and prompt.tokens:
+            return prompt.total / len(prompt.tokens)
+        if entry is not None and entry.chars_per_token:
+            return entry.chars_per_token
+        return self._chars_per_token.value
 
     def _d_caches_more(self, cached: Mapping[str, int] | None, p_cached: int) -> bool:
         """A D's prefix cache is expected to hold more of the prompt than `p_cached`, the

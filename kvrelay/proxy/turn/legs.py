@@ -31,9 +31,14 @@ from kvrelay.proxy.base import strip_connector_fields
 _P_DROPPED = frozenset({"stream_options", "min_tokens", "min_completion_tokens", "n", "best_of"})
 
 
-def prefill_body(body: dict[str, Any], reuse_params: KVTransferParams | None) -> dict[str, Any]:
-    """P's request: one token, no stream, keep the KV for D, maybe pull the old turn's KV."""
+def prefill_body(
+    body: dict[str, Any], reuse_params: KVTransferParams | None, priority: int | None = None
+) -> dict[str, Any]:
+    """P's request: one token, no stream, keep the KV for D, maybe pull the old turn's KV;
+    with `priority`, vLLM's request priority in place of the client's (`prefill_priority`)."""
     out = dict(body)
+    if priority is not None:
+        out["priority"] = priority
     if not _P_DROPPED.isdisjoint(out):  # a scan in C; most bodies have none of them
         for name in _P_DROPPED.intersection(out):
             del out[name]
@@ -57,6 +62,16 @@ def prefill_body(body: dict[str, Any], reuse_params: KVTransferParams | None) ->
         }
     out[KV_TRANSFER_PARAMS] = params
     return out
+
+
+def prefill_priority(chars: int, chars_per_token: float, tokens_per_level: int) -> int | None:
+    """The vLLM priority of a request to P that computes about `chars` characters of prompt:
+    its tokens over `tokens_per_level`, rounded down, so that shorter prefills run first on a P
+    under `--scheduling-policy priority` (lower first) while prompts within one level keep
+    their arrival order; None with `tokens_per_level` 0 (`prefill_priority_tokens` off)."""
+    if tokens_per_level <= 0:
+        return None
+    return int(max(0, chars) / chars_per_token) // tokens_per_level
 
 
 def decode_body(

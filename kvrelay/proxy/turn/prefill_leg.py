@@ -29,7 +29,7 @@ from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet import Backend, Pool, PrefixSource, PromptPrefixes, Router
 from kvrelay.proxy.turn.accounting import UNKNOWN_ACCOUNT, PromptAccount, usage_figures
 from kvrelay.proxy.turn.attempts import Attempts, LegFailure, Verdict
-from kvrelay.proxy.turn.legs import prefill_body
+from kvrelay.proxy.turn.legs import prefill_body, prefill_priority
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ class PrefillLeg:
         tenant: str = "",
         prompt: PromptPrefixes | None = None,
         pin: Pinner | None = None,
+        priority_tokens: int = 0,
     ) -> PrefillAnswer | None:
         """P's answer, or None when no P answered (D then prefills alone). `entry`: the
         conversation's usable entry, whose blocks P pulls; `prefer`: the P to try first (the
@@ -107,18 +108,25 @@ class PrefillLeg:
         (`Router.routes_by_prefix`). What P is expected to compute counts against its
         outstanding work while it prefills. `pin`: asks the P a pick names as a prefix's
         source to keep it (`PrefixPin`; once per turn): the Ps tried from then on pull it,
-        the source itself excepted."""
+        the source itself excepted. `priority_tokens`: `prefill_priority_tokens`, the size of
+        one level of P's request priority (0: none set)."""
         attempts, pool, router = self._attempts, self._pool, self._router
         report = attempts.report
         reuse = entry.to_kv_transfer_params() if entry is not None else None
-        payload = pulled = plain = jsoncodec.dumps(prefill_body(body, reuse))
-        pinned: KVTransferParams | None = None
-        pinned_at: str | None = None  # the source asked (its URL), once asked
         held_chars = (
             round(entry.num_tokens * entry.chars_per_token)
             if entry is not None and entry.chars_per_token
             else 0
         )
+        priority = None
+        if priority_tokens:
+            # What any P computes, the held history it pulls left out (its own prefix cache
+            # may save more: the same for every P it could be sent to, so left out of the order).
+            cpt = router.chars_per_token(entry, prompt)
+            priority = prefill_priority(work - held_chars, cpt, priority_tokens)
+        payload = pulled = plain = jsoncodec.dumps(prefill_body(body, reuse, priority))
+        pinned: KVTransferParams | None = None
+        pinned_at: str | None = None  # the source asked (its URL), once asked
         affine: set[str] = set()
         computes: dict[str, int] = {}  # P -> the prompt characters it is expected to compute
         sources: dict[str, PrefixSource] = {}  # P -> the P it would pull a prefix from
@@ -146,7 +154,7 @@ class PrefillLeg:
                 pinned_at = source.backend.url
                 pinned = await pin(source, prompt.tokens)
                 if pinned is not None:
-                    pulled = jsoncodec.dumps(prefill_body(body, pinned))
+                    pulled = jsoncodec.dumps(prefill_body(body, pinned, priority))
             pulls = pinned is not None and backend.url != pinned_at
             payload = pulled if pulls else plain  # the source serves it from its cache
             start = time.monotonic()

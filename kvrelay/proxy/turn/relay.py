@@ -217,6 +217,7 @@ class Turn:
             ctx.tenant,
             self._prompt,
             functools.partial(self._pin, leg="prefill") if crew.settings.prefix_pull else None,
+            crew.settings.prefill_priority_tokens,
         )
         if answer is None:
             return

@@ -20,6 +20,7 @@ class TurnSettings(NamedTuple):
     prefix_pull: bool
     prefix_pull_priority: int
     prefix_pull_timeout_s: float
+    prefill_priority_tokens: int
 
     @classmethod
     def of(cls, settings: Settings) -> TurnSettings:
