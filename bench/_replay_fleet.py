@@ -13,7 +13,10 @@ system serves from all of them.
   outlives its turn: what holding buys is the difference to `kvrelay`); `kvrelay always hold`
   (every turn that can continue holds: `hold_min_use` 0); `kvrelay long spills` (a D takes
   spilled turns up to 128k prompt tokens still to prefill, `prefill_spill_max_inflight_tokens`
-  131072, so a prompt over the default's 32k no longer waits for P); `kvrelay load routing`
+  131072, so a prompt over the default's 32k no longer waits for P); `kvrelay shorter first`
+  and its holds-off variant (`prefill_priority_tokens` 1024: P's requests carry a priority by
+  the tokens P computes, the Ps started with `--scheduling-policy priority`, so a short prompt
+  queued on P goes ahead of the longer ones); `kvrelay load routing`
   (P by load and conversation affinity, every turn holding: the default before prefix routing
   and `hold_min_use`); `kvrelay kv events` (the default, its P chosen by the Ps' own KV cache
   events: each P started with `--kv-events-config` and `--scheduling-policy priority`, the
@@ -166,6 +169,9 @@ SPILL_1 = ("KVRELAY_PREFILL_SPILL_FACTOR", "1")
 # D's whole pool at the comparison's scale) instead of 32k, so a prompt over 32k tokens no
 # longer waits for P's queue whatever its length.
 SPILL_LONG = ("KVRELAY_PREFILL_SPILL_MAX_INFLIGHT_TOKENS", "131072")
+# Shorter prefills first on P: a level of P's request priority per 1024 tokens it computes (the
+# Ps then started with `--scheduling-policy priority`).
+SHORTER_FIRST = ("KVRELAY_PREFILL_PRIORITY_TOKENS", "1024")
 
 # The defaults before 2026-12-01 (decode_only_cached off, no prefix wait, spill factor 2; D's
 # one hold uncapped), so the systems that name a step from them keep measuring that step.
@@ -209,6 +215,14 @@ SYSTEMS: tuple[System, ...] = (
     System("kvrelay holds off", "kvrelay", "default", holds=False),
     System("kvrelay always hold", "kvrelay", "default", proxy_settings=(ALWAYS_HOLD,)),
     System("kvrelay long spills", "kvrelay", "default", proxy_settings=(SPILL_LONG,)),
+    System("kvrelay shorter first", "kvrelay", "default", proxy_settings=(SHORTER_FIRST,)),
+    System(
+        "kvrelay shorter first holds off",
+        "kvrelay",
+        "default",
+        holds=False,
+        proxy_settings=(SHORTER_FIRST,),
+    ),
     # Brief holds: a later turn back within 30 s (unscaled) since its last turn keeps a history
     # over D's hold_max_fraction as a brief hold (the default for run AL only).
     System("kvrelay brief holds", "kvrelay", "default", brief_s=30.0),
@@ -351,6 +365,9 @@ def roles(system: System, hw: Hardware, time_scale: float) -> list[tuple[str, li
             # kvrelay's deployment with events: pins go ahead of the queue (prefix_pull), on a
             # P or on a D whose cache a P pulls a history from.
             args += ["--scheduling-policy", "priority"]
+    elif any(name == SHORTER_FIRST[0] for name, _ in system.proxy_settings):
+        for args in p_args:
+            args += ["--scheduling-policy", "priority"]  # what the proxy's priorities need
     return [("prefill", args) for args in p_args] + [("decode", args) for args in d_args]
 
 
