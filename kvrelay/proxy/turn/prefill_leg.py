@@ -120,8 +120,8 @@ class PrefillLeg:
         )
         priority = None
         if priority_tokens:
-            # What any P computes, the held history it pulls left out (its own prefix cache
-            # may save more: the same for every P it could be sent to, so left out of the order).
+            # What P computes, the held history it pulls left out. Its own prefix cache may
+            # save more; that differs from P to P, and the body is made once for all tried.
             cpt = router.chars_per_token(entry, prompt)
             priority = prefill_priority(work - held_chars, cpt, priority_tokens)
         payload = pulled = plain = jsoncodec.dumps(prefill_body(body, reuse, priority))
