@@ -596,7 +596,6 @@ def test_ps_requests_carry_a_priority_by_size_and_answer_as_plain_vllm(
             )
             out = _ask(proxy, body, f"prio-{uuid.uuid4().hex[:8]}")
             assert out["choices"][0]["message"]["content"] == _reference(fleet, body)
-            assert out["usage"]["kvrelay"]["routing"] in ("prefill_chosen", "prefill_affinity")
             wait_until(
                 lambda p=p, served=served: settled(p, REQUESTS) > served, 10, what="P to count it"
             )

@@ -27,7 +27,12 @@ from kvrelay.proxy.turn.conversation import (
     upstream_request_id,
 )
 from kvrelay.proxy.turn.crew import TurnCrew
-from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.turn.legs import (
+    capped_num_tokens,
+    decode_body,
+    prefill_body,
+    prefill_priority,
+)
 from kvrelay.proxy.turn.owed import Debt, Owed
 from kvrelay.proxy.turn.prefill_leg import read_prefill_answer
 from kvrelay.proxy.turn.prefix_pin import PrefixPin, pin_body
@@ -66,6 +71,7 @@ __all__ = [
     "decode_body",
     "pin_body",
     "prefill_body",
+    "prefill_priority",
     "prompt_chars",
     "read_prefill_answer",
     "request_id_from",
