@@ -7,8 +7,8 @@ reference either way."""
 
 from __future__ import annotations
 
+import itertools
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -37,6 +37,7 @@ def test_the_priority_replaces_the_clients_on_ps_request_only() -> None:
 
 
 ADMIN_KEY = "prefill-priority-admin-key"
+COMPUTED = "enginesim_prompt_tokens_computed_total"
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +77,9 @@ def test_a_short_prompt_overtakes_a_long_one_queued_on_p(
     """A prompt of about 2,900 tokens keeps P busy for about 6 s; a long one (about 2,100
     tokens) and then a short one (about 30) are sent to P meanwhile. P takes the next request
     from its queue only when it is done with the first: by priority the short one, else the
-    long one."""
+    long one. The order is read from P's own count of prompt tokens computed, which grows by
+    each prompt as P admits it (the clients' answers cannot tell: D's reads from P wait for
+    P's step to end, so both may come back together)."""
     p, d = engines
     p.wait_idle()
     d.wait_idle()
@@ -85,11 +88,18 @@ def test_a_short_prompt_overtakes_a_long_one_queued_on_p(
     )
     busy, long, short = _messages("busy", 120), _messages("long", 90), _messages("short", 1)
     answers: dict[str, str] = {}
-    done: dict[str, float] = {}
+    computed = [p.metric(COMPUTED)]  # P's count, each time it changed
+    stop = threading.Event()
 
     def ask(name: str, messages: list[dict[str, Any]]) -> None:
         answers[name] = reply_of(post(proxy.url, "/v1/chat/completions", chat_body(messages)))
-        done[name] = time.monotonic()
+
+    def watch() -> None:
+        while not stop.is_set():
+            now = p.metric(COMPUTED)
+            if now != computed[-1]:
+                computed.append(now)
+            stop.wait(0.02)
 
     threads: list[threading.Thread] = []
 
@@ -99,18 +109,25 @@ def test_a_short_prompt_overtakes_a_long_one_queued_on_p(
         thread.start()
         wait_until(lambda: _sent_to_p(proxy) >= in_flight, 10, what=f"the {name} prompt to P")
 
+    watcher = threading.Thread(target=watch)
+    watcher.start()
     try:
         send("busy", busy, 1)
         send("long", long, 2)
         send("short", short, 3)
-        assert not done, "P finished the first prompt before the others were sent"
+        assert len(computed) == 1, "P finished the first prompt before the others were sent"
     finally:
         for thread in threads:
             thread.join(60)
+        stop.set()
+        watcher.join(10)
     for name, messages in (("busy", busy), ("long", long), ("short", short)):
         assert answers[name] == reference_chat(messages, 12)
+    steps = [b - a for a, b in itertools.pairwise(computed)]
+    assert len(steps) == 3, steps  # one prompt finished at a time
+    assert steps[0] > 1000  # the busy one first
     if level != "0":
-        assert done["short"] < done["long"]  # admitted first: its level is lower
+        assert steps[1] < 100 and steps[2] > 1000  # the short one next: its level is lower
     else:
-        assert done["long"] < done["short"]  # arrival order
+        assert steps[1] > 1000 and steps[2] < 100  # arrival order
     proxy.stop()
