@@ -632,7 +632,7 @@ class Router:
         best = self._affine(self.decode, best_url, s.decode_overload_inflight)
         if best is None:
             return None
-        cpt = prompt.total / len(prompt.tokens) if prompt.tokens else self._chars_per_token.value
+        cpt = self.chars_per_token(None, prompt)
         uncached = max(0, round((prompt.total - most) / cpt))
         if not self._fits_decode_only(best, uncached):
             return None
