@@ -181,9 +181,11 @@ class FakeEndpointSlices:
                     except TimeoutError:
                         pass
                 if bookmarks:
-                    mark = {"resourceVersion": str(self.version)}
+                    # The version this watch has gone through, not the server's latest: a change
+                    # made as the wait timed out (the condition's lock is taken back then) is
+                    # still in the history and sent on the next pass, never marked as seen.
+                    mark = {"resourceVersion": str(since)}
                     await send("BOOKMARK", {"kind": "EndpointSlice", "metadata": mark})
-                    since = max(since, self.version)
         except (ConnectionResetError, RuntimeError):
             pass  # dropped by drop_watches()
         finally:

@@ -128,6 +128,17 @@ def _everywhere(proxy: ProxyServer, urls: set[str]) -> bool:
     return all(_decode_urls(proxy) == urls for _ in range(16))  # new connections: both workers
 
 
+def _wait_everywhere(proxy: ProxyServer, urls: set[str], what: str) -> None:
+    """Wait until every worker's D pool is `urls`; on a timeout say what the workers showed
+    and what the proxy logged (its discovery and fleet-record lines)."""
+    try:
+        wait_until(lambda: _everywhere(proxy, urls), 15, interval=0.1, what=what)
+    except TimeoutError as exc:
+        seen = sorted({tuple(sorted(_decode_urls(proxy))) for _ in range(16)})
+        log = proxy.process.output() if proxy.process is not None else ""
+        raise AssertionError(f"{exc}: wanted {sorted(urls)}, workers show {seen}\n{log}") from exc
+
+
 def _d_slice(kube: FakeEndpointSlices, name: str, engine: EngineSim, ready: bool = True) -> None:
     _engine_slice(kube, name, engine.port, engine.side_channel_port, ready)
 
@@ -146,26 +157,22 @@ def test_decode_pool_follows_endpoint_slices_under_traffic(
     proxy = proxy_factory(
         [p0], [], ready_path="/ready", workers="2", map_url=redis.url, admin_key=ADMIN_KEY,
         decode_selector="app=vllm-d", kube_namespace="llm",
-        kube_config=str(kube.kubeconfig(tmp_path)),
+        kube_config=str(kube.kubeconfig(tmp_path)), log_level="INFO",  # discovery's lines
     )  # fmt: skip
     assert _everywhere(proxy, {d0.url})
     load = Load(proxy.url, threads=4).start()
     try:
         wait_until(lambda: load.count() >= 10, 60, what="traffic on D0")
         _d_slice(kube, "d1", d1)  # added
-        wait_until(lambda: _everywhere(proxy, {d0.url, d1.url}), 15, interval=0.1,
-                   what="D1 to join every worker")  # fmt: skip
+        _wait_everywhere(proxy, {d0.url, d1.url}, "D1 to join every worker")
         wait_until(lambda: d1.metric("enginesim_requests_total") > 0, 30, what="traffic on D1")
         _d_slice(kube, "d0", d0, ready=False)  # flipped to not ready
-        wait_until(lambda: _everywhere(proxy, {d1.url}), 15, interval=0.1,
-                   what="D0 to leave every worker")  # fmt: skip
+        _wait_everywhere(proxy, {d1.url}, "D0 to leave every worker")
         kube.drop_watches()  # the API server goes away mid-watch
         _d_slice(kube, "d0", d0, ready=True)
-        wait_until(lambda: _everywhere(proxy, {d0.url, d1.url}), 15, interval=0.1,
-                   what="D0 back after the dropped watch")  # fmt: skip
+        _wait_everywhere(proxy, {d0.url, d1.url}, "D0 back after the dropped watch")
         kube.delete_unseen("d1")  # removed while nobody watched: 410, list again
-        wait_until(lambda: _everywhere(proxy, {d0.url}), 15, interval=0.1,
-                   what="D1 gone after the relist")  # fmt: skip
+        _wait_everywhere(proxy, {d0.url}, "D1 gone after the relist")
         served = load.count()
         wait_until(lambda: load.count() >= served + 10, 60, what="traffic afterwards")
     finally:
