@@ -1,0 +1,214 @@
+"""Two configurations' rounds paired over several `trace_compare.py` runs: is one below the other?
+
+One run of `trace_compare.py` has three rounds; between two configurations that are close, the
+sign of the difference moves from run to run, and each run alone leaves "never below" to chance.
+Within a round the configurations ran interleaved on the same machine minutes apart, so a
+round's difference is the fair unit: this script pairs them, round by round, over every `--json`
+file that ran both, and says what all of those rounds together show.
+
+Per rate: the SLO attainment's difference (ours minus the rival, points), its mean with a 95%
+interval (Student's t over the paired rounds), and how many rounds ours was above, level or
+below; ours' realized reuse against the LRU bound, mean with its interval and the rounds at
+or over the aim. Per round with the rates to cross the SLO: the goodput of each (as
+`trace_compare.py` computes it: a bound where the curve did not cross) and whether ours was
+above, below, or the bounds cannot tell. The verdict on "ours never below the rival": MISSED
+where the interval of the mean attainment difference lies below zero at a rate, met where it
+lies at or above zero at every rate, else level: no difference these rounds can tell, of at
+most the interval's lower end.
+
+Example: `.venv/bin/python -m bench.paired_rounds --ours 'kvrelay default (2P+6D)' --rival
+'kvrelay holds off (2P+6D)' /tmp/runAN.json /tmp/runAR.json` (`--ours` again: another name
+the same configuration had in an older run). Prints markdown; writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import trace_compare as tc
+
+# Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; past the table the
+# normal's 1.96 is within 2%.
+_T975 = (
+    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
+)  # fmt: skip
+LEVEL_POINTS = 0.005  # attainments this close (half a point: one request in 200) count as level
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One round of one run, at one rate: ours and the rival as measured side by side."""
+
+    run: str  # the JSON file's name
+    round: int
+    rate: float
+    ours_attainment: float
+    rival_attainment: float
+    ours_reuse: float
+
+
+def t975(df: int) -> float:
+    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
+
+
+def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean with its 95% interval; with one value the interval is
+    unbounded (nothing is known of the spread)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, -math.inf, math.inf
+    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def _label_in(runs: dict[str, Any], labels: Sequence[str]) -> str | None:
+    """The first of `labels` that the run measured (a configuration renamed between runs is
+    given under both names)."""
+    return next((label for label in labels if label in runs), None)
+
+
+def pairs_of(
+    name: str, data: dict[str, Any], ours: Sequence[str], rival: Sequence[str]
+) -> list[Pair]:
+    """Every (round, rate) of one run where both configurations ran."""
+    runs = data["runs"]
+    mine, theirs = _label_in(runs, ours), _label_in(runs, rival)
+    if mine is None or theirs is None:
+        return []
+    out = []
+    for scale, our_rounds in runs[mine].items():
+        their_rounds = runs[theirs].get(scale) or []
+        for i, (a, b) in enumerate(zip(our_rounds, their_rounds, strict=False)):
+            out.append(
+                Pair(name, i, a["rate"], a["attainment"], b["attainment"], a["reuse_vs_lru"])
+            )
+    return out
+
+
+def goodput_pairs(
+    data: dict[str, Any], ours: Sequence[str], rival: Sequence[str]
+) -> list[tuple[tc.Goodput, tc.Goodput]]:
+    """Per round of a run with at least two rates: (ours, rival) goodput, one round each."""
+    runs = data["runs"]
+    mine, theirs = _label_in(runs, ours), _label_in(runs, rival)
+    if mine is None or theirs is None or len(runs[mine]) < 2:
+        return []
+    a = tc.goodputs({float(s): r for s, r in runs[mine].items() if r})
+    b = tc.goodputs({float(s): r for s, r in runs[theirs].items() if r})
+    return [
+        (tc.Goodput((av,), (al,)), tc.Goodput((bv,), (bl,)))
+        for av, al, bv, bl in zip(a.values, a.labels, b.values, b.labels, strict=False)
+    ]
+
+
+def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
+    """above, below, level or unknown (the bounds overlap) for one round's pair. A goodput
+    below every rate lies in [0, lowest rate), one above every rate in [highest rate, inf)."""
+    (o_lo, o_hi), (r_lo, r_hi) = ours.bounds()[0], rival.bounds()[0]
+    o_open, r_open = ours.labels[0].startswith("<"), rival.labels[0].startswith("<")
+    if o_lo == o_hi and r_lo == r_hi:  # both crossed within the rates
+        return "above" if o_lo > r_lo else "below" if o_lo < r_lo else "level"
+    if o_lo > r_hi or (o_lo == r_hi and r_open):
+        return "above"
+    if o_hi < r_lo or (o_hi == r_lo and o_open):
+        return "below"
+    return "unknown"
+
+
+def attainment_verdict(diffs_by_rate: Mapping[float, Sequence[float]]) -> str:
+    """met / MISSED / level for "ours' attainment never below the rival's", rate by rate."""
+    lows = []
+    for rate, diffs in sorted(diffs_by_rate.items()):
+        _, low, high = mean_interval(diffs)
+        if high < 0:
+            return f"MISSED: below at {rate:.2f} req/s (interval up to {high * 100:+.1f} points)"
+        lows.append(low)
+    if all(low >= 0 for low in lows):
+        return "met"
+    return (
+        "level: no difference these rounds can tell, ours at most "
+        f"{-min(lows) * 100:.1f} points below at worst"
+    )
+
+
+def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float) -> str:
+    by_rate: dict[float, list[Pair]] = {}
+    for p in pairs:
+        by_rate.setdefault(round(p.rate, 2), []).append(p)
+    lines = [
+        "| req/s | rounds (runs) | SLO met: ours - rival, mean (95% interval) | above / level / "
+        "below | ours' reuse vs LRU: mean (95% interval) | rounds >= aim |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    diffs_by_rate: dict[float, list[float]] = {}
+    for rate, group in sorted(by_rate.items()):
+        diffs = diffs_by_rate[rate] = [p.ours_attainment - p.rival_attainment for p in group]
+        mean, low, high = mean_interval(diffs)
+        above = sum(d > LEVEL_POINTS for d in diffs)
+        below = sum(d < -LEVEL_POINTS for d in diffs)
+        reuse = [p.ours_reuse for p in group]
+        r_mean, r_low, r_high = mean_interval(reuse)
+        lines.append(
+            f"| {rate:.2f} | {len(group)} ({len({p.run for p in group})}) | "
+            f"{mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f}) | "
+            f"{above} / {len(diffs) - above - below} / {below} | "
+            f"{r_mean:.3f} ({r_low:.3f}-{r_high:.3f}) | {sum(r >= aim for r in reuse)} of "
+            f"{len(reuse)} |"
+        )
+    signs = [goodput_sign(a, b) for a, b in goodputs]
+    lines += [
+        "",
+        f"Goodput, round by round ({len(goodputs)} rounds with two rates or more): ours above "
+        f"in {signs.count('above')}, level in {signs.count('level')}, below in "
+        f"{signs.count('below')}, the bounds cannot tell in {signs.count('unknown')}.",
+        "",
+        f"- ours never below the rival (SLO attainment, paired rounds): "
+        f"{attainment_verdict(diffs_by_rate)}",
+    ]
+    for rate, group in sorted(by_rate.items()):
+        _, r_low, r_high = mean_interval([p.ours_reuse for p in group])
+        slo = statistics.fmean(p.ours_attainment for p in group)
+        if slo < tc.GOODPUT_ATTAINMENT:
+            verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
+        else:
+            verdict = "met" if r_low >= aim else "MISSED" if r_high < aim else "undetermined"
+        lines.append(
+            f"- ours' reuse at {rate:.2f} req/s, mean over rounds {r_low:.3f}-{r_high:.3f} "
+            f"(95%) -> {verdict} (aim: >= {aim:g} at every rate within the SLO)"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("runs", nargs="+", type=Path, help="trace_compare.py --json files")
+    for side in ("--ours", "--rival"):
+        p.add_argument(
+            side, action="append", required=True,
+            help="a configuration's label; given again, another name for it (the first found)",
+        )  # fmt: skip
+    p.add_argument("--reuse-aim", type=float, default=tc.REUSE_AIM)
+    args = p.parse_args(argv)
+    pairs: list[Pair] = []
+    goodputs: list[tuple[tc.Goodput, tc.Goodput]] = []
+    for path in args.runs:
+        data = json.loads(path.read_text())
+        pairs += pairs_of(path.name, data, args.ours, args.rival)
+        goodputs += goodput_pairs(data, args.ours, args.rival)
+    if not pairs:
+        raise SystemExit("no run measured both configurations")
+    print(render(pairs, goodputs, args.reuse_aim))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Rounds paired over trace comparison runs (`bench/paired_rounds.py`): which rounds pair, the
+mean's interval, goodput signs from bounds, and the verdict on "never below"."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import paired_rounds as pr
+from bench import trace_compare as tc
+
+OURS, RIVAL = "kvrelay default (2P+6D)", "kvrelay holds off (2P+6D)"
+
+
+def run_data(by_label: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[str, Any]:
+    """A trace_compare JSON's `runs`: label -> scale -> rounds of (attainment, reuse)."""
+    rates = {"48.0": 9.2, "72.0": 13.8}
+    return {
+        "runs": {
+            label: {
+                scale: [
+                    {"rate": rates[scale], "attainment": a, "reuse_vs_lru": r} for a, r in rounds
+                ]
+                for scale, rounds in by_scale.items()
+            }
+            for label, by_scale in by_label.items()
+        }
+    }
+
+
+def test_rounds_pair_only_where_both_ran_and_under_either_name() -> None:
+    data = run_data({
+        "kvrelay old name": {"48.0": [(0.92, 0.9), (0.91, 0.95)]},
+        RIVAL: {"48.0": [(0.90, 0.8), (0.93, 0.8), (0.5, 0.5)], "72.0": [(0.8, 0.8)]},
+        "aggregated": {"48.0": [(0.1, 0.1)]},
+    })  # fmt: skip
+    pairs = pr.pairs_of("r.json", data, [OURS, "kvrelay old name"], [RIVAL])
+    # Two rounds at 48x (the rival's third has no partner), none at 72x (ours did not run it).
+    assert [(p.round, p.rate) for p in pairs] == [(0, 9.2), (1, 9.2)]
+    assert pairs[0].ours_attainment == 0.92 and pairs[0].rival_attainment == 0.90
+    assert pairs[1].ours_reuse == 0.95
+    assert pr.pairs_of("r.json", data, [OURS], [RIVAL]) == []
+
+
+def test_mean_interval_is_students_t_and_unbounded_for_one_value() -> None:
+    mean, low, high = pr.mean_interval([1.0, 2.0, 3.0])
+    assert mean == 2.0
+    assert high - mean == pytest.approx(4.303 * 1.0 / math.sqrt(3))
+    assert low == pytest.approx(2 * mean - high)
+    assert pr.mean_interval([5.0])[1:] == (-math.inf, math.inf)
+    assert pr.t975(1) == 12.706 and pr.t975(200) == 1.96
+
+
+@pytest.mark.parametrize(
+    ("ours", "rival", "sign"),
+    [
+        ("10.50", "9.50", "above"),
+        ("9.50", "10.50", "below"),
+        ("9.50", "9.50", "level"),
+        (">= 13.80", "12.00", "above"),
+        (">= 9.20", "< 9.20", "above"),  # at least 9.20 against under 9.20
+        ("< 9.20", ">= 9.20", "below"),
+        ("< 9.20", "< 9.20", "unknown"),
+        (">= 13.80", ">= 13.80", "unknown"),
+        ("< 9.20", "5.00", "unknown"),  # anywhere in [0, 9.20)
+        (">= 9.20", "9.20", "unknown"),  # at least level: above or level
+    ],
+)
+def test_goodput_sign_from_each_rounds_bounds(ours: str, rival: str, sign: str) -> None:
+    def one(label: str) -> tc.Goodput:
+        value = 0.0 if label.startswith("<") else float(label.removeprefix(">= "))
+        return tc.Goodput((value,), (label,))
+
+    assert pr.goodput_sign(one(ours), one(rival)) == sign
+
+
+def test_verdict_missed_when_every_round_is_below_level_when_mixed_met_when_above() -> None:
+    below = {9.2: [-0.03, -0.04, -0.02, -0.03]}
+    assert pr.attainment_verdict(below).startswith("MISSED: below at 9.20")
+    mixed = {9.2: [0.02, -0.02, 0.0, 0.01], 13.8: [0.0, 0.01, -0.01]}
+    assert pr.attainment_verdict(mixed).startswith("level")
+    above = {9.2: [0.02, 0.03, 0.02], 13.8: [0.01, 0.015, 0.012]}
+    assert pr.attainment_verdict(above) == "met"
+
+
+def test_main_pools_files_and_judges_reuse_only_within_the_slo(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = run_data({
+        OURS: {"48.0": [(0.92, 0.95), (0.91, 0.93)], "72.0": [(0.85, 0.7), (0.86, 0.7)]},
+        RIVAL: {"48.0": [(0.90, 0.9), (0.92, 0.9)], "72.0": [(0.85, 0.7), (0.87, 0.7)]},
+    })  # fmt: skip
+    b = run_data({
+        OURS: {"48.0": [(0.93, 0.94)], "72.0": [(0.84, 0.7)]},
+        RIVAL: {"48.0": [(0.91, 0.9)], "72.0": [(0.83, 0.7)]},
+    })  # fmt: skip
+    paths = []
+    for name, data in (("a.json", a), ("b.json", b)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    assert pr.main(["--ours", OURS, "--rival", RIVAL, *paths]) == 0
+    out = capsys.readouterr().out
+    assert "| 9.20 | 3 (2) |" in out
+    assert "ours' reuse at 9.20 req/s, mean over rounds" in out and "-> met" in out
+    assert "13.80 req/s" in out and "not judged" in out  # 85% of requests: outside the SLO
+    with pytest.raises(SystemExit, match="no run measured both"):
+        pr.main(["--ours", "nobody", "--rival", RIVAL, *paths])
