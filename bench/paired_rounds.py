@@ -140,6 +140,34 @@ def attainment_verdict(diffs_by_rate: Mapping[float, Sequence[float]]) -> str:
     )
 
 
+def sign_test_p(above: int, below: int) -> float:
+    """Two-sided sign test: the chance of a split at least this uneven between `above` and
+    `below` (ties left out) were either side equally likely in each pair."""
+    n, k = above + below, min(above, below)
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)
+    return min(1.0, 2 * tail)
+
+
+def _within_slo_signs(by_rate: Mapping[float, Sequence[Pair]]) -> str:
+    """The pairs at every rate where ours met the SLO on average, counted together: where one
+    rate's rounds are too few to tell, the rates within the SLO together may."""
+    diffs = [
+        p.ours_attainment - p.rival_attainment
+        for group in by_rate.values()
+        if statistics.fmean(p.ours_attainment for p in group) >= tc.GOODPUT_ATTAINMENT
+        for p in group
+    ]
+    above = sum(d > LEVEL_POINTS for d in diffs)
+    below = sum(d < -LEVEL_POINTS for d in diffs)
+    return (
+        f"Every rate within the SLO together ({len(diffs)} pairs of a round and a rate): ours "
+        f"above in {above}, level in {len(diffs) - above - below}, below in {below}; sign test "
+        f"(ties left out) p = {sign_test_p(above, below):.3f}."
+    )
+
+
 def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float) -> str:
     by_rate: dict[float, list[Pair]] = {}
     for p in pairs:
@@ -170,6 +198,8 @@ def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim
         f"Goodput, round by round ({len(goodputs)} rounds with two rates or more): ours above "
         f"in {signs.count('above')}, level in {signs.count('level')}, below in "
         f"{signs.count('below')}, the bounds cannot tell in {signs.count('unknown')}.",
+        "",
+        _within_slo_signs(by_rate),
         "",
         f"- ours never below the rival (SLO attainment, paired rounds): "
         f"{attainment_verdict(diffs_by_rate)}",

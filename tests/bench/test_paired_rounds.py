@@ -107,5 +107,14 @@ def test_main_pools_files_and_judges_reuse_only_within_the_slo(
     assert "| 9.20 | 3 (2) |" in out
     assert "ours' reuse at 9.20 req/s, mean over rounds" in out and "-> met" in out
     assert "13.80 req/s" in out and "not judged" in out  # 85% of requests: outside the SLO
+    # Within the SLO (9.20 only): +2, -2 and +2 points: above twice, below once.
+    assert "(3 pairs of a round and a rate): ours above in 2, level in 0, below in 1" in out
     with pytest.raises(SystemExit, match="no run measured both"):
         pr.main(["--ours", "nobody", "--rival", RIVAL, *paths])
+
+
+def test_sign_test_is_exact_binomial_two_sided() -> None:
+    assert pr.sign_test_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    assert pr.sign_test_p(3, 3) == 1.0
+    assert pr.sign_test_p(0, 0) == 1.0
+    assert pr.sign_test_p(0, 6) == pytest.approx(2 / 64)
