@@ -25,73 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import _paired
 from bench import trace_compare as tc
-
-# Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; past the table the
-# normal's 1.96 is within 2%.
-_T975 = (
-    12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-    2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-    2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042,
-)  # fmt: skip
-LEVEL_POINTS = 0.005  # attainments this close (half a point: one request in 200) count as level
-
-
-@dataclass(frozen=True)
-class Pair:
-    """One round of one run, at one rate: ours and the rival as measured side by side."""
-
-    run: str  # the JSON file's name
-    round: int
-    rate: float
-    ours_attainment: float
-    rival_attainment: float
-    ours_reuse: float
-
-
-def t975(df: int) -> float:
-    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
-
-
-def mean_interval(values: Sequence[float]) -> tuple[float, float, float]:
-    """(mean, low, high): the mean with its 95% interval; with one value the interval is
-    unbounded (nothing is known of the spread)."""
-    mean = statistics.fmean(values)
-    if len(values) < 2:
-        return mean, -math.inf, math.inf
-    half = t975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
-    return mean, mean - half, mean + half
-
-
-def _label_in(runs: dict[str, Any], labels: Sequence[str]) -> str | None:
-    """The first of `labels` that the run measured (a configuration renamed between runs is
-    given under both names)."""
-    return next((label for label in labels if label in runs), None)
-
-
-def pairs_of(
-    name: str, data: dict[str, Any], ours: Sequence[str], rival: Sequence[str]
-) -> list[Pair]:
-    """Every (round, rate) of one run where both configurations ran."""
-    runs = data["runs"]
-    mine, theirs = _label_in(runs, ours), _label_in(runs, rival)
-    if mine is None or theirs is None:
-        return []
-    out = []
-    for scale, our_rounds in runs[mine].items():
-        their_rounds = runs[theirs].get(scale) or []
-        for i, (a, b) in enumerate(zip(our_rounds, their_rounds, strict=False)):
-            out.append(
-                Pair(name, i, a["rate"], a["attainment"], b["attainment"], a["reuse_vs_lru"])
-            )
-    return out
 
 
 def goodput_pairs(
@@ -99,7 +39,7 @@ def goodput_pairs(
 ) -> list[tuple[tc.Goodput, tc.Goodput]]:
     """Per round of a run with at least two rates: (ours, rival) goodput, one round each."""
     runs = data["runs"]
-    mine, theirs = _label_in(runs, ours), _label_in(runs, rival)
+    mine, theirs = _paired.label_in(runs, ours), _paired.label_in(runs, rival)
     if mine is None or theirs is None or len(runs[mine]) < 2:
         return []
     a = tc.goodputs({float(s): r for s, r in runs[mine].items() if r})
@@ -124,52 +64,10 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
     return "unknown"
 
 
-def attainment_verdict(diffs_by_rate: Mapping[float, Sequence[float]]) -> str:
-    """met / MISSED / level for "ours' attainment never below the rival's", rate by rate."""
-    lows = []
-    for rate, diffs in sorted(diffs_by_rate.items()):
-        _, low, high = mean_interval(diffs)
-        if high < 0:
-            return f"MISSED: below at {rate:.2f} req/s (interval up to {high * 100:+.1f} points)"
-        lows.append(low)
-    if all(low >= 0 for low in lows):
-        return "met"
-    return (
-        "level: no difference these rounds can tell, ours at most "
-        f"{-min(lows) * 100:.1f} points below at worst"
-    )
-
-
-def sign_test_p(above: int, below: int) -> float:
-    """Two-sided sign test: the chance of a split at least this uneven between `above` and
-    `below` (ties left out) were either side equally likely in each pair."""
-    n, k = above + below, min(above, below)
-    if n == 0:
-        return 1.0
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / (1 << n)
-    return min(1.0, 2 * tail)
-
-
-def _within_slo_signs(by_rate: Mapping[float, Sequence[Pair]]) -> str:
-    """The pairs at every rate where ours met the SLO on average, counted together: where one
-    rate's rounds are too few to tell, the rates within the SLO together may."""
-    diffs = [
-        p.ours_attainment - p.rival_attainment
-        for group in by_rate.values()
-        if statistics.fmean(p.ours_attainment for p in group) >= tc.GOODPUT_ATTAINMENT
-        for p in group
-    ]
-    above = sum(d > LEVEL_POINTS for d in diffs)
-    below = sum(d < -LEVEL_POINTS for d in diffs)
-    return (
-        f"Every rate within the SLO together ({len(diffs)} pairs of a round and a rate): ours "
-        f"above in {above}, level in {len(diffs) - above - below}, below in {below}; sign test "
-        f"(ties left out) p = {sign_test_p(above, below):.3f}."
-    )
-
-
-def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float) -> str:
-    by_rate: dict[float, list[Pair]] = {}
+def render(
+    pairs: list[_paired.Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float
+) -> str:
+    by_rate: dict[float, list[_paired.Pair]] = {}
     for p in pairs:
         by_rate.setdefault(round(p.rate, 2), []).append(p)
     lines = [
@@ -180,11 +78,11 @@ def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim
     diffs_by_rate: dict[float, list[float]] = {}
     for rate, group in sorted(by_rate.items()):
         diffs = diffs_by_rate[rate] = [p.ours_attainment - p.rival_attainment for p in group]
-        mean, low, high = mean_interval(diffs)
-        above = sum(d > LEVEL_POINTS for d in diffs)
-        below = sum(d < -LEVEL_POINTS for d in diffs)
+        mean, low, high = _paired.mean_interval(diffs)
+        above = sum(d > _paired.LEVEL_POINTS for d in diffs)
+        below = sum(d < -_paired.LEVEL_POINTS for d in diffs)
         reuse = [p.ours_reuse for p in group]
-        r_mean, r_low, r_high = mean_interval(reuse)
+        r_mean, r_low, r_high = _paired.mean_interval(reuse)
         lines.append(
             f"| {rate:.2f} | {len(group)} ({len({p.run for p in group})}) | "
             f"{mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f}) | "
@@ -199,13 +97,13 @@ def render(pairs: list[Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim
         f"in {signs.count('above')}, level in {signs.count('level')}, below in "
         f"{signs.count('below')}, the bounds cannot tell in {signs.count('unknown')}.",
         "",
-        _within_slo_signs(by_rate),
+        _paired.within_slo_signs(by_rate, tc.GOODPUT_ATTAINMENT),
         "",
         f"- ours never below the rival (SLO attainment, paired rounds): "
-        f"{attainment_verdict(diffs_by_rate)}",
+        f"{_paired.attainment_verdict(diffs_by_rate)}",
     ]
     for rate, group in sorted(by_rate.items()):
-        _, r_low, r_high = mean_interval([p.ours_reuse for p in group])
+        _, r_low, r_high = _paired.mean_interval([p.ours_reuse for p in group])
         slo = statistics.fmean(p.ours_attainment for p in group)
         if slo < tc.GOODPUT_ATTAINMENT:
             verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
@@ -228,11 +126,11 @@ def main(argv: list[str] | None = None) -> int:
         )  # fmt: skip
     p.add_argument("--reuse-aim", type=float, default=tc.REUSE_AIM)
     args = p.parse_args(argv)
-    pairs: list[Pair] = []
+    pairs: list[_paired.Pair] = []
     goodputs: list[tuple[tc.Goodput, tc.Goodput]] = []
     for path in args.runs:
         data = json.loads(path.read_text())
-        pairs += pairs_of(path.name, data, args.ours, args.rival)
+        pairs += _paired.pairs_of(path.name, data, args.ours, args.rival)
         goodputs += goodput_pairs(data, args.ours, args.rival)
     if not pairs:
         raise SystemExit("no run measured both configurations")

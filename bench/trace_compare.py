@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
+from bench import _paired
 from bench import _replay_fleet as rf
 from bench import _trace as tr
 from bench import trace_replay as replay_mod
@@ -681,15 +682,37 @@ def best_of(family: str, configs: dict[str, Config], gps: dict[str, Goodput]) ->
     return max(labels, key=lambda label: gps[label].median, default=None)
 
 
+def paired_line(runs: dict[str, Any], ours: str, rival: str) -> list[str]:
+    """The SLO attainments of `ours` and `rival` paired round by round (`bench/_paired.py`):
+    where both meet the SLO at every rate measured, goodput cannot tell them apart, and the
+    rounds' differences still can."""
+    pairs = _paired.pairs_of("", {"runs": runs}, [ours], [rival])
+    if len({p.round for p in pairs}) < 2:
+        return []  # one round: no spread to judge a difference by
+    by_rate: dict[float, list[float]] = {}
+    for p in pairs:
+        by_rate.setdefault(round(p.rate, 2), []).append(p.ours_attainment - p.rival_attainment)
+    cells = []
+    for rate, diffs in sorted(by_rate.items()):
+        mean, low, high = _paired.mean_interval(diffs)
+        cells.append(f"{rate:.2f} req/s {mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f})")
+    return [
+        f"- SLO met, {ours} - {rival}, paired round by round (points, mean and 95% interval): "
+        f"{'; '.join(cells)} -> {_paired.attainment_verdict(by_rate)}"
+    ]
+
+
 def verdicts(
     rows: dict[str, dict[float, dict[str, Any]]],
     gps: dict[str, Goodput],
     configs: dict[str, Config],
     ours_family: str = OURS,
     holds_off: str = HOLDS_OFF,
+    runs: dict[str, Any] | None = None,
 ) -> list[str]:
     """Each aim met, missed or undetermined, with its interval over the rounds, for the best
-    configuration of `ours_family` (against `holds_off` for the holds aim)."""
+    configuration of `ours_family` (against `holds_off` for the holds aim; with the rounds'
+    `runs`, also their SLO attainments paired round by round: `paired_line`)."""
     ours = best_of(ours_family, configs, gps)
     if ours is None:
         return []
@@ -708,6 +731,8 @@ def verdicts(
             f"- goodput: {ours} {gps[ours].text()} req/s vs {rival} {gps[rival].text()} req/s: "
             f"ratio {interval} -> {verdict} (aim: >= {aim:g}x)"
         )
+        if family == holds_off and runs is not None:
+            lines += paired_line(runs, ours, rival)
     within = [r for r in rows[ours].values() if r["attainment"] >= GOODPUT_ATTAINMENT]
     if within:
         worst = min(r["reuse_vs_lru"] for r in within)
@@ -932,7 +957,7 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
     families = sorted({cfg.family for cfg in configs.values()})
     best = [f"{family}: {best_of(family, configs, gps)}" for family in families]
     lines += ["", "Best configuration of each family in this run: " + "; ".join(best) + "."]
-    lines += ["", *verdicts(rows, gps, configs, args.ours, args.holds_off), ""]
+    lines += ["", *verdicts(rows, gps, configs, args.ours, args.holds_off, data["runs"]), ""]
     load = data.get("load", {})
     # A comparison stopped before its end kept its runs but has no "after" nor duration.
     ended = (

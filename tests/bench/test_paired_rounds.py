@@ -1,5 +1,6 @@
-"""Rounds paired over trace comparison runs (`bench/paired_rounds.py`): which rounds pair, the
-mean's interval, goodput signs from bounds, and the verdict on "never below"."""
+"""Rounds paired over trace comparison runs (`bench/_paired.py`, `bench/paired_rounds.py` and the
+paired line of `trace_compare.py`'s verdicts): which rounds pair, the mean's interval, goodput
+signs from bounds, the sign test, and the verdict on "never below"."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from bench import _paired
 from bench import paired_rounds as pr
 from bench import trace_compare as tc
 
@@ -38,21 +40,21 @@ def test_rounds_pair_only_where_both_ran_and_under_either_name() -> None:
         RIVAL: {"48.0": [(0.90, 0.8), (0.93, 0.8), (0.5, 0.5)], "72.0": [(0.8, 0.8)]},
         "aggregated": {"48.0": [(0.1, 0.1)]},
     })  # fmt: skip
-    pairs = pr.pairs_of("r.json", data, [OURS, "kvrelay old name"], [RIVAL])
+    pairs = _paired.pairs_of("r.json", data, [OURS, "kvrelay old name"], [RIVAL])
     # Two rounds at 48x (the rival's third has no partner), none at 72x (ours did not run it).
     assert [(p.round, p.rate) for p in pairs] == [(0, 9.2), (1, 9.2)]
     assert pairs[0].ours_attainment == 0.92 and pairs[0].rival_attainment == 0.90
     assert pairs[1].ours_reuse == 0.95
-    assert pr.pairs_of("r.json", data, [OURS], [RIVAL]) == []
+    assert _paired.pairs_of("r.json", data, [OURS], [RIVAL]) == []
 
 
 def test_mean_interval_is_students_t_and_unbounded_for_one_value() -> None:
-    mean, low, high = pr.mean_interval([1.0, 2.0, 3.0])
+    mean, low, high = _paired.mean_interval([1.0, 2.0, 3.0])
     assert mean == 2.0
     assert high - mean == pytest.approx(4.303 * 1.0 / math.sqrt(3))
     assert low == pytest.approx(2 * mean - high)
-    assert pr.mean_interval([5.0])[1:] == (-math.inf, math.inf)
-    assert pr.t975(1) == 12.706 and pr.t975(200) == 1.96
+    assert _paired.mean_interval([5.0])[1:] == (-math.inf, math.inf)
+    assert _paired.t975(1) == 12.706 and _paired.t975(200) == 1.96
 
 
 @pytest.mark.parametrize(
@@ -80,11 +82,11 @@ def test_goodput_sign_from_each_rounds_bounds(ours: str, rival: str, sign: str) 
 
 def test_verdict_missed_when_every_round_is_below_level_when_mixed_met_when_above() -> None:
     below = {9.2: [-0.03, -0.04, -0.02, -0.03]}
-    assert pr.attainment_verdict(below).startswith("MISSED: below at 9.20")
+    assert _paired.attainment_verdict(below).startswith("MISSED: below at 9.20")
     mixed = {9.2: [0.02, -0.02, 0.0, 0.01], 13.8: [0.0, 0.01, -0.01]}
-    assert pr.attainment_verdict(mixed).startswith("level")
+    assert _paired.attainment_verdict(mixed).startswith("level")
     above = {9.2: [0.02, 0.03, 0.02], 13.8: [0.01, 0.015, 0.012]}
-    assert pr.attainment_verdict(above) == "met"
+    assert _paired.attainment_verdict(above) == "met"
 
 
 def test_main_pools_files_and_judges_reuse_only_within_the_slo(
@@ -114,7 +116,30 @@ def test_main_pools_files_and_judges_reuse_only_within_the_slo(
 
 
 def test_sign_test_is_exact_binomial_two_sided() -> None:
-    assert pr.sign_test_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096)
-    assert pr.sign_test_p(3, 3) == 1.0
-    assert pr.sign_test_p(0, 0) == 1.0
-    assert pr.sign_test_p(0, 6) == pytest.approx(2 / 64)
+    assert _paired.sign_test_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    assert _paired.sign_test_p(3, 3) == 1.0
+    assert _paired.sign_test_p(0, 0) == 1.0
+    assert _paired.sign_test_p(0, 6) == pytest.approx(2 / 64)
+
+
+def test_trace_compare_verdicts_add_the_paired_line_against_holds_off() -> None:
+    runs = run_data({
+        OURS: {"48.0": [(0.88, 0.9), (0.87, 0.9), (0.89, 0.9)], "72.0": [(0.8, 0.9)] * 3},
+        RIVAL: {"48.0": [(0.91, 0.9), (0.90, 0.9), (0.92, 0.9)], "72.0": [(0.82, 0.9)] * 3},
+    })["runs"]  # fmt: skip
+    line = tc.paired_line(runs, OURS, RIVAL)
+    assert len(line) == 1
+    assert "9.20 req/s -3.0 (" in line[0] and "13.80 req/s -2.0 (" in line[0]
+    assert "-> MISSED: below at" in line[0]
+    one_round = {label: {s: r[:1] for s, r in by.items()} for label, by in runs.items()}
+    assert tc.paired_line(one_round, OURS, RIVAL) == []  # no spread to judge by
+    configs = {label: tc._config_of(label, 8) for label in (OURS, RIVAL)}
+    gps = tc.goodputs_of({"runs": runs})
+    rows = {
+        label: {float(scale): {"attainment": r[0]["attainment"], "reuse_vs_lru": 0.9,
+                               "d_pinned_unused": 0.0} for scale, r in by.items()}
+        for label, by in runs.items()
+    }  # fmt: skip
+    lines = tc.verdicts(rows, gps, configs, runs=runs)
+    assert any("paired round by round" in x for x in lines)
+    assert not any("paired round by round" in x for x in tc.verdicts(rows, gps, configs))
