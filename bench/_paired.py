@@ -70,6 +70,37 @@ def pairs_of(
     return out
 
 
+def by_rate(pairs: Sequence[Pair]) -> dict[float, list[Pair]]:
+    """The pairs grouped by their rate (to the hundredth: the runs' rates agree that far)."""
+    out: dict[float, list[Pair]] = {}
+    for p in pairs:
+        out.setdefault(round(p.rate, 2), []).append(p)
+    return out
+
+
+def differences(group: Sequence[Pair]) -> list[float]:
+    """Ours' SLO attainment minus the rival's, pair by pair."""
+    return [p.ours_attainment - p.rival_attainment for p in group]
+
+
+def signs(diffs: Sequence[float]) -> tuple[int, int, int]:
+    """(above, level, below): differences past `LEVEL_POINTS` either way, and the rest."""
+    above = sum(d > LEVEL_POINTS for d in diffs)
+    below = sum(d < -LEVEL_POINTS for d in diffs)
+    return above, len(diffs) - above - below, below
+
+
+def points_cell(diffs: Sequence[float]) -> str:
+    """The mean difference and its 95% interval, in points: "+0.1 (-0.8 to +1.0)"."""
+    mean, low, high = mean_interval(diffs)
+    return f"{mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f})"
+
+
+def within_slo(group: Sequence[Pair], slo_share: float) -> bool:
+    """Ours met the SLO (`slo_share` of its requests) at this rate, on average over rounds."""
+    return statistics.fmean(p.ours_attainment for p in group) >= slo_share
+
+
 def attainment_verdict(diffs_by_rate: Mapping[float, Sequence[float]]) -> str:
     """met / MISSED / level for "ours' attainment never below the rival's", rate by rate."""
     lows = []
@@ -96,20 +127,16 @@ def sign_test_p(above: int, below: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def within_slo_signs(by_rate: Mapping[float, Sequence[Pair]], slo_share: float) -> str:
+def within_slo_signs(groups: Mapping[float, Sequence[Pair]], slo_share: float) -> str:
     """The pairs at every rate where ours met the SLO (`slo_share` of its requests) on average,
     counted together: where one rate's rounds are too few to tell, the rates within the SLO
     together may."""
     diffs = [
-        p.ours_attainment - p.rival_attainment
-        for group in by_rate.values()
-        if statistics.fmean(p.ours_attainment for p in group) >= slo_share
-        for p in group
+        d for group in groups.values() if within_slo(group, slo_share) for d in differences(group)
     ]
-    above = sum(d > LEVEL_POINTS for d in diffs)
-    below = sum(d < -LEVEL_POINTS for d in diffs)
+    above, level, below = signs(diffs)
     return (
         f"Every rate within the SLO together ({len(diffs)} pairs of a round and a rate): ours "
-        f"above in {above}, level in {len(diffs) - above - below}, below in {below}; sign test "
+        f"above in {above}, level in {level}, below in {below}; sign test "
         f"(ties left out) p = {sign_test_p(above, below):.3f}."
     )

@@ -67,26 +67,21 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
 def render(
     pairs: list[_paired.Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float
 ) -> str:
-    by_rate: dict[float, list[_paired.Pair]] = {}
-    for p in pairs:
-        by_rate.setdefault(round(p.rate, 2), []).append(p)
+    groups = _paired.by_rate(pairs)
     lines = [
         "| req/s | rounds (runs) | SLO met: ours - rival, mean (95% interval) | above / level / "
         "below | ours' reuse vs LRU: mean (95% interval) | rounds >= aim |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
-    diffs_by_rate: dict[float, list[float]] = {}
-    for rate, group in sorted(by_rate.items()):
-        diffs = diffs_by_rate[rate] = [p.ours_attainment - p.rival_attainment for p in group]
-        mean, low, high = _paired.mean_interval(diffs)
-        above = sum(d > _paired.LEVEL_POINTS for d in diffs)
-        below = sum(d < -_paired.LEVEL_POINTS for d in diffs)
+    diffs_by_rate = {rate: _paired.differences(group) for rate, group in groups.items()}
+    for rate, group in sorted(groups.items()):
+        diffs = diffs_by_rate[rate]
+        above, level, below = _paired.signs(diffs)
         reuse = [p.ours_reuse for p in group]
         r_mean, r_low, r_high = _paired.mean_interval(reuse)
         lines.append(
             f"| {rate:.2f} | {len(group)} ({len({p.run for p in group})}) | "
-            f"{mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f}) | "
-            f"{above} / {len(diffs) - above - below} / {below} | "
+            f"{_paired.points_cell(diffs)} | {above} / {level} / {below} | "
             f"{r_mean:.3f} ({r_low:.3f}-{r_high:.3f}) | {sum(r >= aim for r in reuse)} of "
             f"{len(reuse)} |"
         )
@@ -97,15 +92,15 @@ def render(
         f"in {signs.count('above')}, level in {signs.count('level')}, below in "
         f"{signs.count('below')}, the bounds cannot tell in {signs.count('unknown')}.",
         "",
-        _paired.within_slo_signs(by_rate, tc.GOODPUT_ATTAINMENT),
+        _paired.within_slo_signs(groups, tc.GOODPUT_ATTAINMENT),
         "",
         f"- ours never below the rival (SLO attainment, paired rounds): "
         f"{_paired.attainment_verdict(diffs_by_rate)}",
     ]
-    for rate, group in sorted(by_rate.items()):
+    for rate, group in sorted(groups.items()):
         _, r_low, r_high = _paired.mean_interval([p.ours_reuse for p in group])
-        slo = statistics.fmean(p.ours_attainment for p in group)
-        if slo < tc.GOODPUT_ATTAINMENT:
+        if not _paired.within_slo(group, tc.GOODPUT_ATTAINMENT):
+            slo = statistics.fmean(p.ours_attainment for p in group)
             verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
         else:
             verdict = "met" if r_low >= aim else "MISSED" if r_high < aim else "undetermined"

@@ -689,16 +689,11 @@ def paired_line(runs: dict[str, Any], ours: str, rival: str) -> list[str]:
     pairs = _paired.pairs_of("", {"runs": runs}, [ours], [rival])
     if len({p.round for p in pairs}) < 2:
         return []  # one round: no spread to judge a difference by
-    by_rate: dict[float, list[float]] = {}
-    for p in pairs:
-        by_rate.setdefault(round(p.rate, 2), []).append(p.ours_attainment - p.rival_attainment)
-    cells = []
-    for rate, diffs in sorted(by_rate.items()):
-        mean, low, high = _paired.mean_interval(diffs)
-        cells.append(f"{rate:.2f} req/s {mean * 100:+.1f} ({low * 100:+.1f} to {high * 100:+.1f})")
+    diffs = {rate: _paired.differences(group) for rate, group in _paired.by_rate(pairs).items()}
+    cells = [f"{rate:.2f} req/s {_paired.points_cell(d)}" for rate, d in sorted(diffs.items())]
     return [
         f"- SLO met, {ours} - {rival}, paired round by round (points, mean and 95% interval): "
-        f"{'; '.join(cells)} -> {_paired.attainment_verdict(by_rate)}"
+        f"{'; '.join(cells)} -> {_paired.attainment_verdict(diffs)}"
     ]
 
 
