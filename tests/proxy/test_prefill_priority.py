@@ -42,12 +42,12 @@ COMPUTED = "enginesim_prompt_tokens_computed_total"
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
-    """P admits one request at a time by priority, its prefills taking 2 ms a token; D fast."""
+    """P admits one request at a time by priority, its prefills taking 3 ms a token; D fast."""
     factory = EngineFactory()
     try:
         p, d = factory.many(
             ("P", ["--role", "prefill", "--scheduling-policy", "priority", "--max-num-seqs", "1",
-                   "--prefill-us-per-token", "2000"]),
+                   "--prefill-us-per-token", "3000"]),
             ("D", ["--role", "decode"]),
         )  # fmt: skip
         yield p, d
@@ -74,19 +74,21 @@ def _sent_to_p(proxy: ProxyServer) -> int:
 def test_a_short_prompt_overtakes_a_long_one_queued_on_p(
     engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory, level: str
 ) -> None:
-    """A prompt of about 2,900 tokens keeps P busy for about 6 s; a long one (about 2,100
-    tokens) and then a short one (about 30) are sent to P meanwhile. P takes the next request
+    """A prompt of about 2,900 tokens keeps P busy for about 9 s; a long one (about 2,100
+    tokens) and then a short one (about 80) are sent to P meanwhile. P takes the next request
     from its queue only when it is done with the first: by priority the short one, else the
     long one. The order is read from P's own count of prompt tokens computed, which grows by
     each prompt as P admits it (the clients' answers cannot tell: D's reads from P wait for
-    P's step to end, so both may come back together)."""
+    P's step to end, so both may come back together). The short prompt's prefill (about
+    0.23 s) is several of the watcher's polls long: at 30 tokens and 2 ms a token (60 ms) one
+    poll of P's metrics on a loaded machine could span it, and two prompts read as one step."""
     p, d = engines
     p.wait_idle()
     d.wait_idle()
     proxy = proxy_factory(
         [p], [d], ready_path="/ready", prefill_priority_tokens=level, admin_key=ADMIN_KEY
     )
-    busy, long, short = _messages("busy", 120), _messages("long", 90), _messages("short", 1)
+    busy, long, short = _messages("busy", 120), _messages("long", 90), _messages("short", 3)
     answers: dict[str, str] = {}
     computed = [p.metric(COMPUTED)]  # P's count, each time it changed
     stop = threading.Event()
