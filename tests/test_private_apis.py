@@ -28,7 +28,7 @@ from redis.commands.core import AsyncScript
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.kvcache_map._resp import RedisAddress, RespConnection
-from kvrelay.proxy.http import ShapedErrorsRequestHandler
+from kvrelay.proxy.http.protocol_errors import ShapedErrorsRequestHandler
 from kvrelay.proxy.telemetry import metrics
 
 # -- redis-py ----------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The shape of the code: no import circle in `kvrelay/`, arrows only downwards between rooms,
-and a room of the proxy, like the dev tools, entered only through its face.
+and a room of the proxy, like the dev tools, entered only through its face by the code that uses
+it (tests may open a room: they test its modules).
 
 Imports are read with `ast`, not run. Every import counts wherever it stands: at the top of a
 module, inside a function, under `if TYPE_CHECKING:`. An import inside a function still ties the
@@ -9,7 +10,9 @@ that way is still a circle here.
 The rooms, from the bottom up, are `LAYERS`; an import from one room to another must point to a
 lower one. A room of the proxy (`kvrelay/proxy/<room>/`) shows the rest of the code its face,
 `kvrelay/proxy/<room>/__init__.py`, and what that face's `__all__` names; its modules are its
-own. Inside a room, modules import each other directly (never through their own face).
+own. Inside a room, modules import each other directly (never through their own face). A face
+names what other rooms, the bench and the scripts use; the tests import a room's modules where
+they test them (as a library's own tests do), so no name sits on a face only for a test.
 `kvrelay/devtools/` has a face too: code outside it takes its names, or its modules as
 namespaces, from `kvrelay/devtools/__init__.py`.
 """
@@ -46,8 +49,10 @@ LAYERS = (
 )
 PROXY = "kvrelay.proxy"
 DEVTOOLS = "kvrelay.devtools"
-# Code outside kvrelay/ that must use the proxy's rooms through their faces too.
+# Code outside kvrelay/ that must use the proxy's rooms through their faces too; the tests, which
+# test the rooms' modules, import them directly (`ROOM_TESTERS`).
 CLIENTS = ("tests", "bench", "scripts", "deploy")
+ROOM_TESTERS = ("tests",)
 
 
 @dataclass(frozen=True)
@@ -228,6 +233,44 @@ def devtools_reaches(modules: dict[str, Path], clients: dict[str, Path], root: P
     return list(dict.fromkeys(bad))  # one line per import, not per name it takes
 
 
+def names_taken(path: Path, rooms: set[str]) -> Iterator[tuple[str, str]]:
+    """(room, name) for each name one file takes from a proxy room's face: `from room import
+    name`, or `short.name` where the file imported the room itself (`from kvrelay.proxy import
+    fleet`)."""
+    tree = ast.parse(path.read_text(), str(path))
+    as_module: dict[str, str] = {}  # local name -> room
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0:
+            for alias in node.names:
+                if node.module in rooms:
+                    yield node.module, alias.name
+                elif f"{node.module}.{alias.name}" in rooms:
+                    as_module[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            room = as_module.get(node.value.id)
+            if room is not None:
+                yield room, node.attr
+
+
+def names_only_tests_take(modules: dict[str, Path], clients: dict[str, Path]) -> list[str]:
+    """Names on a proxy room's face that no code outside the room but the tests takes."""
+    exports = faces(modules)
+    rooms = set(exports)
+    taken: dict[tuple[str, str], set[str]] = {}
+    for name, path in {**modules, **clients}.items():
+        user = name.split(".")[0] if name.split(".")[0] != "kvrelay" else "kvrelay"
+        for room, taken_name in names_taken(path, rooms):
+            if proxy_room(name, rooms) != room:
+                taken.setdefault((room, taken_name), set()).add(user)
+    return sorted(
+        f"{room}.{n} is taken by tests only: they import it from its module"
+        for room, names in exports.items()
+        for n in names
+        if taken.get((room, n), set()) and taken[(room, n)] <= set(ROOM_TESTERS)
+    )
+
+
 def upward_arrows(graph: dict[str, set[str]]) -> list[str]:
     rank = {room: i for i, room in enumerate(LAYERS)}
     bad = []
@@ -263,8 +306,14 @@ def test_imports_only_point_down(modules: dict[str, Path]) -> None:
 
 
 def test_proxy_rooms_are_entered_through_their_faces(modules: dict[str, Path]) -> None:
-    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+    users = [c for c in CLIENTS if c not in ROOM_TESTERS and (ROOT / c).is_dir()]
+    clients = sources(ROOT, users)
     assert private_reaches(modules, clients, ROOT) == []
+
+
+def test_no_face_names_what_only_tests_take(modules: dict[str, Path]) -> None:
+    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+    assert names_only_tests_take(modules, clients) == []
 
 
 def test_devtools_are_entered_through_their_face(modules: dict[str, Path]) -> None:
@@ -391,3 +440,24 @@ def test_a_room_never_imports_through_its_own_face(modules: dict[str, Path]) -> 
         if room in (imp.via, imp.target)
     ]
     assert own_face == []
+
+
+def test_a_face_name_only_tests_take_is_found(tmp_path: Path) -> None:
+    modules = _tree(tmp_path, {
+        "kvrelay/__init__.py": "",
+        "kvrelay/proxy/__init__.py": "",
+        "kvrelay/proxy/room/__init__.py": (
+            "from kvrelay.proxy.room.inner import Used, Attr, ForTests\n"
+            "__all__ = ['Attr', 'ForTests', 'Used']\n"
+        ),
+        "kvrelay/proxy/room/inner.py": "Used = Attr = ForTests = 1\n",
+        "kvrelay/proxy/other/__init__.py": "__all__: list[str] = []\n",
+        "kvrelay/proxy/other/a.py": "from kvrelay.proxy.room import Used\n",
+        "kvrelay/proxy/other/b.py": "from kvrelay.proxy import room\nx = room.Attr\n",
+    })  # fmt: skip
+    test = tmp_path / "tests" / "test_room.py"
+    test.parent.mkdir()
+    test.write_text("from kvrelay.proxy.room import ForTests, Used\n")
+    assert names_only_tests_take(modules, {"tests.test_room": test}) == [
+        "kvrelay.proxy.room.ForTests is taken by tests only: they import it from its module"
+    ]

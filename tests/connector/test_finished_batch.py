@@ -21,7 +21,7 @@ from kvrelay.connector.protocol import MAX_FINISHED_BATCH, PATH_FINISHED_BATCH
 from kvrelay.connector.scheduler import ConnectorScheduler
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, _Exchange
 from kvrelay.devtools import nixl_peer
-from kvrelay.proxy.engines import FinishedLookups
+from kvrelay.proxy.engines.finished_lookups import FinishedLookups
 from tests.connector.sidechannel_helpers import hold_params
 
 MakeScheduler = Callable[..., ConnectorScheduler]

@@ -17,7 +17,7 @@ import pytest
 
 from kvrelay.connector.protocol import HoldRef, KVTransferParams
 from kvrelay.kvcache_map import KVEntry
-from kvrelay.proxy.turn import decode_body, prefill_body
+from kvrelay.proxy.turn.legs import decode_body, prefill_body
 
 ROOT = Path(__file__).resolve().parents[2]
 # The hold's fields and the spellings a parallel model has used for them.

@@ -18,7 +18,8 @@ from redis import Redis
 
 from kvrelay.devtools import CONNECTOR_SECRET, EngineFactory, ProxyFactory, ProxyServer
 from kvrelay.proxy.config import load_settings
-from kvrelay.proxy.fleet import engine_name, name_key
+from kvrelay.proxy.fleet import name_key
+from kvrelay.proxy.fleet.engine_names import engine_name
 from tests.harness import RedisServer, wait_until
 
 ADMIN_KEY = "race-admin-key"

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer
-from kvrelay.proxy.fleet import Discovered, DnsSource, ResolveError, make_resolver
+from kvrelay.proxy.fleet.discovery import Discovered, DnsSource, ResolveError, make_resolver
 from tests.fleet.dns_server import DnsServer
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until

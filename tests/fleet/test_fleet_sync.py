@@ -84,7 +84,8 @@ def test_admin_changes_reach_every_worker_and_replica(
 async def test_fleet_record_lost_with_redis_is_restored_not_emptied(redis: RedisServer) -> None:
     """Redis restarts empty: the next change must not start from an empty fleet."""
     from kvrelay.kvcache_map import open_redis_client
-    from kvrelay.proxy.fleet import Pool, RedisFleetSync
+    from kvrelay.proxy.fleet import Pool
+    from kvrelay.proxy.fleet.fleet_sync import RedisFleetSync
     from tests.kvcache_map.helpers import eventually
 
     static = {"prefill": ["http://p0:8000"], "decode": ["http://d0:8000"]}
@@ -128,7 +129,8 @@ async def test_fleet_record_on_cluster_and_sentinel_maps(topology: str) -> None:
     """The record, its script and its notification work on the other map topologies (a
     cluster map has no asyncio pub/sub in redis-py: polling carries the change there)."""
     from kvrelay.kvcache_map import open_redis_client
-    from kvrelay.proxy.fleet import Pool, RedisFleetSync
+    from kvrelay.proxy.fleet import Pool
+    from kvrelay.proxy.fleet.fleet_sync import RedisFleetSync
     from tests.kvcache_map.helpers import eventually
     from tests.kvcache_map.topologies import RedisCluster, SentinelSet
 

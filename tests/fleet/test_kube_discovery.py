@@ -12,14 +12,10 @@ import pytest
 from kubernetes_asyncio import client, config
 
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
-from kvrelay.proxy.fleet import (
-    Discovered,
-    KubeRoleWatch,
-    KubeScope,
-    LocalFleetSync,
-    Pool,
-    ready_engines,
-)
+from kvrelay.proxy.fleet import Pool
+from kvrelay.proxy.fleet.discovery import Discovered
+from kvrelay.proxy.fleet.discovery_kube import KubeRoleWatch, KubeScope, ready_engines
+from kvrelay.proxy.fleet.fleet_sync import LocalFleetSync
 from tests.fleet.fake_kube_api import FakeEndpointSlices, fake_endpoint_slices
 from tests.fleet.workers import Load
 from tests.harness import RedisServer, wait_until

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 
 from kvrelay.devtools import EngineFactory, ProxyFactory, ProxyServer, chaos_load
-from kvrelay.proxy.http import openapi_document
+from kvrelay.proxy.http.openapi import openapi_document
 from tests.security.rawhttp import send
 
 EXAMPLES = int(os.environ.get("KVRELAY_FUZZ_EXAMPLES", "25"))

@@ -35,15 +35,11 @@ from kvrelay.kvcache_map import ConversationKey, KVEntry
 from kvrelay.kvcache_map._entry import decode_key, encode_key
 from kvrelay.kvcache_map._errors import EntryDecodeError, InvalidKeyError
 from kvrelay.proxy.base import ProxyError, jsoncodec, upstream_error_from_body
-from kvrelay.proxy.http import validate_chat, validate_completion
-from kvrelay.proxy.turn import (
-    SSEFilter,
-    chained_fingerprints,
-    chat_shape,
-    completion_shape,
-    decode_body,
-    prefill_body,
-)
+from kvrelay.proxy.http.validation import validate_chat, validate_completion
+from kvrelay.proxy.turn import chat_shape, completion_shape
+from kvrelay.proxy.turn.conversation import chained_fingerprints
+from kvrelay.proxy.turn.legs import decode_body, prefill_body
+from kvrelay.proxy.turn.streaming import SSEFilter
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -8,8 +8,9 @@ import json
 import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.proxy.fleet import ReuseStanding
-from kvrelay.proxy.turn import PromptAccount, SSEFilter
+from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
+from kvrelay.proxy.turn import PromptAccount
+from kvrelay.proxy.turn.streaming import SSEFilter
 
 
 def test_the_connector_report_is_the_account() -> None:

@@ -11,8 +11,9 @@ from aiohttp import web
 
 from kvrelay.proxy.config import load_settings
 from kvrelay.proxy.engines import Upstream
-from kvrelay.proxy.fleet import HealthChecker, LoadPoller, LocalFleetSync
-from kvrelay.proxy.http import create_app
+from kvrelay.proxy.fleet import HealthChecker, LoadPoller
+from kvrelay.proxy.fleet.fleet_sync import LocalFleetSync
+from kvrelay.proxy.http.app import create_app
 from kvrelay.proxy.tenants import Limiter
 
 SETTINGS = {"prefill": ["http://127.0.0.1:9"], "decode": ["http://127.0.0.1:9"]}

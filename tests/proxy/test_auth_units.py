@@ -6,7 +6,7 @@ import pytest
 from aiohttp.test_utils import make_mocked_request
 from pydantic import SecretStr
 
-from kvrelay.proxy.http import key_matches, presented_key
+from kvrelay.proxy.http.auth import key_matches, presented_key
 
 
 def test_key_matches_only_a_configured_key() -> None:

@@ -13,7 +13,7 @@ import pytest
 from openai import OpenAI
 
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, wait_until
-from kvrelay.proxy.fleet import HoldPayoff
+from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from tests.proxy.client import MODEL
 
 LOADED = "enginesim_prompt_tokens_loaded_total"

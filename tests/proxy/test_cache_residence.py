@@ -9,7 +9,9 @@ from prometheus_client import REGISTRY
 from kvrelay.enginesim.histogram import RESIDENCY_BUCKETS, Histogram
 from kvrelay.enginesim.metrics import render_metrics
 from kvrelay.prometheus_text import parse_samples
-from kvrelay.proxy.fleet import CacheResidence, HoldPayoff, load_from_metrics
+from kvrelay.proxy.fleet.cache_residence import CacheResidence
+from kvrelay.proxy.fleet.engine_load import load_from_metrics
+from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 
 NAME = "vllm:kv_block_idle_before_evict_seconds"
 

@@ -20,7 +20,7 @@ import pytest
 
 from kvrelay.devtools import ProxyFactory, ProxyServer, ThreadedApp
 from kvrelay.proxy.config import load_settings
-from kvrelay.proxy.http import create_app
+from kvrelay.proxy.http.app import create_app
 from kvrelay.proxy.turn import TurnReport
 from tests.harness import free_port, wait_until
 from tests.proxy.fake_figures_engine import MODEL, PROMPT_TOKENS, FakeFiguresEngine

@@ -18,19 +18,11 @@ from aiohttp import web
 from kvrelay.kvcache_map import KVEntry
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Upstream
-from kvrelay.proxy.fleet import (
-    STALE_INTERVALS,
-    EngineLoad,
-    LoadPoller,
-    Pool,
-    Route,
-    Router,
-    TokenCounter,
-    fresh_load,
-    load_from_metrics,
-    policy_named,
-    uncached_tokens,
-)
+from kvrelay.proxy.fleet import LoadPoller, Pool, Route, Router
+from kvrelay.proxy.fleet.engine_load import STALE_INTERVALS, fresh_load, load_from_metrics
+from kvrelay.proxy.fleet.load_reading import EngineLoad
+from kvrelay.proxy.fleet.policies import TokenCounter, policy_named
+from kvrelay.proxy.fleet.routing import uncached_tokens
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.

@@ -14,7 +14,7 @@ import pytest
 
 from kvrelay.connector.protocol import MAX_FINISHED_BATCH
 from kvrelay.connector.sidechannel_client import AsyncSideChannelClient, SideChannelError
-from kvrelay.proxy.engines import FinishedLookups
+from kvrelay.proxy.engines.finished_lookups import FinishedLookups
 
 HOLDER = ("10.0.0.5", 5600)
 

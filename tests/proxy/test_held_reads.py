@@ -3,7 +3,7 @@ spill's planning weighs a held history by."""
 
 from __future__ import annotations
 
-from kvrelay.proxy.fleet import HeldReads
+from kvrelay.proxy.fleet.held_reads import HeldReads
 
 
 def test_a_holder_counts_as_holding_until_four_reads_say_otherwise() -> None:

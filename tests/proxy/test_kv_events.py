@@ -16,14 +16,9 @@ import pytest
 from kvrelay import kv_events_wire as wire
 from kvrelay.devtools import free_port
 from kvrelay.enginesim.kv_events import KVEventPublisher, StoredBlock, parse_events_config
-from kvrelay.proxy.fleet import (
-    EXPECT_S,
-    BlockIndex,
-    EngineEvents,
-    KVEventsFeed,
-    Pool,
-    events_endpoint,
-)
+from kvrelay.proxy.fleet import BlockIndex, KVEventsFeed, Pool, events_endpoint
+from kvrelay.proxy.fleet.block_index import EXPECT_S
+from kvrelay.proxy.fleet.kv_events import EngineEvents
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
 D0 = "http://d0:8000"

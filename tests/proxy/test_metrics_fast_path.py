@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvrelay.proxy.telemetry import Labelled, metrics
+from kvrelay.proxy.telemetry import metrics
+from kvrelay.proxy.telemetry.metrics import Labelled
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 1, 10)
 OBSERVED = [0.0, 0.001, 0.005, 0.0050001, 0.01, 0.07, 1.0, 9.99, 10.0, 10.5, 1e9, -3.0, math.inf]

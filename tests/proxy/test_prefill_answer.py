@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
-from kvrelay.proxy.turn import read_prefill_answer
+from kvrelay.proxy.turn.prefill_leg import read_prefill_answer
 
 HASHES = '["a1", "b2"]'
 ANSWERS = [

@@ -16,7 +16,7 @@ import pytest
 
 from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer, wait_until
 from kvrelay.enginesim.reference import reference_chat
-from kvrelay.proxy.turn import prefill_body, prefill_priority
+from kvrelay.proxy.turn.legs import prefill_body, prefill_priority
 from tests.proxy.client import chat_body, post, reply_of
 
 

@@ -14,7 +14,8 @@ from kvrelay.connector.protocol import HoldRef
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream, UpstreamConnectError
 from kvrelay.proxy.fleet import Backend, Pool, PrefixSource, Router
-from kvrelay.proxy.turn import PrefixPin, TurnContext, chat_shape, pin_body
+from kvrelay.proxy.turn import TurnContext, chat_shape
+from kvrelay.proxy.turn.prefix_pin import PrefixPin, pin_body
 
 HOLDER = "http://p1.test:8100"
 PARAMS = {

@@ -12,17 +12,12 @@ from prometheus_client import REGISTRY
 
 from kvrelay.prometheus_text import parse_samples
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.fleet import (
-    PIN_WAIT_SHARE,
-    PULL_COST,
-    HoldPayoff,
-    PinRests,
-    Pool,
-    PrefixesInFlight,
-    PrefixIndex,
-    PromptPrefixes,
-    Router,
-)
+from kvrelay.proxy.fleet import Pool, PromptPrefixes, Router
+from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
+from kvrelay.proxy.fleet.pin_rests import PinRests
+from kvrelay.proxy.fleet.prefix_index import PrefixIndex
+from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
+from kvrelay.proxy.fleet.routing import PIN_WAIT_SHARE, PULL_COST
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import chat_shape, completion_shape
 

@@ -17,7 +17,8 @@ from kvrelay.devtools import free_port
 from kvrelay.kvcache_map import MemoryMap
 from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Releaser, Upstream
-from kvrelay.proxy.fleet import EngineLoad, Fleet, Pool
+from kvrelay.proxy.fleet import Fleet, Pool
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.turn import TurnCrew, completion_shape
 
 PROMPT = "You are a careful assistant. " * 20

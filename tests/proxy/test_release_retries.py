@@ -9,7 +9,8 @@ import pytest
 
 from kvrelay.connector.protocol import HoldRef
 from kvrelay.devtools import FaultProxy, nixl_peer
-from kvrelay.proxy.engines import RELEASE_ATTEMPTS, Releaser, Upstream
+from kvrelay.proxy.engines import Releaser, Upstream
+from kvrelay.proxy.engines.release import RELEASE_ATTEMPTS
 from tests.connector.sidechannel_helpers import FakeHolder
 
 

@@ -22,7 +22,8 @@ from kvrelay.devtools import EngineFactory, EngineSim, FaultProxy, ProxyFactory,
 from kvrelay.kvcache_map import open_redis_client
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import Settings, SettingsError, load_settings, parse_limit
-from kvrelay.proxy.tenants import Limiter, RedisLimiter, TenantLimit, limits_from
+from kvrelay.proxy.tenants import Limiter
+from kvrelay.proxy.tenants.limits import RedisLimiter, TenantLimit, limits_from
 from kvrelay.proxy.turn import tenant_of
 from tests.harness import RedisServer, wait_until
 from tests.proxy.fake_upstream import FakeUpstream

@@ -32,7 +32,7 @@ from opentelemetry.trace import StatusCode
 
 from kvrelay.devtools import CONNECTOR_SECRET, EngineFactory, EngineSim, ProxyFactory
 from kvrelay.proxy.config import TracingMode, load_settings
-from kvrelay.proxy.http import create_app
+from kvrelay.proxy.http.app import create_app
 from kvrelay.proxy.telemetry import tracing
 from tests.harness import REPO_ROOT, free_port, wait_until
 from tests.proxy.client import MODEL

@@ -25,20 +25,17 @@ from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import (
     Releaser,
     Upstream,
-    UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
 )
-from kvrelay.proxy.fleet import CacheResidence, EngineLoad, Fleet, Pool
-from kvrelay.proxy.turn import (
-    ClientStream,
-    EngineAnswer,
-    Turn,
-    TurnContext,
-    TurnCrew,
-    completion_shape,
-)
+from kvrelay.proxy.engines.upstream import UpstreamBroken
+from kvrelay.proxy.fleet import Fleet, Pool
+from kvrelay.proxy.fleet.cache_residence import CacheResidence
+from kvrelay.proxy.fleet.load_reading import EngineLoad
+from kvrelay.proxy.turn import Turn, TurnContext, TurnCrew, completion_shape
+from kvrelay.proxy.turn.attempts import EngineAnswer
+from kvrelay.proxy.turn.client import ClientStream
 
 P1, P2 = "http://p1.test:8100", "http://p2.test:8100"
 D1, D2 = "http://d1.test:8200", "http://d2.test:8200"

@@ -13,23 +13,20 @@ from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.cli import serve_parser, settings_from_args
 from kvrelay.proxy.config import Settings, SettingsError, load_settings
-from kvrelay.proxy.fleet import Pool, Route, Router, policy_named
-from kvrelay.proxy.http import validate_chat
+from kvrelay.proxy.fleet import Pool, Route, Router
+from kvrelay.proxy.fleet.policies import policy_named
+from kvrelay.proxy.http.validation import validate_chat
 from kvrelay.proxy.turn import (
-    SSEFilter,
-    capped_num_tokens,
-    chained_fingerprints,
     chat_shape,
-    chat_store_key_id,
     completion_shape,
     conversation_id_from,
-    decode_body,
-    prefill_body,
-    prompt_chars,
     request_id_from,
     tenant_of,
     upstream_request_id,
 )
+from kvrelay.proxy.turn.conversation import chained_fingerprints, chat_store_key_id, prompt_chars
+from kvrelay.proxy.turn.legs import capped_num_tokens, decode_body, prefill_body
+from kvrelay.proxy.turn.streaming import SSEFilter
 
 
 def test_settings_from_env_lists_and_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -461,7 +458,7 @@ def test_sse_filter_holds_back_done_when_the_whole_stream_comes_in_one_read(tail
 
 
 def test_owed_releases_what_is_still_owed_once() -> None:
-    from kvrelay.proxy.turn import Debt, Owed
+    from kvrelay.proxy.turn.owed import Debt, Owed
 
     freed: list[str] = []
     owed = Owed()
@@ -485,7 +482,7 @@ def test_worker_freezes_start_up_objects_and_collects_young_objects_less_often()
 
     from aiohttp import web
 
-    from kvrelay.proxy.http import GC_YOUNG_THRESHOLD, tune_gc
+    from kvrelay.proxy.http.server import GC_YOUNG_THRESHOLD, tune_gc
 
     before = gc.get_threshold()
     app = tune_gc(web.Application())

@@ -11,13 +11,12 @@ from aiohttp import web
 
 from kvrelay.proxy.engines import (
     H1Response,
-    Origin,
     Upstream,
-    UpstreamBroken,
     UpstreamConnectError,
     UpstreamError,
     UpstreamTimeout,
 )
+from kvrelay.proxy.engines.upstream import Origin, UpstreamBroken
 from tests.harness import free_port
 from tests.kvcache_map.helpers import eventually
 

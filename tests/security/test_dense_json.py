@@ -20,7 +20,7 @@ import pytest
 from kvrelay.devtools import EngineFactory, ProxyFactory, chaos_load
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import load_settings
-from kvrelay.proxy.http import BodyBudget, HeldBody, parse_json_body, parsed_size_bound
+from kvrelay.proxy.http.body import BodyBudget, HeldBody, parse_json_body, parsed_size_bound
 
 MODEL = "kvrelay-sim"
 MIB = 2**20

@@ -13,14 +13,10 @@ from aiohttp.http_exceptions import BadHttpMessage
 
 from kvrelay.proxy.base import ProxyError
 from kvrelay.proxy.config import SettingsError, load_settings
-from kvrelay.proxy.fleet import Pool, engine_name, name_key
-from kvrelay.proxy.http import (
-    BodyBudget,
-    HeldBody,
-    ProtocolErrorFilter,
-    nesting_exceeds,
-    parse_json_object,
-)
+from kvrelay.proxy.fleet import Pool, name_key
+from kvrelay.proxy.fleet.engine_names import engine_name
+from kvrelay.proxy.http.body import BodyBudget, HeldBody, nesting_exceeds, parse_json_object
+from kvrelay.proxy.http.server import ProtocolErrorFilter
 from kvrelay.proxy.tenants import TenantBreaker
 
 

@@ -20,7 +20,7 @@ import pytest
 from kvrelay.connector.protocol import HoldRef, KVTransferParams
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.devtools import vllm_servers
-from kvrelay.proxy.turn import prefill_body
+from kvrelay.proxy.turn.legs import prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import FaultPair
 

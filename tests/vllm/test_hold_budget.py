@@ -23,7 +23,7 @@ import pytest
 
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools import free_port, vllm_servers
-from kvrelay.proxy.turn import decode_body
+from kvrelay.proxy.turn.legs import decode_body
 from tests.harness import wait_until
 from tests.vllm.test_kvrelay_pd import HELD_BLOCKS, SYSTEM, completion_body
 

@@ -9,7 +9,8 @@ import urllib.request
 
 import pytest
 
-from kvrelay.proxy.fleet import EngineLoad, load_from_metrics
+from kvrelay.proxy.fleet.engine_load import load_from_metrics
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 from tests.vllm.test_reuse_report import SYSTEM, chat

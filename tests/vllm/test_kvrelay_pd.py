@@ -16,7 +16,7 @@ import pytest
 from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.devtools import ProxyFactory, ProxyServer, sse, vllm_servers
 from kvrelay.prometheus_text import bucket_counts
-from kvrelay.proxy.turn import decode_body, prefill_body
+from kvrelay.proxy.turn.legs import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet, settled
 from tests.vllm.refusing_decode import FakeRefusingDecode

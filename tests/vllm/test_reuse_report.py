@@ -19,7 +19,7 @@ import pytest
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS, HoldRef, KVTransferParams
 from kvrelay.connector.sidechannel_client import SideChannelClient
 from kvrelay.devtools import vllm_servers
-from kvrelay.proxy.turn import decode_body, prefill_body
+from kvrelay.proxy.turn.legs import decode_body, prefill_body
 from tests.harness import wait_until
 from tests.vllm.conftest import PDFleet
 

@@ -3,11 +3,5 @@
 """
 
 from kvrelay.proxy.telemetry import logs, metrics, tracing
-from kvrelay.proxy.telemetry.metrics import Labelled
 
-__all__ = [
-    "Labelled",
-    "logs",
-    "metrics",
-    "tracing",
-]
+__all__ = ["logs", "metrics", "tracing"]

@@ -327,7 +327,7 @@ class Turn:
 
     def _learn(self, plan: Plan) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:
-        `kvrelay.proxy.fleet.ReuseStanding`)."""
+        `kvrelay.proxy.fleet.reuse_standing.ReuseStanding`)."""
         router, tenant = self.crew.router, self.ctx.tenant
         p, d, d_url = self.accounts.prefill, self.accounts.decode, self.decode_url
         if self._prompt is not None and d_url is not None:
