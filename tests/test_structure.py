@@ -16,14 +16,14 @@ they test them (as a library's own tests do), so no name sits on a face only for
 `kvrelay/devtools/` has a face too: code outside it takes its names, or its modules as
 namespaces, from `kvrelay/devtools/__init__.py`.
 
-Why a test and not import-linter's contracts: its layers, independence and acyclic-siblings
-contracts would cover the arrows and the circles, but what a face is cannot be said in them. A
-contract names modules with all their descendants, so none tells a face's `__init__.py` from its
-room's modules: "enter a room only through its face", "a room never imports through its own
-face" (the circle a face makes), "a face exports only what it imports" and "no face name is
-taken by tests only" all need the face's own text, as does "every import names a module that
-exists" (the import graph leaves out what it cannot find). One reader of the imports for all
-of them keeps them consistent.
+Why a test and not import-linter's contracts: its layers and acyclic-siblings contracts could
+say the arrows and the circles, and a protected contract per room (its modules, `room.*`, only
+imported by the room) the entering through faces, with an ignore line for each module a face
+exports as a namespace and each of its importers. Four rules read a face's own text, which no
+contract sees: a room never imports through its own face (the circle a face makes), a face
+exports only what it imports, no face name is taken by tests only, and every import names a
+module that exists (the import graph leaves out what it cannot find). One reader of the imports
+for all of them, rather than two that could disagree.
 """
 
 from __future__ import annotations
