@@ -27,6 +27,7 @@ SCRIPTS = (
     "multiturn",
     "multiturn_policies",
     "sim_cpu",
+    "request_checks",
 )
 # Benchmarks that are a mode of another script: (module, its arguments).
 MODES = {"multiturn_policies": ("multiturn", ("--policies",))}

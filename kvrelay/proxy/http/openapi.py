@@ -1,7 +1,8 @@
 """The OpenAPI 3.1 document of the proxy's own API, served at `/openapi.json`.
 
 Engine request bodies are OpenAI's and are passed through, so they are described loosely
-(`additionalProperties: true`) with the fields the proxy itself reads or adds.
+(`additionalProperties: true`) with the fields the proxy itself reads or refuses, as
+`request_bodies` declares them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrelay import __version__
+from kvrelay.proxy.http.request_bodies import request_schemas
 
 _ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -95,17 +97,6 @@ def _passthrough_op(summary: str) -> dict[str, Any]:
 
 
 def openapi_document() -> dict[str, Any]:
-    common = {
-        "model": {"type": "string"},
-        "stream": {"type": "boolean"},
-        "max_tokens": {"type": "integer", "minimum": 1},
-        "conversation_id": {
-            "type": "string",
-            "description": (
-                "Conversation id (below X-Conversation-Id, above X-Session-ID); not forwarded."
-            ),
-        },
-    }
     return {
         "openapi": "3.1.0",
         "info": {
@@ -260,24 +251,7 @@ def openapi_document() -> dict[str, Any]:
                 },
             },
             "schemas": {
-                "ChatRequest": {
-                    "type": "object",
-                    "additionalProperties": True,
-                    "required": ["messages"],
-                    "properties": {
-                        **common,
-                        "messages": {"type": "array", "minItems": 1, "items": {"type": "object"}},
-                    },
-                },
-                "CompletionRequest": {
-                    "type": "object",
-                    "additionalProperties": True,
-                    "required": ["prompt"],
-                    "properties": {
-                        **common,
-                        "prompt": {"oneOf": [{"type": "string"}, {"type": "array"}]},
-                    },
-                },
+                **request_schemas(),
                 "Body": {
                     "type": "object",
                     "additionalProperties": True,

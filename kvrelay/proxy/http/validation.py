@@ -1,4 +1,5 @@
-"""Client request checks: JSON shape and field types, before anything is forwarded.
+"""Client request checks: JSON shape and field types, before anything is forwarded: the rules
+`request_bodies` declares (`ChatRequest`, `CompletionRequest`), checked by hand for speed.
 
 Reading the body itself (size, time, depth limits) is `kvrelay.proxy.http.body`.
 
@@ -13,14 +14,12 @@ from typing import Any
 
 from kvrelay.connector.protocol import KV_TRANSFER_PARAMS
 from kvrelay.proxy.base import bad_request
+from kvrelay.proxy.http.request_bodies import TOKEN_ID_LIMIT
 from kvrelay.proxy.tenants import CACHE_SALT, check_client_salt
 
 _DICT = {dict}
 _STR = {str}
 _ROLE = itertools.repeat("role")
-# Token ids are packed as signed 64-bit integers where the proxy digests a prompt; no
-# vocabulary comes near this, and the engine refuses ids outside its own.
-_TOKEN_ID_LIMIT = 1 << 63
 
 
 def _check_int(body: dict[str, Any], name: str, minimum: int) -> None:
@@ -90,7 +89,7 @@ def validate_completion(body: dict[str, Any]) -> None:
     if isinstance(prompt, list) and not isinstance(prompt[0], str):
         ids = prompt if isinstance(prompt[0], int) else itertools.chain.from_iterable(prompt)
         if not all(
-            type(t) is int and 0 <= t < _TOKEN_ID_LIMIT for t in ids
+            type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in ids
         ):  # a batch of token prompts: each a list of ids
             raise bad_request(
                 "`prompt` token ids must be integers from 0 to 2^63 - 1", param="prompt"

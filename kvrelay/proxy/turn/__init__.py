@@ -15,6 +15,8 @@ from kvrelay.proxy.turn.client import AiohttpClient, Client
 from kvrelay.proxy.turn.context import TurnContext
 from kvrelay.proxy.turn.conversation import (
     CONVERSATION_HEADER,
+    FINGERPRINT_PREFIX,
+    MAX_ID_LEN,
     SESSION_HEADER,
     chat_shape,
     completion_shape,
@@ -30,6 +32,8 @@ from kvrelay.proxy.turn.settings import TurnSettings
 
 __all__ = [
     "CONVERSATION_HEADER",
+    "FINGERPRINT_PREFIX",
+    "MAX_ID_LEN",
     "SESSION_HEADER",
     "AiohttpClient",
     "Client",
