@@ -19,6 +19,8 @@ from kvrelay.proxy.tenants import CACHE_SALT, check_client_salt
 
 _DICT = {dict}
 _STR = {str}
+_INT = {int}
+_LIST = {list}
 _ROLE = itertools.repeat("role")
 
 
@@ -70,27 +72,30 @@ def validate_chat(body: dict[str, Any]) -> None:
 
 def validate_completion(body: dict[str, Any]) -> None:
     validate_common(body)
-    prompt = body.get("prompt")
-    ok = isinstance(prompt, str) or (
-        isinstance(prompt, list)
-        and bool(prompt)
-        and (
-            all(isinstance(p, str) for p in prompt)
-            or all(isinstance(p, int) and not isinstance(p, bool) for p in prompt)
-            or all(isinstance(p, list) for p in prompt)
-        )
-    )
-    if not ok:
+    prompt: Any = body.get("prompt")  # JSON: the checks below narrow it
+    if isinstance(prompt, str):
+        return
+    # The items' types taken at once, in C: a prompt of token ids runs to thousands of them.
+    kinds = set(map(type, prompt)) if isinstance(prompt, list) else None
+    if kinds == _STR:
+        return
+    if kinds == _INT:
+        ids_ok = _in_range(prompt)
+    elif kinds == _LIST:  # a batch of token prompts: each a list of ids
+        ids_ok = all(map(_token_ids_ok, prompt))
+    else:  # not a list, an empty one, or one of mixed or other items
         raise bad_request(
             "`prompt` must be a string, an array of strings or an array of token ids",
             param="prompt",
         )
-    assert isinstance(prompt, str | list)
-    if isinstance(prompt, list) and not isinstance(prompt[0], str):
-        ids = prompt if isinstance(prompt[0], int) else itertools.chain.from_iterable(prompt)
-        if not all(
-            type(t) is int and 0 <= t < TOKEN_ID_LIMIT for t in ids
-        ):  # a batch of token prompts: each a list of ids
-            raise bad_request(
-                "`prompt` token ids must be integers from 0 to 2^63 - 1", param="prompt"
-            )
+    if not ids_ok:
+        raise bad_request("`prompt` token ids must be integers from 0 to 2^63 - 1", param="prompt")
+
+
+def _token_ids_ok(ids: list[Any]) -> bool:
+    """Every item an int (a bool is not one here) from 0 to `TOKEN_ID_LIMIT` - 1."""
+    return not ids or (set(map(type, ids)) == _INT and _in_range(ids))
+
+
+def _in_range(ids: list[int]) -> bool:
+    return min(ids) >= 0 and max(ids) < TOKEN_ID_LIMIT
