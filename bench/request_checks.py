@@ -15,8 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench import _common as c
-from kvrelay.proxy.http.request_bodies import adapters
-from kvrelay.proxy.http.validation import validate_chat, validate_completion
+from kvrelay.proxy.http import request_bodies, validate_chat, validate_completion
 
 SECTION = "request checks"
 
@@ -60,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         "|---|---:|---:|---:|",
     ]
     for label, name, body in bodies():
-        check, adapter = hand[name], adapters()[name]
+        check, adapter = hand[name], request_bodies.adapters()[name]
         ours = best_us(lambda: check(body), args.number, args.repeat)  # noqa: B023
         theirs = best_us(lambda: adapter.validate_python(body), args.number, args.repeat)  # noqa: B023
         lines.append(f"| {label} | {ours:.2f} | {theirs:.2f} | {c.fmt_ratio(theirs / ours)} |")

@@ -439,7 +439,7 @@ class NoOtel(MetaPathFinder):
 
 sys.meta_path.insert(0, NoOtel())
 from kvrelay.proxy.config import TracingMode, load_settings
-from kvrelay.proxy.http import create_app
+from kvrelay.proxy.http.app import create_app
 from kvrelay.proxy.telemetry import tracing
 
 create_app(load_settings({"prefill": ["http://p:1"], "decode": ["http://d:1"]}, env_file=None))
