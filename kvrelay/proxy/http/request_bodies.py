@@ -26,14 +26,12 @@ from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import PydanticCustomError, core_schema
 from typing_extensions import TypedDict
 
-from kvrelay.proxy.tenants import MAX_SALT_CHARS
+from kvrelay.proxy.tenants import MAX_SALT_CHARS, SALT_PATTERN
 from kvrelay.proxy.turn import FINGERPRINT_PREFIX, MAX_ID_LEN
 
 # Token ids are packed as signed 64-bit integers where the proxy digests a prompt; no
 # vocabulary comes near this, and the engine refuses ids outside its own.
 TOKEN_ID_LIMIT = 1 << 63
-# The characters a client's `cache_salt` may not hold: the proxy joins salts with them.
-SALT_PATTERN = r"^[^@/\\\x00]*$"
 
 
 class _Refused:

@@ -7,6 +7,7 @@ from kvrelay.proxy.tenants.breaker import TenantBreaker
 from kvrelay.proxy.tenants.cache_scope import (
     CACHE_SALT,
     MAX_SALT_CHARS,
+    SALT_PATTERN,
     CacheScopes,
     check_client_salt,
 )
@@ -15,6 +16,7 @@ from kvrelay.proxy.tenants.limits import Limiter, Slot, open_limiter
 __all__ = [
     "CACHE_SALT",
     "MAX_SALT_CHARS",
+    "SALT_PATTERN",
     "CacheScopes",
     "Limiter",
     "Slot",

@@ -25,6 +25,8 @@ CACHE_SALT = "cache_salt"
 # What vLLM 0.32 accepts as a salt (`validate_cache_salt`): the proxy refuses the rest first.
 MAX_SALT_CHARS = 128
 _FORBIDDEN_SALT_CHARS = frozenset("@/\\\x00")
+# The same character rule as a regular expression: the `pattern` of `/openapi.json`'s schemas.
+SALT_PATTERN = "^[^" + "".join(f"\\x{ord(c):02x}" for c in sorted(_FORBIDDEN_SALT_CHARS)) + "]*$"
 
 
 def check_client_salt(value: object) -> str | None:
