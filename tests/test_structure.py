@@ -266,9 +266,10 @@ def names_only_tests_take(modules: dict[str, Path], clients: dict[str, Path]) ->
     """Names on a proxy room's face that no code outside the room but the tests takes."""
     exports = faces(modules)
     rooms = set(exports)
+    testers = set(ROOM_TESTERS)
     taken: dict[tuple[str, str], set[str]] = {}
     for name, path in {**modules, **clients}.items():
-        user = name.split(".")[0] if name.split(".")[0] != "kvrelay" else "kvrelay"
+        user = name.partition(".")[0]  # kvrelay, tests, bench, ...
         for room, taken_name in names_taken(path, rooms):
             if proxy_room(name, rooms) != room:
                 taken.setdefault((room, taken_name), set()).add(user)
@@ -276,7 +277,7 @@ def names_only_tests_take(modules: dict[str, Path], clients: dict[str, Path]) ->
         f"{room}.{n} is taken by tests only: they import it from its module"
         for room, names in exports.items()
         for n in names
-        if taken.get((room, n), set()) and taken[(room, n)] <= set(ROOM_TESTERS)
+        if set() < taken.get((room, n), set()) <= testers
     )
 
 
@@ -300,6 +301,12 @@ def modules() -> dict[str, Path]:
     return sources(ROOT, ["kvrelay"])
 
 
+@pytest.fixture(scope="module")
+def clients() -> dict[str, Path]:
+    """Every module of the code outside kvrelay/ that uses it (`CLIENTS`)."""
+    return sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+
+
 def test_no_import_circle_in_kvrelay(modules: dict[str, Path]) -> None:
     assert cycles(kvrelay_graph(modules)) == []
 
@@ -314,19 +321,22 @@ def test_imports_only_point_down(modules: dict[str, Path]) -> None:
     assert upward_arrows(kvrelay_graph(modules)) == []
 
 
-def test_proxy_rooms_are_entered_through_their_faces(modules: dict[str, Path]) -> None:
-    users = [c for c in CLIENTS if c not in ROOM_TESTERS and (ROOT / c).is_dir()]
-    clients = sources(ROOT, users)
-    assert private_reaches(modules, clients, ROOT) == []
+def test_proxy_rooms_are_entered_through_their_faces(
+    modules: dict[str, Path], clients: dict[str, Path]
+) -> None:
+    users = {n: p for n, p in clients.items() if n.partition(".")[0] not in ROOM_TESTERS}
+    assert private_reaches(modules, users, ROOT) == []
 
 
-def test_no_face_names_what_only_tests_take(modules: dict[str, Path]) -> None:
-    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+def test_no_face_names_what_only_tests_take(
+    modules: dict[str, Path], clients: dict[str, Path]
+) -> None:
     assert names_only_tests_take(modules, clients) == []
 
 
-def test_devtools_are_entered_through_their_face(modules: dict[str, Path]) -> None:
-    clients = sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])
+def test_devtools_are_entered_through_their_face(
+    modules: dict[str, Path], clients: dict[str, Path]
+) -> None:
     assert devtools_reaches(modules, clients, ROOT) == []
 
 
@@ -424,10 +434,12 @@ def test_an_arrow_up_is_found(tmp_path: Path) -> None:
     ]
 
 
-def test_every_kvrelay_import_names_a_module_that_exists(modules: dict[str, Path]) -> None:
+def test_every_kvrelay_import_names_a_module_that_exists(
+    modules: dict[str, Path], clients: dict[str, Path]
+) -> None:
     """A stale path (a module that moved to a room) fails here, even inside a function or a
     TYPE_CHECKING block that no test runs."""
-    files = {**modules, **sources(ROOT, [c for c in CLIENTS if (ROOT / c).is_dir()])}
+    files = {**modules, **clients}
     stale = [
         f"{path.relative_to(ROOT)}:{imp.line} imports {imp.target}"
         for name, path in files.items()
