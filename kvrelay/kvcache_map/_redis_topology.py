@@ -141,7 +141,7 @@ def sentinel_client(
         raise ValueError("a sentinel URL needs the service name as its path: /mymaster")
     service = url.path[0]
     db = int(url.path[1]) if len(url.path) > 1 else 0
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
         url.hosts,
         sentinel_kwargs={"socket_timeout": timeout, "socket_connect_timeout": timeout},
         username=url.username,
