@@ -13,6 +13,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import httpx
@@ -189,22 +190,34 @@ def _chat_ok(url: str) -> bool:
     return httpx.post(url + "/v1/chat/completions", json=CHAT, timeout=30).status_code == 200
 
 
-def test_bodies_over_the_in_flight_budget_get_a_shaped_503(tight_proxy: ProxyServer) -> None:
+@contextmanager
+def _budget_taken(proxy: ProxyServer) -> Iterator[None]:
+    """Two bodies announced in full, only their first bytes sent, hold the whole in-flight
+    budget for as long as the block runs; their share comes back when their clients leave."""
     head = request_head("POST", "/v1/chat/completions",
                         [(b"Content-Type", b"application/json")], BODY_LIMIT)  # fmt: skip
-    holders = [connect(tight_proxy.url) for _ in range(2)]
+    holders = [connect(proxy.url) for _ in range(2)]
     try:
-        for sock in holders:  # two bodies announced in full, only their first bytes sent
+        for sock in holders:
             sock.sendall(head + b'{"model":')
 
         # The proxy reserves each announced body on arrival: wait until both are held.
         def third_refused() -> bool:
-            resp = send(tight_proxy.url, "POST", "/v1/chat/completions",
+            resp = send(proxy.url, "POST", "/v1/chat/completions",
                         [(b"Content-Type", b"application/json")],
                         json.dumps(CHAT).encode().ljust(BODY_LIMIT // 2))  # fmt: skip
             return resp.status == 503 and resp.json()["error"]["code"] == "body_budget_exhausted"
 
         wait_until(third_refused, 10, interval=0.1, what="a body over the budget to be refused")
+        yield
+    finally:
+        for sock in holders:
+            sock.close()
+    wait_until(lambda: _chat_ok(proxy.url), 15, interval=0.2, what="the budget back")
+
+
+def test_bodies_over_the_in_flight_budget_get_a_shaped_503(tight_proxy: ProxyServer) -> None:
+    with _budget_taken(tight_proxy):
         resp = send(
             tight_proxy.url,
             "POST",
@@ -214,11 +227,23 @@ def test_bodies_over_the_in_flight_budget_get_a_shaped_503(tight_proxy: ProxySer
         )
         body = _shaped(resp, 503, "body_budget_exhausted")
         assert "inflight_body_bytes" in body["error"]["message"]
-    finally:
-        for sock in holders:
-            sock.close()
-    # The held bodies' share comes back when their clients leave.
-    wait_until(lambda: _chat_ok(tight_proxy.url), 15, interval=0.2, what="the budget back")
+
+
+def test_a_refused_body_sent_slowly_still_gets_its_503(tight_proxy: ProxyServer) -> None:
+    # A client that sends its whole body before reading (httpx, the openai SDK) must read the
+    # 503 that tells it to retry, not a reset from a connection closed while it still sends.
+    body = b"{}".ljust(BODY_LIMIT // 2)
+    pieces = [body[i : i + len(body) // 5] for i in range(0, len(body), len(body) // 5)]
+    with _budget_taken(tight_proxy), connect(tight_proxy.url) as sock:
+        sock.sendall(request_head("POST", "/v1/chat/completions",
+                                  [(b"Content-Type", b"application/json")], len(body)))  # fmt: skip
+        for piece in pieces:
+            # The client's pace: 0.4 s a piece, 2 s in all, past the proxy's 1 s linger; like
+            # httpx it does not look for an answer until the body is all sent.
+            time.sleep(0.4)
+            sock.sendall(piece)
+        resp = read_response(sock)
+    _shaped(resp, 503, "body_budget_exhausted")
 
 
 def test_bodies_over_the_size_limit_get_a_shaped_413(tight_proxy: ProxyServer) -> None:

@@ -28,6 +28,8 @@ from aiohttp import web
 from kvrelay.proxy.base import ProxyError, bad_request, jsoncodec
 from kvrelay.proxy.config import Settings
 
+BUDGET_EXHAUSTED = "body_budget_exhausted"
+
 
 class BodyBudget:
     """Bytes that the bodies of one worker process may hold together."""
@@ -61,7 +63,7 @@ class HeldBody:
                 503,
                 "the proxy is holding as many request bodies as it may right now (setting "
                 "inflight_body_bytes); retry shortly",
-                code="body_budget_exhausted",
+                code=BUDGET_EXHAUSTED,
             )
         self.held = size
 
@@ -81,9 +83,21 @@ def too_large(limit: int) -> ProxyError:
 
 async def read_body(request: web.Request, settings: Settings, held: HeldBody) -> bytes | bytearray:
     """The raw body, read within the size, time and budget limits; a body aiohttp cannot
-    decode (a `Content-Encoding` whose bytes do not inflate) is the client's 400."""
+    decode (a `Content-Encoding` whose bytes do not inflate) is the client's 400.
+
+    A body refused for the budget (503) is drained before the answer goes: most clients
+    (httpx, requests, the `openai` SDK) send the whole body before they read, so an answer
+    followed by a close while they still send reaches them as a reset, not as the 503 that
+    tells them to retry. Draining drops each chunk as it comes (it holds nothing of the
+    budget) and stops at `body_limit_bytes` or when the body's read time is up; a client still
+    sending then gets aiohttp's short linger and the close, as a trickler would."""
+    deadline = asyncio.get_running_loop().time() + settings.body_read_timeout_s
     try:
         return await _read_body(request, settings, held)
+    except ProxyError as exc:
+        if exc.code == BUDGET_EXHAUSTED:
+            await _drain(request, settings.body_limit_bytes, deadline)
+        raise
     except web.RequestPayloadError as exc:
         raise ProxyError(
             400,
@@ -128,6 +142,17 @@ async def _read_into(request: web.Request, buf: bytearray, limit: int, held: Hel
             raise too_large(limit)
         held.grow_to(len(buf) + len(chunk))
         buf += chunk
+
+
+async def _drain(request: web.Request, limit: int, deadline: float) -> None:
+    """Read and drop what is left of a refused body, up to `limit` bytes or `deadline`."""
+    drained = 0
+    try:
+        async with asyncio.timeout_at(deadline):
+            while drained <= limit and (chunk := await request.content.readany()):
+                drained += len(chunk)
+    except (TimeoutError, web.RequestPayloadError):
+        pass  # the answer goes anyway; aiohttp closes a connection whose body is left unread
 
 
 # What one JSON value or object key may cost once parsed, beyond the text of its strings: the
