@@ -229,21 +229,52 @@ def test_bodies_over_the_in_flight_budget_get_a_shaped_503(tight_proxy: ProxySer
         assert "inflight_body_bytes" in body["error"]["message"]
 
 
-def test_a_refused_body_sent_slowly_still_gets_its_503(tight_proxy: ProxyServer) -> None:
-    # A client that sends its whole body before reading (httpx, the openai SDK) must read the
-    # 503 that tells it to retry, not a reset from a connection closed while it still sends.
-    body = b"{}".ljust(BODY_LIMIT // 2)
-    pieces = [body[i : i + len(body) // 5] for i in range(0, len(body), len(body) // 5)]
-    with _budget_taken(tight_proxy), connect(tight_proxy.url) as sock:
+def _send_slowly(url: str, body: bytes) -> RawResponse:
+    """`body` announced in full and sent in five pieces 0.4 s apart (2 s in all, past the
+    proxy's 1 s linger); like httpx, the client reads nothing until the body is all sent."""
+    step = len(body) // 5
+    with connect(url) as sock:
         sock.sendall(request_head("POST", "/v1/chat/completions",
                                   [(b"Content-Type", b"application/json")], len(body)))  # fmt: skip
-        for piece in pieces:
-            # The client's pace: 0.4 s a piece, 2 s in all, past the proxy's 1 s linger; like
-            # httpx it does not look for an answer until the body is all sent.
-            time.sleep(0.4)
-            sock.sendall(piece)
-        resp = read_response(sock)
+        for start in range(0, len(body), step):
+            time.sleep(0.4)  # the client's own pace, not a wait for the proxy
+            sock.sendall(body[start : start + step])
+        return read_response(sock)
+
+
+# A client that sends its whole body before reading (httpx, the openai SDK) must read the answer
+# to a refused body, not a reset from a connection closed while it still sends: the SDK retries
+# a connection error with the same body, where a 413 says not to and a 503 says to retry later.
+
+
+def test_a_refused_body_sent_slowly_still_gets_its_503(tight_proxy: ProxyServer) -> None:
+    with _budget_taken(tight_proxy):
+        resp = _send_slowly(tight_proxy.url, b"{}".ljust(BODY_LIMIT // 2))
     _shaped(resp, 503, "body_budget_exhausted")
+
+
+def test_a_body_over_the_limit_sent_slowly_still_gets_its_413(tight_proxy: ProxyServer) -> None:
+    resp = _send_slowly(tight_proxy.url, b"{}".ljust(3 * BODY_LIMIT))
+    _shaped(resp, 413, "body_too_large")
+
+
+def test_a_body_far_over_the_limit_is_not_read_in_full(tight_proxy: ProxyServer) -> None:
+    # Draining a refused body stops a few times past the limit, then aiohttp's 1 s linger: a
+    # client announcing 64 GiB meets a closed connection within seconds, long before the 30 s
+    # a body may take to arrive (the default body_read_timeout_s, this proxy's), however fast
+    # the link.
+    announced = 2**36
+    sent = 0
+    started = time.monotonic()
+    with connect(tight_proxy.url) as sock:
+        sock.sendall(request_head("POST", "/v1/chat/completions",
+                                  [(b"Content-Type", b"application/json")], announced))  # fmt: skip
+        chunk = b" " * 2**20
+        with pytest.raises(OSError):  # broken pipe or reset: the proxy stopped reading
+            while sent < announced:
+                sock.sendall(chunk)
+                sent += len(chunk)
+    assert time.monotonic() - started < 15, (time.monotonic() - started, sent)
 
 
 def test_bodies_over_the_size_limit_get_a_shaped_413(tight_proxy: ProxyServer) -> None:

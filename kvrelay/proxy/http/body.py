@@ -29,6 +29,12 @@ from kvrelay.proxy.base import ProxyError, bad_request, jsoncodec
 from kvrelay.proxy.config import Settings
 
 BUDGET_EXHAUSTED = "body_budget_exhausted"
+TOO_LARGE = "body_too_large"
+# Refusals whose body is read and dropped before the answer (see `read_body`).
+DRAINED = frozenset((BUDGET_EXHAUSTED, TOO_LARGE))
+# A refused body is drained up to this many times `body_limit_bytes`: a body a few times over
+# the limit is a client's mistake worth a clear 413; one far larger is not worth reading.
+DRAIN_FACTOR = 4
 
 
 class BodyBudget:
@@ -77,7 +83,7 @@ def too_large(limit: int) -> ProxyError:
         413,
         f"the request body is larger than the proxy's limit of {limit} bytes "
         "(setting body_limit_bytes)",
-        code="body_too_large",
+        code=TOO_LARGE,
     )
 
 
@@ -85,18 +91,20 @@ async def read_body(request: web.Request, settings: Settings, held: HeldBody) ->
     """The raw body, read within the size, time and budget limits; a body aiohttp cannot
     decode (a `Content-Encoding` whose bytes do not inflate) is the client's 400.
 
-    A body refused for the budget (503) is drained before the answer goes: most clients
-    (httpx, requests, the `openai` SDK) send the whole body before they read, so an answer
-    followed by a close while they still send reaches them as a reset, not as the 503 that
-    tells them to retry. Draining drops each chunk as it comes (it holds nothing of the
-    budget) and stops at `body_limit_bytes` or when the body's read time is up; a client still
-    sending then gets aiohttp's short linger and the close, as a trickler would."""
+    A body refused for its size (413) or for the budget (503) is drained before the answer
+    goes: most clients (httpx, requests, the `openai` SDK) send the whole body before they
+    read, so an answer followed by a close while they still send reaches them as a connection
+    error, which the SDK retries with the same body, instead of the 413 that says not to or the
+    503 that says to retry later. Draining drops each chunk as it comes (it holds nothing of
+    the budget) and stops at `DRAIN_FACTOR` times `body_limit_bytes` or when the body's read
+    time is up; a client still sending then gets aiohttp's short linger and the close, as a
+    trickler would."""
     deadline = asyncio.get_running_loop().time() + settings.body_read_timeout_s
     try:
         return await _read_body(request, settings, held)
     except ProxyError as exc:
-        if exc.code == BUDGET_EXHAUSTED:
-            await _drain(request, settings.body_limit_bytes, deadline)
+        if exc.code in DRAINED:
+            await _drain(request, DRAIN_FACTOR * settings.body_limit_bytes, deadline)
         raise
     except web.RequestPayloadError as exc:
         raise ProxyError(
@@ -145,7 +153,7 @@ async def _read_into(request: web.Request, buf: bytearray, limit: int, held: Hel
 
 
 async def _drain(request: web.Request, limit: int, deadline: float) -> None:
-    """Read and drop what is left of a refused body, up to `limit` bytes or `deadline`."""
+    """Read and drop what is left of a refused body, up to about `limit` bytes or `deadline`."""
     drained = 0
     try:
         async with asyncio.timeout_at(deadline):
