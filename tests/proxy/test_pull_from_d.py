@@ -32,7 +32,9 @@ ADMIN_KEY = "pull-from-d-admin-key"
 CACHE = ("--enable-prefix-caching",)
 # A hold of more than one of D's 1024 blocks is declined: every turn here is longer.
 DECLINES = ("--hold-max-fraction", "0.001")
-EVENTS_PORTS = {"P0": free_port(), "P1": free_port(), "D": free_port()}
+# Chosen by `engines` just before the engines start, not at import, where another test worker
+# could take one meanwhile.
+EVENTS_PORTS: dict[str, int] = {}
 LOADED = "enginesim_prompt_tokens_loaded_total"
 PULLS = "kvrelay_prefix_pulls_total"
 
@@ -41,6 +43,7 @@ PULLS = "kvrelay_prefix_pulls_total"
 def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """Two P and one D, each with a local prefix cache and its KV events on."""
     factory = EngineFactory()
+    EVENTS_PORTS.update(P0=free_port(), P1=free_port(), D=free_port())
     try:
         p0, p1, d = factory.many(
             ("P0", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS["P0"])]),

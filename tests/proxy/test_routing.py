@@ -34,18 +34,20 @@ QUESTIONS = ["What is a cache?", "And a block?", "Why reuse it?", "Thanks, and t
 ADMIN_KEY = "routing-admin-key"
 PULLS = "kvrelay_prefix_pulls_total"
 CACHE = ("--enable-prefix-caching",)
-# Both Ps publish their KV cache events (vLLM's flag), on these ports.
-EVENTS_PORTS = (free_port(), free_port())
+# Both Ps publish their KV cache events (vLLM's flag), on these ports: chosen by `engines` just
+# before the engines start, not at import, where another test worker could take one meanwhile.
+EVENTS_PORTS: dict[str, int] = {}
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[tuple[EngineSim, EngineSim, EngineSim]]:
     """Two P and one D with local prefix caches, shared by the module (start-up is slow)."""
     factory = EngineFactory()
+    EVENTS_PORTS.update(P0=free_port(), P1=free_port())
     try:
         p0, p1, d = factory.many(
-            ("P0", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS[0])]),
-            ("P1", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS[1])]),
+            ("P0", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS["P0"])]),
+            ("P1", ["--role", "prefill", *CACHE, *kv_events_args(EVENTS_PORTS["P1"])]),
             ("D", ["--role", "decode", *CACHE]),
         )
         yield p0, p1, d
@@ -68,7 +70,7 @@ def _events_proxy(
     routing-fed index's entries expiring at once (the events alone say what each P caches)."""
     p0, p1, d = engines
     endpoints = ",".join(
-        f"{p.url}=tcp://127.0.0.1:{port}" for p, port in zip((p0, p1), EVENTS_PORTS, strict=True)
+        f"{p.url}=tcp://127.0.0.1:{EVENTS_PORTS[name]}" for p, name in ((p0, "P0"), (p1, "P1"))
     )
     proxy = proxy_factory(
         [p0, p1],
