@@ -153,7 +153,8 @@ async def _read_into(request: web.Request, buf: bytearray, limit: int, held: Hel
 
 
 async def _drain(request: web.Request, limit: int, deadline: float) -> None:
-    """Read and drop what is left of a refused body, up to about `limit` bytes or `deadline`."""
+    """Read and drop what is left of a refused body, up to about `limit` bytes or `deadline`
+    (not aiohttp's `request.release()`, which reads to the body's end with no bound)."""
     drained = 0
     try:
         async with asyncio.timeout_at(deadline):
