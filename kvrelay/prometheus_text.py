@@ -4,13 +4,20 @@ The proxy reads engines' load gauges with it (`kvrelay.proxy.fleet`); the demo, 
 benchmarks read pages through `kvrelay.devtools.prometheus`, which adds fetching. Three views:
 `parse_samples` keeps every series apart under its full `name{labels}` key; `totals` folds the
 series of each metric together (a counter summed over its labels); `bucket_counts` reads one
-histogram's buckets by bound. Comment lines and unparsable values are skipped; an optional
+histogram's buckets by bound; `series_labels` reads each series' labels (an info metric's
+values are its labels). Comment lines and unparsable values are skipped; an optional
 timestamp after the value is ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
+
+# One `name="value"` pair of a series' labels; a value escapes `\`, `"` and newlines.
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+_ESCAPED = re.compile(r"\\.")
+_UNESCAPE = {"\\\\": "\\", '\\"': '"', "\\n": "\n"}
 
 
 def _split_sample(line: str) -> tuple[str, str] | None:
@@ -67,3 +74,17 @@ def bucket_counts(samples: dict[str, float], name: str) -> dict[float, float]:
             bound = float(series[start : series.find('"', start)])
             out[bound] = out.get(bound, 0.0) + value
     return out
+
+
+def series_labels(samples: dict[str, float], name: str) -> list[dict[str, str]]:
+    """The labels of every series of metric `name`, one dict per series (values unescaped)."""
+    prefix = name + "{"
+    return [
+        {key: _unescape(value) for key, value in _LABEL.findall(series[len(prefix) : -1])}
+        for series in samples
+        if series.startswith(prefix)
+    ]
+
+
+def _unescape(value: str) -> str:
+    return _ESCAPED.sub(lambda m: _UNESCAPE.get(m.group(0), m.group(0)), value)

@@ -102,6 +102,15 @@ def _vllm_load_gauges(snap: dict[str, Any]) -> Iterator[Metric]:
     )
     yield GaugeMetricFamily("vllm:num_requests_waiting", "requests waiting", value=waiting)
     yield GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV cache usage (1 = full)", value=used)
+    # vLLM's cache settings as an info gauge (1, the settings in its labels): the two that size
+    # the pool, which the proxy reads to turn a share of `kv_cache_usage_perc` into tokens.
+    info = GaugeMetricFamily(
+        "vllm:cache_config_info",
+        "Information of the LLMEngine CacheConfig",
+        labels=["block_size", "num_gpu_blocks", "engine"],
+    )
+    info.add_metric([str(snap.get("block_size", 0)), str(total), "0"], 1)
+    yield info
 
 
 # vLLM 0.32's `vllm:prompt_tokens_by_source` sources, and the engine counters behind them.

@@ -111,6 +111,7 @@ class EngineRunner:
         snap: dict[str, Any] = dict(core.counters)
         snap.update(
             blocks_total=core.pool.num_blocks,
+            block_size=core.pool.block_size,
             blocks_free=core.pool.num_free,
             blocks_held_for_remote=core.num_held_blocks(),
             requests_held=len(core.held),

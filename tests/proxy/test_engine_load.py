@@ -20,9 +20,10 @@ from kvrelay.proxy.config import Settings
 from kvrelay.proxy.engines import Upstream
 from kvrelay.proxy.fleet import LoadPoller, Pool, Route, Router
 from kvrelay.proxy.fleet.engine_load import STALE_INTERVALS, fresh_load, load_from_metrics
+from kvrelay.proxy.fleet.freed_tokens import MAX_ENTRIES, FreedTokens
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.policies import TokenCounter, policy_named
-from kvrelay.proxy.fleet.routing import uncached_tokens
+from kvrelay.proxy.fleet.routing import kv_usage, uncached_tokens
 
 VLLM_PAGE = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -74,6 +75,71 @@ def test_vllm_gauges_are_summed_over_engine_cores() -> None:
     load = load_from_metrics(VLLM_PAGE, at=5.0)
     assert load == EngineLoad(running=4.0, waiting=7.0, kv_usage=pytest.approx(0.6), at=5.0)
     assert load_from_metrics("# nothing\nother_metric 1\n", at=0.0) is None
+
+
+# vLLM's cache settings as it serves them: an info gauge whose labels are every CacheConfig
+# field as a string (a few of them here, in vLLM's order), one series per engine core.
+CACHE_CONFIG_PAGE = """\
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",\
+engine="0",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="7975",\
+prefix_caching_hash_algo="sha256"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",\
+engine="1",gpu_memory_utilization="0.9",num_cpu_blocks="None",num_gpu_blocks="1000",\
+prefix_caching_hash_algo="sha256"} 1.0
+"""
+
+
+def test_the_pool_size_comes_from_vllms_cache_config_info() -> None:
+    """num_gpu_blocks x block_size, summed over the cores; unknown without the gauge or with a
+    core whose pool is not a number (vLLM says "None" before it has profiled memory)."""
+    load = load_from_metrics(VLLM_PAGE + CACHE_CONFIG_PAGE, at=5.0)
+    assert load is not None and load.pool_tokens == (7975 + 1000) * 16
+    assert load_from_metrics(VLLM_PAGE, at=5.0).pool_tokens is None  # type: ignore[union-attr]
+    unprofiled = CACHE_CONFIG_PAGE.replace('num_gpu_blocks="1000"', 'num_gpu_blocks="None"')
+    load = load_from_metrics(VLLM_PAGE + unprofiled, at=5.0)
+    assert load is not None and load.pool_tokens is None
+
+
+def test_a_ds_kv_usage_reads_lower_by_what_this_workers_turns_freed_since_the_reading() -> None:
+    """A D read at 95% of 100,000 tokens is busy; once a turn of this worker ended there and
+    left 20,000 tokens free (no hold), it reads 75%: it takes the next turn (its history is
+    in its cache). A turn that ended before the reading was taken is in the reading already;
+    without the pool's size the reading stands."""
+    router, _, decode = _router(decode_max_waiting=4, decode_max_kv_usage=0.9)
+    a, b = decode.add("http://a"), decode.add("http://b")
+    read_at = time.monotonic() - 0.5
+    a.load = EngineLoad(running=8.0, waiting=0.0, kv_usage=0.95, at=read_at, pool_tokens=100_000)
+    router.released(a.url, 4_000)  # after the reading, but only 4% of the pool: 91% left
+    assert router.busy(a) and router.pick_decode("http://a", set()) is b
+    router.released(a.url, 16_000)  # 20% freed since the reading: 75%
+    assert not router.busy(a) and router.pick_decode("http://a", set()) is a
+    assert kv_usage(a, a.load) == pytest.approx(0.75)
+    # The next reading counts those turns itself: nothing freed after it.
+    a.load = EngineLoad(
+        running=6.0, waiting=0.0, kv_usage=0.93, at=time.monotonic(), pool_tokens=100_000
+    )
+    assert router.busy(a) and kv_usage(a, a.load) == pytest.approx(0.93)
+    # An engine that does not say its pool's size: its reading as it is.
+    b.load = EngineLoad(running=8.0, waiting=0.0, kv_usage=0.95, at=read_at)
+    router.released(b.url, 50_000)
+    assert router.busy(b) and kv_usage(b, b.load) == pytest.approx(0.95)
+    router.released("http://not-a-d", 1_000)  # an engine that left the pool: nothing to do
+
+
+def test_freed_tokens_forget_what_a_reading_already_counts() -> None:
+    freed = FreedTokens()
+    freed.freed(100, at=1.0)
+    freed.freed(0, at=1.5)  # nothing freed: not an entry
+    freed.freed(200, at=2.0)
+    freed.freed(300, at=3.0)
+    assert freed.since(0.5) == 600
+    assert freed.since(2.0) == 300  # a reading at 2.0 counts the turns that ended by then
+    assert freed.since(0.5) == 300  # forgotten: readings of one engine only move forward
+    for i in range(MAX_ENTRIES + 10):  # the readings stopped: the oldest go first
+        freed.freed(1, at=4.0 + i)
+    assert freed.since(0.0) == MAX_ENTRIES
 
 
 async def test_poller_reads_the_engine_and_survives_failures(

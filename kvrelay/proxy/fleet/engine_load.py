@@ -2,9 +2,11 @@
 
 The proxy's in-flight counts only see the requests this worker sent; an engine's queue also
 holds other workers' and other proxies' requests. `LoadPoller` reads vLLM's gauges
-(`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`;
-enginesim exports the same names) every `load_poll_interval_s` and keeps the latest reading on
-each `Backend` (`Backend.load`). `routing.py` combines it with the in-flight counts.
+(`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`, and the
+pool's size from `vllm:cache_config_info`; enginesim exports the same names) every
+`load_poll_interval_s` and keeps the latest reading on each `Backend` (`Backend.load`).
+`routing.py` combines it with the in-flight counts, and the KV usage with the blocks this
+worker's turns freed on the engine since the reading (`Backend.freed`).
 
 A reading older than `STALE_INTERVALS` intervals is ignored (`fresh_load`), as if the engine had
 never been scraped; a scrape that fails or times out only leaves the old reading to go stale.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvrelay.prometheus_text import parse_samples, series_sum
+from kvrelay.prometheus_text import parse_samples, series_labels, series_sum
 from kvrelay.proxy.engines import UpstreamError
 from kvrelay.proxy.fleet.cache_residence import CacheResidence
 from kvrelay.proxy.fleet.load_reading import EngineLoad
@@ -28,6 +30,7 @@ RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 ITL = "vllm:inter_token_latency_seconds"
+CACHE_CONFIG = "vllm:cache_config_info"  # an info gauge: the cache's settings are its labels
 # Readings this many intervals old describe a queue that has long moved on.
 STALE_INTERVALS = 3
 
@@ -57,7 +60,20 @@ def load_from_metrics(
         itl_count=itl_count,
         inter_token_s=_mean_gap(previous, itl_sum, itl_count),
         residence=CacheResidence.read(samples, previous.residence if previous else None),
+        pool_tokens=_pool_tokens(samples),
     )
+
+
+def _pool_tokens(samples: dict[str, float]) -> int | None:
+    """The engine's KV pool in tokens: `num_gpu_blocks` x `block_size` of each core's
+    `vllm:cache_config_info`, summed (None: no such series, or one without both numbers)."""
+    total = 0
+    for labels in series_labels(samples, CACHE_CONFIG):
+        try:
+            total += int(labels["num_gpu_blocks"]) * int(labels["block_size"])
+        except (KeyError, ValueError):
+            return None  # a core whose pool is unknown: the engine's total is not known
+    return total or None
 
 
 def _mean_gap(

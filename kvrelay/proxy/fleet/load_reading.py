@@ -26,3 +26,6 @@ class EngineLoad:
     # How long its prefix cache keeps an unused block, from vLLM's residency histogram (None:
     # the engine serves none, `--kv-cache-metrics` off).
     residence: CacheResidence | None = None
+    # Its KV pool in tokens (`vllm:cache_config_info`: num_gpu_blocks x block_size, summed over
+    # its cores; None: the page does not say), what a share of `kv_usage` is worth in tokens.
+    pool_tokens: int | None = None

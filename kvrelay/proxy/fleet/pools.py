@@ -36,6 +36,7 @@ from typing import Literal
 from kvrelay.proxy.base import cancel_and_wait
 from kvrelay.proxy.engines import Upstream, UpstreamError
 from kvrelay.proxy.fleet.engine_names import engine_name
+from kvrelay.proxy.fleet.freed_tokens import FreedTokens
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 
 Role = Literal["prefill", "decode"]
@@ -94,6 +95,8 @@ class Backend:
     last_error: str | None = None
     # The engine's own latest load reading (`kvrelay.proxy.fleet.engine_load`), None until scraped.
     load: EngineLoad | None = None
+    # KV this worker's turns freed on the engine, by when: what its last reading still counts.
+    freed: FreedTokens = field(default_factory=FreedTokens)
     # API key (tenant hash) -> when it last got a disputed 5xx from this engine, since the
     # engine last served a request (a served request shows it works: the slate is wiped).
     disputed_by: dict[str, float] = field(default_factory=dict)
@@ -127,6 +130,10 @@ class Backend:
                 "running": self.load.running,
                 "waiting": self.load.waiting,
                 "kv_usage": self.load.kv_usage,
+                # Its pool in tokens (vLLM's cache_config_info; None: unknown), and the tokens
+                # this worker's turns freed there since the reading (what routing takes off it).
+                "pool_tokens": self.load.pool_tokens,
+                "freed_tokens": self.freed.since(self.load.at),
                 # Mean gap between its output tokens since the reading before (None: none).
                 "inter_token_ms": None
                 if self.load.inter_token_s is None

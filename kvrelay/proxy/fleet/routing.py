@@ -46,6 +46,7 @@ affinity until it shows one.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from kvrelay.proxy.fleet.block_index import BlockIndex
 from kvrelay.proxy.fleet.engine_load import fresh_load
 from kvrelay.proxy.fleet.held_reads import HeldReads
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
+from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.pin_rests import PinRests
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
@@ -276,17 +278,28 @@ class Router:
     # -- load --------------------------------------------------------------------------------
 
     def busy(self, backend: Backend) -> bool:
-        """The engine says its queue or KV cache is past the thresholds (fresh readings only)."""
+        """The engine says its queue or KV cache is past the thresholds (fresh readings only;
+        the KV usage less what this worker's turns freed since: `kv_usage`)."""
         load = fresh_load(backend, self.settings.load_poll_interval_s)
         if load is None:
             return False
         s = self.settings
-        return load.waiting > s.decode_max_waiting or load.kv_usage > s.decode_max_kv_usage
+        return (
+            load.waiting > s.decode_max_waiting or kv_usage(backend, load) > s.decode_max_kv_usage
+        )
 
     def _kv_full(self, backend: Backend) -> bool:
         """The engine's fresh reading shows its KV cache past `decode_max_kv_usage`."""
         load = fresh_load(backend, self.settings.load_poll_interval_s)
-        return load is not None and load.kv_usage > self.settings.decode_max_kv_usage
+        return load is not None and kv_usage(backend, load) > self.settings.decode_max_kv_usage
+
+    def released(self, url: str, tokens: int) -> None:
+        """A turn this worker sent to the D at `url` has ended and left `tokens` of KV free
+        there (no hold kept them): its KV usage reads that much lower until the next reading
+        (`FreedTokens`)."""
+        backend = self.decode.get(url)
+        if backend is not None:
+            backend.freed.freed(tokens, time.monotonic())
 
     def _queued(self, backend: Backend) -> float:
         """Requests the engine has, as far as this worker can tell: its own in flight, or the
@@ -1015,6 +1028,15 @@ class Router:
             self.affinity.paid(url, tenant)
         elif affinity_turn:
             self.affinity.unpaid(url, tenant)
+
+
+def kv_usage(backend: Backend, load: EngineLoad) -> float:
+    """`load`'s KV usage less the share of the pool this worker's turns freed on `backend`
+    since it was read (the reading as it is where the engine does not say its pool's size)."""
+    freed = backend.freed.since(load.at)
+    if not freed or not load.pool_tokens:
+        return load.kv_usage
+    return max(0.0, load.kv_usage - freed / load.pool_tokens)
 
 
 def uncached_tokens(entry: KVEntry, prompt_chars: int) -> int:

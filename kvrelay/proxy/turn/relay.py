@@ -316,6 +316,11 @@ class Turn:
                     await settle.after(relayed, served)
                     await answer.finish(relayed, self.routing)
         report.leg_ended("decode")
+        if not served.hold or store.declined:
+            # No hold kept the turn's blocks: D freed them as it finished, which its last load
+            # reading does not show yet (`Router.released`). A hold D kept, or may still be
+            # storing, frees nothing now.
+            crew.router.released(served.backend.url, self._prompt_tokens())
         if served.own_blocks:
             # D served the blocks the params named from its own cache (`Served.own_blocks`):
             # no connector read them, so the proxy frees them now that D is done (whichever
@@ -324,6 +329,15 @@ class Turn:
                 self.owed.release(debt)
         elif d_pulls and self.accounts.decode is not None:
             _count_pull("decode", served.backend.url, self.accounts.decode)
+
+    def _prompt_tokens(self) -> int:
+        """The prompt's tokens as D reported them, else as the router estimates them from its
+        characters (a stream whose client asked no usage)."""
+        account = self.accounts.decode
+        if account is not None and account.prompt_tokens:
+            return account.prompt_tokens
+        cpt = self.crew.router.chars_per_token(self.entry, self._prompt)
+        return round(self.ctx.work / cpt)
 
     def _learn(self, plan: Plan) -> None:
         """Tell the router what the engines reported this turn reused (routing that learns:

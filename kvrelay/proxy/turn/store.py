@@ -59,7 +59,7 @@ class Store:
     """Where and how one turn stores D's params (made on every turn that reaches D: a plain
     class, its worker's parts in one `Storing`)."""
 
-    __slots__ = ("accounts", "ctx", "prefill", "previous", "report", "storing")
+    __slots__ = ("accounts", "ctx", "declined", "prefill", "previous", "report", "storing")
 
     def __init__(
         self,
@@ -72,6 +72,7 @@ class Store:
     ) -> None:
         self.storing, self.ctx, self.report, self.accounts = storing, ctx, report, accounts
         self.previous, self.prefill = previous, prefill
+        self.declined = False  # D was asked to hold and kept nothing (over its hold_max_fraction)
 
     async def put(
         self, raw: KVTransferParams | dict[str, Any], backend: Backend, hold: bool
@@ -94,6 +95,7 @@ class Store:
         if params.hold_declined:
             # D kept nothing: the turn alone is over its hold_max_fraction of the pool.
             if key is not None and hold:
+                self.declined = True
                 report.hold_declined()
                 if storing.declined is not None:
                     storing.declined(ctx.tenant, key, backend.url)

@@ -1,0 +1,86 @@
+"""A D's KV usage as the proxy routes by it: its reading less what this worker's turns freed
+there since (`Router.released`, `FreedTokens`), on enginesim P and D, driven by the real
+`openai` SDK.
+
+The proxy reads D's `/metrics` once (its poll interval is longer than the test), so every turn
+ends after that reading. `/admin/backends` then shows D's pool as D serves it (vLLM's
+`vllm:cache_config_info`, which enginesim serves alike) and the tokens freed since the reading:
+the prompt tokens D reported for each turn that left no hold on D, none for a turn D holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
+from tests.harness import wait_until
+from tests.proxy.client import MODEL
+
+ADMIN_KEY = "freed-kv-admin-key"
+BLOCK_SIZE = 16  # enginesim's default
+HELD = "enginesim_blocks_held_for_remote"
+TEXT = "The decode engine frees the blocks of a finished turn unless it holds them. " * 6
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
+    factory = EngineFactory()
+    try:
+        yield factory("P", "--role", "prefill"), factory("D", "--role", "decode")
+    finally:
+        factory.close()
+
+
+def _d_load(proxy: ProxyServer) -> dict[str, Any] | None:
+    load: dict[str, Any] | None = proxy.admin("GET", "/admin/backends")["decode"][0]["load"]
+    return load
+
+
+def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading(
+    engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
+) -> None:
+    p, d = engines
+    p.wait_idle()
+    d.wait_idle()
+    proxy = proxy_factory(
+        [p], [d], ready_path="/ready", admin_key=ADMIN_KEY, load_poll_interval_s="600"
+    )
+    wait_until(lambda: _d_load(proxy) is not None, 15, what="the proxy's reading of D")
+    load = _d_load(proxy)
+    assert load is not None
+    assert load["pool_tokens"] == d.metric("enginesim_blocks_total") * BLOCK_SIZE
+    assert load["freed_tokens"] == 0
+    client = OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0)
+
+    # A completion with no conversation: nothing to store, so D holds nothing and frees all.
+    done = client.completions.create(model=MODEL, prompt=TEXT, max_tokens=8)
+    assert done.usage is not None and done.usage.prompt_tokens > 0
+    assert d.metric(HELD) == 0
+    freed = done.usage.prompt_tokens
+    assert (_d_load(proxy) or {})["freed_tokens"] == freed
+
+    # Streamed without usage: D's prompt tokens are not in the answer, so the proxy counts
+    # them from the prompt's characters.
+    events = list(
+        client.completions.create(model=MODEL, prompt=TEXT + " Again.", max_tokens=8, stream=True)
+    )
+    assert events and all(e.usage is None for e in events)
+    assert d.metric(HELD) == 0
+    streamed = (_d_load(proxy) or {})["freed_tokens"] - freed
+    assert 0 < streamed <= len(TEXT) + 7
+    freed += streamed
+
+    # A conversation's turn that D holds for the next one: its blocks stay taken.
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": TEXT}],
+        max_tokens=8,
+        extra_headers={"X-Conversation-Id": "freed-kv-held"},
+    )
+    assert chat.choices[0].message.content
+    assert d.metric(HELD) > 0
+    assert (_d_load(proxy) or {})["freed_tokens"] == freed
