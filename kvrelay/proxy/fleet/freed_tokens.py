@@ -41,4 +41,4 @@ class FreedTokens:
         freed = self._freed
         while freed and freed[0][0] <= at:
             freed.popleft()
-        return sum(tokens for _, tokens in freed)
+        return sum(tokens for _, tokens in freed) if freed else 0

@@ -283,15 +283,16 @@ class Router:
         load = fresh_load(backend, self.settings.load_poll_interval_s)
         if load is None:
             return False
-        s = self.settings
-        return (
-            load.waiting > s.decode_max_waiting or kv_usage(backend, load) > s.decode_max_kv_usage
-        )
+        s, bound = self.settings, self.settings.decode_max_kv_usage
+        # What was freed since can only lower the reading: counted only when it is over.
+        full = load.kv_usage > bound and kv_usage(backend, load) > bound
+        return load.waiting > s.decode_max_waiting or full
 
     def _kv_full(self, backend: Backend) -> bool:
         """The engine's fresh reading shows its KV cache past `decode_max_kv_usage`."""
         load = fresh_load(backend, self.settings.load_poll_interval_s)
-        return load is not None and kv_usage(backend, load) > self.settings.decode_max_kv_usage
+        bound = self.settings.decode_max_kv_usage
+        return load is not None and load.kv_usage > bound and kv_usage(backend, load) > bound
 
     def released(self, url: str, tokens: int) -> None:
         """A turn this worker sent to the D at `url` has ended and left `tokens` of KV free
