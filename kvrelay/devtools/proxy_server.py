@@ -171,6 +171,12 @@ class ProxyServer(ManagedServer):
             raise RuntimeError(f"{path} answered {status}: {answer}")
         return answer
 
+    def engine_load(self, role: str = "decode", index: int = 0) -> dict[str, Any] | None:
+        """The proxy's latest load reading of the `index`-th engine of the `role` pool, as
+        `GET /admin/backends` shows it (None: not read yet)."""
+        load: dict[str, Any] | None = self.admin("GET", "/admin/backends")[role][index]["load"]
+        return load
+
     def events_cached(self, body: dict[str, Any], role: str = "prefill") -> dict[str, int]:
         """Per engine URL of the `role` pool, the tokens of `body`'s prompt that its own KV
         events say it caches (`POST /admin/prefix-cache`)."""

@@ -11,12 +11,11 @@ the prompt tokens D reported for each turn that left no hold on D, none for a tu
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from openai import OpenAI
 
-from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory, ProxyServer
+from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory
 from tests.harness import wait_until
 from tests.proxy.client import MODEL
 
@@ -35,11 +34,6 @@ def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
         factory.close()
 
 
-def _d_load(proxy: ProxyServer) -> dict[str, Any] | None:
-    load: dict[str, Any] | None = proxy.admin("GET", "/admin/backends")["decode"][0]["load"]
-    return load
-
-
 def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading(
     engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
 ) -> None:
@@ -49,8 +43,8 @@ def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading
     proxy = proxy_factory(
         [p], [d], ready_path="/ready", admin_key=ADMIN_KEY, load_poll_interval_s="600"
     )
-    wait_until(lambda: _d_load(proxy) is not None, 15, what="the proxy's reading of D")
-    load = _d_load(proxy)
+    wait_until(lambda: proxy.engine_load() is not None, 15, what="the proxy's reading of D")
+    load = proxy.engine_load()
     assert load is not None
     assert load["pool_tokens"] == d.metric("enginesim_blocks_total") * BLOCK_SIZE
     assert load["freed_tokens"] == 0
@@ -61,7 +55,7 @@ def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading
     assert done.usage is not None and done.usage.prompt_tokens > 0
     assert d.metric(HELD) == 0
     freed = done.usage.prompt_tokens
-    assert (_d_load(proxy) or {})["freed_tokens"] == freed
+    assert (proxy.engine_load() or {})["freed_tokens"] == freed
 
     # Streamed without usage: D's prompt tokens are not in the answer, so the proxy counts
     # them from the prompt's characters.
@@ -70,7 +64,7 @@ def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading
     )
     assert events and all(e.usage is None for e in events)
     assert d.metric(HELD) == 0
-    streamed = (_d_load(proxy) or {})["freed_tokens"] - freed
+    streamed = (proxy.engine_load() or {})["freed_tokens"] - freed
     assert 0 < streamed <= len(TEXT) + 7
     freed += streamed
 
@@ -83,4 +77,4 @@ def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading
     )
     assert chat.choices[0].message.content
     assert d.metric(HELD) > 0
-    assert (_d_load(proxy) or {})["freed_tokens"] == freed
+    assert (proxy.engine_load() or {})["freed_tokens"] == freed

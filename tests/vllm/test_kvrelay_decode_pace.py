@@ -9,7 +9,6 @@ from __future__ import annotations
 import time
 import urllib.request
 import uuid
-from typing import Any
 
 import pytest
 from openai import OpenAI
@@ -64,20 +63,16 @@ def test_turns_that_leave_no_hold_on_a_real_d_lower_its_kv_usage_until_the_next_
     d = fleet.decode
     factory = ProxyFactory()
 
-    def d_load() -> dict[str, Any] | None:
-        load: dict[str, Any] | None = proxy.admin("GET", "/admin/backends")["decode"][0]["load"]
-        return load
-
     def freed() -> int:
-        return int((d_load() or {})["freed_tokens"])
+        return int((proxy.engine_load() or {})["freed_tokens"])
 
     try:
         proxy = factory(
             [fleet.prefill.url], [d.url], ready_path="/ready", admin_key=admin_key,
             connector_secret=vllm_servers.CONNECTOR_SECRET, load_poll_interval_s="600",
         )  # fmt: skip
-        wait_until(lambda: d_load() is not None, 15, what="the proxy's reading of D")
-        load = d_load()
+        wait_until(lambda: proxy.engine_load() is not None, 15, what="the proxy's reading of D")
+        load = proxy.engine_load()
         assert load is not None and load["freed_tokens"] == 0
         assert load["pool_tokens"] == vllm_servers.DECODE_BLOCKS * vllm_servers.BLOCK_SIZE
         held = d.metric(HELD_BLOCKS)

@@ -521,17 +521,15 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
     d = fleet.decode
     factory = ProxyFactory()
 
-    def reading() -> dict[str, Any] | None:
-        load: dict[str, Any] | None = proxy.admin("GET", "/admin/backends")["decode"][0]["load"]
-        return load
-
     try:
         proxy = factory(
             [fleet.prefill.url], [d.url], ready_path="/ready", admin_key=admin_key,
             connector_secret=vllm_servers.CONNECTOR_SECRET, load_poll_interval_s="0.2",
         )  # fmt: skip
         # Its first reading is where the proxy starts counting D's evictions.
-        wait_until(lambda: reading() is not None, 10, what="the proxy's first reading of D")
+        wait_until(
+            lambda: proxy.engine_load() is not None, 10, what="the proxy's first reading of D"
+        )
         before = _idle_buckets(d)
         assert before, "D serves no residency histogram"
         sent = 0
@@ -549,11 +547,11 @@ def test_the_proxy_reads_how_long_ds_cache_keeps_a_block_from_vllms_own_histogra
 
         wait_until(one_more_prompt, 120, interval=0.05, what="D to evict 16 sampled blocks")
         wait_until(
-            lambda: (reading() or {}).get("cache_keeps_s") is not None,
+            lambda: (proxy.engine_load() or {}).get("cache_keeps_s") is not None,
             10,
             what="the proxy's figure for D's cache",
         )
-        keeps = (reading() or {})["cache_keeps_s"]
+        keeps = (proxy.engine_load() or {})["cache_keeps_s"]
         after = _idle_buckets(d)
         bounds = sorted(after)
         new = {b: after[b] - before.get(b, 0.0) for b in bounds}
@@ -583,8 +581,7 @@ def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld
     factory = ProxyFactory()
 
     def keeps() -> float | None:
-        load = proxy.admin("GET", "/admin/backends")["decode"][0]["load"] or {}
-        figure: float | None = load.get("cache_keeps_s")
+        figure: float | None = (proxy.engine_load() or {}).get("cache_keeps_s")
         return figure
 
     def keeps_a_second() -> bool:
