@@ -11,7 +11,10 @@ without a hold there says how many tokens it left free (`freed`), and the router
 tokens freed after a reading off that reading (`since`, over the engine's pool size).
 
 Only this worker's turns are known: other workers' and other clients' leave the reading as it
-was (an over-estimate, as before). Entries at or before a reading are dropped once a reading
+was (an over-estimate, as before). A turn's whole prompt is counted freed, though a prefix it
+shared with requests still running on that D stays taken by them: where many requests share a
+long prefix on one D, the usage reads lower than it is until the next reading (at most
+`load_poll_interval_s`); the answer's own blocks, freed too, are not counted. Entries at or before a reading are dropped once a reading
 that new is asked about (readings of one engine only move forward); at most `MAX_ENTRIES` are
 kept should the readings stop.
 """
