@@ -283,16 +283,19 @@ class Router:
         load = fresh_load(backend, self.settings.load_poll_interval_s)
         if load is None:
             return False
-        s, bound = self.settings, self.settings.decode_max_kv_usage
-        # What was freed since can only lower the reading: counted only when it is over.
-        full = load.kv_usage > bound and kv_usage(backend, load) > bound
-        return load.waiting > s.decode_max_waiting or full
+        return load.waiting > self.settings.decode_max_waiting or self._kv_over(backend, load)
 
     def _kv_full(self, backend: Backend) -> bool:
         """The engine's fresh reading shows its KV cache past `decode_max_kv_usage`."""
         load = fresh_load(backend, self.settings.load_poll_interval_s)
+        return load is not None and self._kv_over(backend, load)
+
+    def _kv_over(self, backend: Backend, load: EngineLoad) -> bool:
+        """`load`'s KV usage, less what this worker's turns freed since (`kv_usage`), is past
+        `decode_max_kv_usage`. What was freed can only lower the reading: counted only when the
+        reading itself is over."""
         bound = self.settings.decode_max_kv_usage
-        return load is not None and load.kv_usage > bound and kv_usage(backend, load) > bound
+        return load.kv_usage > bound and kv_usage(backend, load) > bound
 
     def released(self, url: str, tokens: int) -> None:
         """A turn this worker sent to the D at `url` has ended and left `tokens` of KV free
