@@ -10,12 +10,9 @@ the prompt tokens D reported for each turn that left no hold on D, none for a tu
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from openai import OpenAI
 
-from kvrelay.devtools import EngineFactory, EngineSim, ProxyFactory
+from kvrelay.devtools import EngineSim, ProxyFactory
 from tests.harness import wait_until
 from tests.proxy.client import MODEL
 
@@ -25,21 +22,10 @@ HELD = "enginesim_blocks_held_for_remote"
 TEXT = "The decode engine frees the blocks of a finished turn unless it holds them. " * 6
 
 
-@pytest.fixture(scope="module")
-def engines() -> Iterator[tuple[EngineSim, EngineSim]]:
-    factory = EngineFactory()
-    try:
-        yield factory("P", "--role", "prefill"), factory("D", "--role", "decode")
-    finally:
-        factory.close()
-
-
 def test_turns_that_leave_no_hold_on_d_lower_its_kv_usage_until_the_next_reading(
-    engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
+    pd_engines: tuple[EngineSim, EngineSim], proxy_factory: ProxyFactory
 ) -> None:
-    p, d = engines
-    p.wait_idle()
-    d.wait_idle()
+    p, d = pd_engines
     proxy = proxy_factory(
         [p], [d], ready_path="/ready", admin_key=ADMIN_KEY, load_poll_interval_s="600"
     )
