@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; past the table the
 # normal's 1.96 is within 2%.
@@ -68,6 +68,28 @@ def pairs_of(
                 Pair(name, i, a["rate"], a["attainment"], b["attainment"], a["reuse_vs_lru"])
             )
     return out
+
+
+class Round(NamedTuple):
+    """One round of ours at one rate, whether or not the rival ran beside it."""
+
+    run: str
+    rate: float
+    attainment: float
+    reuse: float
+
+
+def rounds_of(name: str, data: dict[str, Any], ours: Sequence[str]) -> list[Round]:
+    """Every (round, rate) of ours in one run: its reuse needs no rival to be judged."""
+    runs = data["runs"]
+    mine = label_in(runs, ours)
+    if mine is None:
+        return []
+    return [
+        Round(name, r["rate"], r["attainment"], r["reuse_vs_lru"])
+        for rounds in runs[mine].values()
+        for r in rounds
+    ]
 
 
 def by_rate(pairs: Sequence[Pair]) -> dict[float, list[Pair]]:

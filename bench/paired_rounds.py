@@ -9,8 +9,9 @@ file that ran both, and says what all of those rounds together show.
 Per rate: the SLO attainment's difference (ours minus the rival, points), its mean with a 95%
 interval (Student's t over the paired rounds), and how many rounds ours was above, level or
 below; ours' realized reuse against the LRU bound, mean with its interval and the rounds at
-or over the aim. Per round with the rates to cross the SLO: the goodput of each (as
-`trace_compare.py` computes it: a bound where the curve did not cross) and whether ours was
+or over the aim (and, where some runs ran ours alone, its reuse over every round of ours). Per
+round with the rates to cross the SLO: the goodput of each (as `trace_compare.py` computes it:
+a bound where the curve did not cross) and whether ours was
 above, below, or the bounds cannot tell. The verdict on "ours never below the rival": MISSED
 where the interval of the mean attainment difference lies below zero at a rate, met where it
 lies at or above zero at every rate, else level: no difference these rounds can tell, of at
@@ -64,8 +65,35 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
     return "unknown"
 
 
+def reuse_lines(rounds: Sequence[_paired.Round], aim: float) -> list[str]:
+    """Ours' reuse over every round it ran, runs without the rival included: per rate, the mean
+    with its interval and the verdict (judged where ours met the SLO on average)."""
+    by_rate: dict[float, list[_paired.Round]] = {}
+    for r in rounds:
+        by_rate.setdefault(round(r.rate, 2), []).append(r)
+    lines = []
+    for rate, group in sorted(by_rate.items()):
+        reuse = [r.reuse for r in group]
+        mean, low, high = _paired.mean_interval(reuse)
+        slo = statistics.fmean(r.attainment for r in group)
+        if slo < tc.GOODPUT_ATTAINMENT:
+            verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
+        else:
+            verdict = "met" if low >= aim else "MISSED" if high < aim else "undetermined"
+        lines.append(
+            f"- ours' reuse at {rate:.2f} req/s over every round of ours ({len(group)} rounds, "
+            f"{len({r.run for r in group})} runs): {mean:.3f} ({low:.3f}-{high:.3f}, 95%), "
+            f"{sum(r >= aim for r in reuse)} of {len(reuse)} at or over the aim -> {verdict} "
+            f"(aim: >= {aim:g} at every rate within the SLO)"
+        )
+    return lines
+
+
 def render(
-    pairs: list[_paired.Pair], goodputs: list[tuple[tc.Goodput, tc.Goodput]], aim: float
+    pairs: list[_paired.Pair],
+    goodputs: list[tuple[tc.Goodput, tc.Goodput]],
+    aim: float,
+    rounds: Sequence[_paired.Round] = (),
 ) -> str:
     groups = _paired.by_rate(pairs)
     lines = [
@@ -108,6 +136,10 @@ def render(
             f"- ours' reuse at {rate:.2f} req/s, mean over rounds {r_low:.3f}-{r_high:.3f} "
             f"(95%) -> {verdict} (aim: >= {aim:g} at every rate within the SLO)"
         )
+    if len(rounds) > len(pairs):
+        # Rounds of ours without the rival beside them (runs of ours alone): its reuse is
+        # judged on all of them together.
+        lines += ["", *reuse_lines(rounds, aim)]
     return "\n".join(lines)
 
 
@@ -123,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     pairs: list[_paired.Pair] = []
     goodputs: list[tuple[tc.Goodput, tc.Goodput]] = []
+    rounds: list[_paired.Round] = []
     for path in args.runs:
         data = json.loads(path.read_text())
         pairs += _paired.pairs_of(path.name, data, args.ours, args.rival)
+        rounds += _paired.rounds_of(path.name, data, args.ours)
         goodputs += goodput_pairs(data, args.ours, args.rival)
     if not pairs:
         raise SystemExit("no run measured both configurations")
-    print(render(pairs, goodputs, args.reuse_aim))
+    print(render(pairs, goodputs, args.reuse_aim, rounds))
     return 0
 
 

@@ -143,3 +143,41 @@ def test_trace_compare_verdicts_add_the_paired_line_against_holds_off() -> None:
     lines = tc.verdicts(rows, gps, configs, runs=runs)
     assert any("paired round by round" in x for x in lines)
     assert not any("paired round by round" in x for x in tc.verdicts(rows, gps, configs))
+
+
+def test_ours_alone_counts_for_its_reuse_and_nothing_else(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    both = run_data({
+        OURS: {"48.0": [(0.92, 0.95), (0.91, 0.88)]},
+        RIVAL: {"48.0": [(0.90, 0.9), (0.92, 0.9)]},
+    })  # fmt: skip
+    alone = run_data({
+        OURS: {"48.0": [(0.93, 0.96), (0.94, 0.97), (0.93, 0.95), (0.92, 0.96), (0.93, 0.96),
+                        (0.94, 0.95)]},
+    })  # fmt: skip
+    paths = []
+    for name, data in (("both.json", both), ("alone.json", alone)):
+        (tmp_path / name).write_text(json.dumps(data))
+        paths.append(str(tmp_path / name))
+    assert pr.main(["--ours", OURS, "--rival", RIVAL, *paths]) == 0
+    out = capsys.readouterr().out
+    # The pairs are the two rounds that ran both: 0.95 and 0.88 cannot tell.
+    assert "| 9.20 | 2 (1) |" in out
+    assert "ours' reuse at 9.20 req/s, mean over rounds" in out and "-> undetermined" in out
+    # Every round of ours: eight, seven at or over 0.9, the mean's interval clear of it.
+    reuse = [0.95, 0.88, 0.96, 0.97, 0.95, 0.96, 0.96, 0.95]
+    mean, low, high = _paired.mean_interval(reuse)
+    assert low > 0.9
+    line = next(line for line in out.splitlines() if "over every round of ours" in line)
+    assert f"(8 rounds, 2 runs): {mean:.3f} ({low:.3f}-{high:.3f}, 95%), 7 of 8" in line
+    assert line.endswith("-> met (aim: >= 0.9 at every rate within the SLO)")
+    # Where every run paired, nothing is added.
+    assert pr.main(["--ours", OURS, "--rival", RIVAL, paths[0]]) == 0
+    assert "over every round of ours" not in capsys.readouterr().out
+
+
+def test_ours_reuse_over_its_rounds_is_not_judged_outside_the_slo() -> None:
+    rounds = [_paired.Round("a.json", 13.8, 0.85, 0.95), _paired.Round("b.json", 13.8, 0.86, 0.97)]
+    (line,) = pr.reuse_lines(rounds, 0.9)
+    assert "not judged: ours met the SLO for 86% of requests" in line
