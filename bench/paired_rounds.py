@@ -65,6 +65,16 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
     return "unknown"
 
 
+def reuse_verdict(reuse: Sequence[float], attainments: Sequence[float], aim: float) -> str:
+    """met / MISSED / undetermined by the interval of the rounds' mean reuse; not judged where
+    ours met the SLO for fewer than `tc.GOODPUT_ATTAINMENT` of its requests on average."""
+    slo = statistics.fmean(attainments)
+    if slo < tc.GOODPUT_ATTAINMENT:
+        return f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
+    _, low, high = _paired.mean_interval(reuse)
+    return "met" if low >= aim else "MISSED" if high < aim else "undetermined"
+
+
 def reuse_lines(rounds: Sequence[_paired.Round], aim: float) -> list[str]:
     """Ours' reuse over every round it ran, runs without the rival included: per rate, the mean
     with its interval and the verdict (judged where ours met the SLO on average)."""
@@ -75,11 +85,7 @@ def reuse_lines(rounds: Sequence[_paired.Round], aim: float) -> list[str]:
     for rate, group in sorted(by_rate.items()):
         reuse = [r.reuse for r in group]
         mean, low, high = _paired.mean_interval(reuse)
-        slo = statistics.fmean(r.attainment for r in group)
-        if slo < tc.GOODPUT_ATTAINMENT:
-            verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
-        else:
-            verdict = "met" if low >= aim else "MISSED" if high < aim else "undetermined"
+        verdict = reuse_verdict(reuse, [r.attainment for r in group], aim)
         lines.append(
             f"- ours' reuse at {rate:.2f} req/s over every round of ours ({len(group)} rounds, "
             f"{len({r.run for r in group})} runs): {mean:.3f} ({low:.3f}-{high:.3f}, 95%), "
@@ -126,12 +132,9 @@ def render(
         f"{_paired.attainment_verdict(diffs_by_rate)}",
     ]
     for rate, group in sorted(groups.items()):
-        _, r_low, r_high = _paired.mean_interval([p.ours_reuse for p in group])
-        if not _paired.within_slo(group, tc.GOODPUT_ATTAINMENT):
-            slo = statistics.fmean(p.ours_attainment for p in group)
-            verdict = f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
-        else:
-            verdict = "met" if r_low >= aim else "MISSED" if r_high < aim else "undetermined"
+        reuse = [p.ours_reuse for p in group]
+        _, r_low, r_high = _paired.mean_interval(reuse)
+        verdict = reuse_verdict(reuse, [p.ours_attainment for p in group], aim)
         lines.append(
             f"- ours' reuse at {rate:.2f} req/s, mean over rounds {r_low:.3f}-{r_high:.3f} "
             f"(95%) -> {verdict} (aim: >= {aim:g} at every rate within the SLO)"
