@@ -8,7 +8,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 # Student's t, two-sided 95% (0.975 quantile), by degrees of freedom; past the table the
 # normal's 1.96 is within 2%.
@@ -92,9 +92,13 @@ def rounds_of(name: str, data: dict[str, Any], ours: Sequence[str]) -> list[Roun
     ]
 
 
-def by_rate(pairs: Sequence[Pair]) -> dict[float, list[Pair]]:
-    """The pairs grouped by their rate (to the hundredth: the runs' rates agree that far)."""
-    out: dict[float, list[Pair]] = {}
+AtRate = TypeVar("AtRate", Pair, Round)
+
+
+def by_rate(pairs: Sequence[AtRate]) -> dict[float, list[AtRate]]:
+    """Pairs (or ours' rounds) grouped by their rate (to the hundredth: the runs' rates agree
+    that far)."""
+    out: dict[float, list[AtRate]] = {}
     for p in pairs:
         out.setdefault(round(p.rate, 2), []).append(p)
     return out

@@ -11,11 +11,10 @@ interval (Student's t over the paired rounds), and how many rounds ours was abov
 below; ours' realized reuse against the LRU bound, mean with its interval and the rounds at
 or over the aim (and, where some runs ran ours alone, its reuse over every round of ours). Per
 round with the rates to cross the SLO: the goodput of each (as `trace_compare.py` computes it:
-a bound where the curve did not cross) and whether ours was
-above, below, or the bounds cannot tell. The verdict on "ours never below the rival": MISSED
-where the interval of the mean attainment difference lies below zero at a rate, met where it
-lies at or above zero at every rate, else level: no difference these rounds can tell, of at
-most the interval's lower end.
+a bound where the curve did not cross) and whether ours was above, below, or the bounds cannot
+tell. The verdict on "ours never below the rival": MISSED where the interval of the mean
+attainment difference lies below zero at a rate, met where it lies at or above zero at every
+rate, else level: no difference these rounds can tell, of at most the interval's lower end.
 
 Example: `.venv/bin/python -m bench.paired_rounds --ours 'kvrelay default (2P+6D)' --rival
 'kvrelay holds off (2P+6D)' /tmp/runAN.json /tmp/runAR.json` (`--ours` again: another name
@@ -65,27 +64,24 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
     return "unknown"
 
 
-def reuse_verdict(reuse: Sequence[float], attainments: Sequence[float], aim: float) -> str:
-    """met / MISSED / undetermined by the interval of the rounds' mean reuse; not judged where
-    ours met the SLO for fewer than `tc.GOODPUT_ATTAINMENT` of its requests on average."""
+def reuse_verdict(low: float, high: float, attainments: Sequence[float], aim: float) -> str:
+    """met / MISSED / undetermined by the interval [`low`, `high`] of the rounds' mean reuse;
+    not judged where ours met the SLO for fewer than `tc.GOODPUT_ATTAINMENT` of its requests on
+    average."""
     slo = statistics.fmean(attainments)
     if slo < tc.GOODPUT_ATTAINMENT:
         return f"not judged: ours met the SLO for {slo:.0%} of requests, outside it"
-    _, low, high = _paired.mean_interval(reuse)
     return "met" if low >= aim else "MISSED" if high < aim else "undetermined"
 
 
 def reuse_lines(rounds: Sequence[_paired.Round], aim: float) -> list[str]:
     """Ours' reuse over every round it ran, runs without the rival included: per rate, the mean
     with its interval and the verdict (judged where ours met the SLO on average)."""
-    by_rate: dict[float, list[_paired.Round]] = {}
-    for r in rounds:
-        by_rate.setdefault(round(r.rate, 2), []).append(r)
     lines = []
-    for rate, group in sorted(by_rate.items()):
+    for rate, group in sorted(_paired.by_rate(rounds).items()):
         reuse = [r.reuse for r in group]
         mean, low, high = _paired.mean_interval(reuse)
-        verdict = reuse_verdict(reuse, [r.attainment for r in group], aim)
+        verdict = reuse_verdict(low, high, [r.attainment for r in group], aim)
         lines.append(
             f"- ours' reuse at {rate:.2f} req/s over every round of ours ({len(group)} rounds, "
             f"{len({r.run for r in group})} runs): {mean:.3f} ({low:.3f}-{high:.3f}, 95%), "
@@ -132,9 +128,8 @@ def render(
         f"{_paired.attainment_verdict(diffs_by_rate)}",
     ]
     for rate, group in sorted(groups.items()):
-        reuse = [p.ours_reuse for p in group]
-        _, r_low, r_high = _paired.mean_interval(reuse)
-        verdict = reuse_verdict(reuse, [p.ours_attainment for p in group], aim)
+        _, r_low, r_high = _paired.mean_interval([p.ours_reuse for p in group])
+        verdict = reuse_verdict(r_low, r_high, [p.ours_attainment for p in group], aim)
         lines.append(
             f"- ours' reuse at {rate:.2f} req/s, mean over rounds {r_low:.3f}-{r_high:.3f} "
             f"(95%) -> {verdict} (aim: >= {aim:g} at every rate within the SLO)"
