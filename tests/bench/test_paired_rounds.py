@@ -34,6 +34,15 @@ def run_data(by_label: dict[str, dict[str, list[tuple[float, float]]]]) -> dict[
     }
 
 
+def written(folder: Path, runs: dict[str, dict[str, Any]]) -> list[str]:
+    """Each run's JSON written to `folder` under its file name: the paths, in order."""
+    paths = []
+    for name, data in runs.items():
+        (folder / name).write_text(json.dumps(data))
+        paths.append(str(folder / name))
+    return paths
+
+
 def test_rounds_pair_only_where_both_ran_and_under_either_name() -> None:
     data = run_data({
         "kvrelay old name": {"48.0": [(0.92, 0.9), (0.91, 0.95)]},
@@ -100,10 +109,7 @@ def test_main_pools_files_and_judges_reuse_only_within_the_slo(
         OURS: {"48.0": [(0.93, 0.94)], "72.0": [(0.84, 0.7)]},
         RIVAL: {"48.0": [(0.91, 0.9)], "72.0": [(0.83, 0.7)]},
     })  # fmt: skip
-    paths = []
-    for name, data in (("a.json", a), ("b.json", b)):
-        (tmp_path / name).write_text(json.dumps(data))
-        paths.append(str(tmp_path / name))
+    paths = written(tmp_path, {"a.json": a, "b.json": b})
     assert pr.main(["--ours", OURS, "--rival", RIVAL, *paths]) == 0
     out = capsys.readouterr().out
     assert "| 9.20 | 3 (2) |" in out
@@ -156,10 +162,7 @@ def test_ours_alone_counts_for_its_reuse_and_nothing_else(
         OURS: {"48.0": [(0.93, 0.96), (0.94, 0.97), (0.93, 0.95), (0.92, 0.96), (0.93, 0.96),
                         (0.94, 0.95)]},
     })  # fmt: skip
-    paths = []
-    for name, data in (("both.json", both), ("alone.json", alone)):
-        (tmp_path / name).write_text(json.dumps(data))
-        paths.append(str(tmp_path / name))
+    paths = written(tmp_path, {"both.json": both, "alone.json": alone})
     assert pr.main(["--ours", OURS, "--rival", RIVAL, *paths]) == 0
     out = capsys.readouterr().out
     # The pairs are the two rounds that ran both: 0.95 and 0.88 cannot tell.
