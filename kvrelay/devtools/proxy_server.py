@@ -13,13 +13,19 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from kvrelay.devtools.engines import EngineSim, dev_env
-from kvrelay.devtools.process import ManagedServer, ServerProcess, free_port, http_ready
+from kvrelay.devtools.process import (
+    ManagedServer,
+    ServerProcess,
+    free_port,
+    http_ready,
+    wait_until,
+)
 from kvrelay.devtools.prometheus import parse_samples
 
 # Settings every test proxy gets unless overridden: the suites check the P->D reuse path turn by
@@ -182,6 +188,22 @@ class ProxyServer(ManagedServer):
         events say it caches (`POST /admin/prefix-cache`)."""
         answer = self.admin("POST", "/admin/prefix-cache", body)
         return {e["url"]: int(e["events_tokens"]) for e in answer[role]}
+
+    def wait_for_events(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
+        """`wait_until` a condition on what the proxy's KV events index shows (`events_cached`,
+        `events_blocks`). On a timeout the error also gives the feed's own counters (blocks
+        stored, adopted, orphaned, removed; gaps; batches), which tell an event never received
+        or never named (a missed subscription, an unknown parent) from a slow engine."""
+        try:
+            wait_until(condition, timeout, what=what)
+        except TimeoutError as timed_out:
+            counters = {
+                name: value
+                for name, value in self.metrics().items()
+                if name.startswith(("kvrelay_kv_events_total", "kvrelay_kv_events_gaps_total"))
+                or name.startswith("kvrelay_kv_events_lag_seconds_count")
+            }
+            raise TimeoutError(f"{timed_out}; the proxy's KV events: {counters}") from None
 
     def events_blocks(self, role: str = "prefill") -> dict[str, int]:
         """Per engine URL of the `role` pool, the blocks its KV events put in the proxy's index

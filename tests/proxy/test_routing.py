@@ -428,7 +428,9 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
     served, _ = ask("Which P has this?")
     assert served == [0, 1]
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
-    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    proxy.wait_for_events(
+        lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks"
+    )
     assert proxy.events_cached(probe)[p0.url] == 0
     served, cached = ask("And now?")
     assert served == [0, 1] and cached[1] >= 64
@@ -443,9 +445,14 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
         }
         status, answer = p1.request("/v1/completions", flood, timeout=60)
         assert status == 200, answer
-    wait_until(lambda: proxy.events_cached(probe)[p1.url] == 0, 10, what="P1's evicted blocks")
+    proxy.wait_for_events(
+        lambda: proxy.events_cached(probe)[p1.url] == 0, 10, what="P1's evicted blocks"
+    )
     served, cached = ask("Where did it go?")
     assert served == [1, 0] and cached == [0, 0]
+    # A wait that times out says what the feed applied, to tell a missed event from a slow one.
+    with pytest.raises(TimeoutError, match=r'kvrelay_kv_events_total\{kind="removed"\}'):
+        proxy.wait_for_events(lambda: False, 0.05, what="nothing")
     m = proxy.metrics()
     assert m['kvrelay_kv_events_total{kind="removed"}'] > 0
     proxy.stop()
@@ -477,7 +484,9 @@ def test_a_prefix_cached_before_the_proxy_followed_the_events_is_learnt_on_first
     )
     assert p1.metric("enginesim_prompt_tokens_cached_total") - cached_before >= 64
     # P1 stored only the blocks after the system prompt; the request named their parent.
-    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="the adopted prefix")
+    proxy.wait_for_events(
+        lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="the adopted prefix"
+    )
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
     proxy.stop()
 
@@ -542,7 +551,9 @@ def test_a_prefix_cached_on_a_queued_p_is_pulled_by_the_p_that_runs_the_turn(
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
     ask("Who computes this first?")
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p0.url})
-    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    proxy.wait_for_events(
+        lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks"
+    )
     try:
         assert p1.request("/admin/faults", {"extra_waiting": 6})[0] == 200
         wait_until(lambda: _prefill_load(proxy, p1.url) == 6, 10, what="the proxy to read P1")
@@ -599,7 +610,9 @@ def test_a_spilled_turn_pulls_the_prefix_from_the_p_caching_it(
     # and a spill to D would find it in D's own cache (nothing to pull).
     first = [{"role": "system", "content": system}, {"role": "user", "content": "Who first?"}]
     reply_of(post(p1.url, "/v1/chat/completions", chat_body(first)))
-    wait_until(lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks")
+    proxy.wait_for_events(
+        lambda: proxy.events_cached(probe)[p1.url] >= 64, 10, what="P1's stored blocks"
+    )
     spilled = 'kvrelay_routing_decisions_total{decision="spilled"}'
     spills = proxy.metrics().get(spilled, 0.0)
     try:

@@ -630,9 +630,9 @@ def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld
             {"role": "user", "content": "Go on."},
         ]
         third = chat_body(list(messages))
-        wait_until(
+        proxy.wait_for_events(
             lambda: proxy.events_cached(third, "decode")[d.url] >= second_prompt // 2,
-            10,
+            30,
             what="D's events to show turn 2's prompt",
         )
         p_requests, d_hits = settled(p, REQUESTS), settled(d, CACHE_HITS)

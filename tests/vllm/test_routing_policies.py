@@ -319,7 +319,7 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     assert served == {p.name: 0, p2.name: 1}
     _admin(proxy, "POST", "/admin/backends", {"role": "prefill", "url": p.url})
     # A stored block appears: P2's events carried the prompt's blocks, with their tokens.
-    wait_until(
+    proxy.wait_for_events(
         lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
         30,
         what="P2's stored blocks in the index",
@@ -339,7 +339,7 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
         status, out = p2.post("/v1/completions", flood)
         assert status == 200, out
     # An evicted block disappears: P2's BlockRemoved events reached the index.
-    wait_until(
+    proxy.wait_for_events(
         lambda: proxy.events_cached(probe)[p2.url] == 0,
         30,
         what="P2's evicted blocks gone from the index",
@@ -382,7 +382,7 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
         out = _ask(proxy, sent, f"adopt-{uuid.uuid4().hex[:8]}")
         assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
         assert settled(p2, CACHE_HITS) - hits >= two_blocks  # P2 had it cached
-        wait_until(
+        proxy.wait_for_events(
             lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
             30,
             what="the prefix named through the routed prompt",
@@ -426,9 +426,9 @@ def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d
             # The first turn's hold given back: its blocks stay in D's cache, as D's events say.
             assert proxy.call("DELETE", f"/v1/conversations/{conversations[0]}")[0] == 200
             prompt_tokens = int(out["usage"]["prompt_tokens"])
-            wait_until(
+            proxy.wait_for_events(
                 lambda: proxy.events_cached(other, "decode")[d.url] >= prompt_tokens // 2,
-                10,
+                30,
                 what="D's events to show the system prompt",
             )
         p_requests = settled(p, REQUESTS) + settled(p2, REQUESTS)
@@ -546,9 +546,9 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
             {"role": "user", "content": "Who reads it now?"},
         ]
         second = _body(list(messages))
-        wait_until(
+        proxy.wait_for_events(
             lambda: proxy.events_cached(second, "decode")[d.url] >= prompt_tokens // 2,
-            10,
+            30,
             what="D's events to show the history",
         )
         assert proxy.events_cached(second)[p2.url] == 0
