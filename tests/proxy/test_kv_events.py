@@ -12,6 +12,7 @@ import tracemalloc
 from collections.abc import Callable
 
 import pytest
+from prometheus_client import REGISTRY
 
 from kvrelay import kv_events_wire as wire
 from kvrelay.devtools import free_port
@@ -359,3 +360,50 @@ async def test_the_feed_follows_the_d_pool_too() -> None:
         await feed.stop()
         for publisher in publishers.values():
             publisher.close()
+
+
+async def test_the_feed_says_whether_it_reached_each_engine() -> None:
+    """An endpoint where nothing publishes yet (wrong, or the engine still starting): ZMQ
+    retries in silence, so the feed says it is not connected, and the gauge counts it out. Once
+    a publisher is there the handshake is done and said; when it goes away (an engine's
+    restart), the feed says so again, and then reconnects by itself."""
+
+    def gauge() -> float:
+        return REGISTRY.get_sample_value("kvrelay_kv_events_connected") or 0.0
+
+    async def until(check: Callable[[], bool], what: str) -> None:
+        for _ in range(250):
+            if check():
+                return
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    port = free_port()
+    pool = Pool("decode", 3, 2)
+    pool.add(D0)
+    feed = KVEventsFeed((pool,), BlockIndex(1000), lambda url: f"tcp://127.0.0.1:{port}", 0.05)
+    before = gauge()
+    feed.start()
+    publisher: KVEventPublisher | None = None
+    try:
+        await until(lambda: feed.subscribed() == [D0], "the subscription")
+        # Not a wait for something to happen but time for it not to: ZMQ retries a refused
+        # connection every 0.1 s, so three tries have failed by now.
+        await asyncio.sleep(0.3)
+        assert not feed.connected(D0)
+        assert gauge() == before
+        publisher = KVEventPublisher(f"tcp://*:{port}", "", BS)
+        await until(lambda: feed.connected(D0), "the handshake")
+        assert gauge() == before + 1
+        assert not feed.connected(P0)  # not followed
+        publisher.close()
+        publisher = None
+        await until(lambda: not feed.connected(D0), "the disconnection")
+        assert gauge() == before
+        publisher = KVEventPublisher(f"tcp://*:{port}", "", BS)
+        await until(lambda: feed.connected(D0), "the reconnection")
+    finally:
+        await feed.stop()
+        if publisher is not None:
+            publisher.close()
+    assert gauge() == before  # a stopped feed is connected to nothing

@@ -19,6 +19,10 @@ worker was not connected is missed, so:
 - an engine leaving the pool, or failing its health probes, is cleared the same way;
 - blocks whose parent the index never saw (cached before it subscribed) cannot be named and
   are skipped (`BlockIndex.stored`): the index only ever under-reports a cache.
+Whether the feed is connected to an engine (its ZMQ handshake done, so what the engine publishes
+from then on arrives) is watched through the socket's monitor: `connected`, the admin API's
+`kv_events_connected` and the `kvrelay_kv_events_connected` gauge, for an endpoint that is
+wrong or unreachable, which ZMQ itself retries in silence.
 vLLM's replay socket (which resends missed batches) is not used: a cleared engine's cache is
 relearnt within the prompts it serves next, and a replay could resend a whole buffer.
 Only blocks in GPU memory count (`medium` "GPU", or unset); offloaded tiers are not routed to.
@@ -66,6 +70,12 @@ def _in_gpu_memory(event: Any, gpu_medium: str) -> bool:
     return medium in (None, gpu_medium) and group in (None, 0)
 
 
+def _connected(stream: EngineEvents, now: bool) -> None:
+    """The feed's connection to `stream`'s engine is now up or down."""
+    stream.connected = now
+    metrics.KV_EVENTS_CONNECTED.inc(1 if now else -1)
+
+
 class EngineEvents:
     """One engine's event stream applied to the index, in order (`take`)."""
 
@@ -76,6 +86,7 @@ class EngineEvents:
 
         self._wire: ModuleType = kv_events_wire
         self._last_seq: int | None = None
+        self.connected = False  # the subscription's handshake with the engine is done
 
     def forget(self) -> None:
         """What the index has of this engine is no longer known to be true."""
@@ -168,6 +179,12 @@ class KVEventsFeed:
     def subscribed(self) -> list[str]:
         return list(self._subscribed)
 
+    def connected(self, url: str) -> bool:
+        """This worker is connected to the KV events of the engine at `url`: what it publishes
+        from now on arrives (False for an engine not followed, or not reached yet)."""
+        stream = self._streams.get(url)
+        return stream is not None and stream.connected
+
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
@@ -180,7 +197,7 @@ class KVEventsFeed:
         """Subscribe to engines that joined, drop those that left, forget the unhealthy."""
         backends = {url: b for pool in self._pools for url, b in pool.backends.items()}
         for url in [u for u in self._subscribed if u not in backends]:
-            self._subscribed.pop(url).cancel()
+            self._subscribed.pop(url).cancel()  # its `_listen` says it is no longer connected
             self._streams.pop(url).forget()
         for url, backend in backends.items():
             if url not in self._subscribed:
@@ -196,19 +213,40 @@ class KVEventsFeed:
 
     async def _listen(self, stream: EngineEvents, endpoint: str) -> None:
         import zmq
+        import zmq.asyncio
+        from zmq.utils.monitor import parse_monitor_message
 
         sock = self._ctx.socket(zmq.SUB)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        poller = zmq.asyncio.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
             log.info("following KV events of %s", stream.url)
             while True:
-                frames = await sock.recv_multipart()
-                try:
-                    stream.take(frames)
-                except Exception:  # a batch this worker cannot apply: forget, go on
-                    log.exception("a KV event batch could not be applied")
-                    stream.forget()
+                ready = dict(await poller.poll())
+                if monitor in ready:
+                    event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                    now = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
+                    if now != stream.connected:
+                        _connected(stream, now)
+                        if now:
+                            log.info("connected to the KV events of %s", stream.url)
+                        else:  # ZMQ reconnects by itself; until then events are missed
+                            log.warning("disconnected from the KV events of %s", stream.url)
+                if sock in ready:
+                    frames = await sock.recv_multipart()
+                    try:
+                        stream.take(frames)
+                    except Exception:  # a batch this worker cannot apply: forget, go on
+                        log.exception("a KV event batch could not be applied")
+                        stream.forget()
         finally:
+            if stream.connected:
+                _connected(stream, False)
+            sock.disable_monitor()
+            monitor.close(linger=0)
             sock.close(linger=0)

@@ -29,6 +29,7 @@ from kvrelay.proxy.http.keys import (
     CACHE_SCOPES,
     FLEET,
     FLEET_SYNC,
+    KV_EVENTS_FEED,
     SETTINGS,
     TURN_CREW,
 )
@@ -71,6 +72,7 @@ async def _target(request: web.Request) -> tuple[Pool, str]:
 async def list_backends(request: web.Request) -> web.StreamResponse:
     require_admin(request)
     blocks = request.config_dict[FLEET].router.blocks
+    feed = request.config_dict.get(KV_EVENTS_FEED)
 
     def view(b: Backend) -> dict[str, object]:
         described = b.describe()
@@ -78,6 +80,9 @@ async def list_backends(request: web.Request) -> web.StreamResponse:
             # What the engine's KV events say it caches (the exact index: a P's for prefix
             # routing, a D's for pulls); 0 for an engine whose events are not followed or heard.
             described["kv_events_blocks"] = blocks.blocks_of(b.url)
+        if feed is not None:
+            # This worker's subscription reached the engine: what it publishes now arrives.
+            described["kv_events_connected"] = feed.connected(b.url)
         return described
 
     return json_response(

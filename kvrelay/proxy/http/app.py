@@ -57,6 +57,7 @@ from kvrelay.proxy.http.keys import (
     FLEET,
     FLEET_SYNC,
     HEALTH,
+    KV_EVENTS_FEED,
     LIMITS,
     MODELS,
     SETTINGS,
@@ -417,5 +418,6 @@ async def _start_state(
             settings.probe_interval_s,
         )
         feed.start()
+        app[KV_EVENTS_FEED] = feed
         stack.push_async_callback(_stopping("the KV events feed", feed.stop))
     log.info("kvrelay proxy ready in %.2fs", time.monotonic() - started)

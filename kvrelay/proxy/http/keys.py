@@ -5,7 +5,14 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvrelay.proxy.config import Settings
-from kvrelay.proxy.fleet import EngineVersions, Fleet, FleetSync, HealthChecker, ModelCatalog
+from kvrelay.proxy.fleet import (
+    EngineVersions,
+    Fleet,
+    FleetSync,
+    HealthChecker,
+    KVEventsFeed,
+    ModelCatalog,
+)
 from kvrelay.proxy.http.body import BodyBudget
 from kvrelay.proxy.tenants import CacheScopes, Limiter, TenantBreaker
 from kvrelay.proxy.turn import TurnCrew
@@ -21,3 +28,5 @@ FLEET_SYNC: web.AppKey[FleetSync] = web.AppKey("fleet_sync", FleetSync)
 LIMITS: web.AppKey[Limiter] = web.AppKey("limits", Limiter)
 MODELS: web.AppKey[ModelCatalog] = web.AppKey("models", ModelCatalog)
 VERSIONS: web.AppKey[EngineVersions] = web.AppKey("versions", EngineVersions)
+# Set only when the proxy follows the engines' KV events.
+KV_EVENTS_FEED: web.AppKey[KVEventsFeed] = web.AppKey("kv_events_feed", KVEventsFeed)

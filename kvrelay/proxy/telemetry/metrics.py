@@ -334,6 +334,12 @@ PREFIX_INDEX_BLOCKS = Gauge(
     "(kv_events_max_blocks bounds it).",
     multiprocess_mode="livesum",
 )
+KV_EVENTS_CONNECTED = Gauge(
+    "kvrelay_kv_events_connected",
+    "Engines whose KV events this proxy is connected to (summed over its workers: each "
+    "worker subscribes to every engine of the P and D pools with an events endpoint).",
+    multiprocess_mode="livesum",
+)
 KV_EVENTS = Labelled(
     Counter(
         "kvrelay_kv_events_total",
