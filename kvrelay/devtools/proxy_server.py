@@ -189,6 +189,16 @@ class ProxyServer(ManagedServer):
         answer = self.admin("POST", "/admin/prefix-cache", body)
         return {e["url"]: int(e["events_tokens"]) for e in answer[role]}
 
+    def events_connected(self, *urls: str) -> bool:
+        """The proxy's subscriptions to the KV events of the engines at `urls` have reached
+        them (`GET /admin/backends`' `kv_events_connected`): what they publish from now on
+        arrives. A test waits on this before the first request whose events it looks for."""
+        answer = self.admin("GET", "/admin/backends")
+        connected = {
+            b["url"]: b.get("kv_events_connected") for role in answer.values() for b in role
+        }
+        return all(connected.get(url.rstrip("/")) for url in urls)
+
     def wait_for_events(self, condition: Callable[[], bool], timeout: float, what: str) -> None:
         """`wait_until` a condition on what the proxy's KV events index shows (`events_cached`,
         `events_blocks`). On a timeout the error also gives the feed's own counters (blocks

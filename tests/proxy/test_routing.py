@@ -424,6 +424,8 @@ def test_with_kv_events_p_is_chosen_by_what_its_events_say_it_caches(
         ]  # type: ignore[return-value]
 
     probe = chat_body([{"role": "system", "content": system}, {"role": "user", "content": "?"}])
+    # The admin API says when this worker's subscriptions have reached the engines.
+    proxy.wait_for_events(lambda: proxy.events_connected(p0.url, p1.url), 10, what="both Ps")
     _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p0.url})
     served, _ = ask("Which P has this?")
     assert served == [0, 1]

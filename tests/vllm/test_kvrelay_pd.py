@@ -603,6 +603,7 @@ def test_a_conversation_back_sooner_than_ds_cache_keeps_a_block_is_served_unheld
             routing_policy="conditional", decode_only_cached="true", prefill_spill_factor="0",
             prefix_index_ttl_s="0.001", kv_events_endpoints=fleet.decode_events,
         )  # fmt: skip
+        proxy.wait_for_events(lambda: proxy.events_connected(d.url), 30, what="D followed")
         wait_until(keeps_a_second, 180, interval=0.05, what="D's cache to keep an unused block 1 s")
         conversation = f"pace-{uuid.uuid4().hex[:8]}"
         answers = _AnswersAsPlainVllm(proxy, fleet, {"X-Conversation-Id": conversation})

@@ -372,6 +372,9 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
             admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
             kv_events_endpoints=fleet.events_endpoints,
         )  # fmt: skip
+        proxy.wait_for_events(
+            lambda: proxy.events_connected(p.url, p2.url), 30, what="the Ps' events followed"
+        )
         probe, two_blocks = _with_system(system, "?"), 2 * vllm_servers.BLOCK_SIZE
         assert proxy.events_cached(probe)[p2.url] == 0  # cached, not that this proxy knows
         _admin(proxy, "POST", "/admin/backends/drain", {"role": "prefill", "url": p.url})
@@ -417,6 +420,8 @@ def test_decode_only_cached_sends_a_request_whose_prefix_d_decoded_straight_to_d
             factory, fleet, conditional_max_uncached_tokens="96", decode_only_cached="true",
             prefill_spill_factor="0", **followed,
         )  # fmt: skip
+        if events:  # D's events of the first turn are what the test looks for: none missed
+            proxy.wait_for_events(lambda: proxy.events_connected(d.url), 30, what="D followed")
         first = _with_system(system, "Hello.")
         conversations = [f"cached-{uuid.uuid4().hex[:8]}" for _ in range(2)]
         out = _ask(proxy, first, conversations[0])
@@ -521,6 +526,9 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
             prefix_pull_min_tokens=str(2 * vllm_servers.BLOCK_SIZE),
             kv_events_endpoints=f"{fleet.events_endpoints},{fleet.decode_events}",
         )  # fmt: skip
+        proxy.wait_for_events(
+            lambda: proxy.events_connected(p.url, p2.url, d.url), 30, what="the events followed"
+        )
         conversation = f"dpull-{uuid.uuid4().hex[:8]}"
 
         def admin(path: str, url: str) -> None:
