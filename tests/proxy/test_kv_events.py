@@ -260,6 +260,15 @@ def test_enginesim_reads_vllms_events_flag() -> None:
         parse_events_config(json.dumps({"enable_kv_cache_events": True, "publisher": "null"}))
 
 
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Poll `check` on the event loop (the feed runs on it) until true, for at most 5 s."""
+    for _ in range(250):
+        if check():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
 async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     """enginesim's publisher on a real ZMQ socket, the feed subscribed through the pool: what
     it stores and evicts reaches the index; the engine leaving the pool is forgotten."""
@@ -284,13 +293,6 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     try:
         # A subscriber misses what was sent before it joined (ZMQ's slow joiner), so the first
         # block is sent until it arrives; the index then learns the rest in order.
-        async def until(check: object, what: str) -> None:
-            for _ in range(200):
-                if callable(check) and check():
-                    return
-                await asyncio.sleep(0.02)
-            raise AssertionError(f"timed out waiting for {what}")
-
         def first_arrived() -> bool:
             publisher.publish(blocks[:1])
             return index.blocks_of(P0) == 1
@@ -333,13 +335,6 @@ async def test_the_feed_follows_the_d_pool_too() -> None:
         for i in range(2)
     ]
 
-    async def until(check: Callable[[], bool], what: str) -> None:
-        for _ in range(200):
-            if check():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}")
-
     def arrived(url: str, sent: list[StoredBlock], n: int) -> Callable[[], bool]:
         def check() -> bool:
             publishers[url].publish(sent)  # resent until the subscriber has joined
@@ -370,13 +365,6 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
 
     def gauge() -> float:
         return REGISTRY.get_sample_value("kvrelay_kv_events_connected") or 0.0
-
-    async def until(check: Callable[[], bool], what: str) -> None:
-        for _ in range(250):
-            if check():
-                return
-            await asyncio.sleep(0.02)
-        raise AssertionError(f"timed out waiting for {what}")
 
     port = free_port()
     pool = Pool("decode", 3, 2)
