@@ -361,7 +361,8 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
     """An endpoint where nothing publishes yet (wrong, or the engine still starting): ZMQ
     retries in silence, so the feed says it is not connected, and the gauge counts it out. Once
     a publisher is there the handshake is done and said; when it goes away (an engine's
-    restart), the feed says so again, and then reconnects by itself."""
+    restart), the feed says so again and forgets what the engine had cached (its evictions
+    meanwhile would be missed), and then reconnects by itself."""
 
     def gauge() -> float:
         return REGISTRY.get_sample_value("kvrelay_kv_events_connected") or 0.0
@@ -369,7 +370,9 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
     port = free_port()
     pool = Pool("decode", 3, 2)
     pool.add(D0)
-    feed = KVEventsFeed((pool,), BlockIndex(1000), lambda url: f"tcp://127.0.0.1:{port}", 0.05)
+    index = BlockIndex(1000)
+    feed = KVEventsFeed((pool,), index, lambda url: f"tcp://127.0.0.1:{port}", 0.05)
+    block = StoredBlock(("s", 0), None, _tokens(BS), None)
     before = gauge()
     feed.start()
     publisher: KVEventPublisher | None = None
@@ -384,10 +387,18 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
         await until(lambda: feed.connected(D0), "the handshake")
         assert gauge() == before + 1
         assert not feed.connected(P0)  # not followed
+
+        def stored() -> bool:
+            assert publisher is not None
+            publisher.publish([block])  # resent until the subscription has reached it
+            return index.blocks_of(D0) == 1
+
+        await until(stored, "the block")
         publisher.close()
         publisher = None
         await until(lambda: not feed.connected(D0), "the disconnection")
         assert gauge() == before
+        assert index.blocks_of(D0) == 0  # its evictions from now on would be missed
         publisher = KVEventPublisher(f"tcp://*:{port}", "", BS)
         await until(lambda: feed.connected(D0), "the reconnection")
     finally:

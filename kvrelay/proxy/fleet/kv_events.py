@@ -16,7 +16,8 @@ spill to be sent to. ZMQ reconnects by itself; what an engine published while th
 worker was not connected is missed, so:
 - a sequence number that skips ahead (a gap) or goes back (the engine restarted) clears what
   the index has of that engine, and it is learnt again from the events after;
-- an engine leaving the pool, or failing its health probes, is cleared the same way;
+- an engine leaving the pool, failing its health probes, or dropping this worker's connection
+  to its events is cleared the same way;
 - blocks whose parent the index never saw (cached before it subscribed) cannot be named and
   are skipped (`BlockIndex.stored`): the index only ever under-reports a cache.
 Whether the feed is connected to an engine (its ZMQ handshake done, so what the engine publishes
@@ -68,6 +69,22 @@ def _in_gpu_memory(event: Any, gpu_medium: str) -> bool:
     offloaded tier; `AllBlocksCleared` carries neither field and always is."""
     medium, group = getattr(event, "medium", None), getattr(event, "group_idx", None)
     return medium in (None, gpu_medium) and group in (None, 0)
+
+
+async def _drain(sock: Any, stream: EngineEvents) -> None:
+    """Apply every message `sock` has received, in order, without waiting for more."""
+    import zmq
+
+    while True:
+        try:
+            frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        try:
+            stream.take(frames)
+        except Exception:  # a batch this worker cannot apply: forget, go on
+            log.exception("a KV event batch could not be applied")
+            stream.forget()
 
 
 def _connected(stream: EngineEvents, now: bool) -> None:
@@ -228,6 +245,8 @@ class KVEventsFeed:
             log.info("following KV events of %s", stream.url)
             while True:
                 ready = dict(await poller.poll())
+                if sock in ready:
+                    await _drain(sock, stream)
                 if monitor in ready:
                     event = parse_monitor_message(await monitor.recv_multipart())["event"]
                     now = event == zmq.EVENT_HANDSHAKE_SUCCEEDED
@@ -235,15 +254,14 @@ class KVEventsFeed:
                         _connected(stream, now)
                         if now:
                             log.info("connected to the KV events of %s", stream.url)
-                        else:  # ZMQ reconnects by itself; until then events are missed
+                        else:
+                            # ZMQ reconnects by itself, but evictions meanwhile are missed: what
+                            # the index has of the engine could turn false, so it is forgotten
+                            # (after what arrived before the drop), and again at the gap in the
+                            # numbers when the events resume.
                             log.warning("disconnected from the KV events of %s", stream.url)
-                if sock in ready:
-                    frames = await sock.recv_multipart()
-                    try:
-                        stream.take(frames)
-                    except Exception:  # a batch this worker cannot apply: forget, go on
-                        log.exception("a KV event batch could not be applied")
-                        stream.forget()
+                            await _drain(sock, stream)
+                            stream.forget()
         finally:
             if stream.connected:
                 _connected(stream, False)
