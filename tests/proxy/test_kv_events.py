@@ -15,11 +15,11 @@ import pytest
 from prometheus_client import REGISTRY
 
 from kvrelay import kv_events_wire as wire
-from kvrelay.devtools import free_port
+from kvrelay.devtools import FaultProxy, free_port
 from kvrelay.enginesim.kv_events import KVEventPublisher, StoredBlock, parse_events_config
 from kvrelay.proxy.fleet import BlockIndex, KVEventsFeed, Pool, events_endpoint
 from kvrelay.proxy.fleet.block_index import EXPECT_S
-from kvrelay.proxy.fleet.kv_events import EngineEvents
+from kvrelay.proxy.fleet.kv_events import HEARTBEATS_MISSED, MIN_HEARTBEAT_S, EngineEvents
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
 D0 = "http://d0:8000"
@@ -260,13 +260,14 @@ def test_enginesim_reads_vllms_events_flag() -> None:
         parse_events_config(json.dumps({"enable_kv_cache_events": True, "publisher": "null"}))
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Poll `check` on the event loop (the feed runs on it) until true, for at most 5 s."""
-    for _ in range(250):
-        if check():
-            return
+async def until(check: Callable[[], bool], what: str, within_s: float = 5.0) -> None:
+    """Poll `check` on the event loop (the feed runs on it) until true, for at most
+    `within_s` seconds."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
@@ -406,3 +407,39 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
         if publisher is not None:
             publisher.close()
     assert gauge() == before  # a stopped feed is connected to nothing
+
+
+async def test_a_link_gone_silent_is_dropped_by_its_heartbeats_and_the_engine_forgotten() -> None:
+    """The publisher stays up but its link stops carrying anything, without closing (a hung
+    host, a partition: a fault relay holds every byte). No event would say so; the
+    subscription's heartbeats go unanswered, the feed drops the connection and forgets the
+    engine's blocks, then reconnects once the link carries bytes again."""
+    port = free_port()
+    publisher = KVEventPublisher(f"tcp://*:{port}", "", BS)
+    relay = FaultProxy("127.0.0.1", port).start()
+    pool = Pool("decode", 3, 2)
+    pool.add(D0)
+    index = BlockIndex(1000)
+    feed = KVEventsFeed((pool,), index, lambda url: f"tcp://127.0.0.1:{relay.listen_port}", 0.05)
+    block = StoredBlock(("s", 0), None, _tokens(BS), None)
+
+    def stored() -> bool:
+        publisher.publish([block])  # resent until the subscription has reached it
+        return index.blocks_of(D0) == 1
+
+    feed.start()
+    try:
+        await until(stored, "the block")
+        assert feed.connected(D0)
+        relay.set_delay(3600.0)  # every byte either way is held: the link is silent
+        silent = time.monotonic()
+        await until(lambda: not feed.connected(D0), "the heartbeats to give up")
+        assert time.monotonic() - silent >= HEARTBEATS_MISSED * MIN_HEARTBEAT_S - 0.5
+        assert index.blocks_of(D0) == 0
+        relay.set_delay(0.0)  # new connections carry bytes again (the held ones stay held)
+        await until(lambda: feed.connected(D0), "the reconnection", 10)
+        await until(stored, "the block again")
+    finally:
+        await feed.stop()
+        relay.stop()
+        publisher.close()

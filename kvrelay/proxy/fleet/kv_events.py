@@ -17,7 +17,8 @@ worker was not connected is missed, so:
 - a sequence number that skips ahead (a gap) or goes back (the engine restarted) clears what
   the index has of that engine, and it is learnt again from the events after;
 - an engine leaving the pool, failing its health probes, or dropping this worker's connection
-  to its events is cleared the same way;
+  to its events (closed, or silent for three ZMTP heartbeats, one per probe interval) is
+  cleared the same way;
 - blocks whose parent the index never saw (cached before it subscribed) cannot be named and
   are skipped (`BlockIndex.stored`): the index only ever under-reports a cache.
 Whether the feed is connected to an engine (its ZMQ handshake done, so what the engine publishes
@@ -48,6 +49,11 @@ from kvrelay.proxy.fleet.pools import Pool
 from kvrelay.proxy.telemetry import metrics
 
 log = logging.getLogger(__name__)
+
+# A subscription sends a ZMTP heartbeat every probe interval (at least this often: a loaded
+# host must not drop a live link) and drops the connection after this many go unanswered.
+MIN_HEARTBEAT_S = 1.0
+HEARTBEATS_MISSED = 3
 
 
 def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | None:
@@ -161,7 +167,9 @@ class EngineEvents:
 
 class KVEventsFeed:
     """Subscribes to the KV events of every engine of `pools` (module docstring), until
-    stopped; every `interval` seconds it follows the pools' membership and health."""
+    stopped; every `interval` seconds it follows the pools' membership and health, and each
+    subscription sends a heartbeat (a connection silent for `HEARTBEATS_MISSED` of them is
+    dropped, and the engine forgotten)."""
 
     def __init__(
         self,
@@ -174,6 +182,7 @@ class KVEventsFeed:
         self._index = index
         self._endpoint_of = endpoint_of
         self._interval = max(0.05, interval)
+        self._heartbeat_s = max(MIN_HEARTBEAT_S, interval)
         self._subscribed: dict[str, asyncio.Task[None]] = {}
         self._streams: dict[str, EngineEvents] = {}
         self._task: asyncio.Task[None] | None = None
@@ -241,6 +250,12 @@ class KVEventsFeed:
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.setsockopt(zmq.LINGER, 0)
+            # A link that goes silent without closing (a host gone, a partition) would leave the
+            # index trusting an engine it no longer hears: ZMTP heartbeats (the publisher's ZMQ
+            # answers them itself) drop a connection silent for three heartbeats.
+            heartbeat_ms = round(1000 * self._heartbeat_s)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEATS_MISSED * heartbeat_ms)
             sock.connect(endpoint)
             log.info("following KV events of %s", stream.url)
             while True:
