@@ -37,10 +37,13 @@ DEV_ENGINE_ARGS = (
 )
 
 
-def kv_events_args(port: int) -> tuple[str, str]:
+def kv_events_args(port: int, replay_port: int | None = None) -> tuple[str, str]:
     """The flag that has an engine (vLLM's, so enginesim's too) publish its KV cache events
-    over ZMQ on `port` (every interface: the wildcard endpoint binds)."""
+    over ZMQ on `port` (every interface: the wildcard endpoint binds) and, with
+    `replay_port`, answer replay requests there."""
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}"}
+    if replay_port is not None:
+        config["replay_endpoint"] = f"tcp://*:{replay_port}"
     return ("--kv-events-config", json.dumps(config))
 
 

@@ -24,7 +24,13 @@ def build_server(config: EngineConfig) -> EngineServer:
     events = parse_events_config(config.kv_events_config) if config.kv_events_config else None
     if events is not None:
         core.follow_cache()
-        publisher = KVEventPublisher(*events, block_size=config.block_size)
+        publisher = KVEventPublisher(
+            events.endpoint,
+            events.topic,
+            config.block_size,
+            events.replay_endpoint,
+            events.buffer_steps,
+        )
     runner = EngineRunner(core, publisher)
     runner.start()
     return EngineServer(runner)
