@@ -210,8 +210,15 @@ class ProxyServer(ManagedServer):
             counters = {
                 name: value
                 for name, value in self.metrics().items()
-                if name.startswith(("kvrelay_kv_events_total", "kvrelay_kv_events_gaps_total"))
-                or name.startswith("kvrelay_kv_events_lag_seconds_count")
+                if name.startswith(
+                    (
+                        "kvrelay_kv_events_total",
+                        "kvrelay_kv_events_gaps_total",
+                        "kvrelay_kv_events_replays_total",
+                        "kvrelay_kv_events_connected",
+                        "kvrelay_kv_events_lag_seconds_count",
+                    )
+                )
             }
             raise TimeoutError(f"{timed_out}; the proxy's KV events: {counters}") from None
 

@@ -227,6 +227,83 @@ def test_a_break_in_the_sequence_forgets_what_the_engine_had(next_seq: int) -> N
     assert index.cached_tokens(prompt, None) == {P0: 4}
 
 
+def _msg(seq: int, payload: bytes) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), payload]
+
+
+def test_with_replay_a_gap_is_filled_from_the_engines_kept_batches() -> None:
+    """With a replay endpoint, a gap asks for the missed batches: the messages after it wait,
+    then the replayed ones and those are applied in order, nothing forgotten, a block chained
+    on a missed one named."""
+    index = BlockIndex(100)
+    stream = EngineEvents(P0, index, replays=True)
+    prompt = _tokens(24)
+    batches = [
+        _batch(_stored([1, 2], None, prompt[:8])),
+        _batch(_stored([3, 4], 2, prompt[8:16])),
+        _batch(_stored([5, 6], 4, prompt[16:])),
+    ]
+    stream.take(_msg(4, batches[0]))
+    stream.take(_msg(6, batches[2]))  # batch 5 missed
+    assert stream.replaying and stream.replay_from == 5
+    removal = _batch(wire.BlockRemoved(block_hashes=[6]))
+    stream.take(_msg(7, removal))  # kept back meanwhile
+    assert index.cached_tokens(prompt, None) == {P0: 8}
+    # The engine sends back what it kept from 5 on: 6 and 7 again too, applied once.
+    stream.replayed([(5, batches[1]), (6, batches[2]), (7, removal)])
+    assert not stream.replaying and stream.replay_from is None
+    assert index.cached_tokens(prompt, None) == {P0: 20}  # 24 stored, the last block removed
+
+
+def test_a_replay_that_falls_short_or_times_out_forgets_the_engine() -> None:
+    """The engine no longer keeps the missed batch (its buffer moved on), or never answers:
+    then, as without replay, what the index had of it is forgotten and learnt again after."""
+    prompt = _tokens(16)
+    first, second = (
+        _batch(_stored([1, 2], None, prompt[:8])),
+        _batch(_stored([9], None, prompt[:4])),
+    )
+    for answer in ([(6, _batch())], None):
+        index = BlockIndex(100)
+        stream = EngineEvents(P0, index, replays=True)
+        stream.take(_msg(3, first))
+        stream.take(_msg(7, second))  # 4, 5 and 6 missed
+        assert stream.replay_from == 4
+        stream.replayed(answer)  # only 6 kept by the engine, or no answer at all
+        assert index.cached_tokens(prompt, None) == {P0: 4}, answer
+        stream.take(_msg(8, _batch(_stored([10], 9, prompt[4:8]))))
+        assert index.cached_tokens(prompt, None) == {P0: 8}, answer
+
+
+def test_a_replays_frames_read_as_vllm_sends_them() -> None:
+    """vLLM 0.32's ROUTER answers `[client, b"", topic, seq, payload]` per batch and ends with
+    `[client, b"", b"", -1, b""]`; the DEALER sees them without the client. Earlier vLLM sent no
+    topic frame."""
+    assert wire.replay_request(7) == [b"", (7).to_bytes(8, "big")]
+    answer = [b"", b"kv", (5).to_bytes(8, "big"), b"payload"]
+    assert list(wire.replay_answer(b"kv", 5, b"payload")) == answer
+    assert wire.replayed_batch(answer) == (5, b"payload")
+    end = [b"", b"", (-1).to_bytes(8, "big", signed=True), b""]
+    assert wire.replayed_batch(end) == (wire.REPLAY_END, b"")
+    assert wire.replayed_batch([b"", (5).to_bytes(8, "big"), b"payload"]) == (5, b"payload")
+    assert wire.replayed_batch([b"odd"]) is None
+
+
+def test_relearning_on_a_new_connection_asks_for_everything_kept() -> None:
+    index = BlockIndex(100)
+    stream = EngineEvents(P0, index, replays=True)
+    prompt = _tokens(8)
+    stream.take(_msg(0, _batch(_stored([1, 2], None, prompt))))
+    stream.relearn()
+    assert index.pairs == 0 and stream.replay_from == 0
+    stream.take(_msg(12, _batch()))  # live, kept back
+    stream.replayed([(10, _batch(_stored([1, 2], None, prompt))), (11, _batch())])
+    assert index.cached_tokens(prompt, None) == {P0: 8}
+    without = EngineEvents(P1, index)
+    without.relearn()
+    assert without.replay_from is None and not without.replaying
+
+
 def test_offloaded_and_malformed_messages_are_not_taken_for_gpu_blocks() -> None:
     index = BlockIndex(100)
     stream = EngineEvents(P0, index)
@@ -254,7 +331,14 @@ def test_an_engines_endpoint_is_its_listed_one_or_its_host_at_the_port() -> None
 
 def test_enginesim_reads_vllms_events_flag() -> None:
     on = json.dumps({"enable_kv_cache_events": True, "endpoint": "tcp://*:6000", "topic": "kv"})
-    assert parse_events_config(on) == ("tcp://*:6000", "kv")
+    assert parse_events_config(on) == ("tcp://*:6000", "kv", None, 10_000)
+    replayed = {"enable_kv_cache_events": True, "replay_endpoint": "tcp://*:6001"}
+    assert parse_events_config(json.dumps(replayed | {"buffer_steps": 50})) == (
+        "tcp://*:5557",
+        "",
+        "tcp://*:6001",
+        50,
+    )
     assert parse_events_config(json.dumps({"enable_kv_cache_events": False})) is None
     with pytest.raises(ValueError, match="only 'zmq'"):
         parse_events_config(json.dumps({"enable_kv_cache_events": True, "publisher": "null"}))
@@ -442,4 +526,50 @@ async def test_a_link_gone_silent_is_dropped_by_its_heartbeats_and_the_engine_fo
     finally:
         await feed.stop()
         relay.stop()
+        publisher.close()
+
+
+def _replayed() -> float:
+    return (
+        REGISTRY.get_sample_value("kvrelay_kv_events_replays_total", {"result": "answered"}) or 0.0
+    )
+
+
+async def test_replay_teaches_a_late_feed_the_engines_cache_and_fills_a_real_gap() -> None:
+    """enginesim's publisher keeps its batches for replay, as vLLM's does with
+    `replay_endpoint`. A feed that subscribes after the engine cached a prompt asks for them
+    on connecting and learns the prompt with nothing sent again; a batch the PUB socket then
+    loses (past its high-water mark) is asked for at the gap, and the block chained on it
+    is named."""
+    port, replay_port = free_port(), free_port()
+    publisher = KVEventPublisher(f"tcp://*:{port}", "", BS, f"tcp://*:{replay_port}")
+    prompt = _tokens(16)
+    keys = [("r", i) for i in range(4)]
+    blocks = [
+        StoredBlock(keys[i], keys[i - 1] if i else None, prompt[i * BS : (i + 1) * BS], None)
+        for i in range(4)
+    ]
+    publisher.publish(blocks[:2])  # before anyone follows
+    pool = Pool("prefill", 3, 2)
+    pool.add(P0)
+    index = BlockIndex(1000)
+    feed = KVEventsFeed(
+        (pool,),
+        index,
+        lambda url: f"tcp://127.0.0.1:{port}",
+        0.05,
+        lambda url: f"tcp://127.0.0.1:{replay_port}",
+    )
+    answered = _replayed()
+    feed.start()
+    try:
+        await until(lambda: index.cached_tokens(prompt, None) == {P0: 8}, "the replayed blocks")
+        assert _replayed() == answered + 1
+        publisher.drop_next(1)
+        publisher.publish(blocks[2:3])  # lost on the way
+        publisher.publish(blocks[3:])  # chained on the lost one
+        await until(lambda: index.cached_tokens(prompt, None) == {P0: 16}, "the gap filled")
+        assert _replayed() == answered + 2
+    finally:
+        await feed.stop()
         publisher.close()

@@ -508,6 +508,25 @@ class Settings(BaseSettings):
             "at kv_events_port on their own host."
         ),
     )
+    kv_events_replay_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description=(
+            "The port each engine answers KV event replay requests on (vLLM's "
+            "--kv-events-config replay_endpoint, e.g. 5558), on the host of its URL; 0: only "
+            "the engines in kv_events_replay_endpoints. With replay, the events an engine "
+            "published before this proxy subscribed (as many as its buffer_steps keeps) and "
+            "those lost in a gap are asked for again instead of the engine being forgotten."
+        ),
+    )
+    kv_events_replay_endpoints: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description=(
+            "Engine URL (P or D) -> its KV event replay endpoint (tcp://host:port), for "
+            "engines not at kv_events_replay_port on their own host."
+        ),
+    )
     kv_events_max_blocks: int = Field(
         default=2_000_000,
         ge=1,
@@ -728,7 +747,12 @@ class Settings(BaseSettings):
         return _split_list(value)
 
     @field_validator(
-        "side_channels", "tenant_limits", "cache_share_groups", "kv_events_endpoints", mode="before"
+        "side_channels",
+        "tenant_limits",
+        "cache_share_groups",
+        "kv_events_endpoints",
+        "kv_events_replay_endpoints",
+        mode="before",
     )
     @classmethod
     def _mapping(cls, value: Any) -> Any:
@@ -750,7 +774,7 @@ class Settings(BaseSettings):
             out[normalize_backend_url(url)] = addr
         return out
 
-    @field_validator("kv_events_endpoints")
+    @field_validator("kv_events_endpoints", "kv_events_replay_endpoints")
     @classmethod
     def _kv_events_endpoints(cls, value: dict[str, str]) -> dict[str, str]:
         out: dict[str, str] = {}

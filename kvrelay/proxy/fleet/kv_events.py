@@ -25,8 +25,13 @@ Whether the feed is connected to an engine (its ZMQ handshake done, so what the 
 from then on arrives) is watched through the socket's monitor: `connected`, the admin API's
 `kv_events_connected` and the `kvrelay_kv_events_connected` gauge, for an endpoint that is
 wrong or unreachable, which ZMQ itself retries in silence.
-vLLM's replay socket (which resends missed batches) is not used: a cleared engine's cache is
-relearnt within the prompts it serves next, and a replay could resend a whole buffer.
+An engine started with a `replay_endpoint` too (vLLM keeps its last `buffer_steps` batches, 10,000
+by default, and resends them from a sequence number asked on a ZMQ ROUTER socket), and given
+to the proxy (`kv_events_replay_endpoints`, else its host at `kv_events_replay_port`), is asked
+for them instead of being forgotten blind: on each connection every batch it keeps (a proxy
+started or reconnected late learns the cache those built), and at a gap the batches missed,
+the live ones after it kept back meanwhile (`EngineEvents.replayed`). Only what the engine no
+longer keeps, or a replay not answered within `REPLAY_TIMEOUT_S`, still forgets it.
 Only blocks in GPU memory count (`medium` "GPU", or unset); offloaded tiers are not routed to.
 
 The message shapes are `kvrelay.kv_events_wire`'s. Needs `pyzmq` and `msgspec` (the
@@ -54,6 +59,9 @@ log = logging.getLogger(__name__)
 # host must not drop a live link) and drops the connection after this many go unanswered.
 MIN_HEARTBEAT_S = 1.0
 HEARTBEATS_MISSED = 3
+# How long an engine has to answer a replay request in full (vLLM serves one between two of
+# its publishing steps, so a second is plenty), after which it is forgotten instead.
+REPLAY_TIMEOUT_S = 5.0
 
 
 def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | None:
@@ -93,6 +101,47 @@ async def _drain(sock: Any, stream: EngineEvents) -> None:
             stream.forget()
 
 
+class _Replay:
+    """One replay request to an engine's replay endpoint (vLLM's ROUTER socket): the first
+    batch wanted sent on a DEALER socket of its own (so a late answer to an abandoned request
+    never mixes with the next one), the batches gathered until the end mark or the deadline."""
+
+    def __init__(self, ctx: Any, endpoint: str, first: int) -> None:
+        import zmq
+
+        from kvrelay import kv_events_wire
+
+        self._wire: ModuleType = kv_events_wire
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.sock.send_multipart(kv_events_wire.replay_request(first))
+        self._deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        self._batches: list[tuple[int, bytes]] = []
+
+    def left_ms(self) -> int:
+        return max(0, round(1000 * (self._deadline - time.monotonic())))
+
+    async def read(self) -> list[tuple[int, bytes]] | None:
+        """What has arrived; the whole answer once its end mark is read, else None."""
+        import zmq
+
+        while True:
+            try:
+                frames = await self.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            batch = self._wire.replayed_batch(frames)
+            if batch is None:
+                continue
+            if batch[0] == self._wire.REPLAY_END:
+                return self._batches
+            self._batches.append(batch)
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
 def _connected(stream: EngineEvents, now: bool) -> None:
     """The feed's connection to `stream`'s engine is now up or down."""
     stream.connected = now
@@ -100,9 +149,14 @@ def _connected(stream: EngineEvents, now: bool) -> None:
 
 
 class EngineEvents:
-    """One engine's event stream applied to the index, in order (`take`)."""
+    """One engine's event stream applied to the index, in order (`take`).
 
-    def __init__(self, url: str, index: BlockIndex) -> None:
+    With a replay endpoint (`replays`) a gap is not forgotten: the live messages after it are
+    kept back (`pending`) while the missed batches are asked for again (`replay_from`, served
+    by `KVEventsFeed`), then `replayed` applies those and the kept-back ones in order. Only
+    when the engine no longer keeps the missed batches is it forgotten, as without replay."""
+
+    def __init__(self, url: str, index: BlockIndex, replays: bool = False) -> None:
         self.url = url
         self._index = index
         from kvrelay import kv_events_wire
@@ -110,31 +164,97 @@ class EngineEvents:
         self._wire: ModuleType = kv_events_wire
         self._last_seq: int | None = None
         self.connected = False  # the subscription's handshake with the engine is done
+        self.replays = replays
+        # The first batch to ask the engine for again, until the feed asks (then None).
+        self.replay_from: int | None = None
+        self._pending: list[list[bytes]] | None = None  # live messages kept back meanwhile
+
+    @property
+    def replaying(self) -> bool:
+        """A replay is wanted or awaited: live messages are kept back until it ends."""
+        return self._pending is not None
 
     def forget(self) -> None:
         """What the index has of this engine is no longer known to be true."""
         self._index.cleared(self.url)
 
+    def relearn(self) -> None:
+        """A new connection: forget the engine and, with replay, ask for every batch it still
+        keeps (its cache as those batches built it, the older part of it unnamed)."""
+        self.forget()
+        self._last_seq = None
+        if self.replays:
+            self._pending, self.replay_from = [], 0
+
+    def replayed(self, batches: Sequence[tuple[int, bytes]] | None) -> None:
+        """The replay asked for ended: the batches the engine sent back (`[seq, payload]`, in
+        order), None when it did not answer in time. They are applied, then the live messages
+        kept back meanwhile; a batch still missing then forgets the engine, as a gap without
+        replay does."""
+        pending, self._pending, self.replay_from = self._pending or [], None, None
+        if batches is None:
+            metrics.KV_EVENTS_REPLAYS.labels("timeout").inc()
+            self.forget()  # what was missed stays unknown: learnt again from here
+            self._last_seq = None
+        else:
+            metrics.KV_EVENTS_REPLAYS.labels("answered").inc()
+            for seq, payload in batches:
+                self._in_order(seq, payload, replay_gaps=False, live=False)
+        for frames in pending:
+            self._take(frames, replay_gaps=False)
+
     def take(self, frames: list[bytes], now: float | None = None) -> None:
-        """Apply one message (`[topic, seq, payload]`)."""
+        """Apply one message (`[topic, seq, payload]`), or keep it back during a replay."""
+        if self._pending is not None:
+            self._pending.append(frames)
+            return
+        self._take(frames, self.replays, now)
+
+    def _take(self, frames: list[bytes], replay_gaps: bool, now: float | None = None) -> None:
         if len(frames) != 3:
             metrics.KV_EVENTS.labels("malformed").inc()
             return
         seq = int.from_bytes(frames[1], "big", signed=True)
-        last, self._last_seq = self._last_seq, seq
+        if replay_gaps and self._last_seq is not None and seq > self._last_seq + 1:
+            # Missed batches: asked for again; this one and those after wait for them.
+            metrics.KV_EVENTS_GAPS.labels("gap").inc()
+            self._pending, self.replay_from = [frames], self._last_seq + 1
+            return
+        self._in_order(seq, frames[2], replay_gaps, now)
+
+    def _in_order(
+        self,
+        seq: int,
+        payload: bytes,
+        replay_gaps: bool,
+        now: float | None = None,
+        live: bool = True,
+    ) -> None:
+        last = self._last_seq
+        after_replay = self.replays and not replay_gaps
+        if last is not None and after_replay and seq <= last:
+            return  # a batch the replay already carried
+        self._last_seq = seq
         if last is not None and seq != last + 1:
             # Missed batches (a gap) or a publisher counting from 0 again (a restart): either
             # way some blocks' fate is unknown, so all of this engine's are forgotten.
-            metrics.KV_EVENTS_GAPS.labels("restart" if seq <= last else "gap").inc()
+            if after_replay:
+                metrics.KV_EVENTS_REPLAYS.labels("short").inc()  # no longer kept by the engine
+            else:
+                metrics.KV_EVENTS_GAPS.labels("restart" if seq <= last else "gap").inc()
             self.forget()
+        self._apply(payload, now, live)
+
+    def _apply(self, payload: bytes, now: float | None, live: bool) -> None:
         w = self._wire
         try:
-            batch = w.DECODER.decode(frames[2])
+            batch = w.DECODER.decode(payload)
         except w.DecodeError:
             metrics.KV_EVENTS.labels("malformed").inc()
             self.forget()
             return
-        metrics.KV_EVENTS_LAG.observe(max(0.0, (now or time.time()) - batch.ts))
+        if live:  # a replayed batch's stamp says when it was first sent
+            metrics.KV_EVENTS_LAG.observe(max(0.0, (now or time.time()) - batch.ts))
         index, url = self._index, self.url
         for event in batch.events:
             if not _in_gpu_memory(event, w.GPU_MEDIUM):
@@ -177,10 +297,12 @@ class KVEventsFeed:
         index: BlockIndex,
         endpoint_of: Callable[[str], str | None],
         interval: float,
+        replay_endpoint_of: Callable[[str], str | None] | None = None,
     ) -> None:
         self._pools = tuple(pools)
         self._index = index
         self._endpoint_of = endpoint_of
+        self._replay_endpoint_of = replay_endpoint_of or (lambda url: None)
         self._interval = max(0.05, interval)
         self._heartbeat_s = max(MIN_HEARTBEAT_S, interval)
         self._subscribed: dict[str, asyncio.Task[None]] = {}
@@ -230,14 +352,15 @@ class KVEventsFeed:
                 endpoint = self._endpoint_of(url)
                 if endpoint is None:
                     continue
-                stream = self._streams[url] = EngineEvents(url, self._index)
+                replay = self._replay_endpoint_of(url)
+                stream = self._streams[url] = EngineEvents(url, self._index, replay is not None)
                 self._subscribed[url] = asyncio.get_running_loop().create_task(
-                    self._listen(stream, endpoint), name="kvrelay-kv-events-engine"
+                    self._listen(stream, endpoint, replay), name="kvrelay-kv-events-engine"
                 )
             elif not backend.healthy:
                 self._streams[url].forget()
 
-    async def _listen(self, stream: EngineEvents, endpoint: str) -> None:
+    async def _listen(self, stream: EngineEvents, endpoint: str, replay: str | None) -> None:
         import zmq
         import zmq.asyncio
         from zmq.utils.monitor import parse_monitor_message
@@ -247,6 +370,7 @@ class KVEventsFeed:
         poller = zmq.asyncio.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        asked: _Replay | None = None
         try:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.setsockopt(zmq.LINGER, 0)
@@ -259,7 +383,19 @@ class KVEventsFeed:
             sock.connect(endpoint)
             log.info("following KV events of %s", stream.url)
             while True:
-                ready = dict(await poller.poll())
+                if asked is None and replay is not None and stream.replay_from is not None:
+                    asked = _Replay(self._ctx, replay, stream.replay_from)
+                    stream.replay_from = None
+                    poller.register(asked.sock, zmq.POLLIN)
+                wait_ms = None if asked is None else asked.left_ms()
+                ready = dict(await poller.poll(wait_ms))
+                if asked is not None and (asked.sock in ready or asked.left_ms() == 0):
+                    batches = await asked.read()
+                    if batches is not None or asked.left_ms() == 0:
+                        poller.unregister(asked.sock)
+                        asked.close()
+                        asked = None
+                        stream.replayed(batches)
                 if sock in ready:
                     await _drain(sock, stream)
                 if monitor in ready:
@@ -269,6 +405,8 @@ class KVEventsFeed:
                         _connected(stream, now)
                         if now:
                             log.info("connected to the KV events of %s", stream.url)
+                            if replay is not None:
+                                stream.relearn()  # what it still keeps, asked for again
                         else:
                             # ZMQ reconnects by itself, but evictions meanwhile are missed: what
                             # the index has of the engine could turn false, so it is forgotten
@@ -278,6 +416,8 @@ class KVEventsFeed:
                             await _drain(sock, stream)
                             stream.forget()
         finally:
+            if asked is not None:
+                asked.close()
             if stream.connected:
                 _connected(stream, False)
             sock.disable_monitor()

@@ -416,6 +416,11 @@ async def _start_state(
                 port=settings.kv_events_port,
             ),
             settings.probe_interval_s,
+            functools.partial(
+                events_endpoint,
+                endpoints=settings.kv_events_replay_endpoints,
+                port=settings.kv_events_replay_port,
+            ),
         )
         feed.start()
         app[KV_EVENTS_FEED] = feed

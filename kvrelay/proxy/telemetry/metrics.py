@@ -359,6 +359,15 @@ KV_EVENTS_GAPS = Labelled(
         ["kind"],
     )
 )
+KV_EVENTS_REPLAYS = Labelled(
+    Counter(
+        "kvrelay_kv_events_replays_total",
+        "Replays of an engine's KV event batches asked for (on connecting, and for a gap) "
+        "and how they ended: answered, timeout (the engine did not answer: it is forgotten), "
+        "short (it no longer kept every batch missed: it is forgotten, then learnt again).",
+        ["result"],
+    )
+)
 KV_EVENTS_LAG = Histogram(
     "kvrelay_kv_events_lag_seconds",
     "From an engine's stamp on a KV event batch to its application to the block index.",
