@@ -62,11 +62,11 @@ ADMIN_KEY = "prefix-routing-admin-key"
 SMALL_POOL_BLOCKS = 48
 
 
-def _publish_events(server: vllm_servers.VLLMServer) -> str:
-    """Start `server` publishing its KV cache events (vLLM's flag; the wildcard endpoint binds);
-    the endpoint the proxy connects to."""
+def _publish_events(server: vllm_servers.VLLMServer, replay_port: int | None = None) -> str:
+    """Start `server` publishing its KV cache events (vLLM's flag; the wildcard endpoint binds),
+    answering replay requests on `replay_port` if given; the endpoint the proxy connects to."""
     port = free_port()
-    server.extra_args += list(kv_events_args(port))
+    server.extra_args += list(kv_events_args(port, replay_port))
     return f"tcp://127.0.0.1:{port}"
 
 
@@ -77,6 +77,7 @@ class CachedFleet:
 
     events_endpoints = ""  # both Ps' KV events, as kv_events_endpoints
     decode_events = ""  # D's KV events endpoint
+    replay_endpoints = ""  # P2's replay endpoint, as kv_events_replay_endpoints
     side_channels = ""  # every engine's side channel, as side_channels
 
     def __init__(
@@ -100,7 +101,10 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
     second.extra_args += ["--num-gpu-blocks-override", str(SMALL_POOL_BLOCKS)]
     # The queue a pin is sent ahead of (the proxy's pins carry prefix_pull_priority).
     second.extra_args += ["--scheduling-policy", "priority"]
-    endpoints = {p.url: _publish_events(p) for p in (prefill, second)}
+    replay_port = free_port()  # P2 also answers replay requests (vLLM's replay_endpoint)
+    endpoints = {
+        p.url: _publish_events(p, replay_port if p is second else None) for p in (prefill, second)
+    }
     decode_events = _publish_events(decode)  # followed only by the proxy of the D-pull test
     factory = ProxyFactory()
     try:
@@ -136,6 +140,7 @@ def cached_fleet(tiny_model: Path, reference_launch: Reference) -> Iterator[Cach
         fleet.events_endpoints = ",".join(f"{u}={e}" for u, e in endpoints.items())
         fleet.side_channels = side_channels
         fleet.decode_events = f"{decode.url}={decode_events}"
+        fleet.replay_endpoints = f"{second.url}=tcp://127.0.0.1:{replay_port}"
         yield fleet
     finally:
         factory.close()
@@ -390,6 +395,46 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
             30,
             what="the prefix named through the routed prompt",
         )
+    finally:
+        factory.close()
+
+
+def test_a_proxy_that_follows_late_learns_what_p2_cached_from_vllms_replay(
+    cached_fleet: CachedFleet,
+) -> None:
+    """P2 answers replay requests (vLLM's `replay_endpoint`). A proxy started after P2 cached a
+    system prompt asks P2 for the batches it keeps as soon as it connects: the index has the
+    whole prompt on P2 before any request is routed (no prompt names it, as in the test above),
+    and the next request sharing it goes to P2, whose cache serves it (vLLM's own counter)."""
+    fleet = cached_fleet
+    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    system = f"Learnt from the engine's replay, before any request. {SYSTEM}" * 2
+    early = _with_system(system, "Before the proxy.") | {"max_tokens": 1}
+    CacheScopes(isolate=True, share_groups={}).apply(early, tenant_of(None))
+    status, out = p2.post("/v1/chat/completions", early)
+    assert status == 200, out
+    factory = ProxyFactory()
+    try:
+        proxy = factory(
+            [p.url, p2.url], [d.url], ready_path="/ready",
+            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
+            kv_events_endpoints=fleet.events_endpoints,
+            kv_events_replay_endpoints=fleet.replay_endpoints,
+        )  # fmt: skip
+        probe, two_blocks = _with_system(system, "?"), 2 * vllm_servers.BLOCK_SIZE
+        proxy.wait_for_events(
+            lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
+            30,
+            what="P2's replayed blocks in the index",
+        )
+        assert proxy.metrics()['kvrelay_kv_events_replays_total{result="answered"}'] >= 1
+        assert proxy.events_cached(probe)[p.url] == 0
+        hits = settled(p2, CACHE_HITS)
+        sent = _with_system(system, "After the proxy.")
+        out = _ask(proxy, sent, f"replay-{uuid.uuid4().hex[:8]}")
+        assert out["choices"][0]["message"]["content"] == _reference(fleet, sent)
+        assert settled(p2, CACHE_HITS) - hits >= two_blocks  # P2 was chosen, and had it
     finally:
         factory.close()
 
