@@ -406,6 +406,10 @@ class KVEventsFeed:
                         if now:
                             log.info("connected to the KV events of %s", stream.url)
                             if replay is not None:
+                                if asked is not None:  # a replay of the last connection
+                                    poller.unregister(asked.sock)
+                                    asked.close()
+                                    asked = None
                                 stream.relearn()  # what it still keeps, asked for again
                         else:
                             # ZMQ reconnects by itself, but evictions meanwhile are missed: what
