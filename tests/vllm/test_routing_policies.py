@@ -354,6 +354,23 @@ def test_the_index_follows_vllms_kv_events_and_routing_follows_the_index(
     assert hits[p.name] == 0, hits
 
 
+def _late_proxy(
+    factory: ProxyFactory, fleet: CachedFleet, system: str, **settings: str
+) -> ProxyServer:
+    """P2 caches `system` (as the proxy would send it: the anonymous tenant's cache_salt),
+    then a proxy in front of both Ps and D starts following the Ps' events, with `settings`."""
+    early = _with_system(system, "Before the proxy.") | {"max_tokens": 1}
+    CacheScopes(isolate=True, share_groups={}).apply(early, tenant_of(None))
+    status, out = fleet.second.post("/v1/chat/completions", early)
+    assert status == 200, out
+    return factory(
+        [fleet.prefill.url, fleet.second.url], [fleet.decode.url], ready_path="/ready",
+        connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
+        admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
+        kv_events_endpoints=fleet.events_endpoints, **settings,
+    )  # fmt: skip
+
+
 def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_use(
     cached_fleet: CachedFleet,
 ) -> None:
@@ -362,21 +379,11 @@ def test_a_prefix_cached_before_a_proxy_followed_the_events_is_learnt_on_first_u
     the proxy never saw. The first request on that prompt it routes to P2 names the prefix, and
     the index has the whole system prompt on P2 from then on."""
     fleet = cached_fleet
-    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    p, p2 = fleet.prefill, fleet.second
     system = f"Learnt on first use by a proxy that came later. {SYSTEM}" * 2
-    # P2 computes it as the proxy would send it: the anonymous tenant's cache_salt.
-    early = _with_system(system, "Before the proxy.") | {"max_tokens": 1}
-    CacheScopes(isolate=True, share_groups={}).apply(early, tenant_of(None))
-    status, out = p2.post("/v1/chat/completions", early)
-    assert status == 200, out
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url, p2.url], [d.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
-            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
-            kv_events_endpoints=fleet.events_endpoints,
-        )  # fmt: skip
+        proxy = _late_proxy(factory, fleet, system)
         proxy.wait_for_events(
             lambda: proxy.events_connected(p.url, p2.url), 30, what="the Ps' events followed"
         )
@@ -407,21 +414,13 @@ def test_a_proxy_that_follows_late_learns_what_p2_cached_from_vllms_replay(
     whole prompt on P2 before any request is routed (no prompt names it, as in the test above),
     and the next request sharing it goes to P2, whose cache serves it (vLLM's own counter)."""
     fleet = cached_fleet
-    p, p2, d = fleet.prefill, fleet.second, fleet.decode
+    p, p2 = fleet.prefill, fleet.second
     system = f"Learnt from the engine's replay, before any request. {SYSTEM}" * 2
-    early = _with_system(system, "Before the proxy.") | {"max_tokens": 1}
-    CacheScopes(isolate=True, share_groups={}).apply(early, tenant_of(None))
-    status, out = p2.post("/v1/chat/completions", early)
-    assert status == 200, out
     factory = ProxyFactory()
     try:
-        proxy = factory(
-            [p.url, p2.url], [d.url], ready_path="/ready",
-            connector_secret=vllm_servers.CONNECTOR_SECRET, side_channels=fleet.side_channels,
-            admin_key=ADMIN_KEY, prefix_index_ttl_s="0.001",
-            kv_events_endpoints=fleet.events_endpoints,
-            kv_events_replay_endpoints=fleet.replay_endpoints,
-        )  # fmt: skip
+        proxy = _late_proxy(
+            factory, fleet, system, kv_events_replay_endpoints=fleet.replay_endpoints
+        )
         probe, two_blocks = _with_system(system, "?"), 2 * vllm_servers.BLOCK_SIZE
         proxy.wait_for_events(
             lambda: proxy.events_cached(probe)[p2.url] >= two_blocks,
