@@ -19,7 +19,12 @@ from kvrelay.devtools import FaultProxy, free_port
 from kvrelay.enginesim.kv_events import KVEventPublisher, StoredBlock, parse_events_config
 from kvrelay.proxy.fleet import BlockIndex, KVEventsFeed, Pool, events_endpoint
 from kvrelay.proxy.fleet.block_index import EXPECT_S
-from kvrelay.proxy.fleet.kv_events import HEARTBEATS_MISSED, MIN_HEARTBEAT_S, EngineEvents
+from kvrelay.proxy.fleet.kv_events import (
+    HEARTBEATS_MISSED,
+    MIN_HEARTBEAT_S,
+    REPLAY_CHUNK,
+    EngineEvents,
+)
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
 D0 = "http://d0:8000"
@@ -543,13 +548,16 @@ async def test_replay_teaches_a_late_feed_the_engines_cache_and_fills_a_real_gap
     is named."""
     port, replay_port = free_port(), free_port()
     publisher = KVEventPublisher(f"tcp://*:{port}", "", BS, f"tcp://*:{replay_port}")
-    prompt = _tokens(16)
-    keys = [("r", i) for i in range(4)]
+    # More batches than the feed applies between two turns of its loop (`REPLAY_CHUNK`).
+    n = 2 * REPLAY_CHUNK + 2
+    prompt = _tokens(BS * (n + 2))
+    keys = [("r", i) for i in range(n + 2)]
     blocks = [
         StoredBlock(keys[i], keys[i - 1] if i else None, prompt[i * BS : (i + 1) * BS], None)
-        for i in range(4)
+        for i in range(n + 2)
     ]
-    publisher.publish(blocks[:2])  # before anyone follows
+    for block in blocks[:n]:  # before anyone follows, one batch each
+        publisher.publish([block])
     pool = Pool("prefill", 3, 2)
     pool.add(P0)
     index = BlockIndex(1000)
@@ -563,12 +571,14 @@ async def test_replay_teaches_a_late_feed_the_engines_cache_and_fills_a_real_gap
     answered = _replayed()
     feed.start()
     try:
-        await until(lambda: index.cached_tokens(prompt, None) == {P0: 8}, "the replayed blocks")
+        learnt = {P0: BS * n}
+        await until(lambda: index.cached_tokens(prompt, None) == learnt, "the replayed blocks")
         assert _replayed() == answered + 1
         publisher.drop_next(1)
-        publisher.publish(blocks[2:3])  # lost on the way
-        publisher.publish(blocks[3:])  # chained on the lost one
-        await until(lambda: index.cached_tokens(prompt, None) == {P0: 16}, "the gap filled")
+        publisher.publish(blocks[n : n + 1])  # lost on the way
+        publisher.publish(blocks[n + 1 :])  # chained on the lost one
+        whole = {P0: len(prompt)}
+        await until(lambda: index.cached_tokens(prompt, None) == whole, "the gap filled")
         assert _replayed() == answered + 2
     finally:
         await feed.stop()

@@ -62,6 +62,8 @@ HEARTBEATS_MISSED = 3
 # How long an engine has to answer a replay request in full (vLLM serves one between two of
 # its publishing steps, so a second is plenty), after which it is forgotten instead.
 REPLAY_TIMEOUT_S = 5.0
+# Replayed batches applied between two turns of the event loop.
+REPLAY_CHUNK = 64
 
 
 def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | None:
@@ -142,6 +144,14 @@ class _Replay:
         self.sock.close(linger=0)
 
 
+async def _take_replayed(stream: EngineEvents, batches: list[tuple[int, bytes]]) -> None:
+    """Apply a replay's answer `REPLAY_CHUNK` batches at a time: it may carry thousands, and
+    the proxy's turns run between its parts (live messages are still kept back)."""
+    for at in range(0, len(batches), REPLAY_CHUNK):
+        stream.take_replayed(batches[at : at + REPLAY_CHUNK])
+        await asyncio.sleep(0)  # a yield to the loop, not a wait
+
+
 def _connected(stream: EngineEvents, now: bool) -> None:
     """The feed's connection to `stream`'s engine is now up or down."""
     stream.connected = now
@@ -188,18 +198,27 @@ class EngineEvents:
 
     def replayed(self, batches: Sequence[tuple[int, bytes]] | None) -> None:
         """The replay asked for ended: the batches the engine sent back (`[seq, payload]`, in
-        order), None when it did not answer in time. They are applied, then the live messages
-        kept back meanwhile; a batch still missing then forgets the engine, as a gap without
-        replay does."""
+        order), None when it did not answer in time (`take_replayed`, then `end_replay`)."""
+        if batches is not None:
+            self.take_replayed(batches)
+        self.end_replay(answered=batches is not None)
+
+    def take_replayed(self, batches: Sequence[tuple[int, bytes]]) -> None:
+        """Apply part of a replay's answer, in order (live messages are still kept back)."""
+        for seq, payload in batches:
+            self._in_order(seq, payload, replay_gaps=False, live=False)
+
+    def end_replay(self, answered: bool) -> None:
+        """The replay is over (not `answered`: the engine did not answer in time, and what
+        was missed stays unknown): the live messages kept back are applied after it; a batch
+        still missing then forgets the engine, as a gap without replay does."""
         pending, self._pending, self.replay_from = self._pending or [], None, None
-        if batches is None:
-            metrics.KV_EVENTS_REPLAYS.labels("timeout").inc()
-            self.forget()  # what was missed stays unknown: learnt again from here
-            self._last_seq = None
-        else:
+        if answered:
             metrics.KV_EVENTS_REPLAYS.labels("answered").inc()
-            for seq, payload in batches:
-                self._in_order(seq, payload, replay_gaps=False, live=False)
+        else:
+            metrics.KV_EVENTS_REPLAYS.labels("timeout").inc()
+            self.forget()  # learnt again from here
+            self._last_seq = None
         for frames in pending:
             self._take(frames, replay_gaps=False)
 
@@ -395,7 +414,9 @@ class KVEventsFeed:
                         poller.unregister(asked.sock)
                         asked.close()
                         asked = None
-                        stream.replayed(batches)
+                        if batches is not None:
+                            await _take_replayed(stream, batches)
+                        stream.end_replay(answered=batches is not None)
                 if sock in ready:
                     await _drain(sock, stream)
                 if monitor in ready:
