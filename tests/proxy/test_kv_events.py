@@ -236,7 +236,7 @@ def _msg(seq: int, payload: bytes) -> list[bytes]:
     return [b"", seq.to_bytes(8, "big"), payload]
 
 
-def test_with_replay_a_gap_is_filled_from_the_engines_kept_batches() -> None:
+async def test_with_replay_a_gap_is_filled_from_the_engines_kept_batches() -> None:
     """With a replay endpoint, a gap asks for the missed batches: the messages after it wait,
     then the replayed ones and those are applied in order, nothing forgotten, a block chained
     on a missed one named."""
@@ -255,12 +255,12 @@ def test_with_replay_a_gap_is_filled_from_the_engines_kept_batches() -> None:
     stream.take(_msg(7, removal))  # kept back meanwhile
     assert index.cached_tokens(prompt, None) == {P0: 8}
     # The engine sends back what it kept from 5 on: 6 and 7 again too, applied once.
-    stream.replayed([(5, batches[1]), (6, batches[2]), (7, removal)])
+    await stream.replayed([(5, batches[1]), (6, batches[2]), (7, removal)])
     assert not stream.replaying and stream.replay_from is None
     assert index.cached_tokens(prompt, None) == {P0: 20}  # 24 stored, the last block removed
 
 
-def test_a_replay_that_falls_short_or_times_out_forgets_the_engine() -> None:
+async def test_a_replay_that_falls_short_or_times_out_forgets_the_engine() -> None:
     """The engine no longer keeps the missed batch (its buffer moved on), or never answers:
     then, as without replay, what the index had of it is forgotten and learnt again after."""
     prompt = _tokens(16)
@@ -274,7 +274,7 @@ def test_a_replay_that_falls_short_or_times_out_forgets_the_engine() -> None:
         stream.take(_msg(3, first))
         stream.take(_msg(7, second))  # 4, 5 and 6 missed
         assert stream.replay_from == 4
-        stream.replayed(answer)  # only 6 kept by the engine, or no answer at all
+        await stream.replayed(answer)  # only 6 kept by the engine, or no answer at all
         assert index.cached_tokens(prompt, None) == {P0: 4}, answer
         stream.take(_msg(8, _batch(_stored([10], 9, prompt[4:8]))))
         assert index.cached_tokens(prompt, None) == {P0: 8}, answer
@@ -294,7 +294,7 @@ def test_a_replays_frames_read_as_vllm_sends_them() -> None:
     assert wire.replayed_batch([b"odd"]) is None
 
 
-def test_relearning_on_a_new_connection_asks_for_everything_kept() -> None:
+async def test_relearning_on_a_new_connection_asks_for_everything_kept() -> None:
     index = BlockIndex(100)
     stream = EngineEvents(P0, index, replays=True)
     prompt = _tokens(8)
@@ -302,7 +302,7 @@ def test_relearning_on_a_new_connection_asks_for_everything_kept() -> None:
     stream.relearn()
     assert index.pairs == 0 and stream.replay_from == 0
     stream.take(_msg(12, _batch()))  # live, kept back
-    stream.replayed([(10, _batch(_stored([1, 2], None, prompt))), (11, _batch())])
+    await stream.replayed([(10, _batch(_stored([1, 2], None, prompt))), (11, _batch())])
     assert index.cached_tokens(prompt, None) == {P0: 8}
     without = EngineEvents(P1, index)
     without.relearn()

@@ -87,15 +87,21 @@ def _in_gpu_memory(event: Any, gpu_medium: str) -> bool:
     return medium in (None, gpu_medium) and group in (None, 0)
 
 
-async def _drain(sock: Any, stream: EngineEvents) -> None:
-    """Apply every message `sock` has received, in order, without waiting for more."""
+async def _received(sock: Any) -> list[list[bytes]]:
+    """Every message `sock` has received so far, in order, without waiting for more."""
     import zmq
 
+    messages: list[list[bytes]] = []
     while True:
         try:
-            frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
+            messages.append(await sock.recv_multipart(flags=zmq.NOBLOCK))
         except zmq.Again:
-            return
+            return messages
+
+
+async def _drain(sock: Any, stream: EngineEvents) -> None:
+    """Apply every message `sock` has received, in order, without waiting for more."""
+    for frames in await _received(sock):
         try:
             stream.take(frames)
         except Exception:  # a batch this worker cannot apply: forget, go on
@@ -126,30 +132,17 @@ class _Replay:
 
     async def read(self) -> list[tuple[int, bytes]] | None:
         """What has arrived; the whole answer once its end mark is read, else None."""
-        import zmq
-
-        while True:
-            try:
-                frames = await self.sock.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return None
+        for frames in await _received(self.sock):
             batch = self._wire.replayed_batch(frames)
             if batch is None:
                 continue
             if batch[0] == self._wire.REPLAY_END:
-                return self._batches
+                return self._batches  # nothing follows an end mark
             self._batches.append(batch)
+        return None
 
     def close(self) -> None:
         self.sock.close(linger=0)
-
-
-async def _take_replayed(stream: EngineEvents, batches: list[tuple[int, bytes]]) -> None:
-    """Apply a replay's answer `REPLAY_CHUNK` batches at a time: it may carry thousands, and
-    the proxy's turns run between its parts (live messages are still kept back)."""
-    for at in range(0, len(batches), REPLAY_CHUNK):
-        stream.take_replayed(batches[at : at + REPLAY_CHUNK])
-        await asyncio.sleep(0)  # a yield to the loop, not a wait
 
 
 def _connected(stream: EngineEvents, now: bool) -> None:
@@ -196,24 +189,19 @@ class EngineEvents:
         if self.replays:
             self._pending, self.replay_from = [], 0
 
-    def replayed(self, batches: Sequence[tuple[int, bytes]] | None) -> None:
+    async def replayed(self, batches: Sequence[tuple[int, bytes]] | None) -> None:
         """The replay asked for ended: the batches the engine sent back (`[seq, payload]`, in
-        order), None when it did not answer in time (`take_replayed`, then `end_replay`)."""
-        if batches is not None:
-            self.take_replayed(batches)
-        self.end_replay(answered=batches is not None)
-
-    def take_replayed(self, batches: Sequence[tuple[int, bytes]]) -> None:
-        """Apply part of a replay's answer, in order (live messages are still kept back)."""
-        for seq, payload in batches:
-            self._in_order(seq, payload, replay_gaps=False, live=False)
-
-    def end_replay(self, answered: bool) -> None:
-        """The replay is over (not `answered`: the engine did not answer in time, and what
-        was missed stays unknown): the live messages kept back are applied after it; a batch
-        still missing then forgets the engine, as a gap without replay does."""
+        order), None when it did not answer in time (what was missed stays unknown). They are
+        applied `REPLAY_CHUNK` at a time (a replay may carry thousands: the proxy's turns run
+        between the parts, live messages still kept back), then the live messages kept back;
+        a batch still missing then forgets the engine, as a gap without replay does."""
+        kept = batches or ()
+        for at in range(0, len(kept), REPLAY_CHUNK):
+            for seq, payload in kept[at : at + REPLAY_CHUNK]:
+                self._in_order(seq, payload, replay_gaps=False, live=False)
+            await asyncio.sleep(0)  # a yield to the loop, not a wait
         pending, self._pending, self.replay_from = self._pending or [], None, None
-        if answered:
+        if batches is not None:
             metrics.KV_EVENTS_REPLAYS.labels("answered").inc()
         else:
             metrics.KV_EVENTS_REPLAYS.labels("timeout").inc()
@@ -414,9 +402,7 @@ class KVEventsFeed:
                         poller.unregister(asked.sock)
                         asked.close()
                         asked = None
-                        if batches is not None:
-                            await _take_replayed(stream, batches)
-                        stream.end_replay(answered=batches is not None)
+                        await stream.replayed(batches)
                 if sock in ready:
                     await _drain(sock, stream)
                 if monitor in ready:
