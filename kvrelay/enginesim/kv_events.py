@@ -191,13 +191,15 @@ class KVEventPublisher:
             self._drop -= 1
         else:
             self._sock.send_multipart(frames)
-        with self._kept_lock:
-            self._kept.append((self._seq, frames[2]))
+        if self._replay_thread is not None:  # kept only where a replay can ask for them
+            with self._kept_lock:
+                self._kept.append((self._seq, frames[2]))
         self._seq += 1
 
     def drop_next(self, batches: int) -> None:
-        """Fault injection: the next `batches` are numbered and kept for replay but never
-        sent, as a PUB socket drops messages past its high-water mark."""
+        """Fault injection: the next `batches` are numbered (and kept for replay, with a
+        replay endpoint) but never sent, as a PUB socket drops messages past its high-water
+        mark."""
         self._drop = max(0, batches)
 
     def close(self) -> None:
