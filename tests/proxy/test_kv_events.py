@@ -359,6 +359,19 @@ async def until(check: Callable[[], bool], what: str, within_s: float = 5.0) -> 
         await asyncio.sleep(0.02)
 
 
+def resent_until(
+    publisher: KVEventPublisher, sent: list[StoredBlock], done: Callable[[], bool]
+) -> Callable[[], bool]:
+    """For `until`: publish `sent` again on each poll until `done` (a subscriber misses what
+    was sent before it joined, ZMQ's slow joiner)."""
+
+    def check() -> bool:
+        publisher.publish(sent)
+        return done()
+
+    return check
+
+
 async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     """enginesim's publisher on a real ZMQ socket, the feed subscribed through the pool: what
     it stores and evicts reaches the index; the engine leaving the pool is forgotten."""
@@ -383,10 +396,7 @@ async def test_the_feed_follows_a_real_publisher_and_the_pool() -> None:
     try:
         # A subscriber misses what was sent before it joined (ZMQ's slow joiner), so the first
         # block is sent until it arrives; the index then learns the rest in order.
-        def first_arrived() -> bool:
-            publisher.publish(blocks[:1])
-            return index.blocks_of(P0) == 1
-
+        first_arrived = resent_until(publisher, blocks[:1], lambda: index.blocks_of(P0) == 1)
         await until(first_arrived, "the first block")
         publisher.publish(blocks[1:])
         await until(lambda: index.blocks_of(P0) == 3, "the chained blocks")
@@ -426,11 +436,7 @@ async def test_the_feed_follows_the_d_pool_too() -> None:
     ]
 
     def arrived(url: str, sent: list[StoredBlock], n: int) -> Callable[[], bool]:
-        def check() -> bool:
-            publishers[url].publish(sent)  # resent until the subscriber has joined
-            return index.blocks_of(url) == n
-
-        return check
+        return resent_until(publishers[url], sent, lambda: index.blocks_of(url) == n)
 
     feed.start()
     try:
@@ -477,13 +483,7 @@ async def test_the_feed_says_whether_it_reached_each_engine() -> None:
         await until(lambda: feed.connected(D0), "the handshake")
         assert gauge() == before + 1
         assert not feed.connected(P0)  # not followed
-
-        def stored() -> bool:
-            assert publisher is not None
-            publisher.publish([block])  # resent until the subscription has reached it
-            return index.blocks_of(D0) == 1
-
-        await until(stored, "the block")
+        await until(resent_until(publisher, [block], lambda: index.blocks_of(D0) == 1), "the block")
         publisher.close()
         publisher = None
         await until(lambda: not feed.connected(D0), "the disconnection")
@@ -511,10 +511,7 @@ async def test_a_link_gone_silent_is_dropped_by_its_heartbeats_and_the_engine_fo
     index = BlockIndex(1000)
     feed = KVEventsFeed((pool,), index, lambda url: f"tcp://127.0.0.1:{relay.listen_port}", 0.05)
     block = StoredBlock(("s", 0), None, _tokens(BS), None)
-
-    def stored() -> bool:
-        publisher.publish([block])  # resent until the subscription has reached it
-        return index.blocks_of(D0) == 1
+    stored = resent_until(publisher, [block], lambda: index.blocks_of(D0) == 1)
 
     feed.start()
     try:
