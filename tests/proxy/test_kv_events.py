@@ -23,7 +23,9 @@ from kvrelay.proxy.fleet.kv_events import (
     HEARTBEATS_MISSED,
     MIN_HEARTBEAT_S,
     REPLAY_CHUNK,
+    REPLAYS_AT_ONCE,
     EngineEvents,
+    _Replay,
 )
 
 P0, P1 = "http://p0:8000", "http://p1:8000"
@@ -580,3 +582,133 @@ async def test_replay_teaches_a_late_feed_the_engines_cache_and_fills_a_real_gap
     finally:
         await feed.stop()
         publisher.close()
+
+
+async def test_a_replays_socket_takes_a_whole_answer_while_the_feed_is_busy() -> None:
+    """vLLM sends a whole replay in one loop, and its ROUTER socket drops what it cannot queue
+    for a reader whose own queue is full (ZMQ's 1000 messages by default, as vLLM leaves it):
+    a busy feed would find gaps, or no end mark. The feed's replay socket queues without
+    limit. Here the engine's side is a ROUTER that refuses instead of dropping
+    (`ROUTER_MANDATORY`) with a short queue of its own: 6000 batches of 3 kB (18 MB, more than
+    the default queue and the kernel's socket buffers hold) all go out while nothing reads,
+    then all arrive, in order, end mark included. With the default queue the engine's side
+    stops after 2000-2400 (checked)."""
+    import zmq
+    import zmq.asyncio
+
+    n, payload = 6000, b"x" * 3000
+    ctx, actx = zmq.Context(), zmq.asyncio.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    router.setsockopt(zmq.SNDHWM, 100)
+    router.bind_to_random_port("tcp://127.0.0.1")
+    asked = _Replay(actx, router.getsockopt_string(zmq.LAST_ENDPOINT), 0)
+
+    def send(frames: tuple[bytes, ...], what: str) -> None:
+        deadline = time.monotonic() + 5
+        while True:
+            try:
+                router.send_multipart(frames, flags=zmq.NOBLOCK)
+                return
+            except zmq.Again:  # refused: its queue and the reader's are full
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the feed's socket stopped taking {what}") from None
+                router.poll(10, zmq.POLLOUT)
+
+    try:
+        assert router.poll(5000), "no replay request came"
+        client, _, first = router.recv_multipart()
+        assert int.from_bytes(first, "big") == 0
+        for seq in range(n):
+            send((client, *wire.replay_answer(b"", seq, payload)), f"batch {seq}")
+        send((client, *wire.replay_answer(b"", wire.REPLAY_END, b"")), "the end mark")
+        batches = None
+        deadline = time.monotonic() + 10
+        while batches is None and time.monotonic() < deadline:
+            batches = await asked.read()
+        assert batches is not None, "the end mark was sent but never read"
+        assert [seq for seq, _ in batches] == list(range(n))
+    finally:
+        asked.close()
+        actx.destroy(linger=0)
+        ctx.destroy(linger=0)
+
+
+async def test_a_feed_reads_a_few_replays_at_once_and_an_unanswered_one_frees_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Six engines connected at once, none answering its replay request (a ROUTER that only
+    counts them): the feed asks `REPLAYS_AT_ONCE` of them, the gauge says so, and the others
+    wait their turn; each unanswered one times out, forgets its engine, and frees its turn, so
+    every engine is asked in the end."""
+    import zmq
+
+    from kvrelay.proxy.fleet import kv_events
+
+    monkeypatch.setattr(kv_events, "REPLAY_TIMEOUT_S", 1.0)
+    ctx = zmq.Context()
+    urls = [f"http://p{i}:8000" for i in range(6)]
+    pubs, routers = {}, {}  # each engine's PUB socket (it publishes nothing) and its ROUTER
+    for url in urls:
+        pubs[url], routers[url] = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        pubs[url].bind_to_random_port("tcp://127.0.0.1")
+        routers[url].bind_to_random_port("tcp://127.0.0.1")
+    asked: dict[str, int] = dict.fromkeys(urls, 0)
+
+    def count_requests() -> int:
+        for url, router in routers.items():
+            while router.poll(0):
+                router.recv_multipart()
+                asked[url] += 1
+        return sum(1 for n in asked.values() if n)
+
+    pool = Pool("prefill", 3, 2)
+    for url in urls:
+        pool.add(url)
+    feed = KVEventsFeed(
+        (pool,),
+        BlockIndex(100),
+        lambda url: pubs[url].getsockopt_string(zmq.LAST_ENDPOINT),
+        0.05,
+        lambda url: routers[url].getsockopt_string(zmq.LAST_ENDPOINT),
+    )
+
+    def replaying() -> float:
+        return REGISTRY.get_sample_value("kvrelay_kv_events_replaying") or 0.0
+
+    timeouts = REGISTRY.get_sample_value("kvrelay_kv_events_replays_total", {"result": "timeout"})
+    before = replaying()
+    feed.start()
+    try:
+        await until(lambda: count_requests() >= REPLAYS_AT_ONCE, "the first replay requests")
+        assert (
+            REGISTRY.get_sample_value("kvrelay_kv_events_replays_total", {"result": "timeout"})
+            == timeouts
+        ), "a replay timed out before the check: the test ran too slowly to tell"
+        assert count_requests() == REPLAYS_AT_ONCE
+        assert replaying() == before + REPLAYS_AT_ONCE
+        await until(lambda: count_requests() == len(urls), "every engine's turn", within_s=10)
+        await until(lambda: replaying() == before, "the last replays to time out", within_s=5)
+    finally:
+        await feed.stop()
+        ctx.destroy(linger=0)
+
+
+def test_over_max_blocks_the_largest_engines_are_cut_to_one_level() -> None:
+    """Over the bound, as if one block at a time went from whichever engine holds the most:
+    the largest are cut to a common level, each losing its oldest blocks, the smaller ones
+    untouched, and exactly the excess goes."""
+    index = BlockIndex(30)
+    sizes = {"http://a:8000": 6, "http://b:8000": 14, "http://c:8000": 9, "http://d:8000": 3}
+    prompts = {url: _tokens(BS * n, seed=i) for i, (url, n) in enumerate(sizes.items())}
+    for url, tokens in prompts.items():
+        _store(index, url, tokens)
+    # 32 > 30 only once d's blocks come: two go, both b's (14 -> 12), its oldest first.
+    assert index.pairs == 30
+    assert [index.blocks_of(url) for url in sizes] == [6, 12, 9, 3]
+    assert index.cached_tokens(prompts["http://b:8000"], None) == {}  # its first blocks gone
+    index.stored("http://e:8000", list(range(10)), None, _tokens(BS * 10, seed=9), BS)
+    # 40 > 30: ten go, as one at a time from the largest would take them: b 12 -> 7 (5),
+    # e 10 -> 7 (3), c 9 -> 7 (2); a (6) and d (3) untouched.
+    assert index.pairs == 30
+    assert [index.blocks_of(url) for url in [*sizes, "http://e:8000"]] == [6, 7, 7, 3, 7]

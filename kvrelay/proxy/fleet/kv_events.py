@@ -31,7 +31,11 @@ to the proxy (`kv_events_replay_endpoints`, else its host at `kv_events_replay_p
 for them instead of being forgotten blind: on each connection every batch it keeps (a proxy
 started or reconnected late learns the cache those built), and at a gap the batches missed,
 the live ones after it kept back meanwhile (`EngineEvents.replayed`). Only what the engine no
-longer keeps, or a replay not answered within `REPLAY_TIMEOUT_S`, still forgets it.
+longer keeps, or a replay left `REPLAY_TIMEOUT_S` without an answer or its next part, still
+forgets it. A worker reads `REPLAYS_AT_ONCE` replays at once, `READ_AT_ONCE` messages of one
+between two turns of its loop, and queues an answer without limit: a proxy started after a
+large fleet learns it without stalling its requests, and without the gaps vLLM's replay socket
+leaves when a reader's queue is full (bench/kv_events_replay.py).
 Only blocks in GPU memory count (`medium` "GPU", or unset); offloaded tiers are not routed to.
 
 The message shapes are `kvrelay.kv_events_wire`'s. Needs `pyzmq` and `msgspec` (the
@@ -59,11 +63,23 @@ log = logging.getLogger(__name__)
 # host must not drop a live link) and drops the connection after this many go unanswered.
 MIN_HEARTBEAT_S = 1.0
 HEARTBEATS_MISSED = 3
-# How long an engine has to answer a replay request in full (vLLM serves one between two of
-# its publishing steps, so a second is plenty), after which it is forgotten instead.
+# How long an engine may leave a replay request unanswered, and an answer under way without
+# its next part (vLLM sends one in a loop between two of its publishing steps, so a second is
+# plenty), after which it is forgotten instead.
 REPLAY_TIMEOUT_S = 5.0
 # Replayed batches applied between two turns of the event loop.
 REPLAY_CHUNK = 64
+# Replays one worker reads at once. Each reads and applies its answer a part at a time, between
+# the loop's turns; a proxy started after a fleet of 64 engines, asking all of them at once,
+# would have every turn of its loop wait for a part of each (bench/kv_events_replay.py). An
+# engine whose replay waits for one of these looks again every `REPLAY_SLOT_WAIT_MS`, its live
+# messages kept back meanwhile.
+REPLAYS_AT_ONCE = 4
+REPLAY_SLOT_WAIT_MS = 50
+# Messages read off one socket between two turns of the event loop: an engine answering a
+# replay sends thousands back to back, and a socket read until it is empty would keep the loop
+# (every request of this worker) waiting for as long as they keep coming.
+READ_AT_ONCE = 64
 
 
 def events_endpoint(url: str, endpoints: Mapping[str, str], port: int) -> str | None:
@@ -88,19 +104,22 @@ def _in_gpu_memory(event: Any, gpu_medium: str) -> bool:
 
 
 async def _received(sock: Any) -> list[list[bytes]]:
-    """Every message `sock` has received so far, in order, without waiting for more."""
+    """The messages `sock` has received so far, in order, at most `READ_AT_ONCE` (the rest
+    stay queued, and the socket polls ready again), without waiting for more."""
     import zmq
 
     messages: list[list[bytes]] = []
-    while True:
+    while len(messages) < READ_AT_ONCE:
         try:
             messages.append(await sock.recv_multipart(flags=zmq.NOBLOCK))
         except zmq.Again:
-            return messages
+            break
+    return messages
 
 
 async def _drain(sock: Any, stream: EngineEvents) -> None:
-    """Apply every message `sock` has received, in order, without waiting for more."""
+    """Apply the messages `sock` has received, in order, without waiting for more (at most
+    `READ_AT_ONCE`: the rest on the loop's next turn)."""
     for frames in await _received(sock):
         try:
             stream.take(frames)
@@ -122,6 +141,10 @@ class _Replay:
         self._wire: ModuleType = kv_events_wire
         self.sock = ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # No cap on what is queued here: the engine's ROUTER drops what it cannot queue for a
+        # reader whose queue is full (vLLM sends a whole replay in one loop), which would leave
+        # gaps in the answer; the answer is at most the engine's `buffer_steps` batches.
+        self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.connect(endpoint)
         self.sock.send_multipart(kv_events_wire.replay_request(first))
         self._deadline = time.monotonic() + REPLAY_TIMEOUT_S
@@ -131,8 +154,13 @@ class _Replay:
         return max(0, round(1000 * (self._deadline - time.monotonic())))
 
     async def read(self) -> list[tuple[int, bytes]] | None:
-        """What has arrived; the whole answer once its end mark is read, else None."""
-        for frames in await _received(self.sock):
+        """What has arrived; the whole answer once its end mark is read, else None. The
+        deadline counts from the last part received: a long answer read at the loop's pace is
+        not an engine that stopped answering."""
+        received = await _received(self.sock)
+        if received:
+            self._deadline = time.monotonic() + REPLAY_TIMEOUT_S
+        for frames in received:
             batch = self._wire.replayed_batch(frames)
             if batch is None:
                 continue
@@ -316,6 +344,7 @@ class KVEventsFeed:
         self._streams: dict[str, EngineEvents] = {}
         self._task: asyncio.Task[None] | None = None
         self._ctx: Any = None
+        self._replays_open = 0  # replays asked and not yet ended (`REPLAYS_AT_ONCE`)
 
     def start(self) -> None:
         import zmq.asyncio
@@ -367,6 +396,15 @@ class KVEventsFeed:
             elif not backend.healthy:
                 self._streams[url].forget()
 
+    def _end_replay(self, asked: _Replay, poller: Any) -> None:
+        """`asked` is over (answered, timed out, or superseded): its socket closed, its slot
+        free for another engine's replay."""
+        if poller is not None:
+            poller.unregister(asked.sock)
+        asked.close()
+        self._replays_open -= 1
+        metrics.KV_EVENTS_REPLAYING.dec()
+
     async def _listen(self, stream: EngineEvents, endpoint: str, replay: str | None) -> None:
         import zmq
         import zmq.asyncio
@@ -390,17 +428,23 @@ class KVEventsFeed:
             sock.connect(endpoint)
             log.info("following KV events of %s", stream.url)
             while True:
-                if asked is None and replay is not None and stream.replay_from is not None:
-                    asked = _Replay(self._ctx, replay, stream.replay_from)
+                wanted = stream.replay_from if replay is not None else None  # from this batch
+                if asked is None and wanted is not None and self._replays_open < REPLAYS_AT_ONCE:
+                    assert replay is not None  # `wanted` is only read with a replay endpoint
+                    asked = _Replay(self._ctx, replay, wanted)
+                    self._replays_open += 1
+                    metrics.KV_EVENTS_REPLAYING.inc()
                     stream.replay_from = None
                     poller.register(asked.sock, zmq.POLLIN)
-                wait_ms = None if asked is None else asked.left_ms()
+                if asked is not None:
+                    wait_ms: int | None = asked.left_ms()
+                else:  # a replay waiting for a slot looks again soon
+                    wait_ms = REPLAY_SLOT_WAIT_MS if wanted is not None else None
                 ready = dict(await poller.poll(wait_ms))
                 if asked is not None and (asked.sock in ready or asked.left_ms() == 0):
                     batches = await asked.read()
                     if batches is not None or asked.left_ms() == 0:
-                        poller.unregister(asked.sock)
-                        asked.close()
+                        self._end_replay(asked, poller)
                         asked = None
                         await stream.replayed(batches)
                 if sock in ready:
@@ -414,8 +458,7 @@ class KVEventsFeed:
                             log.info("connected to the KV events of %s", stream.url)
                             if replay is not None:
                                 if asked is not None:  # a replay of the last connection
-                                    poller.unregister(asked.sock)
-                                    asked.close()
+                                    self._end_replay(asked, poller)
                                     asked = None
                                 stream.relearn()  # what it still keeps, asked for again
                         else:
@@ -428,7 +471,7 @@ class KVEventsFeed:
                             stream.forget()
         finally:
             if asked is not None:
-                asked.close()
+                self._end_replay(asked, None)
             if stream.connected:
                 _connected(stream, False)
             sock.disable_monitor()

@@ -359,6 +359,12 @@ KV_EVENTS_GAPS = Labelled(
         ["kind"],
     )
 )
+KV_EVENTS_REPLAYING = Gauge(
+    "kvrelay_kv_events_replaying",
+    "Replays of engines' KV events being read now (summed over workers: each reads at most "
+    "4 at once, the others' wait their turn, their live events kept back meanwhile).",
+    multiprocess_mode="livesum",
+)
 KV_EVENTS_REPLAYS = Labelled(
     Counter(
         "kvrelay_kv_events_replays_total",
