@@ -532,7 +532,8 @@ class Settings(BaseSettings):
         ge=1,
         description=(
             "(engine, block) pairs the KV-events index keeps (about 200 bytes each); over "
-            "it, the oldest reported blocks of the engine holding the most are forgotten."
+            "it, the oldest reported blocks of the engines holding the most are forgotten, "
+            "down to 1/64 under it."
         ),
     )
     prefix_pull: bool = Field(

@@ -29,11 +29,13 @@ most `EXPECT_MAX` per engine, 8 bytes a token (64 engines x 32 prompts of 8k tok
 Memory: each (engine, block) costs an entry in that engine's map and a bit in the block's
 holder mask, about 200 bytes (tests/proxy/test_kv_events.py bounds it; bench/block_index_memory.py
 measures a fleet of 64 engines caching 100,000 distinct blocks each). `max_blocks` bounds the
-pairs kept: over it, the oldest reported blocks of the engine holding the most are forgotten.
+pairs kept: over it, the oldest reported blocks of the engines holding the most are forgotten,
+down to `TRIM_SLACK` under it.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from array import array
 from collections import deque
@@ -46,6 +48,8 @@ EngineHash = bytes | int
 # many such prompts are kept per engine.
 EXPECT_S = 10.0
 EXPECT_MAX = 32
+# Over its bound, the index is trimmed to this share of the bound under it (1/64).
+TRIM_SLACK = 64
 # Adopted blocks have no engine hash here: each is kept under a made-up one, past any 64-bit
 # hash an event can carry.
 _ADOPTED = 1 << 65
@@ -273,13 +277,34 @@ class BlockIndex:
 
     def _trim(self) -> None:
         """Over `max_blocks`: forget the oldest reported blocks of whichever engine holds the
-        most (an engine's cache turns over oldest first, and no engine crowds the others out)."""
-        while self._pairs > self._max_blocks:
-            url = max(self._by_engine, key=lambda u: len(self._by_engine[u]))
-            mine = self._by_engine[url]
-            key = mine.pop(next(iter(mine)))
-            self._pairs -= 1
-            self._drop(key, 1 << self._bits[url])
+        most (an engine's cache turns over oldest first, and no engine crowds the others out).
+        As if one block at a time went from the largest: the largest engines are cut to one
+        level, found in one pass over their sizes (a pass over every engine for each block
+        forgotten cost seconds when a replay filled the index: bench/kv_events_replay.py),
+        down to `TRIM_SLACK` under the bound, so that a full index trims once in so many
+        blocks stored rather than at every event."""
+        excess = self._pairs - self._max_blocks + self._max_blocks // TRIM_SLACK
+        if excess <= 0:
+            return
+        sizes = sorted((len(mine) for mine in self._by_engine.values()), reverse=True)
+        # The highest level that cutting the `k` largest engines down to frees the excess.
+        total, k, level = 0, 0, 0
+        for k, size in enumerate(sizes, 1):
+            total += size
+            level = (total - excess) // k
+            if level >= (sizes[k] if k < len(sizes) else 0):
+                break
+        spare = total - k * level - excess  # freed past the excess: these keep one more
+        for url, mine in self._by_engine.items():
+            cut = len(mine) - level
+            if cut <= 0:
+                continue
+            if spare > 0:
+                cut, spare = cut - 1, spare - 1
+            mask = 1 << self._bits[url]
+            for engine_hash in list(itertools.islice(mine, cut)):  # the oldest reported
+                self._drop(mine.pop(engine_hash), mask)
+            self._pairs -= cut
 
 
 def _extra(extra: Sequence[Any] | None) -> tuple[Any, ...] | None:
