@@ -89,7 +89,11 @@ class KVEventPublisher:
         block_size: int,
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
+        replay_send_hwm: int | None = None,
     ) -> None:
+        """`replay_send_hwm`: the replay socket's send queue per reader (None: ZMQ's default,
+        1000 messages, as vLLM leaves it; past it the socket drops what it sends that reader).
+        """
         import zmq
 
         from kvrelay import kv_events_wire
@@ -113,6 +117,8 @@ class KVEventPublisher:
         if replay_endpoint is not None:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
+            if replay_send_hwm is not None:
+                router.setsockopt(zmq.SNDHWM, replay_send_hwm)
             _bind_or_connect(router, replay_endpoint)
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._replay_thread = threading.Thread(
