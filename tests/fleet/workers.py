@@ -48,13 +48,16 @@ def worker_inflight(metrics_dir: Path, pid: int) -> float:
 class Load:
     """`threads` clients, each on its own keep-alive connection, sending completions until
     stopped; every outcome is recorded (status code or exception name), with `started` the
-    `time.monotonic()` at which its request was sent and `client` the index of the client."""
+    `time.monotonic()` at which its client began sending it, `written` when its body had been
+    written to the socket (None: it never was; httpcore's trace event) and `client` the index
+    of the client."""
 
     base_url: str
     threads: int = 4
     max_tokens: int = 16
     outcomes: list[str] = field(default_factory=list)
     started: list[float] = field(default_factory=list)
+    written: list[float | None] = field(default_factory=list)
     client: list[int] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -67,14 +70,22 @@ class Load:
                 n += 1
                 body = {"model": MODEL, "prompt": f"client {index} request {n} " * 8,
                         "max_tokens": self.max_tokens}  # fmt: skip
+                written: list[float] = []
+
+                def trace(event: str, info: dict[str, object], into: list[float] = written) -> None:
+                    if event == "http11.send_request_body.complete":
+                        into.append(time.monotonic())
+
                 sent = time.monotonic()
                 try:
-                    outcome = str(client.post("/v1/completions", json=body).status_code)
+                    answer = client.post("/v1/completions", json=body, extensions={"trace": trace})
+                    outcome = str(answer.status_code)
                 except httpx.HTTPError as exc:
                     outcome = type(exc).__name__
                 with self._lock:
                     self.outcomes.append(outcome)
                     self.started.append(sent)
+                    self.written.append(written[0] if written else None)
                     self.client.append(index)
 
     def start(self) -> Load:
