@@ -117,6 +117,12 @@ def add_chat_arguments(
     )  # fmt: skip
 
 
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux: /proc/self/statm, in pages)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def machine_description() -> str:
     """One line naming the machine: CPU model, cores, memory, OS and Python."""
     cpu = platform.processor() or platform.machine()

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import gc
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -72,11 +71,6 @@ def make_entry(i: int, blocks: int) -> KVEntry:
         release_token=f"{i:032x}",
         tp_size=1,
     )
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 async def fill(m: KVMap, start: int, stop: int, blocks: int) -> None:
@@ -161,7 +155,7 @@ async def run_backend(
     try:
         size = 0
         gc.collect()
-        mem0 = rss_bytes() if info is None else int((await info.info("memory"))["used_memory"])
+        mem0 = c.rss_bytes() if info is None else int((await info.info("memory"))["used_memory"])
         for target in sorted(args.sizes):
             t0 = time.monotonic()
             await fill(m, size, target, args.blocks)
@@ -169,7 +163,7 @@ async def run_backend(
             fill_s = time.monotonic() - t0
             gc.collect()
             if info is None:
-                grown = rss_bytes() - mem0
+                grown = c.rss_bytes() - mem0
             else:
                 grown = int((await info.info("memory"))["used_memory"]) - mem0
             await pairs(m, args.scale_clients, args.warmup, args.blocks)  # warm-up, discarded

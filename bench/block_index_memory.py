@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import resource
 import sys
 import time
 
@@ -27,12 +26,6 @@ from kvrelay.proxy.fleet import BlockIndex
 
 SECTION = "block index at scale"
 SHARED_PREFIXES = 8
-
-
-def _rss_bytes() -> int:
-    """Resident memory now (Linux: /proc/self/statm, in pages)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     prefixes = [[rng.randrange(50_000) for _ in range(shared_len)] for _ in range(SHARED_PREFIXES)]
     index = BlockIndex(args.engines * args.blocks + 1)
     gc.collect()
-    before = _rss_bytes()
+    before = c.rss_bytes()
     applied_s, stored = 0.0, 0
     for e in range(args.engines):
         url = f"http://p{e}:8000"
@@ -65,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             stored += index.stored(url, hashes, None, tokens, bs)
             applied_s += time.perf_counter() - t0
     gc.collect()
-    after = _rss_bytes()
+    after = c.rss_bytes()
     lookup = [*rng.choice(prefixes), *(rng.randrange(50_000) for _ in range(args.lookup_tokens))]
     lookup = lookup[: args.lookup_tokens]
     times = []
@@ -95,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "The default bound, `KVRELAY_KV_EVENTS_MAX_BLOCKS` = 2,000,000 pairs, is about "
         f"{2_000_000 * per_pair / 2**20:,.0f} MiB at this size per pair; over it, the oldest "
-        "reported blocks of the engine holding the most are forgotten.",
+        "reported blocks of the engines holding the most are forgotten, down to 1/64 under it.",
     ]
     c.publish(SECTION, "\n".join(lines), args.no_results)
     return 0

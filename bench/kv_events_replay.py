@@ -120,14 +120,6 @@ def _replays() -> dict[str, float]:
     return counts
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
-
-
 async def measure(args: argparse.Namespace, endpoints: list[list[str]]) -> dict[str, Any]:
     """One feed connecting to every publisher at once, until each replay ended."""
     pool = Pool("prefill", 3, 2)
@@ -152,7 +144,7 @@ async def measure(args: argparse.Namespace, endpoints: list[list[str]]) -> dict[
     import zmq.utils.monitor  # noqa: F401
 
     before = _replays()
-    rss_before = _rss_kib()
+    rss_before = c.rss_bytes()
     tick = asyncio.get_running_loop().create_task(ticker())
     cpu0, t0 = time.process_time(), time.monotonic()
     feed.start()
@@ -174,7 +166,7 @@ async def measure(args: argparse.Namespace, endpoints: list[list[str]]) -> dict[
         "cpu_s": cpu,
         "longest_stall_s": max(lags, default=0.0),
         "p99_stall_s": sorted(lags)[int(0.99 * (len(lags) - 1))] if lags else 0.0,
-        "rss_before_kib": rss_before,
+        "rss_before_kib": rss_before // 1024,
         "peak_rss_kib": peak_kib,
         "pairs": index.pairs,
         "expected_pairs": total,
