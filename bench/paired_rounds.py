@@ -16,6 +16,18 @@ tell. The verdict on "ours never below the rival": MISSED where the interval of 
 attainment difference lies below zero at a rate, met where it lies at or above zero at every
 rate, else level: no difference these rounds can tell, of at most the interval's lower end.
 
+Goodput over all the rounds together (`pooled_goodput`): one round's goodput is where its
+curve crosses the SLO share, and where both curves run flat near that share (past the knee) a
+point of attainment, one request in a hundred, moves that crossing by req/s: round by round the
+signs are mostly noise. Each configuration's curve averaged over the paired rounds (each rate's
+mean over the rounds that ran it) crosses where the rounds agree; its difference gets a 95%
+interval by resampling the rounds (bootstrap, rounds that ran the same rates resampled among
+themselves, a fixed seed so the output repeats), and the verdict on "never below" by goodput:
+met where the interval lies at or above zero, MISSED where it lies below, else undetermined. A
+curve that does not cross counts by its bound (at least the highest rate, below the lowest),
+the interval taking the side's worst end. With three runs or more it also gives each side's
+pooled goodput leaving out one run at a time: how far one run moves it.
+
 Example: `.venv/bin/python -m bench.paired_rounds --ours 'kvrelay default (2P+6D)' --rival
 'kvrelay holds off (2P+6D)' /tmp/runAN.json /tmp/runAR.json` (`--ours` again: another name
 the same configuration had in an older run). Prints markdown; writes nothing.
@@ -25,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +77,137 @@ def goodput_sign(ours: tc.Goodput, rival: tc.Goodput) -> str:
     if o_hi < r_lo or (o_hi == r_lo and o_open):
         return "below"
     return "unknown"
+
+
+# One paired round: rate -> (ours' attainment, the rival's).
+RoundCurves = Mapping[float, tuple[float, float]]
+RESAMPLES = 10_000
+SEED = 0
+
+
+def paired_rounds(
+    pairs: Sequence[_paired.Pair],
+) -> dict[tuple[str, int], dict[float, tuple[float, float]]]:
+    """The pairs regrouped by round, (run, round) -> rate -> (ours, rival): a round's rates
+    resample together (they ran on the same machine minutes apart)."""
+    out: dict[tuple[str, int], dict[float, tuple[float, float]]] = {}
+    for p in pairs:
+        out.setdefault((p.run, p.round), {})[round(p.rate, 2)] = (
+            p.ours_attainment,
+            p.rival_attainment,
+        )
+    return out
+
+
+def curve_goodputs(rounds: Sequence[RoundCurves]) -> tuple[tc.Goodput, tc.Goodput]:
+    """Ours' and the rival's goodput from their attainment curves averaged over `rounds`, each
+    rate's mean over the rounds that ran it (one value each, a bound where it did not cross)."""
+    by_rate: dict[float, list[tuple[float, float]]] = {}
+    for curves in rounds:
+        for rate, both in curves.items():
+            by_rate.setdefault(rate, []).append(both)
+    sides = []
+    for side in (0, 1):
+        value, label = tc.goodput(
+            [(rate, statistics.fmean(b[side] for b in both)) for rate, both in by_rate.items()]
+        )
+        sides.append(tc.Goodput((value,), (label,)))
+    return sides[0], sides[1]
+
+
+def _difference_bounds(ours: tc.Goodput, rival: tc.Goodput) -> tuple[float, float]:
+    """(lowest, highest) that ours minus the rival can be, given each side's bounds."""
+    (o_lo, o_hi), (r_lo, r_hi) = ours.bounds()[0], rival.bounds()[0]
+    return o_lo - r_hi, o_hi - r_lo
+
+
+@dataclass(frozen=True)
+class PooledGoodput:
+    """Goodput of both configurations' curves averaged over the paired rounds, the 95%
+    interval of ours minus the rival (bootstrap over rounds), and each side's range leaving
+    out one run at a time (empty with fewer than three runs)."""
+
+    ours: tc.Goodput
+    rival: tc.Goodput
+    low: float
+    high: float
+    rounds: int
+    resamples: int
+    ours_without_one: tuple[float, float] | None = None
+    rival_without_one: tuple[float, float] | None = None
+
+    @property
+    def verdict(self) -> str:
+        if self.low >= 0:
+            return "met"
+        if self.high < 0:
+            return "MISSED"
+        return "undetermined"
+
+    def line(self) -> str:
+        text = (
+            f"- goodput of the {self.rounds} paired rounds' mean curves (each rate's mean over "
+            f"the rounds that ran it): ours {self.ours.labels[0]} req/s, the rival "
+            f"{self.rival.labels[0]}; ours - rival {_signed(self.low)} to {_signed(self.high)} "
+            f"req/s (95%, bootstrap over rounds, {self.resamples} resamples)"
+        )
+        if self.ours_without_one is not None and self.rival_without_one is not None:
+            (o_lo, o_hi), (r_lo, r_hi) = self.ours_without_one, self.rival_without_one
+            text += (
+                f"; leaving out one run at a time, ours {o_lo:.2f}-{o_hi:.2f}, the rival "
+                f"{r_lo:.2f}-{r_hi:.2f}"
+            )
+        return f"{text} -> {self.verdict} (aim: ours never below the rival)"
+
+
+def _signed(value: float) -> str:
+    return "-inf" if value == -math.inf else "+inf" if value == math.inf else f"{value:+.2f}"
+
+
+def pooled_goodput(
+    pairs: Sequence[_paired.Pair], resamples: int = RESAMPLES, seed: int = SEED
+) -> PooledGoodput | None:
+    """Goodput from the rounds' mean curves with its bootstrap interval (see the module's
+    text); None where fewer than two rounds paired or no rate but one was measured."""
+    rounds = paired_rounds(pairs)
+    if len(rounds) < 2 or len({rate for curves in rounds.values() for rate in curves}) < 2:
+        return None
+    # Rounds that ran the same rates are resampled among themselves, so every resample has
+    # each rate from as many rounds as the data has.
+    strata: dict[frozenset[float], list[dict[float, tuple[float, float]]]] = {}
+    for curves in rounds.values():
+        strata.setdefault(frozenset(curves), []).append(curves)
+    rng = random.Random(seed)
+    lows, highs = [], []
+    for _ in range(resamples):
+        sample = [rng.choice(group) for group in strata.values() for _ in group]
+        low, high = _difference_bounds(*curve_goodputs(sample))
+        lows.append(low)
+        highs.append(high)
+    lows.sort()
+    highs.sort()
+    tail = int(0.025 * resamples)
+    ours, rival = curve_goodputs(list(rounds.values()))
+    runs = sorted({run for run, _ in rounds})
+    without: list[tuple[tc.Goodput, tc.Goodput]] = []
+    if len(runs) >= 3:
+        without = [
+            curve_goodputs([c for (run, _), c in rounds.items() if run != left]) for left in runs
+        ]
+    return PooledGoodput(
+        ours,
+        rival,
+        lows[tail],
+        highs[resamples - 1 - tail],
+        len(rounds),
+        resamples,
+        _range([o.values[0] for o, _ in without]),
+        _range([r.values[0] for _, r in without]),
+    )
+
+
+def _range(values: Sequence[float]) -> tuple[float, float] | None:
+    return (min(values), max(values)) if values else None
 
 
 def reuse_verdict(low: float, high: float, attainments: Sequence[float], aim: float) -> str:
@@ -127,6 +273,9 @@ def render(
         f"- ours never below the rival (SLO attainment, paired rounds): "
         f"{_paired.attainment_verdict(diffs_by_rate)}",
     ]
+    pooled = pooled_goodput(pairs)
+    if pooled is not None:
+        lines.append(pooled.line())
     for rate, group in sorted(groups.items()):
         _, r_low, r_high = _paired.mean_interval([p.ours_reuse for p in group])
         verdict = reuse_verdict(r_low, r_high, [p.ours_attainment for p in group], aim)

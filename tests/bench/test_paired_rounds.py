@@ -117,6 +117,10 @@ def test_main_pools_files_and_judges_reuse_only_within_the_slo(
     assert "13.80 req/s" in out and "not judged" in out  # 85% of requests: outside the SLO
     # Within the SLO (9.20 only): +2, -2 and +2 points: above twice, below once.
     assert "(3 pairs of a round and a rate): ours above in 2, level in 0, below in 1" in out
+    # Both curves cross between 9.20 and 13.80: the pooled goodput's line, with its verdict.
+    pooled = next(line for line in out.splitlines() if "paired rounds' mean curves" in line)
+    assert pooled.startswith("- goodput of the 3 paired rounds' mean curves")
+    assert pooled.endswith("(aim: ours never below the rival)")
     with pytest.raises(SystemExit, match="no run measured both"):
         pr.main(["--ours", "nobody", "--rival", RIVAL, *paths])
 
@@ -184,3 +188,103 @@ def test_ours_reuse_over_its_rounds_is_not_judged_outside_the_slo() -> None:
     rounds = [_paired.Round("a.json", 13.8, 0.85, 0.95), _paired.Round("b.json", 13.8, 0.86, 0.97)]
     (line,) = pr.reuse_lines(rounds, 0.9)
     assert "not judged: ours met the SLO for 86% of requests" in line
+
+
+def pair(run: str, index: int, rate: float, ours: float, rival: float) -> _paired.Pair:
+    return _paired.Pair(run, index, rate, ours, rival, 0.95)
+
+
+def rounds_of_pairs(
+    curves: list[tuple[float, float, float, float]], run: str = "a.json"
+) -> list[_paired.Pair]:
+    """Pairs from rounds given as (ours at 9.20, rival at 9.20, ours at 13.80, rival at 13.80)."""
+    out = []
+    for i, (o1, r1, o2, r2) in enumerate(curves):
+        out += [pair(run, i, 9.2, o1, r1), pair(run, i, 13.8, o2, r2)]
+    return out
+
+
+def test_pooled_goodput_is_where_the_rounds_mean_curve_crosses() -> None:
+    # Ours' mean curve: 0.92 at 9.20, 0.86 at 13.80 -> crosses 0.9 a third of the way;
+    # the rival's: 0.91 and 0.87 -> a quarter of the way.
+    pairs = rounds_of_pairs([(0.93, 0.91, 0.85, 0.86), (0.91, 0.91, 0.87, 0.88)])
+    pooled = pr.pooled_goodput(pairs, resamples=200)
+    assert pooled is not None
+    assert pooled.ours.values[0] == pytest.approx(9.2 + 4.6 / 3)
+    assert pooled.rival.values[0] == pytest.approx(9.2 + 4.6 / 4)
+    assert pooled.rounds == 2
+    # Resampling two rounds: every resample's difference lies between the extremes of
+    # taking either round twice.
+    assert pooled.low <= pooled.ours.values[0] - pooled.rival.values[0] <= pooled.high
+
+
+def test_pooled_goodput_verdicts_above_below_and_noise() -> None:
+    above = rounds_of_pairs(
+        [(0.93, 0.91, 0.87, 0.85), (0.92, 0.905, 0.88, 0.86), (0.94, 0.91, 0.86, 0.85)] * 2
+    )
+    result = pr.pooled_goodput(above)
+    assert result is not None and result.verdict == "met" and result.low > 0
+    below = rounds_of_pairs(
+        [(0.91, 0.93, 0.85, 0.87), (0.905, 0.92, 0.86, 0.88), (0.91, 0.94, 0.85, 0.86)] * 2
+    )
+    result = pr.pooled_goodput(below)
+    assert result is not None and result.verdict == "MISSED" and result.high < 0
+    # The sign of the difference flips from round to round: no side can be told.
+    noise = rounds_of_pairs(
+        [(0.93, 0.91, 0.85, 0.87), (0.91, 0.93, 0.87, 0.85), (0.92, 0.92, 0.86, 0.86)] * 2
+    )
+    result = pr.pooled_goodput(noise)
+    assert result is not None and result.verdict == "undetermined"
+    assert result.low < 0 < result.high
+    # The same pairs, the same seed: the same interval.
+    again = pr.pooled_goodput(noise)
+    assert again is not None and (again.low, again.high) == (result.low, result.high)
+
+
+def test_pooled_goodput_takes_a_curve_that_never_crossed_by_its_worse_bound() -> None:
+    # Ours meets the SLO at both rates (goodput at least 13.80), the rival crosses: above.
+    pairs = rounds_of_pairs([(0.95, 0.92, 0.91, 0.86), (0.94, 0.91, 0.92, 0.87)])
+    result = pr.pooled_goodput(pairs, resamples=200)
+    assert result is not None and result.ours.labels[0] == ">= 13.80"
+    assert result.low > 0 and result.high == math.inf and result.verdict == "met"
+    # Both at least 13.80: at least level, but nothing says by how much either way.
+    both = rounds_of_pairs([(0.95, 0.95, 0.91, 0.92), (0.94, 0.96, 0.92, 0.91)])
+    result = pr.pooled_goodput(both, resamples=200)
+    assert result is not None and result.verdict == "undetermined"
+    assert result.low == -math.inf and result.high == math.inf
+
+
+def test_pooled_goodput_resamples_rounds_with_the_same_rates_together() -> None:
+    # Run a measured 4.60 and 9.20, run b 9.20 and 13.80: the crossing lies between 9.20 and
+    # 13.80, which only b's rounds measured; every resample keeps two of b's rounds, so every
+    # resample's curve reaches 13.80 and crosses.
+    a = [pair("a.json", i, 4.6, 0.95, 0.94) for i in range(3)]
+    a += [pair("a.json", i, 9.2, 0.93, 0.92) for i in range(3)]
+    b = rounds_of_pairs([(0.93, 0.91, 0.87, 0.85), (0.92, 0.91, 0.88, 0.86)], run="b.json")
+    result = pr.pooled_goodput(a + b, resamples=300)
+    assert result is not None and result.rounds == 5
+    assert result.low != -math.inf and result.high != math.inf
+    assert result.verdict == "met"
+    # One rate only, or one round: nothing to cross or to resample.
+    assert pr.pooled_goodput([pair("a.json", i, 9.2, 0.9, 0.9) for i in range(3)]) is None
+    assert pr.pooled_goodput(rounds_of_pairs([(0.93, 0.91, 0.87, 0.85)])) is None
+
+
+def test_pooled_goodput_leaves_out_one_run_at_a_time_from_three_runs() -> None:
+    runs = [
+        rounds_of_pairs([(0.93, 0.91, 0.87, 0.85), (0.92, 0.91, 0.88, 0.86)], run=f"{n}.json")
+        for n in "ab"
+    ]
+    # The third run's rounds put ours lower: leaving it out lifts ours.
+    runs.append(rounds_of_pairs([(0.905, 0.91, 0.85, 0.86)] * 2, run="c.json"))
+    result = pr.pooled_goodput([p for run in runs for p in run], resamples=300)
+    assert result is not None and result.ours_without_one is not None
+    without_c = pr.curve_goodputs(
+        list(pr.paired_rounds([p for run in runs[:2] for p in run]).values())
+    )[0]
+    assert result.ours_without_one[1] == pytest.approx(without_c.values[0])
+    assert result.ours_without_one[0] < result.ours.values[0] < result.ours_without_one[1]
+    assert "leaving out one run at a time" in result.line()
+    two = pr.pooled_goodput([p for run in runs[:2] for p in run], resamples=100)
+    assert two is not None and two.ours_without_one is None
+    assert "leaving out" not in two.line()
