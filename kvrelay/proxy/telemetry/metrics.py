@@ -361,8 +361,8 @@ KV_EVENTS_GAPS = Labelled(
 )
 KV_EVENTS_REPLAYING = Gauge(
     "kvrelay_kv_events_replaying",
-    "Replays of engines' KV events being read now (summed over workers: each reads at most "
-    "4 at once, the others' wait their turn, their live events kept back meanwhile).",
+    "Replays of engines' KV events being read now (summed over workers: each reads a few at "
+    "once, the rest wait their turn with their live events kept back; docs/OPERATIONS.md).",
     multiprocess_mode="livesum",
 )
 KV_EVENTS_REPLAYS = Labelled(
