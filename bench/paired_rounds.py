@@ -133,8 +133,9 @@ class PooledGoodput:
     high: float
     rounds: int
     resamples: int
-    ours_without_one: tuple[float, float] | None = None
-    rival_without_one: tuple[float, float] | None = None
+    # Each side's pooled goodput with one run left out, run by run (empty under three runs).
+    ours_without_one: tuple[tc.Goodput, ...] = ()
+    rival_without_one: tuple[tc.Goodput, ...] = ()
 
     @property
     def verdict(self) -> str:
@@ -151,11 +152,10 @@ class PooledGoodput:
             f"{self.rival.labels[0]}; ours - rival {_signed(self.low)} to {_signed(self.high)} "
             f"req/s (95%, bootstrap over rounds, {self.resamples} resamples)"
         )
-        if self.ours_without_one is not None and self.rival_without_one is not None:
-            (o_lo, o_hi), (r_lo, r_hi) = self.ours_without_one, self.rival_without_one
+        if self.ours_without_one and self.rival_without_one:
             text += (
-                f"; leaving out one run at a time, ours {o_lo:.2f}-{o_hi:.2f}, the rival "
-                f"{r_lo:.2f}-{r_hi:.2f}"
+                f"; leaving out one run at a time, ours {_spread(self.ours_without_one)}, the "
+                f"rival {_spread(self.rival_without_one)}"
             )
         return f"{text} -> {self.verdict} (aim: ours never below the rival)"
 
@@ -201,13 +201,17 @@ def pooled_goodput(
         highs[resamples - 1 - tail],
         len(rounds),
         resamples,
-        _range([o.values[0] for o, _ in without]),
-        _range([r.values[0] for _, r in without]),
+        tuple(o for o, _ in without),
+        tuple(r for _, r in without),
     )
 
 
-def _range(values: Sequence[float]) -> tuple[float, float] | None:
-    return (min(values), max(values)) if values else None
+def _spread(goodputs: Sequence[tc.Goodput]) -> str:
+    """lowest-highest where every curve crossed; else each one's value or bound, in order."""
+    if all(g.crossed for g in goodputs):
+        values = [g.values[0] for g in goodputs]
+        return f"{min(values):.2f}-{max(values):.2f}"
+    return " / ".join(g.labels[0] for g in goodputs)
 
 
 def reuse_verdict(low: float, high: float, attainments: Sequence[float], aim: float) -> str:

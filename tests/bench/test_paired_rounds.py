@@ -278,13 +278,29 @@ def test_pooled_goodput_leaves_out_one_run_at_a_time_from_three_runs() -> None:
     # The third run's rounds put ours lower: leaving it out lifts ours.
     runs.append(rounds_of_pairs([(0.905, 0.91, 0.85, 0.86)] * 2, run="c.json"))
     result = pr.pooled_goodput([p for run in runs for p in run], resamples=300)
-    assert result is not None and result.ours_without_one is not None
+    assert result is not None and len(result.ours_without_one) == 3
     without_c = pr.curve_goodputs(
         list(pr.paired_rounds([p for run in runs[:2] for p in run]).values())
     )[0]
-    assert result.ours_without_one[1] == pytest.approx(without_c.values[0])
-    assert result.ours_without_one[0] < result.ours.values[0] < result.ours_without_one[1]
-    assert "leaving out one run at a time" in result.line()
+    # Runs in name order: a, b, c; leaving out c lifts ours above the pooled goodput.
+    left_out_c = result.ours_without_one[2].values[0]
+    assert left_out_c == pytest.approx(without_c.values[0])
+    assert result.ours_without_one[0].values[0] < result.ours.values[0] < left_out_c
+    lowest = min(g.values[0] for g in result.ours_without_one)
+    assert f"leaving out one run at a time, ours {lowest:.2f}-{left_out_c:.2f}" in result.line()
     two = pr.pooled_goodput([p for run in runs[:2] for p in run], resamples=100)
-    assert two is not None and two.ours_without_one is None
+    assert two is not None and two.ours_without_one == ()
     assert "leaving out" not in two.line()
+
+
+def test_leaving_out_a_run_that_alone_reached_the_crossing_shows_the_bound() -> None:
+    # Run low.json alone measured 4.60 req/s (both above 90%); runs a and b only 9.20 (both
+    # below): the pooled curves cross between the two rates. Without low.json they start
+    # below 90%, a bound, which the line writes as such (not as a goodput of 0).
+    low = [pair("low.json", i, 4.6, 0.95, 0.95) for i in range(2)]
+    high = [pair(f"{n}.json", i, 9.2, 0.85, 0.84) for n in "ab" for i in range(2)]
+    result = pr.pooled_goodput(low + high, resamples=100)
+    assert result is not None and result.ours.crossed
+    assert [g.labels[0] for g in result.ours_without_one][2] == "< 9.20"
+    line = result.line()
+    assert "< 9.20" in line and "0.00-" not in line
