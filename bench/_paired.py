@@ -104,6 +104,19 @@ def by_rate(pairs: Sequence[AtRate]) -> dict[float, list[AtRate]]:
     return out
 
 
+def by_round(pairs: Sequence[Pair]) -> dict[tuple[str, int], dict[float, tuple[float, float]]]:
+    """The pairs regrouped by round, (run, round) -> rate (to the hundredth, as `by_rate`) ->
+    (ours' attainment, the rival's): a round's rates go together (they ran on the same
+    machine minutes apart)."""
+    out: dict[tuple[str, int], dict[float, tuple[float, float]]] = {}
+    for p in pairs:
+        out.setdefault((p.run, p.round), {})[round(p.rate, 2)] = (
+            p.ours_attainment,
+            p.rival_attainment,
+        )
+    return out
+
+
 def differences(group: Sequence[Pair]) -> list[float]:
     """Ours' SLO attainment minus the rival's, pair by pair."""
     return [p.ours_attainment - p.rival_attainment for p in group]

@@ -85,20 +85,6 @@ RESAMPLES = 10_000
 SEED = 0
 
 
-def paired_rounds(
-    pairs: Sequence[_paired.Pair],
-) -> dict[tuple[str, int], dict[float, tuple[float, float]]]:
-    """The pairs regrouped by round, (run, round) -> rate -> (ours, rival): a round's rates
-    resample together (they ran on the same machine minutes apart)."""
-    out: dict[tuple[str, int], dict[float, tuple[float, float]]] = {}
-    for p in pairs:
-        out.setdefault((p.run, p.round), {})[round(p.rate, 2)] = (
-            p.ours_attainment,
-            p.rival_attainment,
-        )
-    return out
-
-
 def curve_goodputs(rounds: Sequence[RoundCurves]) -> tuple[tc.Goodput, tc.Goodput]:
     """Ours' and the rival's goodput from their attainment curves averaged over `rounds`, each
     rate's mean over the rounds that ran it (one value each, a bound where it did not cross)."""
@@ -169,7 +155,7 @@ def pooled_goodput(
 ) -> PooledGoodput | None:
     """Goodput from the rounds' mean curves with its bootstrap interval (see the module's
     text); None where fewer than two rounds paired or no rate but one was measured."""
-    rounds = paired_rounds(pairs)
+    rounds = _paired.by_round(pairs)
     if len(rounds) < 2 or len({rate for curves in rounds.values() for rate in curves}) < 2:
         return None
     # Rounds that ran the same rates are resampled among themselves, so every resample has

@@ -280,7 +280,7 @@ def test_pooled_goodput_leaves_out_one_run_at_a_time_from_three_runs() -> None:
     result = pr.pooled_goodput([p for run in runs for p in run], resamples=300)
     assert result is not None and len(result.ours_without_one) == 3
     without_c = pr.curve_goodputs(
-        list(pr.paired_rounds([p for run in runs[:2] for p in run]).values())
+        list(_paired.by_round([p for run in runs[:2] for p in run]).values())
     )[0]
     # Runs in name order: a, b, c; leaving out c lifts ours above the pooled goodput.
     left_out_c = result.ours_without_one[2].values[0]
