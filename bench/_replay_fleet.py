@@ -53,9 +53,9 @@ keeps the connector's unscaled default (a scaled P lease of a few seconds would 
 queueing and turn pulls into recomputation, which production would not see).
 
 `EngineSampler` reads every engine's `/metrics` while a replay runs: D's blocks held for
-remote readers over time (`enginesim_blocks_held_for_remote`), and at the start and end the
-engines' own prompt token counters (`vllm:prompt_tokens_by_source`), so reuse is counted by the
-engines, not by the proxy.
+remote readers over time (`enginesim_blocks_held_for_remote`) and each D's queue, and at the
+start and end the engines' own prompt token counters (`vllm:prompt_tokens_by_source`), so reuse
+is counted by the engines, not by the proxy.
 """
 
 from __future__ import annotations
@@ -532,9 +532,15 @@ def pinned_share(held: Sequence[tuple[float, float]]) -> dict[str, float]:
     return {"mean": sum(shares) / len(shares), "max": max(shares)}
 
 
+# Each holder's queue in a sample (`EngineSampler.series`' "d": these, then its held blocks),
+# to see where turns waited while holds were pinned.
+D_QUEUE = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
 @dataclass
 class EngineSampler:
-    """Samples the holders' held blocks every `interval_s` while a replay runs."""
+    """Samples the holders' held blocks, and each holder's queue and KV usage (`D_QUEUE`),
+    every `interval_s` while a replay runs."""
 
     fleet: Fleet
     interval_s: float = 1.0
@@ -607,13 +613,16 @@ class EngineSampler:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
             while not self._stop.is_set():
                 held = total = 0.0
+                per_d: list[list[float]] = []
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                     for e in self.fleet.holders:
                         page = await self.scrape(http, e.url)
-                        held += page.get("enginesim_blocks_held_for_remote", 0.0)
+                        d_held = page.get("enginesim_blocks_held_for_remote", 0.0)
+                        held += d_held
                         total += page.get("enginesim_blocks_total", 0.0)
+                        per_d.append([series_sum(page, name) for name in D_QUEUE] + [d_held])
                     self.series.append(
-                        {"t_s": time.perf_counter() - t0, "held": held, "total": total}
+                        {"t_s": time.perf_counter() - t0, "held": held, "total": total, "d": per_d}
                     )
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), self.interval_s)

@@ -1115,6 +1115,8 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "records": run["records"],
                         "frees": run["frees"],
                         "fleet_prompt_tokens": run["fleet_prompt_tokens"],
+                        # D's held blocks, queue and KV usage over the run (`EngineSampler`).
+                        "engine_series": run["held_series"],
                     }
                 )
                 if rnd == 0 and si == len(args.scales) // 2:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from bench import _common as c
@@ -300,6 +301,25 @@ def test_aggregated_fleet_starts_and_its_engines_count_computed_prompt_tokens() 
                 await asyncio.sleep(0.05)
 
         assert asyncio.run(computed_after_warm_up()) >= 2 * 64
+
+        async def one_sample() -> dict[str, object]:
+            async with aiohttp.ClientSession() as http:
+                page = await sampler.scrape(http, f.holders[0].url)
+            # Every queue gauge the sampler reads is one the engine exports.
+            assert {k.split("{", 1)[0] for k in page} >= set(rf.D_QUEUE)
+            task = asyncio.create_task(sampler.run())
+            for _ in range(200):  # the first sample, waited on for at most 10 s
+                if sampler.series:
+                    break
+                await asyncio.sleep(0.05)
+            sampler.stop()
+            await task
+            return sampler.series[0]
+
+        sample = asyncio.run(one_sample())
+        per_d = sample["d"]
+        assert isinstance(per_d, list) and len(per_d) == len(f.holders)
+        assert all(len(d) == len(rf.D_QUEUE) + 1 for d in per_d)
     assert not f.front.process.alive and not any(e.process.alive for e in f.engines)
 
 
