@@ -207,6 +207,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--conversation-ids", action="store_true", help="send X-Conversation-Id")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (runs per row)")
     p.add_argument(
+        "--prime-holds",
+        type=int,
+        default=1,
+        metavar="WAVES",
+        help="warm-up waves of one-off requests, each followed by the proxy's scaled hold "
+        "patience, so that kvrelay has judged whether the tenant's holds pay before the replay "
+        "(1: one wave, no wait, the replay starting with the learning period)",
+    )
+    p.add_argument(
         "--load-bound",
         type=float,
         default=float(os.cpu_count() or 2),
@@ -378,12 +387,17 @@ def replayer_args(args: argparse.Namespace, url: str, scale: float) -> argparse.
     return replay_mod.parse_args(argv)
 
 
-async def warm_up(url: str, engines: int) -> None:
-    """Short requests through the front, unmeasured: NIXL handshakes happen here."""
+async def warm_up(url: str, engines: int, waves: int = 1, settle_s: float = 0.0) -> None:
+    """Short requests through the front, unmeasured: NIXL handshakes happen here. With
+    `waves` over 1, that many waves of them, each followed by `settle_s` (the proxy's scaled
+    hold patience, `--prime-holds`): one-off requests whose holds no turn takes, so that a
+    proxy that judges its tenants' holds has judged this one's before the replay starts, as a
+    proxy serving this tenant for more than its patience would have."""
     async with replay_mod.ChatStreams(url, "bench", timeout_s=120) as client:
         model = await client.first_model()
 
         async def one(i: int) -> None:
+            # Distinct texts, none of the trace's (its block ids are not negative).
             text = tr.text_at([-1 - i], 0, 64, tr.TRACE_BLOCK_TOKENS)
             body = {
                 "model": model,
@@ -393,13 +407,20 @@ async def warm_up(url: str, engines: int) -> None:
             }
             await client.stream(body, {}, time.perf_counter)
 
-        await asyncio.gather(*(one(i) for i in range(2 * engines)))
+        n = 2 * engines
+        for wave in range(waves):
+            await asyncio.gather(*(one(wave * n + i) for i in range(n)))
+            if waves > 1:
+                await asyncio.sleep(settle_s)  # the holds' patience, a modelled wait
+        if waves > 1:
+            await one(waves * n)  # a turn after the last patience: the judgement is made
 
 
 async def run_once(
     fleet: rf.Fleet, plan: tr.Plan, args: argparse.Namespace, scale: float
 ) -> dict[str, Any]:
-    await warm_up(fleet.url, len(fleet.engines))
+    patience_s = float(replay_mod.scaled_settings(scale)["proxy_env"]["KVRELAY_HOLD_JUDGE_S"])
+    await warm_up(fleet.url, len(fleet.engines), args.prime_holds, patience_s * 1.2)
     sampler = rf.EngineSampler(fleet, interval_s=max(0.25, 10.0 / scale))
     before = await sampler.counters()
     frees_before = await sampler.frees()
@@ -417,6 +438,9 @@ async def run_once(
         "summary": result["summary"],
         "fleet_prompt_tokens": fleet_tokens,
         "frees": {k: v - frees_before.get(k, 0.0) for k, v in frees.items()},
+        # Turns of the warm-up that did not ask D to hold: with --prime-holds, whether kvrelay
+        # had judged the tenant's holds before the replay.
+        "warm_up_holds_declined": frees_before.get("holds_declined", 0.0),
         "held_series": sampler.series,
         "records": [{k: r.get(k) for k in RECORD_FIELDS} for r in result["records"]],
     }
@@ -1117,6 +1141,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "fleet_prompt_tokens": run["fleet_prompt_tokens"],
                         # D's held blocks, queue and KV usage over the run (`EngineSampler`).
                         "engine_series": run["held_series"],
+                        "warm_up_holds_declined": run["warm_up_holds_declined"],
                     }
                 )
                 if rnd == 0 and si == len(args.scales) // 2:

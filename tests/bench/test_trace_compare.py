@@ -323,6 +323,29 @@ def test_aggregated_fleet_starts_and_its_engines_count_computed_prompt_tokens() 
     assert not f.front.process.alive and not any(e.process.alive for e in f.engines)
 
 
+def test_priming_the_holds_has_kvrelay_judge_the_tenant_before_the_replay() -> None:
+    # One P and one D: a warm-up wave is four one-off requests, each leaving a hold no turn
+    # takes. One wave leaves the tenant unjudged (every turn still holds); waves that each wait
+    # out the scaled patience give kvrelay enough decided holds to stop asking.
+    hw = hardware(engines=2, prefill_engines=1, kv_scale=0.02)
+    system = rf.system_by_label("kvrelay default")
+    scale = 120.0
+    settings = trace_replay.scaled_settings(scale)
+    patience_s = float(settings["proxy_env"]["KVRELAY_HOLD_JUDGE_S"])
+    declined = rf.HOLDS_TAKEN["holds_declined"]
+    with rf.fleet(system, hw, scale, settings, "t") as f:
+        sampler = rf.EngineSampler(f)
+
+        async def declined_after(waves: int) -> float:
+            await tc.warm_up(f.url, len(f.engines), waves, patience_s * 1.2)
+            async with aiohttp.ClientSession() as http:
+                return (await sampler.scrape(http, f.url)).get(declined, 0.0)
+
+        assert asyncio.run(declined_after(1)) == 0
+        assert asyncio.run(declined_after(6)) >= 1
+    assert not f.front.process.alive and not any(e.process.alive for e in f.engines)
+
+
 def test_lease_race_counts_later_turns_arriving_after_the_hold_expired() -> None:
     # Three conversations of two turns; second turns 60 s, 118 s and 300 s after the first.
     reqs = [
