@@ -100,6 +100,7 @@ RECORD_FIELDS = (
     "cached_tokens",
     "routing",
     "prefilled_by",
+    "loaded_tokens",
     "error",
 )
 

@@ -165,6 +165,7 @@ class Record:
     # kvrelay's account in the stream's usage event: how the turn was routed and who prefilled.
     routing: str | None = None
     prefilled_by: str | None = None
+    loaded_tokens: int | None = None  # read from another engine's KV (a pull), as it reported
     history_substituted: bool = False  # the predecessor failed: trace text stood in for it
     error: str | None = None
     reply: str | None = None  # with --record-messages
@@ -365,6 +366,7 @@ class Replayer:
             if isinstance(account, dict):
                 rec.routing = account.get("routing")
                 rec.prefilled_by = account.get("prefilled_by")
+                rec.loaded_tokens = account.get("loaded_tokens")
         rec.end_s = self.now()
         rec.ttft_s = rec.first_token_s - rec.sent_s
         tokens = rec.completion_tokens or len(reply)

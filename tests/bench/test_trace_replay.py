@@ -233,3 +233,6 @@ def test_replay_through_kvrelay_sends_real_answers_as_history_and_reuses(
     decisions = {"decode_only", "spilled", "prefill_affinity", "prefill_chosen"}
     assert all(r["routing"] in decisions and r["prefilled_by"] for r in records)
     assert {r["routing"] for r in records if r["turn"] == 1} <= {"prefill_chosen", "spilled"}
+    # And what the prefilling engine read from another's KV (the history D held), as it said.
+    assert all(isinstance(r["loaded_tokens"], int) for r in records)
+    assert sum(r["loaded_tokens"] for r in later) > 0
