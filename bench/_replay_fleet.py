@@ -124,6 +124,8 @@ PULL_RESULTS = ("pinned", "pulled", "not_pulled", "pin_failed", "pin_timeout")
 LEGS = ("prefill", "decode")  # the leg that pulled: a turn's P, or a spilled turn's D
 PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
 PINS = "kvrelay_prefix_pins_total"
+# From a pin's request to the holder's answer, by the holder's pool (a histogram).
+PIN_SECONDS = "kvrelay_prefix_pin_seconds"
 # Turns that waited for another turn computing most of their prompt (`prefix_wait_max_s`):
 # it computed it in time, or the wait ran out.
 PREFIX_WAITS = {
@@ -606,6 +608,11 @@ class EngineSampler:
                 out["pulled_tokens"] = page.get(PULLED_TOKENS, 0.0)
                 # Pins made on a D (a history or prefix in D's cache, pulled by a P).
                 out["pins_on_d"] = page.get(f'{PINS}{{holder="decode"}}', 0.0)
+                # The pins' answer times (pin_s_<pool>_sum / _count): what a pull waited.
+                for pool in ("prefill", "decode"):
+                    for part in ("sum", "count"):
+                        sample = f'{PIN_SECONDS}_{part}{{holder="{pool}"}}'
+                        out[f"pin_s_{pool}_{part}"] = page.get(sample, 0.0)
         return out
 
     async def run(self) -> None:

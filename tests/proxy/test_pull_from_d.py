@@ -147,6 +147,10 @@ def test_a_p_pulls_a_declined_holds_history_from_ds_cache(
     assert m.get(f'{PULLS}{{leg="prefill",result="pinned"}}', 0) == 1
     assert m.get(f'{PULLS}{{leg="prefill",result="pulled"}}', 0) == 1
     assert m.get('kvrelay_prefix_pins_total{holder="decode"}', 0) == 1
+    # The pin's wait, from its request to D's answer, observed once under D's pool.
+    assert m.get('kvrelay_prefix_pin_seconds_count{holder="decode"}', 0) == 1
+    assert m.get('kvrelay_prefix_pin_seconds_sum{holder="decode"}', 0) > 0
+    assert m.get('kvrelay_prefix_pin_seconds_count{holder="prefill"}', 0) == 0
     assert proxy.events_cached(body, "decode")[d.url] >= p0_loaded
     # The pin's blocks are given back once P0 read them, and nothing else stays held.
     wait_until(lambda: d.metric("enginesim_requests_held") == 0, 10, what="D to hold nothing")

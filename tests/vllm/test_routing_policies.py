@@ -613,6 +613,8 @@ def test_a_p_pulls_a_history_whose_hold_is_gone_from_ds_cache(cached_fleet: Cach
         assert got >= vllm_servers.BLOCK_SIZE * (prompt_tokens // vllm_servers.BLOCK_SIZE - 1)
         m = proxy.metrics()
         assert m.get('kvrelay_prefix_pins_total{holder="decode"}', 0) == 1
+        # vLLM's answer to the pin, timed once under D's pool.
+        assert m.get('kvrelay_prefix_pin_seconds_count{holder="decode"}', 0) == 1
         assert m.get('kvrelay_prefix_pulls_total{leg="prefill",result="pulled"}', 0) == 1
         admin("/admin/backends", p.url)
         assert proxy.call("DELETE", f"/v1/conversations/{conversation}")[0] == 200

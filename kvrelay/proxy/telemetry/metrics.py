@@ -314,6 +314,17 @@ PREFIX_PINS = Labelled(
         ["holder"],
     )
 )
+PREFIX_PIN_SECONDS = Labelled(
+    Histogram(
+        "kvrelay_prefix_pin_seconds",
+        "From a pin's request to the holder's answer (prefix_pull), by the pool of the engine "
+        "asked (prefill or decode): what a pulled turn waits before its pull can start. A pin "
+        "answering after prefix_pull_timeout_s is observed when it answers; one that fails "
+        "without an answer is not.",
+        ["holder"],
+        buckets=_LATENCY_BUCKETS,
+    )
+)
 PROMPT_TOKENIZE = Labelled(
     Counter(
         "kvrelay_prompt_tokenize_total",

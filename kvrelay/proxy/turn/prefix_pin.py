@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -123,6 +124,7 @@ class PrefixPin:
     async def _ask(
         self, url: str, holder: str, payload: bytes, headers: tuple[tuple[str, str], ...]
     ) -> KVTransferParams | None:
+        started = time.monotonic()
         try:
             resp = await self._engines.post(url, PIN_PATH, payload, headers)
             try:
@@ -132,6 +134,7 @@ class PrefixPin:
         except UpstreamError as exc:
             log.info("pin on %s failed: %s", url, type(exc).__name__)
             return None
+        metrics.PREFIX_PIN_SECONDS.labels(holder).observe(time.monotonic() - started)
         if status != 200:
             log.info("pin on %s answered %d", url, status)
             return None
