@@ -229,6 +229,9 @@ SYSTEMS: tuple[System, ...] = (
     # over D's hold_max_fraction as a brief hold (the default for run AL only).
     System("kvrelay brief holds", "kvrelay", "default", brief_s=30.0),
     System("kvrelay kv events", "kvrelay", "default", kv_events=True),
+    # The same system under a second label: run against it, an A/A check of the comparison
+    # (any difference between the two is the bench's, not kvrelay's).
+    System("kvrelay kv events again", "kvrelay", "default", kv_events=True),
     System("kvrelay kv events holds off", "kvrelay", "default", holds=False, kv_events=True),
     System(
         "kvrelay kv events no pull",
