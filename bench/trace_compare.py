@@ -418,9 +418,15 @@ async def warm_up(url: str, engines: int, waves: int = 1, settle_s: float = 0.0)
 
 
 async def run_once(
-    fleet: rf.Fleet, plan: tr.Plan, args: argparse.Namespace, scale: float
+    fleet: rf.Fleet,
+    plan: tr.Plan,
+    args: argparse.Namespace,
+    scale: float,
+    settings: dict[str, Any],
 ) -> dict[str, Any]:
-    patience_s = float(replay_mod.scaled_settings(scale)["proxy_env"]["KVRELAY_HOLD_JUDGE_S"])
+    """One replay on a started fleet, whose proxy got `settings` (`scaled_settings`)."""
+    # The hold patience the fleet's proxy was given (its system's own settings included).
+    patience_s = float(rf.proxy_env(fleet.system, settings)["KVRELAY_HOLD_JUDGE_S"])
     await warm_up(fleet.url, len(fleet.engines), args.prime_holds, patience_s * 1.2)
     sampler = rf.EngineSampler(fleet, interval_s=max(0.25, 10.0 / scale))
     before = await sampler.counters()
@@ -1122,7 +1128,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 load_before = os.getloadavg()[0]
                 try:
                     with rf.fleet(cfg.system, run_hw, scale, settings, tag) as f:
-                        run = asyncio.run(run_once(f, work.plan, args, scale))
+                        run = asyncio.run(run_once(f, work.plan, args, scale, settings))
                 except Exception as exc:  # a run that fails is reported, not fatal
                     data["skipped"] += f"{label} at {scale:g}x round {rnd + 1}: {exc}. "
                     print(f"{label} {scale:g}x failed: {exc}", flush=True)
