@@ -15,6 +15,7 @@ from kvrelay.proxy.config import Settings
 from kvrelay.proxy.fleet import Pool, PromptPrefixes, Router
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.pin_rests import PinRests
+from kvrelay.proxy.fleet.pin_wait import PinWaits, PrefillPace
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex
 from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
 from kvrelay.proxy.fleet.routing import PIN_WAIT_SHARE, PULL_COST
@@ -297,6 +298,55 @@ def test_a_queued_p_caching_a_prefix_has_another_p_pull_it(step_tokens: int, pul
         assert pick() == (p0.url, work - source_chars, None, 0)
     else:
         assert pick() == (p0.url, work, None, 0)
+
+
+@pytest.mark.parametrize(
+    ("pin_s", "forgotten", "pulls"),
+    [(None, False, True), (0.005, False, True), (0.2, False, False), (0.2, True, True)],
+)
+def test_a_holder_whose_pins_answer_late_is_weighed_by_what_they_took(
+    pin_s: float | None, forgotten: bool, pulls: bool
+) -> None:
+    """A pull waits for the holder's pin: the model's half step, or what the holder's pins
+    took lately (`PinWaits`) in the tokens a P computes meanwhile (`PrefillPace`, from P's
+    answers), whichever is longer. At P's 4,000 tokens a second, pins answered in 5 ms (20
+    tokens) leave the pull of the 320-token prefix cheaper than computing it; pins of 0.2 s
+    (800 tokens) cost more than the pull saves, so the turn's P computes it; a minute after
+    the holder's last pin (`reuse_probe_interval_s`) the model weighs it again."""
+    router, prefill = _events_router(prefix_pull_min_tokens=64, prefill_step_tokens=32)
+    p0, p1 = prefill.add("http://p0"), prefill.add("http://p1")
+    assert router.blocks is not None
+    clock = Clock()
+    object.__setattr__(router, "prefill_pace", PrefillPace(clock))
+    object.__setattr__(router, "pin_waits", PinWaits(60.0, clock))
+    shared = list(range(1000, 1320))  # 320 tokens: 20 blocks of 16
+    router.blocks.stored(p1.url, list(range(20)), None, shared, 16, SALTED)
+    prompt = _tokens_prompt(shared + [5000] * 80, _chat("question ".ljust(290, "x")))
+    work, per_token = prompt.total + 1, prompt.total / 400
+    source_chars = round(320 * per_token)
+    p1.outstanding_work = 3 * source_chars  # queued: another P should run the turn
+    # P's pace from its answers: 8,000 tokens computed over 2 s of being busy.
+    router.prefill_started(p0.url)
+    clock.now += 2.0
+    router.prefill_ended(p0.url, 8000)
+    assert router.prefill_pace.tokens_per_s() == pytest.approx(4000.0)
+    if pin_s is not None:
+        for _ in range(20):  # a run of them: the moving mean comes to that wait
+            router.pin_answered(p1.url, pin_s)
+        assert router.measured_pin_wait_tokens(p1.url) == pytest.approx(4000.0 * pin_s)
+    if forgotten:
+        clock.now += 61.0
+        assert router.measured_pin_wait_tokens(p1.url) == 0.0
+    chosen = router.pick_prefill(None, set(), work, prompt=prompt)
+    assert chosen.backend is p0
+    if not pulls:
+        assert chosen.source is None and chosen.work == work
+        return
+    assert chosen.source is not None and chosen.source.backend is p1
+    modelled = PIN_WAIT_SHARE * 32  # p1's queue is longer than its step
+    measured = 4000.0 * pin_s if pin_s is not None and not forgotten else 0.0
+    pin_wait = round(max(modelled, measured) * per_token)
+    assert chosen.work == work - source_chars + round(PULL_COST * source_chars) + pin_wait
 
 
 def test_a_p_pulls_a_history_a_ds_events_show_cached_when_no_hold_names_it() -> None:

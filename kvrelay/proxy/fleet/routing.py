@@ -59,6 +59,7 @@ from kvrelay.proxy.fleet.held_reads import HeldReads
 from kvrelay.proxy.fleet.hold_payoff import HoldPayoff
 from kvrelay.proxy.fleet.load_reading import EngineLoad
 from kvrelay.proxy.fleet.pin_rests import PinRests
+from kvrelay.proxy.fleet.pin_wait import PinWaits, PrefillPace
 from kvrelay.proxy.fleet.pools import Backend, Pool
 from kvrelay.proxy.fleet.prefix_index import PrefixIndex, PromptPrefixes
 from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
@@ -250,6 +251,8 @@ class Router:
     in_flight: PrefixesInFlight = field(init=False)  # prefixes being computed (prefix_wait)
     _chars_per_token: _CharsPerToken = field(default_factory=_CharsPerToken)
     pin_rests: PinRests = field(init=False)  # holders resting after late pins
+    pin_waits: PinWaits = field(init=False)  # how long each holder's pins took lately
+    prefill_pace: PrefillPace = field(default_factory=PrefillPace)  # P's tokens per busy second
     _last_lookup: _LastLookup = field(default_factory=_LastLookup)
 
     def __post_init__(self) -> None:
@@ -274,6 +277,7 @@ class Router:
         object.__setattr__(self, "in_flight", PrefixesInFlight(wait_s, min_chars))
         rests = PinRests(s.prefix_pull_timeout_s, s.reuse_probe_interval_s)
         object.__setattr__(self, "pin_rests", rests)
+        object.__setattr__(self, "pin_waits", PinWaits(s.reuse_probe_interval_s))
 
     # -- load --------------------------------------------------------------------------------
 
@@ -394,6 +398,21 @@ class Router:
         is not ordered by priority, or it is that busy): no pulls from it for a while, longer
         after each late pin in a row, up to `reuse_probe_interval_s` (`PinRests`)."""
         self.pin_rests.late(url)
+
+    def pin_answered(self, url: str, seconds: float) -> None:
+        """The engine at `url` answered a pin `seconds` after it was asked (`PinWaits`: how a
+        pull from it is weighed)."""
+        self.pin_waits.answered(url, seconds)
+
+    def prefill_started(self, url: str) -> None:
+        """A prefill leg was sent to the P at `url` (`PrefillPace`)."""
+        self.prefill_pace.started(url)
+
+    def prefill_ended(self, url: str, computed: int) -> None:
+        """A prefill leg on the P at `url` ended, P having computed `computed` prompt tokens
+        (0: unknown or failed) (`PrefillPace`)."""
+        self.prefill_pace.ended(url, computed)
+        metrics.PREFILL_PACE.set(self.prefill_pace.tokens_per_s() or 0.0)
 
     def pin_on_time(self, url: str) -> None:
         """The engine at `url` answered a pin in time: its series of late pins ends."""
@@ -856,9 +875,21 @@ class Router:
         """How long a pin waits on `holder`, in characters of work: it is admitted ahead of the
         holder's queue but after its current step, a step of at most `prefill_step_tokens` and
         at most the work the holder has queued, which a pin arriving at a random moment finds
-        half done on average (`PIN_WAIT_SHARE`)."""
+        half done on average (`PIN_WAIT_SHARE`). Where the holder's pins lately took longer
+        than that (`PinWaits`), their measured wait, in the tokens a P computes meanwhile
+        (`PrefillPace`): the model misses a slow server and a long step on a D."""
         step = self.settings.prefill_step_tokens * chars_per_token
-        return PIN_WAIT_SHARE * min(self._queued_work(holder, prompt_chars), step)
+        modelled = PIN_WAIT_SHARE * min(self._queued_work(holder, prompt_chars), step)
+        return max(modelled, self.measured_pin_wait_tokens(holder.url) * chars_per_token)
+
+    def measured_pin_wait_tokens(self, url: str) -> float:
+        """The holder at `url`'s recent pin wait in prompt tokens a P computes meanwhile; 0
+        where either figure is not measured yet."""
+        seconds = self.pin_waits.seconds(url)
+        pace = self.prefill_pace.tokens_per_s()
+        if seconds is None or pace is None:
+            return 0.0
+        return seconds * pace
 
     def _least_queued(
         self,

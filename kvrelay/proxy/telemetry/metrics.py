@@ -334,6 +334,14 @@ PROMPT_TOKENIZE = Labelled(
         ["result"],
     )
 )
+PREFILL_PACE = Gauge(
+    "kvrelay_prefill_pace_tokens_per_second",
+    "Prompt tokens the P engines computed per second of being busy with this worker's legs "
+    "(from their answers, over about the last minute): the rate at which the routing turns a "
+    "holder's measured pin wait into tokens of work (0: not measured yet; several workers: "
+    "the highest, the one least diluted by the others' requests).",
+    multiprocess_mode="livemax",
+)
 PREFIX_INDEX_ENTRIES = Gauge(
     "kvrelay_prefix_index_entries",
     "Prompt prefixes in the prefix-routing index (prefix_index_max_entries bounds it).",

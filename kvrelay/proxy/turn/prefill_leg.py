@@ -158,21 +158,27 @@ class PrefillLeg:
             pulls = pinned is not None and backend.url != pinned_at
             payload = pulled if pulls else plain  # the source serves it from its cache
             start = time.monotonic()
+            router.prefill_started(backend.url)
+            computed = 0  # what P's answer says it computed: P's pace (`PrefillPace`)
             try:
                 with pool.busy(backend, computes[backend.url]):
                     status, raw = await self._post_read(backend, payload)
                 report.leg_answered("prefill", status)
+                report.leg_latency("prefill", str(status // 100) + "xx", start)
+                verdict = attempts.verdict(pool, backend, status)
+                if verdict is Verdict.REFUSED:
+                    log.warning("prefill on %s answered %d", backend.url, status)
+                    continue
+                if verdict is Verdict.REJECTED:
+                    raise upstream_error_from_body(status, raw, "prefill")  # D refuses it too
+                answer = self._answer(backend, raw, backend.url in affine, pulls)
+                computed = answer.account.computed or 0
+                return answer
             except LegFailure as exc:
                 await attempts.failed(pool, backend, exc, start)
                 continue
-            report.leg_latency("prefill", str(status // 100) + "xx", start)
-            verdict = attempts.verdict(pool, backend, status)
-            if verdict is Verdict.REFUSED:
-                log.warning("prefill on %s answered %d", backend.url, status)
-                continue
-            if verdict is Verdict.REJECTED:
-                raise upstream_error_from_body(status, raw, "prefill")  # D would refuse it too
-            return self._answer(backend, raw, backend.url in affine, pulls)
+            finally:
+                router.prefill_ended(backend.url, computed)
         report.fell_back("decode_only")
         log.warning(
             "no prefill engine answered; decode engine prefills (request %s)", self._request_id

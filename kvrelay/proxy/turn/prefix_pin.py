@@ -134,7 +134,9 @@ class PrefixPin:
         except UpstreamError as exc:
             log.info("pin on %s failed: %s", url, type(exc).__name__)
             return None
-        metrics.PREFIX_PIN_SECONDS.labels(holder).observe(time.monotonic() - started)
+        waited = time.monotonic() - started
+        metrics.PREFIX_PIN_SECONDS.labels(holder).observe(waited)
+        self._router.pin_answered(url, waited)
         if status != 200:
             log.info("pin on %s answered %d", url, status)
             return None

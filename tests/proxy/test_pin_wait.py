@@ -1,0 +1,97 @@
+"""A pin's wait, measured: each holder's recent pin answer times (`PinWaits`) and the pace at
+which Ps compute prompt tokens while busy (`PrefillPace`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.proxy.fleet.pin_wait import (
+    PACE_HALF_LIFE_S,
+    PACE_MIN_BUSY_S,
+    PIN_WEIGHT,
+    PinWaits,
+    PrefillPace,
+)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_holders_pin_wait_is_a_moving_mean_forgotten_after_a_quiet_spell() -> None:
+    clock = Clock()
+    waits = PinWaits(60.0, clock)
+    assert waits.seconds("http://d0") is None
+    waits.answered("http://d0", 0.1)
+    assert waits.seconds("http://d0") == pytest.approx(0.1)  # the first pin is the mean
+    waits.answered("http://d0", 0.6)
+    assert waits.seconds("http://d0") == pytest.approx(0.1 + PIN_WEIGHT * 0.5)
+    assert waits.seconds("http://d1") is None  # per holder
+    clock.now += 60.0
+    assert waits.seconds("http://d0") is not None  # within forget_s of its last pin
+    clock.now += 0.5
+    assert waits.seconds("http://d0") is None
+    waits.answered("http://d0", 0.02)  # a forgotten mean does not weigh the next pin
+    assert waits.seconds("http://d0") == pytest.approx(0.02)
+
+
+def test_the_pace_counts_each_ps_busy_time_once_however_many_legs_overlap() -> None:
+    """Two overlapping legs on one P over 2 s are 2 s of busy time, not 3; a second P busy at
+    the same time adds its own; a P never idle accrues at each answer."""
+    clock = Clock()
+    pace = PrefillPace(clock)
+    pace.started("http://p0")
+    clock.now += 1.0
+    pace.started("http://p0")
+    clock.now += 1.0
+    assert pace.tokens_per_s() is None  # nothing answered yet
+    pace.ended("http://p0", 3000)  # 2 s accrued
+    clock.now += 1.0
+    pace.started("http://p1")
+    pace.ended("http://p0", 1000)  # 1 s more: 4,000 tokens in 3 s
+    k = 0.5 ** (1.0 / PACE_HALF_LIFE_S)  # the first answer's figures, a second older
+    tokens, busy = 3000 * k + 1000, 2 * k + 1
+    assert pace.tokens_per_s() == pytest.approx(tokens / busy, rel=1e-9)
+    clock.now += 0.5
+    pace.ended("http://p1", 1000)  # p1 busy 0.5 s
+    k = 0.5 ** (0.5 / PACE_HALF_LIFE_S)
+    tokens, busy = tokens * k + 1000, busy * k + 0.5
+    assert pace.tokens_per_s() == pytest.approx(tokens / busy, rel=1e-9)
+    pace.ended("http://p1", 500)  # never started here: nothing to count
+    assert pace.tokens_per_s() == pytest.approx(tokens / busy, rel=1e-9)
+
+
+def test_the_pace_needs_some_busy_time_and_keeps_its_value_as_it_decays() -> None:
+    clock = Clock()
+    pace = PrefillPace(clock)
+    pace.started("http://p0")
+    clock.now += PACE_MIN_BUSY_S / 2
+    pace.ended("http://p0", 900)
+    assert pace.tokens_per_s() is None  # half a second of one request says too little
+    pace.started("http://p0")
+    clock.now += PACE_MIN_BUSY_S / 2
+    pace.ended("http://p0", 900)
+    assert pace.tokens_per_s() == pytest.approx(1800 / PACE_MIN_BUSY_S, rel=0.01)
+    clock.now += 10 * PACE_HALF_LIFE_S  # idle a long while: the evidence fades, not the pace
+    assert pace.tokens_per_s() == pytest.approx(1800 / PACE_MIN_BUSY_S, rel=0.01)
+    # A slower P now: the recent answers outweigh the faded ones.
+    pace.started("http://p0")
+    clock.now += 2.0
+    pace.ended("http://p0", 400)
+    assert pace.tokens_per_s() == pytest.approx(200.0, rel=0.05)
+
+
+def test_a_failed_leg_counts_its_busy_time_and_no_tokens() -> None:
+    clock = Clock()
+    pace = PrefillPace(clock)
+    pace.started("http://p0")
+    clock.now += 1.0
+    pace.ended("http://p0", 2000)
+    pace.started("http://p0")
+    clock.now += 1.0
+    pace.ended("http://p0", 0)  # P failed: its time is spent, nothing computed
+    assert pace.tokens_per_s() == pytest.approx(1000.0, rel=0.02)
