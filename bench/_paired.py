@@ -122,6 +122,16 @@ def differences(group: Sequence[Pair]) -> list[float]:
     return [p.ours_attainment - p.rival_attainment for p in group]
 
 
+def run_differences(group: Sequence[Pair]) -> list[float]:
+    """Ours' SLO attainment minus the rival's, each run's mean over its rounds (in the order the
+    runs first appear): a run's rounds share an hour of one host, whose load moves both sides
+    of all of them, so they are not independent of each other, where runs are."""
+    by_run: dict[str, list[float]] = {}
+    for p in group:
+        by_run.setdefault(p.run, []).append(p.ours_attainment - p.rival_attainment)
+    return [statistics.fmean(diffs) for diffs in by_run.values()]
+
+
 def signs(diffs: Sequence[float]) -> tuple[int, int, int]:
     """(above, level, below): differences past `LEVEL_POINTS` either way, and the rest."""
     above = sum(d > LEVEL_POINTS for d in diffs)

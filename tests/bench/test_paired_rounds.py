@@ -98,6 +98,29 @@ def test_verdict_missed_when_every_round_is_below_level_when_mixed_met_when_abov
     assert _paired.attainment_verdict(above) == "met"
 
 
+def _pairs(by_run: dict[str, list[float]]) -> list[_paired.Pair]:
+    """Pairs at 9.20 req/s with these differences, run by run."""
+    return [
+        _paired.Pair(run, i, 9.2, 0.9 + d, 0.9, 0.95)
+        for run, diffs in by_run.items()
+        for i, d in enumerate(diffs)
+    ]
+
+
+def test_runs_are_the_unit_of_the_second_interval() -> None:
+    """Seven rounds mostly below, but one of the three runs level: as independent rounds the
+    interval lies below zero (MISSED); with each run's mean the unit (three values, Student's t
+    with two degrees of freedom) it cannot tell. Three runs each clearly below are MISSED
+    either way."""
+    pairs = _pairs({"a": [-0.05, -0.06, -0.05], "b": [-0.04, -0.05], "c": [0.01, 0.0]})
+    by_run = _paired.run_differences(pairs)
+    assert by_run == pytest.approx([-0.16 / 3, -0.045, 0.005])
+    assert _paired.attainment_verdict({9.2: _paired.differences(pairs)}).startswith("MISSED")
+    assert _paired.attainment_verdict({9.2: by_run}).startswith("level")
+    below = _pairs({"a": [-0.05, -0.06], "b": [-0.05, -0.04], "c": [-0.05, -0.05]})
+    assert _paired.attainment_verdict({9.2: _paired.run_differences(below)}).startswith("MISSED")
+
+
 def test_main_pools_files_and_judges_reuse_only_within_the_slo(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -113,6 +136,10 @@ def test_main_pools_files_and_judges_reuse_only_within_the_slo(
     assert pr.main(["--ours", OURS, "--rival", RIVAL, *paths]) == 0
     out = capsys.readouterr().out
     assert "| 9.20 | 3 (2) |" in out
+    # Over runs: a's mean (+0.5: +2 and -1) and b's (+2.0), two values, t with one degree.
+    row = next(line for line in out.splitlines() if line.startswith("| 9.20 |"))
+    assert row.split(" | ")[3] == "+1.3 (-8.3 to +10.8)"
+    assert "(SLO attainment, runs as the unit): level" in out
     assert "ours' reuse at 9.20 req/s, mean over rounds" in out and "-> met" in out
     assert "13.80 req/s" in out and "not judged" in out  # 85% of requests: outside the SLO
     # Within the SLO (9.20 only): +2, -2 and +2 points: above twice, below once.
