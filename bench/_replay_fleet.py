@@ -126,6 +126,7 @@ PULLED_TOKENS = "kvrelay_prefix_pulled_tokens_total"
 PINS = "kvrelay_prefix_pins_total"
 # From a pin's request to the holder's answer, by the holder's pool (a histogram).
 PIN_SECONDS = "kvrelay_prefix_pin_seconds"
+PREFILL_PACE = "kvrelay_prefill_pace_tokens_per_second"
 # Turns that waited for another turn computing most of their prompt (`prefix_wait_max_s`):
 # it computed it in time, or the wait ran out.
 PREFIX_WAITS = {
@@ -611,6 +612,8 @@ class EngineSampler:
                 out["pulled_tokens"] = page.get(PULLED_TOKENS, 0.0)
                 # Pins made on a D (a history or prefix in D's cache, pulled by a P).
                 out["pins_on_d"] = page.get(f'{PINS}{{holder="decode"}}', 0.0)
+                # The pace the routing turns a pin's measured wait into tokens at.
+                out["prefill_pace"] = page.get(PREFILL_PACE, 0.0)
                 # The pins' answer times (pin_s_<pool>_sum / _count): what a pull waited.
                 for pool in ("prefill", "decode"):
                     for part in ("sum", "count"):

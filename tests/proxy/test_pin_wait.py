@@ -25,18 +25,34 @@ class Clock:
 def test_a_holders_pin_wait_is_a_moving_mean_forgotten_after_a_quiet_spell() -> None:
     clock = Clock()
     waits = PinWaits(60.0, clock)
-    assert waits.seconds("http://d0") is None
-    waits.answered("http://d0", 0.1)
-    assert waits.seconds("http://d0") == pytest.approx(0.1)  # the first pin is the mean
-    waits.answered("http://d0", 0.6)
-    assert waits.seconds("http://d0") == pytest.approx(0.1 + PIN_WEIGHT * 0.5)
-    assert waits.seconds("http://d1") is None  # per holder
+    assert waits.seconds("http://d0", "decode") is None
+    waits.answered("http://d0", "decode", 0.1)
+    assert waits.seconds("http://d0", "decode") == pytest.approx(0.1)  # the first is the mean
+    waits.answered("http://d0", "decode", 0.6)
+    assert waits.seconds("http://d0", "decode") == pytest.approx(0.1 + PIN_WEIGHT * 0.5)
     clock.now += 60.0
-    assert waits.seconds("http://d0") is not None  # within forget_s of its last pin
+    assert waits.seconds("http://d0", "decode") is not None  # within forget_s of its last pin
     clock.now += 0.5
-    assert waits.seconds("http://d0") is None
-    waits.answered("http://d0", 0.02)  # a forgotten mean does not weigh the next pin
-    assert waits.seconds("http://d0") == pytest.approx(0.02)
+    assert waits.seconds("http://d0", "decode") is None
+    waits.answered("http://d0", "decode", 0.02)  # a forgotten mean does not weigh the next
+    assert waits.seconds("http://d0", "decode") == pytest.approx(0.02)
+
+
+def test_a_holder_not_pinned_lately_is_weighed_by_its_pools_pins() -> None:
+    """d1 was never pinned: it waits as d0's pins did (the decode pool's mean), until its own
+    pins say otherwise; a P is not weighed by the Ds' pins."""
+    clock = Clock()
+    waits = PinWaits(60.0, clock)
+    waits.answered("http://d0", "decode", 0.3)
+    assert waits.seconds("http://d1", "decode") == pytest.approx(0.3)
+    assert waits.seconds("http://p0", "prefill") is None
+    waits.answered("http://d1", "decode", 0.05)
+    assert waits.seconds("http://d1", "decode") == pytest.approx(0.05)  # its own, first
+    assert waits.seconds("http://d0", "decode") == pytest.approx(0.3)
+    # The pool's mean moved with d1's pin: a third D is weighed by both.
+    assert waits.seconds("http://d2", "decode") == pytest.approx(0.3 + PIN_WEIGHT * -0.25)
+    clock.now += 61.0
+    assert waits.seconds("http://d2", "decode") is None
 
 
 def test_the_pace_counts_each_ps_busy_time_once_however_many_legs_overlap() -> None:

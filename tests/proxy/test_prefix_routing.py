@@ -332,11 +332,11 @@ def test_a_holder_whose_pins_answer_late_is_weighed_by_what_they_took(
     assert router.prefill_pace.tokens_per_s() == pytest.approx(4000.0)
     if pin_s is not None:
         for _ in range(20):  # a run of them: the moving mean comes to that wait
-            router.pin_answered(p1.url, pin_s)
-        assert router.measured_pin_wait_tokens(p1.url) == pytest.approx(4000.0 * pin_s)
+            router.pin_answered(p1.url, "prefill", pin_s)
+        assert router.measured_pin_wait_tokens(p1.url, "prefill") == pytest.approx(4000 * pin_s)
     if forgotten:
         clock.now += 61.0
-        assert router.measured_pin_wait_tokens(p1.url) == 0.0
+        assert router.measured_pin_wait_tokens(p1.url, "prefill") == 0.0
     chosen = router.pick_prefill(None, set(), work, prompt=prompt)
     assert chosen.backend is p0
     if not pulls:

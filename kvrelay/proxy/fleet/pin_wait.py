@@ -29,31 +29,38 @@ PACE_MIN_BUSY_S = 1.0
 
 
 class PinWaits:
-    """Per holder URL, the moving mean of its pins' answer times (seconds), forgotten
-    `forget_s` after the last pin: a holder no longer pulled from (because its pins weighed
-    too much) is weighed by the model again after that, and so tried again."""
+    """Per holder URL, and per pool of holders, the moving mean of the pins' answer times
+    (seconds), forgotten `forget_s` after the last pin: a holder no longer pulled from
+    (because its pins weighed too much) is weighed by the model again after that, and so
+    tried again. A holder not pinned lately is weighed by its pool's mean: engines of one pool
+    run alike, so each of them need not make a turn wait before its own pins are known."""
 
     def __init__(self, forget_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self._forget_s = forget_s
         self._clock = clock
-        self._mean: dict[str, tuple[float, float]] = {}  # url -> (mean seconds, last pin at)
+        # url, or "pool:" + the pool's name -> (mean seconds, last pin at)
+        self._mean: dict[str, tuple[float, float]] = {}
 
-    def answered(self, url: str, seconds: float) -> None:
-        """A pin on `url` was answered `seconds` after it was asked."""
+    def answered(self, url: str, pool: str, seconds: float) -> None:
+        """A pin on `url`, an engine of `pool`, was answered `seconds` after it was asked."""
         now = self._clock()
-        known = self._mean.get(url)
-        if known is None or now - known[1] > self._forget_s:
-            mean = seconds
-        else:
-            mean = known[0] + PIN_WEIGHT * (seconds - known[0])
-        self._mean[url] = (mean, now)
+        for key in (url, "pool:" + pool):
+            known = self._mean.get(key)
+            if known is None or now - known[1] > self._forget_s:
+                mean = seconds
+            else:
+                mean = known[0] + PIN_WEIGHT * (seconds - known[0])
+            self._mean[key] = (mean, now)
 
-    def seconds(self, url: str) -> float | None:
-        """The holder's recent pin wait; None when it answered none within `forget_s`."""
-        known = self._mean.get(url)
-        if known is None or self._clock() - known[1] > self._forget_s:
-            return None
-        return known[0]
+    def seconds(self, url: str, pool: str) -> float | None:
+        """The holder's recent pin wait, else its pool's; None when neither answered a pin
+        within `forget_s`."""
+        now = self._clock()
+        for key in (url, "pool:" + pool):
+            known = self._mean.get(key)
+            if known is not None and now - known[1] <= self._forget_s:
+                return known[0]
+        return None
 
 
 class PrefillPace:

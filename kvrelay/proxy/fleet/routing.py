@@ -399,10 +399,10 @@ class Router:
         after each late pin in a row, up to `reuse_probe_interval_s` (`PinRests`)."""
         self.pin_rests.late(url)
 
-    def pin_answered(self, url: str, seconds: float) -> None:
-        """The engine at `url` answered a pin `seconds` after it was asked (`PinWaits`: how a
-        pull from it is weighed)."""
-        self.pin_waits.answered(url, seconds)
+    def pin_answered(self, url: str, pool: str, seconds: float) -> None:
+        """The engine at `url`, of `pool` ("prefill" or "decode"), answered a pin `seconds`
+        after it was asked (`PinWaits`: how a pull from it, or from its pool, is weighed)."""
+        self.pin_waits.answered(url, pool, seconds)
 
     def prefill_started(self, url: str) -> None:
         """A prefill leg was sent to the P at `url` (`PrefillPace`)."""
@@ -880,12 +880,13 @@ class Router:
         (`PrefillPace`): the model misses a slow server and a long step on a D."""
         step = self.settings.prefill_step_tokens * chars_per_token
         modelled = PIN_WAIT_SHARE * min(self._queued_work(holder, prompt_chars), step)
-        return max(modelled, self.measured_pin_wait_tokens(holder.url) * chars_per_token)
+        measured = self.measured_pin_wait_tokens(holder.url, holder.role)
+        return max(modelled, measured * chars_per_token)
 
-    def measured_pin_wait_tokens(self, url: str) -> float:
-        """The holder at `url`'s recent pin wait in prompt tokens a P computes meanwhile; 0
-        where either figure is not measured yet."""
-        seconds = self.pin_waits.seconds(url)
+    def measured_pin_wait_tokens(self, url: str, pool: str) -> float:
+        """The recent pin wait of the holder at `url` (else of its `pool`), in prompt tokens a
+        P computes meanwhile; 0 where either figure is not measured yet."""
+        seconds = self.pin_waits.seconds(url, pool)
         pace = self.prefill_pace.tokens_per_s()
         if seconds is None or pace is None:
             return 0.0

@@ -136,7 +136,7 @@ class PrefixPin:
             return None
         waited = time.monotonic() - started
         metrics.PREFIX_PIN_SECONDS.labels(holder).observe(waited)
-        self._router.pin_answered(url, waited)
+        self._router.pin_answered(url, holder, waited)
         if status != 200:
             log.info("pin on %s answered %d", url, status)
             return None
