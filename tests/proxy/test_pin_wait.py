@@ -77,7 +77,7 @@ def test_the_pace_counts_each_ps_busy_time_once_however_many_legs_overlap() -> N
     k = 0.5 ** (0.5 / PACE_HALF_LIFE_S)
     tokens, busy = tokens * k + 1000, busy * k + 0.5
     assert pace.tokens_per_s() == pytest.approx(tokens / busy, rel=1e-9)
-    pace.ended("http://p1", 500)  # never started here: nothing to count
+    assert not pace.ended("http://p1", 500)  # never started here: nothing to count
     assert pace.tokens_per_s() == pytest.approx(tokens / busy, rel=1e-9)
 
 
@@ -111,3 +111,14 @@ def test_a_failed_leg_counts_its_busy_time_and_no_tokens() -> None:
     clock.now += 1.0
     pace.ended("http://p0", 0)  # P failed: its time is spent, nothing computed
     assert pace.tokens_per_s() == pytest.approx(1000.0, rel=0.02)
+
+
+def test_the_pace_is_shown_at_most_once_a_second() -> None:
+    clock = Clock()
+    pace = PrefillPace(clock)
+    shown = []
+    for _ in range(10):  # ten legs 0.25 s apart
+        pace.started("http://p0")
+        clock.now += 0.25
+        shown.append(pace.ended("http://p0", 100))
+    assert shown == [True, False, False, False, True, False, False, False, True, False]

@@ -26,6 +26,9 @@ PIN_WEIGHT = 0.2
 PACE_HALF_LIFE_S = 60.0
 # Less busy time than this says too little of P's pace (one request's overheads dominate).
 PACE_MIN_BUSY_S = 1.0
+# How often the pace is shown (`kvrelay_prefill_pace_tokens_per_second`): a metric's write on
+# every leg would cost the hot path for a figure that moves over a minute.
+SHOW_EVERY_S = 1.0
 
 
 class PinWaits:
@@ -77,6 +80,7 @@ class PrefillPace:
         self._busy_s = 0.0
         self._ever_busy_s = 0.0  # undecayed: decay keeps the pace, not the evidence for it
         self._decayed_at = clock()
+        self._shown_at = -math.inf
 
     def started(self, url: str) -> None:
         """A leg was sent to the P at `url`."""
@@ -85,12 +89,13 @@ class PrefillPace:
             self._accrued_at[url] = self._clock()
         self._inflight[url] = count + 1
 
-    def ended(self, url: str, computed: int) -> None:
+    def ended(self, url: str, computed: int) -> bool:
         """A leg on the P at `url` ended, that P having computed `computed` prompt tokens for
-        it (0: unknown, or it failed)."""
+        it (0: unknown, or it failed). True once `SHOW_EVERY_S` has passed since it last said
+        so: the caller shows the pace (a metric) that often, not after every leg."""
         count = self._inflight.get(url, 0)
         if count == 0:
-            return  # not started here: nothing to accrue
+            return False  # not started here: nothing to accrue
         now = self._clock()
         self._decay(now)
         busy = max(0.0, now - self._accrued_at[url])
@@ -102,6 +107,10 @@ class PrefillPace:
         else:
             self._inflight[url] = count - 1
             self._accrued_at[url] = now
+        if now - self._shown_at < SHOW_EVERY_S:
+            return False
+        self._shown_at = now
+        return True
 
     def tokens_per_s(self) -> float | None:
         """The pace, or None until the Ps were busy `PACE_MIN_BUSY_S` in all and computed

@@ -411,8 +411,8 @@ class Router:
     def prefill_ended(self, url: str, computed: int) -> None:
         """A prefill leg on the P at `url` ended, P having computed `computed` prompt tokens
         (0: unknown or failed) (`PrefillPace`)."""
-        self.prefill_pace.ended(url, computed)
-        metrics.PREFILL_PACE.set(self.prefill_pace.tokens_per_s() or 0.0)
+        if self.prefill_pace.ended(url, computed):
+            metrics.PREFILL_PACE.set(self.prefill_pace.tokens_per_s() or 0.0)
 
     def pin_on_time(self, url: str) -> None:
         """The engine at `url` answered a pin in time: its series of late pins ends."""
