@@ -11,6 +11,7 @@ from kvrelay.connector.protocol import KVTransferParams
 from kvrelay.proxy.fleet.reuse_standing import ReuseStanding
 from kvrelay.proxy.turn import PromptAccount
 from kvrelay.proxy.turn.streaming import SSEFilter
+from tests.proxy.manual_clock import Clock
 
 
 def test_the_connector_report_is_the_account() -> None:
@@ -63,16 +64,8 @@ def test_the_final_usage_event_is_kept_back(spaced: bool) -> None:
     assert b'"usage"' in plain.feed(raw.replace(b"\r\n", b"\n")) and plain.usage_event is None
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_an_engine_whose_turns_reuse_nothing_is_withdrawn_and_probed() -> None:
-    clock = Clock()
+    clock = Clock(0.0)
     standing = ReuseStanding("decode", "decode_only", 30.0, clock)
     assert standing.admits("d1", "ta")
     standing.unpaid("d1", "ta")
@@ -90,7 +83,7 @@ def test_an_engine_whose_turns_reuse_nothing_is_withdrawn_and_probed() -> None:
 def test_one_tenants_turns_never_withdraw_an_engine_for_another() -> None:
     # Turns that reuse nothing (on purpose or not) withdraw the engine for their own tenant;
     # every other tenant keeps it, and memory is bounded however many tenants come.
-    standing = ReuseStanding("decode", "decode_only", 30.0, Clock(), limit=3)
+    standing = ReuseStanding("decode", "decode_only", 30.0, Clock(0.0), limit=3)
     for _ in range(5):
         standing.unpaid("d1", "tb")
     assert not standing.admits("d1", "tb")

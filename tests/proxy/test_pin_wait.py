@@ -12,18 +12,11 @@ from kvrelay.proxy.fleet.pin_wait import (
     PinWaits,
     PrefillPace,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.proxy.manual_clock import Clock
 
 
 def test_a_holders_pin_wait_is_a_moving_mean_forgotten_after_a_quiet_spell() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     waits = PinWaits(60.0, clock)
     assert waits.seconds("http://d0", "decode") is None
     waits.answered("http://d0", "decode", 0.1)
@@ -41,7 +34,7 @@ def test_a_holders_pin_wait_is_a_moving_mean_forgotten_after_a_quiet_spell() -> 
 def test_a_holder_not_pinned_lately_is_weighed_by_its_pools_pins() -> None:
     """d1 was never pinned: it waits as d0's pins did (the decode pool's mean), until its own
     pins say otherwise; a P is not weighed by the Ds' pins."""
-    clock = Clock()
+    clock = Clock(50.0)
     waits = PinWaits(60.0, clock)
     waits.answered("http://d0", "decode", 0.3)
     assert waits.seconds("http://d1", "decode") == pytest.approx(0.3)
@@ -58,7 +51,7 @@ def test_a_holder_not_pinned_lately_is_weighed_by_its_pools_pins() -> None:
 def test_the_pace_counts_each_ps_busy_time_once_however_many_legs_overlap() -> None:
     """Two overlapping legs on one P over 2 s are 2 s of busy time, not 3; a second P busy at
     the same time adds its own; a P never idle accrues at each answer."""
-    clock = Clock()
+    clock = Clock(50.0)
     pace = PrefillPace(clock)
     pace.started("http://p0")
     clock.now += 1.0
@@ -82,7 +75,7 @@ def test_the_pace_counts_each_ps_busy_time_once_however_many_legs_overlap() -> N
 
 
 def test_the_pace_needs_some_busy_time_and_keeps_its_value_as_it_decays() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     pace = PrefillPace(clock)
     pace.started("http://p0")
     clock.now += PACE_MIN_BUSY_S / 2
@@ -102,7 +95,7 @@ def test_the_pace_needs_some_busy_time_and_keeps_its_value_as_it_decays() -> Non
 
 
 def test_a_failed_leg_counts_its_busy_time_and_no_tokens() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     pace = PrefillPace(clock)
     pace.started("http://p0")
     clock.now += 1.0
@@ -114,7 +107,7 @@ def test_a_failed_leg_counts_its_busy_time_and_no_tokens() -> None:
 
 
 def test_the_pace_is_shown_at_most_once_a_second() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     pace = PrefillPace(clock)
     shown = []
     for _ in range(10):  # ten legs 0.25 s apart

@@ -21,6 +21,7 @@ from kvrelay.proxy.fleet.prefix_wait import PrefixesInFlight
 from kvrelay.proxy.fleet.routing import PIN_WAIT_SHARE, PULL_COST
 from kvrelay.proxy.telemetry import metrics
 from kvrelay.proxy.turn import chat_shape, completion_shape
+from tests.proxy.manual_clock import Clock
 
 MIN_EVIDENCE = 16  # decided holds before a tenant's share is trusted (fleet/hold_payoff.py)
 
@@ -31,14 +32,6 @@ def _take(holds: HoldPayoff, tenant: str, key: tuple[str, object], read: bool = 
     """A next turn of `tenant` takes the hold under `key`, and its engine reads it (or not)."""
     holds.taken(tenant, key)
     holds.used(tenant, read)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _chat(question: str, system: str = SYSTEM, model: str = "m") -> dict[str, object]:
