@@ -87,9 +87,9 @@ HOLDS_OFF = "kvrelay holds off"
 DEFAULT_CONFIGS = (
     "kvrelay default,kvrelay holds off,vllm-router cache_aware tuned P/D,aggregated cache_aware"
 )
-# Per request, kept in the JSON for later analysis (the replayer's `Record` has more).
 # What the frees' scrape reads that is a gauge, not a count: kept as read at the replay's end.
 GAUGES = frozenset({"prefill_pace"})
+# Per request, kept in the JSON for later analysis (the replayer's `Record` has more).
 RECORD_FIELDS = (
     "index",
     "conversation",
@@ -447,7 +447,7 @@ async def run_once(
         "summary": result["summary"],
         "fleet_prompt_tokens": fleet_tokens,
         # Counts over the replay; a gauge (the prefill pace) as it stood at its end.
-        "frees": {k: v - (k not in GAUGES) * frees_before.get(k, 0.0) for k, v in frees.items()},
+        "frees": {k: v if k in GAUGES else v - frees_before.get(k, 0.0) for k, v in frees.items()},
         # Turns of the warm-up that did not ask D to hold: with --prime-holds, whether kvrelay
         # had judged the tenant's holds before the replay.
         "warm_up_holds_declined": frees_before.get("holds_declined", 0.0),
