@@ -28,8 +28,10 @@ interval by resampling the rounds (bootstrap, rounds that ran the same rates res
 themselves, a fixed seed so the output repeats), and the verdict on "never below" by goodput:
 met where the interval lies at or above zero, MISSED where it lies below, else undetermined. A
 curve that does not cross counts by its bound (at least the highest rate, below the lowest),
-the interval taking the side's worst end. With three runs or more it also gives each side's
-pooled goodput leaving out one run at a time: how far one run moves it.
+the interval taking the side's worst end. With three runs or more it also resamples whole runs
+(each with all its rounds; runs that ran the same rates among themselves), the counterpart of
+the attainment's runs-as-the-unit interval, with its own verdict, and gives each side's pooled
+goodput leaving out one run at a time: how far one run moves it.
 
 Example: `.venv/bin/python -m bench.paired_rounds --ours 'kvrelay default (2P+6D)' --rival
 'kvrelay holds off (2P+6D)' /tmp/runAN.json /tmp/runAR.json` (`--ours` again: another name
@@ -125,14 +127,19 @@ class PooledGoodput:
     # Each side's pooled goodput with one run left out, run by run (empty under three runs).
     ours_without_one: tuple[tc.Goodput, ...] = ()
     rival_without_one: tuple[tc.Goodput, ...] = ()
+    # The difference's 95% interval resampling whole runs (None under three runs).
+    run_interval: tuple[float, float] | None = None
 
     @property
     def verdict(self) -> str:
-        if self.low >= 0:
-            return "met"
-        if self.high < 0:
-            return "MISSED"
-        return "undetermined"
+        """The verdict with the rounds as the unit."""
+        return _verdict(self.low, self.high)
+
+    @property
+    def run_verdict(self) -> str | None:
+        """The verdict with the runs as the unit (None under three runs): the one to act on
+        where there is one, as for the attainment."""
+        return None if self.run_interval is None else _verdict(*self.run_interval)
 
     def line(self) -> str:
         text = (
@@ -141,12 +148,28 @@ class PooledGoodput:
             f"{self.rival.labels[0]}; ours - rival {_signed(self.low)} to {_signed(self.high)} "
             f"req/s (95%, bootstrap over rounds, {self.resamples} resamples)"
         )
+        text += f" -> {self.verdict}"
+        if self.run_interval is not None:
+            low, high = self.run_interval
+            runs = len(self.ours_without_one)
+            text += (
+                f"; bootstrap over the {runs} runs (a run with all its rounds) {_signed(low)} to "
+                f"{_signed(high)} req/s -> {self.run_verdict}"
+            )
         if self.ours_without_one and self.rival_without_one:
             text += (
                 f"; leaving out one run at a time, ours {_spread(self.ours_without_one)}, the "
                 f"rival {_spread(self.rival_without_one)}"
             )
-        return f"{text} -> {self.verdict} (aim: ours never below the rival)"
+        return f"{text} (aim: ours never below the rival)"
+
+
+def _verdict(low: float, high: float) -> str:
+    if low >= 0:
+        return "met"
+    if high < 0:
+        return "MISSED"
+    return "undetermined"
 
 
 def _signed(value: float) -> str:
@@ -166,33 +189,56 @@ def pooled_goodput(
     strata: dict[frozenset[float], list[dict[float, tuple[float, float]]]] = {}
     for curves in rounds.values():
         strata.setdefault(frozenset(curves), []).append(curves)
+    low, high = _bootstrap(list(strata.values()), resamples, seed)
+    ours, rival = curve_goodputs(list(rounds.values()))
+    runs = sorted({run for run, _ in rounds})
+    without: list[tuple[tc.Goodput, tc.Goodput]] = []
+    run_interval: tuple[float, float] | None = None
+    if len(runs) >= 3:
+        without = [
+            curve_goodputs([c for (run, _), c in rounds.items() if run != left]) for left in runs
+        ]
+        # A run is resampled with all its rounds (they shared an hour of the host), among the
+        # runs that ran the same rates.
+        of_run: dict[str, list[dict[float, tuple[float, float]]]] = {}
+        for (run, _), curves in rounds.items():
+            of_run.setdefault(run, []).append(curves)
+        run_strata: dict[frozenset[float], list[list[dict[float, tuple[float, float]]]]] = {}
+        for run in runs:
+            rates = frozenset(rate for curves in of_run[run] for rate in curves)
+            run_strata.setdefault(rates, []).append(of_run[run])
+        run_interval = _bootstrap(list(run_strata.values()), resamples, seed, whole=True)
+    return PooledGoodput(
+        ours,
+        rival,
+        low,
+        high,
+        len(rounds),
+        resamples,
+        tuple(o for o, _ in without),
+        tuple(r for _, r in without),
+        run_interval,
+    )
+
+
+def _bootstrap(
+    strata: Sequence[Sequence[Any]], resamples: int, seed: int, whole: bool = False
+) -> tuple[float, float]:
+    """The 95% interval of ours' pooled goodput minus the rival's, resampling each stratum's
+    units with replacement (as many as it has): a unit is one round's curves, or with `whole`
+    a run's list of them."""
     rng = random.Random(seed)
     lows, highs = [], []
     for _ in range(resamples):
-        sample = [rng.choice(group) for group in strata.values() for _ in group]
+        units = [rng.choice(group) for group in strata for _ in group]
+        sample = [curves for unit in units for curves in unit] if whole else units
         low, high = _difference_bounds(*curve_goodputs(sample))
         lows.append(low)
         highs.append(high)
     lows.sort()
     highs.sort()
     tail = int(0.025 * resamples)
-    ours, rival = curve_goodputs(list(rounds.values()))
-    runs = sorted({run for run, _ in rounds})
-    without: list[tuple[tc.Goodput, tc.Goodput]] = []
-    if len(runs) >= 3:
-        without = [
-            curve_goodputs([c for (run, _), c in rounds.items() if run != left]) for left in runs
-        ]
-    return PooledGoodput(
-        ours,
-        rival,
-        lows[tail],
-        highs[resamples - 1 - tail],
-        len(rounds),
-        resamples,
-        tuple(o for o, _ in without),
-        tuple(r for _, r in without),
-    )
+    return lows[tail], highs[resamples - 1 - tail]
 
 
 def _spread(goodputs: Sequence[tc.Goodput]) -> str:

@@ -331,3 +331,27 @@ def test_leaving_out_a_run_that_alone_reached_the_crossing_shows_the_bound() -> 
     assert [g.labels[0] for g in result.ours_without_one][2] == "< 9.20"
     line = result.line()
     assert "< 9.20" in line and "0.00-" not in line
+
+
+def test_pooled_goodput_resamples_whole_runs_for_its_second_verdict() -> None:
+    # Four runs of six rounds with ours above, one run with ours below by as much: thirty
+    # rounds resampled one by one seldom draw half of them from the one run (met), but five
+    # runs resampled whole draw it three times often enough (undetermined).
+    good, bad = (0.93, 0.91, 0.87, 0.85), (0.91, 0.93, 0.85, 0.87)
+    runs = [rounds_of_pairs([good] * 6, run=f"{n}.json") for n in "abcd"]
+    runs.append(rounds_of_pairs([bad] * 6, run="e.json"))
+    result = pr.pooled_goodput([p for run in runs for p in run], resamples=2000)
+    assert result is not None and result.verdict == "met"
+    assert result.run_interval is not None and result.run_verdict == "undetermined"
+    low, high = result.run_interval
+    assert low < 0 < high and low < result.low
+    assert "bootstrap over the 5 runs" in result.line()
+    assert "req/s -> undetermined; leaving out one run at a time" in result.line()
+    # Every run above: met over runs too.
+    above = [rounds_of_pairs([good] * 3, run=f"{n}.json") for n in "abc"]
+    result = pr.pooled_goodput([p for run in above for p in run], resamples=500)
+    assert result is not None and result.run_verdict == "met"
+    # Under three runs there is no interval over runs.
+    two = pr.pooled_goodput([p for run in above[:2] for p in run], resamples=100)
+    assert two is not None and two.run_interval is None and two.run_verdict is None
+    assert "bootstrap over the" not in two.line()
