@@ -108,9 +108,10 @@ def _fleet(
             ready_path="/ready",
             connector_secret=vllm_servers.CONNECTOR_SECRET,
             # A vLLM CPU API server on a loaded two-core runner can take over the 1 s default
-            # to answer /health; three such probes in a row (0.6 s apart here) took the one D
-            # out of the pool right after the proxy was ready, and the module's requests got
-            # 503 "no decode engine is healthy". These suites test reuse, not ejection.
+            # to answer /health, and three such probes in a row (0.6 s apart here) take the one
+            # D out of the pool: the likeliest cause of a module's requests answered 503 "no
+            # decode engine is healthy" right after its proxy was ready. These suites test
+            # reuse, not ejection.
             **{"probe_timeout_s": "30", **settings},
         )
         yield PDFleet(prefill, decode, proxy, ref)
