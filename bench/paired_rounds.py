@@ -129,6 +129,7 @@ class PooledGoodput:
     rival_without_one: tuple[tc.Goodput, ...] = ()
     # The difference's 95% interval resampling whole runs (None under three runs).
     run_interval: tuple[float, float] | None = None
+    runs: int = 0  # the runs the rounds came from
 
     @property
     def verdict(self) -> str:
@@ -151,10 +152,9 @@ class PooledGoodput:
         text += f" -> {self.verdict}"
         if self.run_interval is not None:
             low, high = self.run_interval
-            runs = len(self.ours_without_one)
             text += (
-                f"; bootstrap over the {runs} runs (a run with all its rounds) {_signed(low)} to "
-                f"{_signed(high)} req/s -> {self.run_verdict}"
+                f"; bootstrap over the {self.runs} runs (a run with all its rounds) "
+                f"{_signed(low)} to {_signed(high)} req/s -> {self.run_verdict}"
             )
         if self.ours_without_one and self.rival_without_one:
             text += (
@@ -186,9 +186,9 @@ def pooled_goodput(
         return None
     # Rounds that ran the same rates are resampled among themselves, so every resample has
     # each rate from as many rounds as the data has.
-    strata: dict[frozenset[float], list[dict[float, tuple[float, float]]]] = {}
+    strata: dict[frozenset[float], list[list[RoundCurves]]] = {}
     for curves in rounds.values():
-        strata.setdefault(frozenset(curves), []).append(curves)
+        strata.setdefault(frozenset(curves), []).append([curves])  # a unit of one round
     low, high = _bootstrap(list(strata.values()), resamples, seed)
     ours, rival = curve_goodputs(list(rounds.values()))
     runs = sorted({run for run, _ in rounds})
@@ -200,14 +200,14 @@ def pooled_goodput(
         ]
         # A run is resampled with all its rounds (they shared an hour of the host), among the
         # runs that ran the same rates.
-        of_run: dict[str, list[dict[float, tuple[float, float]]]] = {}
+        of_run: dict[str, list[RoundCurves]] = {}
         for (run, _), curves in rounds.items():
             of_run.setdefault(run, []).append(curves)
-        run_strata: dict[frozenset[float], list[list[dict[float, tuple[float, float]]]]] = {}
+        run_strata: dict[frozenset[float], list[list[RoundCurves]]] = {}
         for run in runs:
             rates = frozenset(rate for curves in of_run[run] for rate in curves)
             run_strata.setdefault(rates, []).append(of_run[run])
-        run_interval = _bootstrap(list(run_strata.values()), resamples, seed, whole=True)
+        run_interval = _bootstrap(list(run_strata.values()), resamples, seed)
     return PooledGoodput(
         ours,
         rival,
@@ -218,20 +218,21 @@ def pooled_goodput(
         tuple(o for o, _ in without),
         tuple(r for _, r in without),
         run_interval,
+        len(runs),
     )
 
 
 def _bootstrap(
-    strata: Sequence[Sequence[Any]], resamples: int, seed: int, whole: bool = False
+    strata: Sequence[Sequence[Sequence[RoundCurves]]], resamples: int, seed: int
 ) -> tuple[float, float]:
     """The 95% interval of ours' pooled goodput minus the rival's, resampling each stratum's
-    units with replacement (as many as it has): a unit is one round's curves, or with `whole`
-    a run's list of them."""
+    units with replacement (as many as it has): a unit is the curves of the rounds drawn
+    together (one round, or a run's rounds)."""
     rng = random.Random(seed)
     lows, highs = [], []
     for _ in range(resamples):
         units = [rng.choice(group) for group in strata for _ in group]
-        sample = [curves for unit in units for curves in unit] if whole else units
+        sample = [curves for unit in units for curves in unit]
         low, high = _difference_bounds(*curve_goodputs(sample))
         lows.append(low)
         highs.append(high)
