@@ -48,3 +48,49 @@ def test_baseline_lines_judge_each_target_against_the_base_spread() -> None:
     assert "kvrelay-w1-without req/s within noise of kvrelay-w1-base in 0 of 1 cases: MISSED" in (
         text
     )
+
+
+def cases_of(target: str, rounds_by_conc: dict[int, list[float]]) -> list[dict[str, Any]]:
+    out = []
+    for conc, rounds_rps in rounds_by_conc.items():
+        one = case(target, rounds_rps)
+        one["concurrency"] = conc
+        out.append(one)
+    return out
+
+
+BASE_ROUNDS: dict[int, list[float]] = {1: [100, 110, 105, 95, 102], 64: [200, 220, 190, 210, 205]}
+
+
+def test_a_cost_every_case_passes_alone_is_found_by_the_pooled_paired_rounds() -> None:
+    # 5% slower than the base in every round: within each case's spread (1.16 and 1.16), but
+    # 10 rounds of 10 agree.
+    slower = {conc: [r * 0.95 for r in rounds] for conc, rounds in BASE_ROUNDS.items()}
+    cases = cases_of(_proxybound.BASE, BASE_ROUNDS) + cases_of("kvrelay-w1", slower)
+    mean, low, high, paired = _proxybound.paired_ratio(cases, "kvrelay-w1") or (0, 0, 0, 0)
+    assert paired == 10
+    assert math.isclose(mean, 0.95) and math.isclose(low, 0.95) and math.isclose(high, 0.95)
+    text = "\n".join(_proxybound.baseline_lines({"cases": cases}))
+    assert "kvrelay-w1 req/s within noise of kvrelay-w1-base in 2 of 2 cases: met" in text
+    assert "pooled over 10 paired rounds of every case: 0.950x" in text
+    assert "slower beyond noise: MISSED" in text
+
+
+def test_rounds_that_move_both_ways_are_level_and_met() -> None:
+    moved = {
+        conc: [r * (0.9 if i % 2 else 1.1) for i, r in enumerate(rounds)]
+        for conc, rounds in BASE_ROUNDS.items()
+    }
+    cases = cases_of(_proxybound.BASE, BASE_ROUNDS) + cases_of("kvrelay-w1", moved)
+    _, low, high, _ = _proxybound.paired_ratio(cases, "kvrelay-w1") or (0, 0, 0, 0)
+    assert low < 1 < high
+    assert ", level: met" in (_proxybound.paired_line(cases, "kvrelay-w1") or "")
+
+
+def test_faster_beyond_noise_is_met_and_one_paired_round_is_not_judged() -> None:
+    faster = {conc: [r * 1.2 for r in rounds] for conc, rounds in BASE_ROUNDS.items()}
+    cases = cases_of(_proxybound.BASE, BASE_ROUNDS) + cases_of("kvrelay-w1", faster)
+    assert "faster beyond noise: met" in (_proxybound.paired_line(cases, "kvrelay-w1") or "")
+    one = cases_of(_proxybound.BASE, {1: [100]}) + cases_of("kvrelay-w1", {1: [90]})
+    assert _proxybound.paired_ratio(one, "kvrelay-w1") is None
+    assert _proxybound.paired_line(one, "kvrelay-w1") is None
