@@ -12,7 +12,9 @@ Sources: this checkout, and with `--baseline REV [REV ...]` the `kvrelay/` packa
 commits (`git archive`), measured with the same engines and load, so the table reads as
 before/after; with `--bare-relay`, also `bench/bare_relay.py`, the relay without kvrelay's
 features; with `--without FEATURE[,FEATURE...] ...`, this checkout with those features switched
-off (`bench/_features_off.py`), one row per argument: what each feature costs. Modes are those
+off (`bench/_features_off.py`), one row per argument: what each feature costs; with
+`--compiled`, a copy of this checkout whose per-turn packages mypyc compiled
+(`bench/_compiled.py`): what compiling the hot path would buy. Modes are those
 of the proxy-bound mode (`proxy_overhead.py --proxy-bound`): non-stream, stream, long-chat.
 Needs valgrind (Debian: `apt-get install valgrind`). Rewrites the `## instructions per request`
 section of bench/RESULTS.md.
@@ -33,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
-from bench import _loadgen, _proxybound
+from bench import _compiled, _loadgen, _proxybound
 from bench._features_off import FEATURES, launcher
 from bench._proxybound import MODES
 from kvrelay.devtools import ServerProcess, free_port, http_ready
@@ -57,6 +59,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--without", nargs="+", default=[], metavar="FEATURES",
         help="also count this checkout with these features off, one row per argument "
         f"(comma-separated; {', '.join(FEATURES)})",
+    )  # fmt: skip
+    p.add_argument(
+        "--compiled", action="store_true",
+        help="also count this checkout with kvrelay/proxy/turn and fleet compiled by mypyc "
+        "(built in a temporary copy first: minutes)",
     )  # fmt: skip
     p.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
     p.add_argument("--requests", type=int, default=500, help="measured requests per case")
@@ -179,26 +186,43 @@ def count(
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    p = c.start_fake_engine("prefill", "fake-p")
-    d = c.start_fake_engine("decode", "fake-d")
-    try:
-        with (
-            source_trees(args.baseline) as trees,
-            tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
-        ):
-            sources: list[tuple[str, Path | None, str]] = [(name, tree, "") for name, tree in trees]
-            for without in args.without:
-                sources.append((f"without {without.replace(',', ', ')}", c.REPO_ROOT, without))
-            if args.bare_relay:
-                sources.append(("bare-relay (no features)", None, ""))
-            for mode in args.modes:
-                for label, src, off in sources:
-                    per_request = count(args, src, mode, p, d, Path(tmp), off)
-                    rows.append({"mode": mode, "source": label, "instructions": per_request})
-                    print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
-    finally:
-        c.stop_all(p.process, d.process)
+    with contextlib.ExitStack() as stack:
+        compiled = None
+        if args.compiled:  # built before the engines start: it takes minutes
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-mypyc-"))
+            compiled = _compiled.build(Path(tmp))
+        p = c.start_fake_engine("prefill", "fake-p")
+        d = c.start_fake_engine("decode", "fake-d")
+        try:
+            _measure_all(args, p, d, compiled, rows)
+        finally:
+            c.stop_all(p.process, d.process)
     return rows
+
+
+def _measure_all(
+    args: argparse.Namespace,
+    p: c.Engine,
+    d: c.Engine,
+    compiled: Path | None,
+    rows: list[dict[str, Any]],
+) -> None:
+    with (
+        source_trees(args.baseline) as trees,
+        tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
+    ):
+        sources: list[tuple[str, Path | None, str]] = [(name, tree, "") for name, tree in trees]
+        if compiled is not None:
+            sources.append(("this checkout, turn/ and fleet/ compiled (mypyc)", compiled, ""))
+        for without in args.without:
+            sources.append((f"without {without.replace(',', ', ')}", c.REPO_ROOT, without))
+        if args.bare_relay:
+            sources.append(("bare-relay (no features)", None, ""))
+        for mode in args.modes:
+            for label, src, off in sources:
+                per_request = count(args, src, mode, p, d, Path(tmp), off)
+                rows.append({"mode": mode, "source": label, "instructions": per_request})
+                print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, header: str) -> str:
