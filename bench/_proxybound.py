@@ -897,10 +897,19 @@ def render_tracing(data: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def results_path(args: argparse.Namespace) -> Path:
+    """The JSON of raw results: `--json` as given, else the mode's own file in bench/.work/
+    (`proxy_bound.json`; `proxy_bound_tracing.json` with `--tracing on|both`)."""
+    if args.json is not None:
+        return Path(args.json)
+    tracing = getattr(args, "tracing", "off") != "off"
+    return c.WORK_DIR / ("proxy_bound_tracing.json" if tracing else "proxy_bound.json")
+
+
 def main(args: argparse.Namespace) -> int:
     """Measure (or reload with --render-only), write JSON, print and record the section."""
     tracing = getattr(args, "tracing", "off") != "off"
-    json_path = args.json.with_name("proxy_bound_tracing.json" if tracing else "proxy_bound.json")
+    json_path = results_path(args)
     if args.render_only:
         data = json.loads(json_path.read_text())
         for key, value in data.get("settings", {}).items():

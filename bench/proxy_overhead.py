@@ -89,7 +89,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=[],
         help="extra argument for both enginesim processes (repeatable)",
     )
-    p.add_argument("--json", type=Path, default=c.WORK_DIR / "proxy_overhead.json")
+    p.add_argument(
+        "--json", type=Path, default=None,
+        help="raw results (default: bench/.work/proxy_overhead.json; with --proxy-bound "
+        "proxy_bound.json, or proxy_bound_tracing.json with --tracing on|both)",
+    )  # fmt: skip
     p.add_argument("--plot", type=Path, default=c.BENCH_DIR / "proxy_overhead.png")
     p.add_argument("--no-results", action="store_true", help="do not rewrite bench/RESULTS.md")
     p.add_argument(
@@ -465,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.proxy_bound:
         return _proxybound.main(args)
+    args.json = args.json or c.WORK_DIR / "proxy_overhead.json"
     if args.render_only:
         # Tables and plot again from saved raw results (the header keeps the measuring command).
         data = json.loads(args.json.read_text())

@@ -4,9 +4,11 @@ baseline's own rounds in the same case moved at least as much."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-from bench import _proxybound
+from bench import _common as c
+from bench import _proxybound, proxy_overhead
 
 
 def case(target: str, rounds_rps: list[float], cpu: float = 100.0) -> dict[str, Any]:
@@ -94,3 +96,15 @@ def test_faster_beyond_noise_is_met_and_one_paired_round_is_not_judged() -> None
     one = cases_of(_proxybound.BASE, {1: [100]}) + cases_of("kvrelay-w1", {1: [90]})
     assert _proxybound.paired_ratio(one, "kvrelay-w1") is None
     assert _proxybound.paired_line(one, "kvrelay-w1") is None
+
+
+def test_a_results_path_given_is_used_as_given_and_the_default_names_the_modes_file(
+    tmp_path: Path,
+) -> None:
+    given = tmp_path / "run.json"
+    args = proxy_overhead.parse_args(["--proxy-bound", "--json", str(given)])
+    assert _proxybound.results_path(args) == given
+    args = proxy_overhead.parse_args(["--proxy-bound"])
+    assert _proxybound.results_path(args) == c.WORK_DIR / "proxy_bound.json"
+    args = proxy_overhead.parse_args(["--proxy-bound", "--tracing", "both"])
+    assert _proxybound.results_path(args) == c.WORK_DIR / "proxy_bound_tracing.json"
