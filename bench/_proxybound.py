@@ -33,6 +33,8 @@ own section (`## proxy-bound tracing`) so the full proxy-bound section is left a
 `off` (the default) kvrelay runs with `KVRELAY_TRACING=off`. `--baseline-src DIR` adds
 `kvrelay-w1-base`: the same proxy from another source tree (e.g. the commit before tracing,
 `git archive REF kvrelay | tar -x -C DIR`), to show what the untraced path costs against it.
+`--compiled` adds `kvrelay-w1-compiled`: this checkout with its per-turn packages compiled by
+mypyc in a temporary copy (`bench/_compiled.py`), judged against the base as kvrelay-w1 is.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -55,17 +58,18 @@ from pathlib import Path
 from typing import Any
 
 from bench import _common as c
-from bench import _loadgen
+from bench import _compiled, _loadgen
 from kvrelay.devtools import RedisServer, ServerProcess, free_port, http_ready, prometheus
 
 SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
 WITHOUT = "kvrelay-w1-without"
+COMPILED = "kvrelay-w1-compiled"
 BASE = "kvrelay-w1-base"
 BASE_W2 = "kvrelay-w2-base"
 BARE = "bare-relay"
-TARGETS = ("direct", BARE, BASE, "kvrelay-w1", TRACED, WITHOUT, BASE_W2, "kvrelay-w2",
+TARGETS = ("direct", BARE, BASE, "kvrelay-w1", COMPILED, TRACED, WITHOUT, BASE_W2, "kvrelay-w2",
            "vllm-router")  # fmt: skip
 MODES = ("non-stream", "stream", "long-chat")
 # The issue's six cases: the aims are judged on these (long-chat is reported beside them).
@@ -130,6 +134,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "bench/_features_off.py) as kvrelay-w1-without: what they cost, and the proxy "
         "on the path an older --baseline-src took",
     )  # fmt: skip
+    g.add_argument(
+        "--compiled", action="store_true",
+        help="also run kvrelay-w1 from a copy of this checkout whose kvrelay/proxy/turn and "
+        "fleet mypyc compiled (bench/_compiled.py; minutes to build) as kvrelay-w1-compiled",
+    )  # fmt: skip
 
 
 def apply_quick(args: argparse.Namespace) -> None:
@@ -167,6 +176,7 @@ class Bench:
         self.redis: RedisServer | None = None
         self.sink: ServerProcess | None = None
         self.sink_url = ""
+        self._built = contextlib.ExitStack()  # the compiled copy's temporary directory
 
     def targets(self) -> list[str]:
         """The targets measured: the chosen ones, and the traced kvrelay with --tracing both."""
@@ -175,6 +185,8 @@ class Bench:
             targets.insert(targets.index("kvrelay-w1") + 1, TRACED)
         if getattr(self.args, "without", "") and "kvrelay-w1" in targets:
             targets.insert(targets.index("kvrelay-w1") + 1, WITHOUT)
+        if getattr(self.args, "compiled", False) and "kvrelay-w1" in targets:
+            targets.insert(targets.index("kvrelay-w1") + 1, COMPILED)
         if getattr(self.args, "baseline_src", None):
             for ours, base in (("kvrelay-w1", BASE), ("kvrelay-w2", BASE_W2)):
                 if ours in targets:
@@ -211,13 +223,17 @@ class Bench:
 
     def start(self) -> None:
         a = self.args
+        targets = self.targets()
+        compiled = None
+        if COMPILED in targets:  # built first: it takes minutes, and needs no engine
+            tmp = self._built.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-mypyc-"))
+            compiled = _compiled.build(Path(tmp))
         fake_cpus = a.fake_cpus or a.proxy_cpus
         self.p = c.start_fake_engine("prefill", "fake-p", fake_cpus)
         self.d = c.start_fake_engine("decode", "fake-d", fake_cpus)
         if a.tracing != "off":
             self._start_sink()
         trace_all = a.tracing == "on"
-        targets = self.targets()
         if "kvrelay-w1" in targets:
             self.routers["kvrelay-w1"] = c.start_kvrelay(
                 "kvrelay-w1", [self.p], [self.d], workers=1, env=self._env(trace_all),
@@ -234,6 +250,14 @@ class Bench:
             self.routers[BASE] = c.start_kvrelay(
                 BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
                 cwd=base_src,
+            )  # fmt: skip
+        if compiled is not None:
+            compiled_env = {**self._env(False), "PYTHONPATH": str(compiled)}
+            if not c.kvrelay_source(compiled_env, compiled).is_relative_to(compiled):
+                raise SystemExit("--compiled: the compiled proxy would import this checkout")
+            self.routers[COMPILED] = c.start_kvrelay(
+                COMPILED, [self.p], [self.d], workers=1, env=compiled_env, cpus=a.proxy_cpus,
+                cwd=compiled,
             )  # fmt: skip
         if WITHOUT in targets:
             self.routers[WITHOUT] = c.start_kvrelay(
@@ -304,6 +328,7 @@ class Bench:
                 self.redis.stop()
         c.stop_all(self.p.process if self.p else None, self.d.process if self.d else None)
         c.stop_all(self.sink)
+        self._built.close()
 
     def _router_procs(self, target: str) -> list[ServerProcess]:
         procs = [self.routers[target].process] if target in self.routers else []
@@ -676,11 +701,12 @@ def paired_line(cases: list[dict[str, Any]], target: str) -> str | None:
 
 
 def baseline_lines(data: dict[str, Any]) -> list[str]:
-    """kvrelay-w1 (and kvrelay-w1-without) against the baseline tree, case by case, each
+    """kvrelay-w1 (and kvrelay-w1-compiled, kvrelay-w1-without) against the baseline tree, case
+    by case, each
     judged against the baseline's own round-to-round spread in the same case, then over every
     case's paired rounds (`paired_ratio`)."""
     cases = data["cases"]
-    ours = [t for t in ("kvrelay-w1", WITHOUT) if any(x["target"] == t for x in cases)]
+    ours = [t for t in ("kvrelay-w1", COMPILED, WITHOUT) if any(x["target"] == t for x in cases)]
     lines = [
         f"Against `kvrelay-w1-base` (the proxy from {data.get('baseline', 'the baseline tree')}, "
         "same rounds): req/s and router CPU per request as ratios of the base's medians; "

@@ -108,3 +108,27 @@ def test_a_results_path_given_is_used_as_given_and_the_default_names_the_modes_f
     assert _proxybound.results_path(args) == c.WORK_DIR / "proxy_bound.json"
     args = proxy_overhead.parse_args(["--proxy-bound", "--tracing", "both"])
     assert _proxybound.results_path(args) == c.WORK_DIR / "proxy_bound_tracing.json"
+
+
+def test_the_compiled_target_runs_beside_kvrelay_w1_and_is_judged_against_the_base() -> None:
+    args = proxy_overhead.parse_args(
+        ["--proxy-bound", "--compiled", "--baseline-src", "/tmp/base", "--targets", "kvrelay-w1"]
+    )
+    assert _proxybound.Bench(args).targets() == [
+        _proxybound.BASE,
+        "kvrelay-w1",
+        _proxybound.COMPILED,
+    ]
+    plain = proxy_overhead.parse_args(["--proxy-bound", "--targets", "kvrelay-w1"])
+    assert _proxybound.COMPILED not in _proxybound.Bench(plain).targets()
+    data = {
+        "baseline": "/tmp/base",
+        "cases": [
+            case(_proxybound.BASE, [100, 110, 105], cpu=100),
+            case("kvrelay-w1", [90, 99, 95], cpu=110),
+            case(_proxybound.COMPILED, [101, 112, 104], cpu=98),
+        ],
+    }
+    text = "\n".join(_proxybound.baseline_lines(data))
+    assert f"{_proxybound.COMPILED} req/s within noise of kvrelay-w1-base in 1 of 1 cases" in text
+    assert f"- {_proxybound.COMPILED} req/s over kvrelay-w1-base's in the same round" in text
