@@ -39,12 +39,13 @@ def compiled_modules(root: Path) -> list[str]:
     """The modules of `COMPILED_PACKAGES` under `root` that mypyc compiles, as paths relative
     to `root`: every one but the packages' faces (`__init__.py`, kept interpreted so the
     packages import as before) and `NOT_COMPILED`."""
-    return [
+    found = (
         path.relative_to(root).as_posix()
         for package in COMPILED_PACKAGES
         for path in sorted((root / package).glob("*.py"))
-        if path.name != "__init__.py" and path.relative_to(root).as_posix() not in NOT_COMPILED
-    ]
+        if path.name != "__init__.py"
+    )
+    return [module for module in found if module not in NOT_COMPILED]
 
 
 def build(into: Path) -> Path:
@@ -55,15 +56,16 @@ def build(into: Path) -> Path:
         c.REPO_ROOT / "kvrelay", into / "kvrelay", ignore=shutil.ignore_patterns("__pycache__")
     )
     shutil.copy2(c.REPO_ROOT / "pyproject.toml", into / "pyproject.toml")
+    modules = compiled_modules(into)
     done = subprocess.run(
-        [sys.executable, "-m", "mypyc", *compiled_modules(into)],
+        [sys.executable, "-m", "mypyc", *modules],
         cwd=into,
         capture_output=True,
         text=True,
     )
     if done.returncode != 0:
         raise RuntimeError(f"mypyc failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
-    missing = [m for m in compiled_modules(into) if not list(_extensions(into, m))]
+    missing = [m for m in modules if not _extensions(into, m)]
     if missing:
         raise RuntimeError(f"mypyc built no extension for {missing}")
     return into

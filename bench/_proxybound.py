@@ -213,6 +213,16 @@ class Bench:
             })  # fmt: skip
         return env
 
+    def _env_of_tree(self, src: Path, option: str) -> dict[str, str]:
+        """The untraced environment of a proxy run from the source tree `src` (`option` names
+        where it came from), checked, not assumed, to import that tree's `kvrelay`: started
+        from this checkout it would import this one's."""
+        env = {**self._env(False), "PYTHONPATH": str(src)}
+        imported = c.kvrelay_source(env, src)
+        if not imported.is_relative_to(src):
+            raise SystemExit(f"{option}: the proxy from {src} would import {imported}")
+        return env
+
     def spans_exported(self) -> dict[str, int] | None:
         """What the fake collector received (None without tracing)."""
         if self.sink is None:
@@ -241,23 +251,16 @@ class Bench:
             )  # fmt: skip
         if BASE in targets or BASE_W2 in targets:
             base_src = a.baseline_src.resolve()
-            base_env = {**self._env(False), "PYTHONPATH": str(base_src)}
-            # Checked, not assumed: a proxy started from this checkout would import its code.
-            imported = c.kvrelay_source(base_env, base_src)
-            if not imported.is_relative_to(base_src):
-                raise SystemExit(f"--baseline-src: the base proxy would import {imported}")
+            base_env = self._env_of_tree(base_src, "--baseline-src")
         if BASE in targets:
             self.routers[BASE] = c.start_kvrelay(
                 BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
                 cwd=base_src,
             )  # fmt: skip
         if compiled is not None:
-            compiled_env = {**self._env(False), "PYTHONPATH": str(compiled)}
-            if not c.kvrelay_source(compiled_env, compiled).is_relative_to(compiled):
-                raise SystemExit("--compiled: the compiled proxy would import this checkout")
             self.routers[COMPILED] = c.start_kvrelay(
-                COMPILED, [self.p], [self.d], workers=1, env=compiled_env, cpus=a.proxy_cpus,
-                cwd=compiled,
+                COMPILED, [self.p], [self.d], workers=1,
+                env=self._env_of_tree(compiled, "--compiled"), cpus=a.proxy_cpus, cwd=compiled,
             )  # fmt: skip
         if WITHOUT in targets:
             self.routers[WITHOUT] = c.start_kvrelay(
@@ -643,7 +646,7 @@ PAIRED_SEED = 0
 
 
 def paired_ratio(
-    cases: list[dict[str, Any]], target: str, other: str = "kvrelay-w1-base"
+    cases: list[dict[str, Any]], target: str, other: str = BASE
 ) -> tuple[float, float, float, int] | None:
     """`target`'s req/s over `other`'s, round by round (in each round of a case the two ran
     back to back, so a round's ratio leaves out what the shared host did between rounds),
@@ -701,10 +704,9 @@ def paired_line(cases: list[dict[str, Any]], target: str) -> str | None:
 
 
 def baseline_lines(data: dict[str, Any]) -> list[str]:
-    """kvrelay-w1 (and kvrelay-w1-compiled, kvrelay-w1-without) against the baseline tree, case
-    by case, each
-    judged against the baseline's own round-to-round spread in the same case, then over every
-    case's paired rounds (`paired_ratio`)."""
+    """kvrelay-w1 (and kvrelay-w1-compiled, kvrelay-w1-without) against the baseline tree: case
+    by case, each judged against the baseline's own round-to-round spread in the same case,
+    then over every case's paired rounds (`paired_ratio`)."""
     cases = data["cases"]
     ours = [t for t in ("kvrelay-w1", COMPILED, WITHOUT) if any(x["target"] == t for x in cases)]
     lines = [

@@ -185,7 +185,6 @@ def count(
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         compiled = None
         if args.compiled:  # built before the engines start: it takes minutes
@@ -194,19 +193,16 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         p = c.start_fake_engine("prefill", "fake-p")
         d = c.start_fake_engine("decode", "fake-d")
         try:
-            _measure_all(args, p, d, compiled, rows)
+            return _measure_all(args, p, d, compiled)
         finally:
             c.stop_all(p.process, d.process)
-    return rows
 
 
 def _measure_all(
-    args: argparse.Namespace,
-    p: c.Engine,
-    d: c.Engine,
-    compiled: Path | None,
-    rows: list[dict[str, Any]],
-) -> None:
+    args: argparse.Namespace, p: c.Engine, d: c.Engine, compiled: Path | None
+) -> list[dict[str, Any]]:
+    """Every source's count on every mode, with the fake engines `p` and `d` running."""
+    rows: list[dict[str, Any]] = []
     with (
         source_trees(args.baseline) as trees,
         tempfile.TemporaryDirectory(prefix="kvrelay-callgrind-") as tmp,
@@ -223,6 +219,7 @@ def _measure_all(
                 per_request = count(args, src, mode, p, d, Path(tmp), off)
                 rows.append({"mode": mode, "source": label, "instructions": per_request})
                 print(f"{mode:10s} {label:24s} {per_request / 1e3:8.1f} k", flush=True)
+    return rows
 
 
 def render(rows: list[dict[str, Any]], args: argparse.Namespace, header: str) -> str:
