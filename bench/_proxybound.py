@@ -650,8 +650,10 @@ def paired_ratio(
 ) -> tuple[float, float, float, int] | None:
     """`target`'s req/s over `other`'s, round by round (in each round of a case the two ran
     back to back, so a round's ratio leaves out what the shared host did between rounds),
-    pooled over every case both ran: (geometric mean, its 95% interval low and high, paired
-    rounds), bootstrapping each case's rounds among themselves. None under two paired rounds.
+    pooled over every case both ran in two rounds or more: (geometric mean, its 95% interval
+    low and high, paired rounds), bootstrapping each case's rounds among themselves. A case of
+    one round is left out: resampled among itself it has no spread, and would narrow the
+    interval to nothing. None when no case has two paired rounds.
 
     Case by case (`within_noise`) a ratio is only told from noise when it moves more than the
     base's slowest round from its fastest, and one case has few rounds: a cost of a few percent
@@ -667,11 +669,11 @@ def paired_ratio(
                 for a, b in zip(mine.get("rounds") or (), theirs.get("rounds") or (), strict=False)
                 if a.get("rps") and b.get("rps")
             ]
-            if logs:
+            if len(logs) >= 2:
                 strata.append(logs)
-    paired = sum(map(len, strata))
-    if paired < 2:
+    if not strata:
         return None
+    paired = sum(map(len, strata))
     rng = random.Random(PAIRED_SEED)
     means = sorted(
         statistics.fmean([rng.choice(logs) for logs in strata for _ in logs])

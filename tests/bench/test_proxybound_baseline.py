@@ -98,6 +98,20 @@ def test_faster_beyond_noise_is_met_and_one_paired_round_is_not_judged() -> None
     assert _proxybound.paired_line(one, "kvrelay-w1") is None
 
 
+def test_cases_of_one_round_each_give_no_interval_however_many_they_are() -> None:
+    # One round per case (`--quick`): resampled within itself a case has no spread, so pooling
+    # such cases would print a point as an interval and call 10% slower beyond noise.
+    base = {1: [100.0], 64: [200.0], 256: [300.0]}
+    slower = {conc: [r * 0.9 for r in rounds] for conc, rounds in base.items()}
+    cases = cases_of(_proxybound.BASE, base) + cases_of("kvrelay-w1", slower)
+    assert _proxybound.paired_ratio(cases, "kvrelay-w1") is None
+    # A case of two rounds beside them is judged on its own rounds only.
+    cases += cases_of(_proxybound.BASE, {8: [100.0, 110.0]})
+    cases += cases_of("kvrelay-w1", {8: [95.0, 99.0]})
+    _, _, _, paired = _proxybound.paired_ratio(cases, "kvrelay-w1") or (0, 0, 0, 0)
+    assert paired == 2
+
+
 def test_a_results_path_given_is_used_as_given_and_the_default_names_the_modes_file(
     tmp_path: Path,
 ) -> None:
