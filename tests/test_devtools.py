@@ -28,6 +28,7 @@ from kvrelay.devtools import (
     prometheus,
     sse,
     tcp_ready,
+    vllm_servers,
     wait_until,
     with_loopback_ucx,
 )
@@ -248,3 +249,53 @@ def test_dev_fleet_that_fails_to_start_stops_what_it_had_started() -> None:
         fleet.start()
     assert not fleet.alive
     assert live_children() == before
+
+
+def _fake_stock_engine(d_failures: int) -> tuple[web.Application, list[dict[str, object]]]:
+    """A fake stock P and D in one app: a request carrying `do_remote_decode` is prefilled
+    (answered with P's transfer params), one carrying `remote_block_ids` is decoded, failing
+    with vLLM's 500 body `d_failures` times first. Returns the app and the decoded bodies."""
+    decoded: list[dict[str, object]] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        body = await request.json()
+        params = body["kv_transfer_params"]
+        if params.get("do_remote_decode"):
+            blocks = {"remote_block_ids": [7], "remote_engine_id": "P", "do_remote_prefill": True}
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": blocks})
+        if len(decoded) < d_failures:
+            decoded.append(body)
+            error = {"message": "Internal server error", "type": "InternalServerError"}
+            return web.json_response({"error": error}, status=500)
+        decoded.append(body)
+        return web.json_response({"choices": [{"text": "xy"}]})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app, decoded
+
+
+@pytest.mark.parametrize("d_failures", [0, 1])
+def test_warm_stock_pair_opens_the_pair_within_its_tries(d_failures: int) -> None:
+    app, decoded = _fake_stock_engine(d_failures)
+    with ThreadedApp(app, free_port(), "fake-stock") as server:
+        engine = vllm_servers.VLLMServer("fake-stock", Path("."), port=server.port)
+        vllm_servers.warm_stock_pair(engine, engine, timeout=10)
+    assert len(decoded) == d_failures + 1
+    assert all(
+        b["kv_transfer_params"]
+        == {"remote_block_ids": [7], "remote_engine_id": "P", "do_remote_prefill": True}
+        for b in decoded
+    )
+
+
+def test_warm_stock_pair_that_never_reads_reports_every_try() -> None:
+    app, decoded = _fake_stock_engine(d_failures=vllm_servers.STOCK_WARM_TRIES)
+    with ThreadedApp(app, free_port(), "fake-stock") as server:
+        engine = vllm_servers.VLLMServer("fake-stock", Path("."), port=server.port)
+        with pytest.raises(RuntimeError) as raised:
+            vllm_servers.warm_stock_pair(engine, engine, timeout=10)
+    assert len(decoded) == vllm_servers.STOCK_WARM_TRIES
+    message = str(raised.value)
+    assert message.count("stock D did not read P's blocks: 500") == vllm_servers.STOCK_WARM_TRIES
+    assert message.count("--- end of fake-stock's log ---") == vllm_servers.STOCK_WARM_TRIES
