@@ -33,8 +33,11 @@ own section (`## proxy-bound tracing`) so the full proxy-bound section is left a
 `off` (the default) kvrelay runs with `KVRELAY_TRACING=off`. `--baseline-src DIR` adds
 `kvrelay-w1-base`: the same proxy from another source tree (e.g. the commit before tracing,
 `git archive REF kvrelay | tar -x -C DIR`), to show what the untraced path costs against it.
-`--compiled` adds `kvrelay-w1-compiled`: this checkout with its per-turn packages compiled by
-mypyc in a temporary copy (`bench/_compiled.py`), judged against the base as kvrelay-w1 is.
+`--src DIR` runs kvrelay-w1 and kvrelay-w2 from another tree instead of this checkout, so
+that with `--baseline-src` two commits are compared by this checkout's bench (a change
+whose own commits lie between others'). `--compiled` adds `kvrelay-w1-compiled`: this
+checkout with its per-turn packages compiled by mypyc in a temporary copy
+(`bench/_compiled.py`), judged against the base as kvrelay-w1 is.
 """
 
 from __future__ import annotations
@@ -129,6 +132,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kvrelay-w2)",
     )  # fmt: skip
     g.add_argument(
+        "--src", type=Path, default=None,
+        help="a directory holding another kvrelay/ package, run as kvrelay-w1 and kvrelay-w2 "
+        "in place of this checkout's (with --baseline-src: two commits compared by this "
+        "checkout's bench, e.g. a change's last commit against its first's parent)",
+    )  # fmt: skip
+    g.add_argument(
         "--without", default="", metavar="FEATURES",
         help="also run kvrelay-w1 with these features switched off (comma-separated; see "
         "bench/_features_off.py) as kvrelay-w1-without: what they cost, and the proxy "
@@ -213,11 +222,11 @@ class Bench:
             })  # fmt: skip
         return env
 
-    def _env_of_tree(self, src: Path, option: str) -> dict[str, str]:
-        """The untraced environment of a proxy run from the source tree `src` (`option` names
-        where it came from), checked, not assumed, to import that tree's `kvrelay`: started
-        from this checkout it would import this one's."""
-        env = {**self._env(False), "PYTHONPATH": str(src)}
+    def _env_of_tree(self, src: Path, option: str, traced: bool = False) -> dict[str, str]:
+        """The environment of a proxy run from the source tree `src` (`option` names where it
+        came from), checked, not assumed, to import that tree's `kvrelay`: started from this
+        checkout it would import this one's."""
+        env = {**self._env(traced), "PYTHONPATH": str(src)}
         imported = c.kvrelay_source(env, src)
         if not imported.is_relative_to(src):
             raise SystemExit(f"{option}: the proxy from {src} would import {imported}")
@@ -244,10 +253,17 @@ class Bench:
         if a.tracing != "off":
             self._start_sink()
         trace_all = a.tracing == "on"
+        # kvrelay-w1 and -w2 from this checkout, or from the tree --src names.
+        ours_src = a.src.resolve() if getattr(a, "src", None) else None
+        ours_env = (
+            self._env_of_tree(ours_src, "--src", trace_all)
+            if ours_src is not None
+            else self._env(trace_all)
+        )
         if "kvrelay-w1" in targets:
             self.routers["kvrelay-w1"] = c.start_kvrelay(
-                "kvrelay-w1", [self.p], [self.d], workers=1, env=self._env(trace_all),
-                cpus=a.proxy_cpus,
+                "kvrelay-w1", [self.p], [self.d], workers=1, env=ours_env, cpus=a.proxy_cpus,
+                cwd=ours_src,
             )  # fmt: skip
         if BASE in targets or BASE_W2 in targets:
             base_src = a.baseline_src.resolve()
@@ -277,7 +293,7 @@ class Bench:
             c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
             self.routers["kvrelay-w2"] = c.start_kvrelay(
                 "kvrelay-w2", [self.p], [self.d], workers=2, map_url=self.redis.url,
-                env=self._env(trace_all), cpus=a.w2_cpus,
+                env=ours_env, cpus=a.w2_cpus, cwd=ours_src,
             )  # fmt: skip
         if BASE_W2 in targets and self.redis is not None:
             # The same Redis server, under its own key prefix.
@@ -600,6 +616,9 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         lines += ["", f"**Stopped early by `--max-minutes`**: rounds done per case "
                   f"{rounds_done[0]}-{rounds_done[-1]} of {args.rounds} (medians over those); "
                   "cases never reached are missing from the tables."]  # fmt: skip
+    if data.get("src"):
+        lines += ["", f"kvrelay-w1 and kvrelay-w2 ran the proxy from {data['src']} (`--src`), "
+                  "not this checkout's."]  # fmt: skip
     lines += ["", *summary_table(cases, "kvrelay-w1"), "", *summary_table(cases, "kvrelay-w2")]
     lines += ["", "All targets (medians over rounds):", ""]
     lines += c.case_table(
@@ -960,6 +979,8 @@ def main(args: argparse.Namespace) -> int:
         }  # fmt: skip
         if args.baseline_src is not None:
             data["baseline"] = c.relpath(args.baseline_src)
+        if getattr(args, "src", None) is not None:
+            data["src"] = c.relpath(args.src)
     c.write_json(json_path, data)
     text = render_tracing(data, args) if tracing else render(data, args)
     c.publish(

@@ -112,6 +112,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--modes: the enginesim mode measures {' and '.join(MODES)} only")
     if not args.proxy_bound and _proxybound.BARE in args.targets:
         p.error(f"--targets: {_proxybound.BARE} is a target of the proxy-bound mode only")
+    if args.src is not None and not args.proxy_bound:
+        p.error("--src: a setting of the proxy-bound mode only")
+    if args.src is not None and (args.without or args.compiled or args.tracing == "both"):
+        # Those targets are variants of this checkout, to be judged beside this checkout's.
+        p.error("--src: not with --without, --compiled or --tracing both")
     if args.without and not args.proxy_bound:
         p.error("--without: a target of the proxy-bound mode only")
     unknown = set(filter(None, args.without.split(","))) - set(FEATURES)

@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench import _common as c
 from bench import _proxybound, proxy_overhead
 
@@ -146,3 +148,32 @@ def test_the_compiled_target_runs_beside_kvrelay_w1_and_is_judged_against_the_ba
     text = "\n".join(_proxybound.baseline_lines(data))
     assert f"{_proxybound.COMPILED} req/s within noise of kvrelay-w1-base in 1 of 1 cases" in text
     assert f"- {_proxybound.COMPILED} req/s over kvrelay-w1-base's in the same round" in text
+
+
+def test_src_runs_our_targets_from_another_tree_checked_to_import_it(tmp_path: Path) -> None:
+    tree = tmp_path / "tree"
+    (tree / "kvrelay").mkdir(parents=True)
+    (tree / "kvrelay" / "__init__.py").write_text("")
+    args = proxy_overhead.parse_args(
+        ["--proxy-bound", "--src", str(tree), "--baseline-src", "/tmp/base", "--tracing", "on"]
+    )
+    bench = _proxybound.Bench(args)
+    env = bench._env_of_tree(tree, "--src", traced=True)
+    assert env["PYTHONPATH"] == str(tree)
+    assert env["KVRELAY_TRACING"] == "on"  # traced as every kvrelay target of the run
+    # A tree without its own kvrelay/ would run this checkout's proxy under another name.
+    with pytest.raises(SystemExit, match="--src"):
+        bench._env_of_tree(tmp_path, "--src")
+    data = {"cases": [], "placement": "x", "src": str(tree)}
+    assert f"kvrelay-w1 and kvrelay-w2 ran the proxy from {tree}" in _proxybound.render(data, args)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], ["--proxy-bound", "--compiled"], ["--proxy-bound", "--without", "metrics"],
+     ["--proxy-bound", "--tracing", "both"]],
+)  # fmt: skip
+def test_src_is_refused_where_a_target_would_be_this_checkouts_variant(extra: list[str]) -> None:
+    # Outside the proxy-bound mode, or beside targets that vary this checkout's proxy.
+    with pytest.raises(SystemExit):
+        proxy_overhead.parse_args([*extra, "--src", "/tmp/tree"])
