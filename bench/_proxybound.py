@@ -20,10 +20,11 @@ vllm-router ignores the header. The `long-chat` mode sends chat completions inst
 a long history (`--history-turns`, `--history-words`): the work that grows with the body.
 
 Each case (mode x concurrency) runs every target back to back, the order rotated per case,
-and the whole set of cases is repeated in `--rounds` interleaved rounds; each figure reported
-is the median over rounds. Router CPU per request is the process group's CPU time (workers
-included) over the requests served. `--profile` records the kvrelay proxy with py-spy during
-an extra, unmeasured case and writes a flame graph SVG beside RESULTS.md.
+and the whole set of cases is repeated in `--rounds` interleaved rounds, every router started
+afresh for each round (the start order rotated: `Bench.restart_routers` says why); each
+figure reported is the median over rounds. Router CPU per request is the process group's
+CPU time (workers included) over the requests served. `--profile` records the kvrelay proxy
+with py-spy during an extra, unmeasured case and writes a flame graph SVG beside RESULTS.md.
 
 `--tracing on|both` measures what OpenTelemetry traces cost: kvrelay exports its spans over
 OTLP/HTTP to a fake collector (`bench/otlp_sink.py`, on the load generator's CPUs) that counts
@@ -45,6 +46,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import json
 import math
 import os
@@ -56,18 +58,23 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench import _common as c
-from bench import _compiled, _loadgen
+from bench import _compiled, _loadgen, _paired
 from kvrelay.devtools import RedisServer, ServerProcess, free_port, http_ready, prometheus
 
 SECTION = "proxy-bound"
 TRACING_SECTION = "proxy-bound tracing"
 TRACED = "kvrelay-w1-traced"
 WITHOUT = "kvrelay-w1-without"
+# One worker's in-process map, small enough that a proxy started for a round fills it within
+# its first case: from then on every turn's store evicts an entry and the proxy releases its
+# blocks on D, as a proxy running for hours does (with the default 100,000 entries only the
+# last of five rounds reached that, when one process served them all).
+W1_MAP_URL = "memory://?max_entries=1024"
 COMPILED = "kvrelay-w1-compiled"
 BASE = "kvrelay-w1-base"
 BASE_W2 = "kvrelay-w2-base"
@@ -132,6 +139,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "kvrelay-w2)",
     )  # fmt: skip
     g.add_argument(
+        "--judge-runs", type=Path, nargs="+", default=None, metavar="JSON",
+        help="measure nothing: judge kvrelay-w1 against kvrelay-w1-base over these runs' "
+        "results (--json of runs with --baseline-src), the run as the unit",
+    )  # fmt: skip
+    g.add_argument(
         "--src", type=Path, default=None,
         help="a directory holding another kvrelay/ package, run as kvrelay-w1 and kvrelay-w2 "
         "in place of this checkout's (with --baseline-src: two commits compared by this "
@@ -186,6 +198,9 @@ class Bench:
         self.sink: ServerProcess | None = None
         self.sink_url = ""
         self._built = contextlib.ExitStack()  # the compiled copy's temporary directory
+        self._compiled_tree: Path | None = None
+        # Work counters of the router processes stopped between rounds (`restart_routers`).
+        self._work_before: dict[str, dict[str, float]] = {}
 
     def targets(self) -> list[str]:
         """The targets measured: the chosen ones, and the traced kvrelay with --tracing both."""
@@ -241,17 +256,56 @@ class Bench:
         return counts
 
     def start(self) -> None:
+        """The fakes (and the span sink, the compiled copy, Redis where asked), then every
+        router."""
         a = self.args
         targets = self.targets()
-        compiled = None
         if COMPILED in targets:  # built first: it takes minutes, and needs no engine
             tmp = self._built.enter_context(tempfile.TemporaryDirectory(prefix="kvrelay-mypyc-"))
-            compiled = _compiled.build(Path(tmp))
+            self._compiled_tree = _compiled.build(Path(tmp))
         fake_cpus = a.fake_cpus or a.proxy_cpus
         self.p = c.start_fake_engine("prefill", "fake-p", fake_cpus)
         self.d = c.start_fake_engine("decode", "fake-d", fake_cpus)
         if a.tracing != "off":
             self._start_sink()
+        if "kvrelay-w2" in targets:
+            self.redis = RedisServer().start()
+            assert self.redis.process is not None and self.redis.process.proc is not None
+            c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
+        self.start_routers(self.router_targets())
+
+    def router_targets(self) -> list[str]:
+        """The targets that are routers this bench starts (not `direct`)."""
+        starters = self._starters()
+        return [t for t in self.targets() if t in starters]
+
+    def start_routers(self, order: list[str]) -> None:
+        """Start the routers of `order`, in that order (which one starts first can place it
+        better in memory: the order is rotated when they start again, `restart_routers`)."""
+        starters = self._starters()
+        for target in order:
+            self.routers[target] = starters[target]()
+
+    def restart_routers(self, shift: int) -> None:
+        """Stop every router and start each again, the start order rotated by `shift`, their
+        work counters kept. A process keeps its luck (its memory layout, its hash seed) for
+        its whole life, which every round it serves shares: paired rounds of the same two
+        processes differ by that luck in every round, so it reads as a difference between
+        the proxies. Started afresh each round, it varies between rounds as it does between
+        runs, and the rounds' spread includes it."""
+        self._work_before = self.work_done()
+        c.stop_all(*(r.process for r in self.routers.values()))
+        self.routers.clear()
+        order = self.router_targets()
+        shift %= max(len(order), 1)
+        self.start_routers(order[shift:] + order[:shift])
+
+    def _starters(self) -> dict[str, Callable[[], c.RunningRouter]]:
+        """How each router target of this run starts."""
+        a = self.args
+        targets = self.targets()
+        assert self.p is not None and self.d is not None
+        engines: tuple[list[c.Engine], list[c.Engine]] = ([self.p], [self.d])
         trace_all = a.tracing == "on"
         # kvrelay-w1 and -w2 from this checkout, or from the tree --src names.
         ours_src = a.src.resolve() if getattr(a, "src", None) else None
@@ -260,52 +314,41 @@ class Bench:
             if ours_src is not None
             else self._env(trace_all)
         )
+        starters: dict[str, Callable[[], c.RunningRouter]] = {}
+
+        def kvrelay(name: str, **kw: Any) -> None:
+            kw.setdefault("cpus", a.proxy_cpus)
+            kw.setdefault("map_url", W1_MAP_URL)
+            starters[name] = functools.partial(c.start_kvrelay, name, *engines, **kw)
+
         if "kvrelay-w1" in targets:
-            self.routers["kvrelay-w1"] = c.start_kvrelay(
-                "kvrelay-w1", [self.p], [self.d], workers=1, env=ours_env, cpus=a.proxy_cpus,
-                cwd=ours_src,
-            )  # fmt: skip
+            kvrelay("kvrelay-w1", workers=1, env=ours_env, cwd=ours_src)
         if BASE in targets or BASE_W2 in targets:
             base_src = a.baseline_src.resolve()
             base_env = self._env_of_tree(base_src, "--baseline-src")
-        if BASE in targets:
-            self.routers[BASE] = c.start_kvrelay(
-                BASE, [self.p], [self.d], workers=1, env=base_env, cpus=a.proxy_cpus,
-                cwd=base_src,
-            )  # fmt: skip
+            if BASE in targets:
+                kvrelay(BASE, workers=1, env=base_env, cwd=base_src)
+        compiled = self._compiled_tree
         if compiled is not None:
-            self.routers[COMPILED] = c.start_kvrelay(
-                COMPILED, [self.p], [self.d], workers=1,
-                env=self._env_of_tree(compiled, "--compiled"), cpus=a.proxy_cpus, cwd=compiled,
-            )  # fmt: skip
+            env = self._env_of_tree(compiled, "--compiled")
+            kvrelay(COMPILED, workers=1, env=env, cwd=compiled)
         if WITHOUT in targets:
-            self.routers[WITHOUT] = c.start_kvrelay(
-                WITHOUT, [self.p], [self.d], workers=1, env=self._env(False), cpus=a.proxy_cpus,
-                without=a.without,
-            )  # fmt: skip
+            kvrelay(WITHOUT, workers=1, env=self._env(False), without=a.without)
         if TRACED in targets:
-            self.routers[TRACED] = c.start_kvrelay(
-                TRACED, [self.p], [self.d], workers=1, env=self._env(True), cpus=a.proxy_cpus
-            )
-        if "kvrelay-w2" in targets:
-            self.redis = RedisServer().start()
-            assert self.redis.process is not None and self.redis.process.proc is not None
-            c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
-            self.routers["kvrelay-w2"] = c.start_kvrelay(
-                "kvrelay-w2", [self.p], [self.d], workers=2, map_url=self.redis.url,
-                env=ours_env, cpus=a.w2_cpus, cwd=ours_src,
-            )  # fmt: skip
-        if BASE_W2 in targets and self.redis is not None:
-            # The same Redis server, under its own key prefix.
-            self.routers[BASE_W2] = c.start_kvrelay(
-                BASE_W2, [self.p], [self.d], workers=2,
-                map_url=f"{self.redis.url}?prefix=kvrelay-base", env=base_env, cpus=a.w2_cpus,
-                cwd=base_src,
-            )  # fmt: skip
+            kvrelay(TRACED, workers=1, env=self._env(True))
+        if self.redis is not None:
+            w2 = {"workers": 2, "cpus": a.w2_cpus}
+            if "kvrelay-w2" in targets:
+                kvrelay("kvrelay-w2", map_url=self.redis.url, env=ours_env, cwd=ours_src, **w2)
+            if BASE_W2 in targets:
+                # The same Redis server, under its own key prefix.
+                url = f"{self.redis.url}?prefix=kvrelay-base"
+                kvrelay(BASE_W2, map_url=url, env=base_env, cwd=base_src, **w2)
         if "vllm-router" in a.targets:
-            self.routers["vllm-router"] = c.start_vllm_router([self.p], [self.d], a.proxy_cpus)
+            starters["vllm-router"] = functools.partial(c.start_vllm_router, *engines, a.proxy_cpus)
         if BARE in a.targets:
-            self.routers[BARE] = self._start_bare()
+            starters[BARE] = self._start_bare
+        return starters
 
     def _start_bare(self) -> c.RunningRouter:
         assert self.p is not None and self.d is not None
@@ -321,8 +364,17 @@ class Bench:
 
     def work_done(self) -> dict[str, dict[str, float]]:
         """What each kvrelay did besides relaying (params stored, side-channel fetches and the
-        calls they took, releases, map errors), from its own metrics: evidence the success path
-        ran in full."""
+        calls they took, releases, map errors), from its own metrics, summed over the
+        processes each target ran as: evidence the success path ran in full."""
+        out = {name: dict(counts) for name, counts in self._work_before.items()}
+        for name, counts in self._work_now().items():
+            kept = out.setdefault(name, {})
+            for key, value in counts.items():
+                kept[key] = kept.get(key, 0.0) + value
+        return out
+
+    def _work_now(self) -> dict[str, dict[str, float]]:
+        """`work_done`'s counters of the routers running now."""
         out: dict[str, dict[str, float]] = {}
         for name, router in self.routers.items():
             if not name.startswith("kvrelay"):
@@ -415,6 +467,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             time.monotonic() + args.max_minutes * 60 if args.max_minutes is not None else math.inf
         )
         for rnd in range(args.rounds):
+            if rnd > 0 and time.monotonic() <= deadline:
+                bench.restart_routers(shift=rnd)  # each round its own processes
             for mode in args.modes:
                 for conc in args.concurrency:
                     targets = bench.targets()
@@ -603,9 +657,12 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"Zero-work fake engines (`bench/fake_engine.py`: 1 P + 1 D, vLLM 0.32-shaped answers, "
         f"D streams {args.max_tokens} SSE chunks without params); `/v1/completions`, a unique "
         f"{args.prompt_words}-word prompt and `X-Conversation-Id` per request (first turns: "
-        "kvrelay holds, stores and, for streams, fetches D's params from its side channel); "
+        "kvrelay holds, stores and, for streams, fetches D's params from its side channel; "
+        "kvrelay-w1's map holds 1024 entries, so each store evicts one and releases its "
+        "blocks on D); "
         f"{args.requests} requests per case and round, {args.rounds} interleaved rounds "
-        "(target order rotated per case), medians over rounds. `direct` = the load generator "
+        "(target order rotated per case; routers started afresh each round), medians over "
+        "rounds. `direct` = the load generator "
         "calling D alone. Placement: " + data["placement"] + ". Router CPU = process-group CPU "
         "time (user + system) per request, warm-up requests included in the count. Load "
         f"average (1 min) before / after: {data.get('load', 'not recorded')}; run took "
@@ -722,6 +779,41 @@ def paired_line(cases: list[dict[str, Any]], target: str) -> str | None:
         f"each case's rounds), {judged}: {_verdict(high >= 1)} (aim: not slower than the base "
         "beyond noise)"
     )
+
+
+def runs_ratio(
+    runs: list[list[dict[str, Any]]], target: str = "kvrelay-w1"
+) -> tuple[float, float, float, list[float]] | None:
+    """`target`'s pooled ratio to the base (`paired_ratio`) in each of several runs' cases,
+    and their geometric mean with its 95% interval over the runs (Student's t on the runs'
+    logs): (mean, low, high, each run's ratio). None with fewer than two runs that pooled.
+
+    A run's own interval covers what moves its rounds, not what moves a whole run: runs of the
+    same two proxies on this host came out 0.95x and 1.00x, each interval about 2% wide and
+    neither holding the other's figure. The run is the unit for a verdict."""
+    ratios = [pooled[0] for cases in runs if (pooled := paired_ratio(cases, target))]
+    if len(ratios) < 2:
+        return None
+    mean, low, high = _paired.mean_interval([math.log(r) for r in ratios])
+    return math.exp(mean), math.exp(low), math.exp(high), ratios
+
+
+def runs_lines(paths: list[Path], target: str = "kvrelay-w1") -> list[str]:
+    """`runs_ratio` over the runs whose JSON `paths` name, with its verdict: not slower than
+    the base unless the whole interval lies below 1."""
+    runs = [json.loads(path.read_text())["cases"] for path in paths]
+    judged = runs_ratio(runs, target)
+    if judged is None:
+        return [f"- fewer than two of the {len(paths)} runs paired {target} with the base"]
+    mean, low, high, ratios = judged
+    each = ", ".join(f"{c.relpath(path)} {r:.3f}x" for path, r in zip(paths, ratios, strict=False))
+    verdict = "slower beyond noise" if high < 1 else "faster beyond noise" if low > 1 else "level"
+    return [
+        f"- {target} req/s over kvrelay-w1-base's, each run pooled over its paired rounds: {each}",
+        f"- over the {len(ratios)} runs: {mean:.3f}x (95%: {low:.3f}x to {high:.3f}x, Student's "
+        f"t over the runs), {verdict}: {_verdict(high >= 1)} (aim: not slower than the base "
+        "beyond noise)",
+    ]
 
 
 def baseline_lines(data: dict[str, Any]) -> list[str]:
@@ -957,6 +1049,9 @@ def results_path(args: argparse.Namespace) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     """Measure (or reload with --render-only), write JSON, print and record the section."""
+    if getattr(args, "judge_runs", None):
+        print("\n".join(runs_lines(args.judge_runs)))
+        return 0
     tracing = getattr(args, "tracing", "off") != "off"
     json_path = results_path(args)
     if args.render_only:

@@ -177,3 +177,93 @@ def test_src_is_refused_where_a_target_would_be_this_checkouts_variant(extra: li
     # Outside the proxy-bound mode, or beside targets that vary this checkout's proxy.
     with pytest.raises(SystemExit):
         proxy_overhead.parse_args([*extra, "--src", "/tmp/tree"])
+
+
+class _FakeProcess:
+    """A stand-in router process: records that it was stopped."""
+
+    def __init__(self, stopped: list[str], name: str) -> None:
+        self.stopped, self.name = stopped, name
+
+    def stop(self) -> None:
+        self.stopped.append(self.name)
+
+
+def test_routers_start_afresh_each_round_in_a_rotated_order_keeping_their_work() -> None:
+    args = proxy_overhead.parse_args(
+        ["--proxy-bound", "--targets", "kvrelay-w1", "--baseline-src", "/tmp/base"]
+    )
+    bench = _proxybound.Bench(args)
+    started: list[str] = []
+    stopped: list[str] = []
+    work = {"kvrelay-w1": 3.0, _proxybound.BASE: 5.0}
+
+    def starter(name: str) -> Any:
+        def start() -> c.RunningRouter:
+            started.append(name)
+            process: Any = _FakeProcess(stopped, name)
+            return c.RunningRouter(name=name, url="http://x", process=process)
+
+        return start
+
+    def work_now() -> dict[str, dict[str, float]]:
+        return {name: {"reuse_total": work[name]} for name in bench.routers}
+
+    bench._starters = lambda: {t: starter(t) for t in (_proxybound.BASE, "kvrelay-w1")}  # type: ignore[method-assign]
+    bench._work_now = work_now  # type: ignore[method-assign]
+    bench.start_routers(bench.router_targets())
+    assert started == [_proxybound.BASE, "kvrelay-w1"]
+    bench.restart_routers(shift=1)
+    assert stopped == [_proxybound.BASE, "kvrelay-w1"]
+    assert started[2:] == ["kvrelay-w1", _proxybound.BASE]  # the other one starts first
+    bench.restart_routers(shift=2)
+    assert started[4:] == [_proxybound.BASE, "kvrelay-w1"]
+    # Every process's counters add up: two stopped and the one running now.
+    assert bench.work_done() == {
+        "kvrelay-w1": {"reuse_total": 9.0},
+        _proxybound.BASE: {"reuse_total": 15.0},
+    }
+
+
+def _run_of(ratio: float, wobble: float) -> list[dict[str, Any]]:
+    """One run's cases: the base at 100-110 req/s in three cases of three rounds, kvrelay-w1
+    at `ratio` of it in every round, each round moved by +-`wobble` in turn."""
+    base = {1: [100.0, 105.0, 110.0], 64: [104.0, 100.0, 108.0], 256: [110.0, 102.0, 100.0]}
+    moves = [1 + wobble, 1 - wobble, 1.0]
+    ours = {k: [r * ratio * m for r, m in zip(v, moves, strict=True)] for k, v in base.items()}
+    return cases_of(_proxybound.BASE, base) + cases_of("kvrelay-w1", ours)
+
+
+def test_runs_that_each_look_certain_but_disagree_are_judged_level_over_runs(
+    tmp_path: Path,
+) -> None:
+    # Each run alone pools to an interval that excludes the other run's figure.
+    slow, even = _run_of(0.95, 0.01), _run_of(1.0, 0.01)
+    for run in (slow, even):
+        _, low, high, _ = _proxybound.paired_ratio(run, "kvrelay-w1") or (0, 0, 0, 0)
+        assert high - low < 0.05
+    judged = _proxybound.runs_ratio([slow, even, slow, even])
+    assert judged is not None
+    mean, low, high, ratios = judged
+    assert [round(r, 3) for r in ratios] == [0.95, 1.0, 0.95, 1.0]
+    assert low < 1 < high  # over the runs: not told from level
+    assert mean == pytest.approx(math.sqrt(0.95), rel=1e-3)
+    paths = []
+    for i, run in enumerate((slow, even, slow, even)):
+        paths.append(tmp_path / f"run{i}.json")
+        c.write_json(paths[-1], {"cases": run})
+    text = "\n".join(_proxybound.runs_lines(paths))
+    assert "over the 4 runs: 0.975x" in text and "level: met" in text
+
+
+def test_runs_that_agree_on_a_cost_are_judged_slower_and_one_run_is_not_judged(
+    tmp_path: Path,
+) -> None:
+    judged = _proxybound.runs_ratio([_run_of(0.95, 0.01), _run_of(0.96, 0.02), _run_of(0.94, 0)])
+    assert judged is not None and judged[2] < 1  # the whole interval below 1
+    assert _proxybound.runs_ratio([_run_of(0.95, 0.01)]) is None
+    path = tmp_path / "one.json"
+    c.write_json(path, {"cases": _run_of(0.95, 0.01)})
+    assert "fewer than two of the 1 runs" in "\n".join(_proxybound.runs_lines([path]))
+    args = proxy_overhead.parse_args(["--proxy-bound", "--judge-runs", str(path), str(path)])
+    assert args.judge_runs == [path, path]
