@@ -74,7 +74,8 @@ WITHOUT = "kvrelay-w1-without"
 # its first case: from then on every turn's store evicts an entry and the proxy releases its
 # blocks on D, as a proxy running for hours does (with the default 100,000 entries only the
 # last of five rounds reached that, when one process served them all).
-W1_MAP_URL = "memory://?max_entries=1024"
+W1_MAP_ENTRIES = 1024
+W1_MAP_URL = f"memory://?max_entries={W1_MAP_ENTRIES}"
 COMPILED = "kvrelay-w1-compiled"
 BASE = "kvrelay-w1-base"
 BASE_W2 = "kvrelay-w2-base"
@@ -201,6 +202,9 @@ class Bench:
         self._compiled_tree: Path | None = None
         # Work counters of the router processes stopped between rounds (`restart_routers`).
         self._work_before: dict[str, dict[str, float]] = {}
+        # How each router target starts, made once the engines run (`_starters`): each tree's
+        # import check runs once, not at every round's restart.
+        self._starters: dict[str, Callable[[], c.RunningRouter]] = {}
 
     def targets(self) -> list[str]:
         """The targets measured: the chosen ones, and the traced kvrelay with --tracing both."""
@@ -272,19 +276,18 @@ class Bench:
             self.redis = RedisServer().start()
             assert self.redis.process is not None and self.redis.process.proc is not None
             c.pin_pid(self.redis.process.proc.pid, a.w2_cpus)
+        self._starters = self._make_starters()
         self.start_routers(self.router_targets())
 
     def router_targets(self) -> list[str]:
         """The targets that are routers this bench starts (not `direct`)."""
-        starters = self._starters()
-        return [t for t in self.targets() if t in starters]
+        return [t for t in self.targets() if t in self._starters]
 
     def start_routers(self, order: list[str]) -> None:
         """Start the routers of `order`, in that order (which one starts first can place it
         better in memory: the order is rotated when they start again, `restart_routers`)."""
-        starters = self._starters()
         for target in order:
-            self.routers[target] = starters[target]()
+            self.routers[target] = self._starters[target]()
 
     def restart_routers(self, shift: int) -> None:
         """Stop every router and start each again, the start order rotated by `shift`, their
@@ -300,7 +303,7 @@ class Bench:
         shift %= max(len(order), 1)
         self.start_routers(order[shift:] + order[:shift])
 
-    def _starters(self) -> dict[str, Callable[[], c.RunningRouter]]:
+    def _make_starters(self) -> dict[str, Callable[[], c.RunningRouter]]:
         """How each router target of this run starts."""
         a = self.args
         targets = self.targets()
@@ -658,7 +661,8 @@ def render(data: dict[str, Any], args: argparse.Namespace) -> str:
         f"D streams {args.max_tokens} SSE chunks without params); `/v1/completions`, a unique "
         f"{args.prompt_words}-word prompt and `X-Conversation-Id` per request (first turns: "
         "kvrelay holds, stores and, for streams, fetches D's params from its side channel; "
-        "kvrelay-w1's map holds 1024 entries, so each store evicts one and releases its "
+        f"kvrelay-w1's map holds {W1_MAP_ENTRIES} entries, so each store evicts one and "
+        "releases its "
         "blocks on D); "
         f"{args.requests} requests per case and round, {args.rounds} interleaved rounds "
         "(target order rotated per case; routers started afresh each round), medians over "

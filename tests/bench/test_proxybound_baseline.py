@@ -209,7 +209,7 @@ def test_routers_start_afresh_each_round_in_a_rotated_order_keeping_their_work()
     def work_now() -> dict[str, dict[str, float]]:
         return {name: {"reuse_total": work[name]} for name in bench.routers}
 
-    bench._starters = lambda: {t: starter(t) for t in (_proxybound.BASE, "kvrelay-w1")}  # type: ignore[method-assign]
+    bench._starters = {t: starter(t) for t in (_proxybound.BASE, "kvrelay-w1")}
     bench._work_now = work_now  # type: ignore[method-assign]
     bench.start_routers(bench.router_targets())
     assert started == [_proxybound.BASE, "kvrelay-w1"]
